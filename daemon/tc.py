@@ -1,0 +1,247 @@
+"""Small netlink helpers shared by the qdisc manager and the testbed.
+
+Everything that talks to the kernel's traffic control goes through pyroute2
+(never the `tc` binary) and every call site sits inside `translated()`, which
+turns `NetlinkError` into `TcError` naming the interface and the object.
+
+u32 keys are handled as *byte maps*: pyroute2 re-packs the keys it is given
+into byte-aligned words (``0x00b80000/0x00fc0000+0`` is sent as
+``b8000000/fc000000 at 1``), so comparing key lists literally would never
+match what the kernel reports. A byte map, the set of (offset, value byte,
+mask byte) for every masked byte, is the same whatever the packing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2.netlink.exceptions import NetlinkError
+
+from gradlane.errors import TcError
+
+__all__ = [
+    "ETH_P_ALL",
+    "ETH_P_IP",
+    "HtbClass",
+    "U32Filter",
+    "U32Key",
+    "dscp_key",
+    "fmt_handle",
+    "handle",
+    "htb_class_kwargs",
+    "ipv4_tcp_keys",
+    "parse_htb_class",
+    "parse_u32_filter",
+    "tos_class_key",
+    "translated",
+    "u32_bytemap",
+    "u32_key_strings",
+]
+
+ETH_P_IP = 0x0800
+ETH_P_ALL = 0x0003
+
+# Ethernet frame bytes around one full-sized IPv4 packet: what HTB charges.
+WIRE_MTU = 1514
+
+U32Key = tuple[int, int, int]
+"""One u32 match: (value, mask, offset), 32-bit value/mask at a byte offset
+from the start of the IP header."""
+
+
+def handle(major: int, minor: int) -> int:
+    """Return the 32-bit tc handle ``major:minor``."""
+    return ((major & 0xFFFF) << 16) | (minor & 0xFFFF)
+
+
+def fmt_handle(value: int) -> str:
+    """Format a tc handle as tc prints it, e.g. ``474c:101``."""
+    return f"{value >> 16:x}:{value & 0xFFFF:x}"
+
+
+@contextlib.contextmanager
+def translated(ifname: str, obj: str) -> Iterator[None]:
+    """Turn netlink errors raised inside the block into `TcError`."""
+    try:
+        yield
+    except NetlinkError as exc:
+        detail = ""
+        if len(exc.args) > 1 and isinstance(exc.args[1], str):
+            detail = exc.args[1]
+        raise TcError(exc.code, ifname, obj, detail) from exc
+
+
+def htb_class_kwargs(
+    rate_bps: int, ceil_bps: int, prio: int, quantum: int, mtu: int = WIRE_MTU
+) -> dict[str, Any]:
+    """Keyword arguments for ``ipr.tc("add-class", "htb", ...)``.
+
+    Rates go to pyroute2 as integers in *bytes* per second (its unit for
+    integers). Bursts are one millisecond of traffic, at least two frames, as
+    tc itself computes them; explicit so that kernel state is reproducible.
+    """
+    rate = max(1, rate_bps // 8)
+    ceil = max(rate, ceil_bps // 8)
+    return {
+        "rate": rate,
+        "ceil": ceil,
+        "prio": prio,
+        "quantum": quantum,
+        "burst": max(rate // 1000, 2 * mtu),
+        "cburst": max(ceil // 1000, 2 * mtu),
+    }
+
+
+@dataclass(frozen=True)
+class HtbClass:
+    """An HTB class as the kernel reports it (rates in bit/s)."""
+
+    classid: int
+    parent: int
+    rate_bps: int
+    ceil_bps: int
+    prio: int
+    quantum: int
+    bytes: int
+    packets: int
+    drops: int
+    backlog: int
+    qlen: int
+    overlimits: int
+
+
+def parse_htb_class(msg: Any) -> HtbClass:
+    """Decode one class message from ``ipr.get_classes()``."""
+    options = msg.get_attr("TCA_OPTIONS")
+    parms = options.get_attr("TCA_HTB_PARMS")
+    rate = options.get_attr("TCA_HTB_RATE64") or parms["rate"]
+    ceil = options.get_attr("TCA_HTB_CEIL64") or parms["ceil"]
+    basic = msg.get_nested("TCA_STATS2", "TCA_STATS_BASIC") or {}
+    queue = msg.get_nested("TCA_STATS2", "TCA_STATS_QUEUE") or {}
+    return HtbClass(
+        classid=msg["handle"],
+        parent=msg["parent"],
+        rate_bps=rate * 8,
+        ceil_bps=ceil * 8,
+        prio=parms["prio"],
+        quantum=parms["quantum"],
+        bytes=basic.get("bytes", 0),
+        packets=basic.get("packets", 0),
+        drops=queue.get("drops", 0),
+        backlog=queue.get("backlog", 0),
+        qlen=queue.get("qlen", 0),
+        overlimits=queue.get("overlimits", 0),
+    )
+
+
+def dscp_key(dscp: int) -> U32Key:
+    """Match the 6 DSCP bits of the IPv4 TOS byte (ECN bits ignored)."""
+    if not 0 <= dscp < 64:
+        raise ValueError(f"DSCP must be in 0..63, got {dscp}")
+    return ((dscp << 2) << 16, 0x00FC0000, 0)
+
+
+def tos_class_key(selector: int) -> U32Key:
+    """Match a DSCP class selector: the top 3 bits of the TOS byte."""
+    if not 0 <= selector < 8:
+        raise ValueError(f"class selector must be in 0..7, got {selector}")
+    return ((selector << 5) << 16, 0x00E00000, 0)
+
+
+def ipv4_tcp_keys(
+    src: str | None = None,
+    sport: int | None = None,
+    dst: str | None = None,
+    dport: int | None = None,
+) -> list[U32Key]:
+    """Keys matching IPv4 TCP packets with the given 5-tuple fields.
+
+    Fields left as None match anything. Ports are read at the fixed offset
+    20, so the keys also require a 20-byte IP header (IHL 5): a packet with IP
+    options does not match and falls through to the next filter.
+    """
+    keys: list[U32Key] = [(0x05000000, 0x0F000000, 0), (0x00060000, 0x00FF0000, 8)]
+    if src is not None:
+        keys.append((int(ipaddress.IPv4Address(src)), 0xFFFFFFFF, 12))
+    if dst is not None:
+        keys.append((int(ipaddress.IPv4Address(dst)), 0xFFFFFFFF, 16))
+    if sport is not None or dport is not None:
+        value = ((sport or 0) << 16) | (dport or 0)
+        mask = (0xFFFF0000 if sport is not None else 0) | (0xFFFF if dport is not None else 0)
+        keys.append((value, mask, 20))
+    return keys
+
+
+def u32_key_strings(keys: Iterable[U32Key]) -> list[str]:
+    """Keys in pyroute2's ``"0xVALUE/0xMASK+OFFSET"`` form."""
+    return [f"0x{value:08x}/0x{mask:08x}+{offset}" for value, mask, offset in keys]
+
+
+ByteMap = frozenset[tuple[int, int, int]]
+
+
+def u32_bytemap(keys: Iterable[U32Key]) -> ByteMap:
+    """The canonical form of a key list: (offset, value byte, mask byte)."""
+    out: dict[int, tuple[int, int]] = {}
+    for value, mask, offset in keys:
+        for i in range(4):
+            shift = 24 - 8 * i
+            mbyte = (mask >> shift) & 0xFF
+            if mbyte:
+                vbyte = (value >> shift) & mbyte
+                old_v, old_m = out.get(offset + i, (0, 0))
+                out[offset + i] = (old_v | vbyte, old_m | mbyte)
+    return frozenset((off, v, m) for off, (v, m) in out.items())
+
+
+@dataclass(frozen=True)
+class U32Filter:
+    """A terminal u32 filter as the kernel reports it."""
+
+    pref: int
+    classid: int
+    bytemap: ByteMap
+
+
+_SEL_HEADER = 16  # struct tc_u32_sel before its keys
+# struct tc_u32_key: mask and val in network order, off and offmask in host order
+_KEY_MASK_VAL = struct.Struct(">II")
+_KEY_OFF = struct.Struct("=i")
+_KEY_SIZE = 16
+
+
+def parse_u32_filter(msg: Any) -> U32Filter | None:
+    """Decode a u32 filter node from ``ipr.get_filters()``.
+
+    Returns None for the hash-table and root entries the kernel reports next
+    to each real filter. The keys are read from the raw attribute because
+    pyroute2 0.9 decodes them at the wrong offset.
+    """
+    if msg.get_attr("TCA_KIND") != "u32":
+        return None
+    options = msg.get_attr("TCA_OPTIONS")
+    if options is None:
+        return None
+    classid = options.get_attr("TCA_U32_CLASSID")
+    sel = options.get_attr("TCA_U32_SEL")
+    if classid is None or sel is None:
+        return None
+    start = sel.offset + 4 + _SEL_HEADER
+    keys = []
+    for i in range(sel["nkeys"]):
+        at = start + i * _KEY_SIZE
+        mask, val = _KEY_MASK_VAL.unpack_from(sel.data, at)
+        (off,) = _KEY_OFF.unpack_from(sel.data, at + _KEY_MASK_VAL.size)
+        keys.append((val, mask, off))
+    return U32Filter(pref=msg["info"] >> 16, classid=classid, bytemap=u32_bytemap(keys))
+
+
+def filter_info(pref: int, protocol: int = ETH_P_IP) -> int:
+    """The tcmsg ``info`` that names one filter priority (to delete just it)."""
+    return (pref << 16) | socket.htons(protocol)

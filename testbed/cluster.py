@@ -1,0 +1,251 @@
+"""An emulated cluster on one Linux machine, always cleaned up.
+
+Layout (all in namespaces; nothing is created in the root namespace)::
+
+    gl-<name>-h1 .. gl-<name>-hN       hosts: lo, eth0 10.200.0.i/24 (eth1 10.200.1.i/24)
+    gl-<name>-sw                        the fabric: per NIC plane k, bridges b<k>0 (and
+                                        b<k>1 for a second leaf), the ports p<k>h<i>
+                                        (veth peers of the hosts' eth<k>), IFBs i<k>h<i>
+                                        and the leaf uplink u<k>a <-> u<k>b
+
+See `gradlane.testbed.links` for how the link rates and the switch's DSCP
+priority queues are emulated.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gradlane.testbed import links
+from gradlane.testbed import netns as gl_netns
+from gradlane.testbed.topology import Topology
+from pyroute2 import IPRoute, netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from gradlane.errors import GradlaneError, TestbedError
+
+__all__ = ["Cluster", "ns_argv"]
+
+logger = logging.getLogger(__name__)
+
+PREFIX_LEN = 24
+
+
+def ns_argv(namespace: str, argv: Sequence[str]) -> list[str]:
+    """An argv that runs `argv` inside `namespace` (see `gradlane.testbed.nsexec`)."""
+    return [sys.executable, "-m", "gradlane.testbed.nsexec", namespace, "--", *argv]
+
+
+class Cluster:
+    """An emulated cluster; a context manager that builds it and always removes it.
+
+    ``with Cluster(Topology.build("demo", 4, "1gbit")) as c: c.run("h1", [...])``
+
+    Hosts are named ``"h1"``..``"hN"`` (or given as 1..N). Processes started
+    with `popen` are stopped when the cluster goes down, and so is anything
+    else still running in its namespaces.
+    """
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._is_up = False
+
+    def __enter__(self) -> Cluster:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- lifecycle -------------------------------------------------------
+
+    def up(self) -> None:
+        """Build the namespaces, links and queues.
+
+        Raises:
+            TestbedError: the cluster exists already, or building failed (what
+                was built is removed before this is raised).
+        """
+        taken = [n for n in self.topology.namespaces() if gl_netns.exists(n)]
+        if taken:
+            raise TestbedError(
+                f"cluster {self.topology.name!r} exists already ({', '.join(taken)}); "
+                f"remove it with: gradlane testbed down {self.topology.name}"
+            )
+        self._is_up = True
+        try:
+            self._build()
+        except BaseException as exc:
+            self.down()
+            if isinstance(exc, NetlinkError | OSError):
+                raise TestbedError(
+                    f"building cluster {self.topology.name!r} failed: {exc}"
+                ) from exc
+            if isinstance(exc, GradlaneError) and not isinstance(exc, TestbedError):
+                raise TestbedError(
+                    f"building cluster {self.topology.name!r} failed: {exc}"
+                ) from exc
+            raise
+        logger.info("cluster %s is up: %d hosts", self.topology.name, self.topology.hosts)
+
+    def down(self) -> None:
+        """Stop every process in the cluster and remove its namespaces. Idempotent."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        remove_cluster(self.topology.name)
+        self._is_up = False
+
+    # -- hosts -----------------------------------------------------------
+
+    def host_index(self, host: str | int) -> int:
+        """1-based index of a host given as ``"h3"`` or ``3``."""
+        index = int(host[1:]) if isinstance(host, str) and host.startswith("h") else host
+        if not isinstance(index, int) or not 1 <= index <= self.topology.hosts:
+            raise TestbedError(
+                f"no host {host!r} in cluster {self.topology.name!r} "
+                f"(hosts are h1..h{self.topology.hosts})"
+            )
+        return index
+
+    def ns(self, host: str | int) -> str:
+        """The namespace of `host`."""
+        return self.topology.host_ns(self.host_index(host))
+
+    def addr(self, host: str | int, nic: int = 0) -> str:
+        """The address of NIC `nic` of `host`."""
+        if not 0 <= nic < self.topology.nics:
+            raise TestbedError(f"host {host} has NICs 0..{self.topology.nics - 1}, not {nic}")
+        return self.topology.address(self.host_index(host), nic)
+
+    def popen(self, host: str | int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `argv` in `host`; it is stopped at the latest when the cluster goes down."""
+        proc = subprocess.Popen(ns_argv(self.ns(host), argv), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(
+        self,
+        host: str | int,
+        argv: Sequence[str],
+        *,
+        timeout: float = 60,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `argv` in `host` to completion (bounded by `timeout`), capturing text output.
+
+        Raises:
+            TestbedError: the command timed out, or failed while `check` is set.
+        """
+        proc = self.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise TestbedError(f"{list(argv)} in {host} did not finish in {timeout}s") from None
+        finally:
+            self._procs.remove(proc)
+        if check and proc.returncode != 0:
+            raise TestbedError(
+                f"{list(argv)} in {host} exited with {proc.returncode}: {err.strip()[-2000:]}"
+            )
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    # -- building --------------------------------------------------------
+
+    def _build(self) -> None:
+        topo = self.topology
+        for name in topo.namespaces():
+            netns.create(name)
+        with IPRoute(netns=topo.switch_ns, flags=0) as sw:
+            _set_up(sw, "lo")
+            for nic in range(topo.nics):
+                self._build_plane(sw, nic)
+        for host in range(1, topo.hosts + 1):
+            with IPRoute(netns=topo.host_ns(host), flags=0) as ipr:
+                _set_up(ipr, "lo")
+                for nic in range(topo.nics):
+                    index = _set_up(ipr, f"eth{nic}")
+                    ipr.addr(
+                        "add", index=index, address=topo.address(host, nic), prefixlen=PREFIX_LEN
+                    )
+
+    def _build_plane(self, sw: IPRoute, nic: int) -> None:
+        topo = self.topology
+        bridges = []
+        for leaf in range(topo.leaves):
+            name = f"b{nic}{leaf}"
+            sw.link("add", ifname=name, kind="bridge")
+            bridges.append(_set_up(sw, name))
+        if topo.leaves == 2:
+            assert topo.uplink_bps is not None
+            a, b = f"u{nic}a", f"u{nic}b"
+            sw.link("add", ifname=a, kind="veth", peer={"ifname": b})
+            for ifname, bridge in ((a, bridges[0]), (b, bridges[1])):
+                index = _index(sw, ifname)
+                sw.link("set", index=index, master=bridge)
+                links.shape_priority_port(sw, index, ifname, topo.uplink_bps, topo.queue_packets)
+                _set_up(sw, ifname)
+        for host in range(1, topo.hosts + 1):
+            rate = topo.rates[host - 1]
+            port, ifb = f"p{nic}h{host}", f"i{nic}h{host}"
+            sw.link(
+                "add",
+                ifname=port,
+                kind="veth",
+                peer={"ifname": f"eth{nic}", "net_ns_fd": topo.host_ns(host)},
+            )
+            index = _index(sw, port)
+            sw.link("set", index=index, master=bridges[topo.leaf_of(host)])
+            downlink = int(rate * links.PORT_HEADROOM)
+            links.shape_priority_port(sw, index, port, downlink, topo.queue_packets)
+            sw.link("add", ifname=ifb, kind="ifb")
+            ifb_index = _set_up(sw, ifb)
+            links.shape_fifo(sw, ifb_index, ifb, rate, topo.queue_packets)
+            links.redirect_ingress(sw, index, port, ifb_index)
+            _set_up(sw, port)
+
+
+def _index(ipr: IPRoute, ifname: str) -> int:
+    found = ipr.link_lookup(ifname=ifname)
+    if not found:
+        raise TestbedError(f"link {ifname} vanished while building the cluster")
+    return int(found[0])
+
+
+def _set_up(ipr: IPRoute, ifname: str) -> int:
+    index = _index(ipr, ifname)
+    ipr.link("set", index=index, state="up")
+    return index
+
+
+def cluster_names() -> list[str]:
+    """Names of the clusters whose namespaces exist now."""
+    names = set()
+    for ns in gl_netns.list_namespaces():
+        rest = ns[len("gl-") :]
+        if "-" in rest:
+            names.add(rest.rsplit("-", 1)[0])
+    return sorted(names)
+
+
+def remove_cluster(name: str) -> list[str]:
+    """Remove every namespace of cluster `name` (and what runs there); return them."""
+    removed = gl_netns.list_namespaces(f"gl-{name}-")
+    # Hosts first: their processes stop before the fabric disappears under them.
+    for ns in sorted(removed, key=lambda n: n.endswith("-sw")):
+        gl_netns.remove(ns)
+    return removed

@@ -1,0 +1,127 @@
+"""Network namespaces: enter, find the processes inside, remove, clean up stale ones."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from gradlane.testbed.topology import NS_PREFIX
+from pyroute2 import IPRoute, netns
+
+from gradlane.errors import TestbedError
+
+__all__ = ["clean", "enter", "exists", "kill_processes", "list_namespaces", "remove"]
+
+logger = logging.getLogger(__name__)
+
+NETNS_DIR = Path("/run/netns")
+CLONE_NEWNET = 0x40000000
+
+
+def list_namespaces(prefix: str = NS_PREFIX) -> list[str]:
+    """Named namespaces (as `ip netns` sees them) whose name starts with `prefix`."""
+    return sorted(n for n in netns.listnetns() if n.startswith(prefix))
+
+
+def exists(name: str) -> bool:
+    return (NETNS_DIR / name).exists()
+
+
+def enter(name: str) -> None:
+    """Move the calling thread (use only before exec) into namespace `name`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fd = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TestbedError(f"network namespace {name!r} does not exist") from None
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise TestbedError(f"cannot enter network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _pids_in(name: str) -> list[int]:
+    try:
+        target = os.stat(NETNS_DIR / name)
+    except FileNotFoundError:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry}/ns/net")
+        except OSError:
+            continue  # gone, or a kernel thread
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+            pids.append(int(entry))
+    return pids
+
+
+def kill_processes(name: str, grace: float = 2.0) -> int:
+    """SIGTERM every process in namespace `name`, SIGKILL what remains after `grace` s.
+
+    Returns the number of processes found.
+    """
+    pids = [p for p in _pids_in(name) if p != os.getpid()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if _alive(p)]
+            if pids:
+                time.sleep(0.05)
+        if not pids:
+            break
+    return len(pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours is gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def remove(name: str) -> None:
+    """Kill what runs in namespace `name`, then remove it (its links go with it)."""
+    if not exists(name):
+        return
+    kill_processes(name)
+    try:
+        netns.remove(name)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise TestbedError(f"cannot remove network namespace {name!r}: {exc}") from exc
+
+
+def clean(prefix: str = NS_PREFIX) -> list[str]:
+    """Remove every namespace and root-namespace link named ``gl-*``; return their names."""
+    removed = []
+    for name in list_namespaces(prefix):
+        remove(name)
+        removed.append(name)
+    with IPRoute() as ipr:
+        for link in ipr.get_links():
+            ifname = link.get_attr("IFLA_IFNAME") or ""
+            if ifname.startswith(prefix):
+                ipr.link("del", index=link["index"])
+                removed.append(f"link {ifname}")
+    if removed:
+        logger.info("removed %s", ", ".join(removed))
+    return removed
