@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyroute2 import IPRoute
+from pyroute2.netlink.rtnl import TC_H_ROOT
+
 from gradlane.daemon.tc import (
     ETH_P_IP,
     HtbClass,
@@ -56,9 +59,6 @@ from gradlane.daemon.tc import (
     u32_bytemap,
     u32_key_strings,
 )
-from pyroute2 import IPRoute
-from pyroute2.netlink.rtnl import TC_H_ROOT
-
 from gradlane.errors import ConfigError, ForeignQdiscError, TcError
 
 __all__ = [
@@ -84,6 +84,7 @@ DEFAULT_BAND_DSCP: tuple[int, ...] = (46, 34, 26, 18)
 FLOW_PREFS = range(0x100, 0x8000)  # one per registered flow, tried first
 DSCP_PREF_BASE = 0x8000  # + band: the DSCP fallbacks, tried after the flows
 RESTORABLE_KINDS = ("pfifo", "bfifo")
+NETNS_DIR = Path("/run/netns")
 
 
 @dataclass(frozen=True)
@@ -275,14 +276,14 @@ class QdiscManager:
     def open(self) -> None:
         if self._ipr is not None:
             return
+        if self.netns is not None and not (NETNS_DIR / self.netns).exists():
+            # Checked first: pyroute2 leaks a socket when IPRoute(netns=...) fails.
+            raise TcError(errno.ENOENT, self.ifname, f"netns {self.netns}")
         with translated(self.ifname, f"netlink socket in netns {self.netns or '(current)'}"):
-            try:
-                if self.netns is None:
-                    self._ipr = IPRoute(ext_ack=True)
-                else:
-                    self._ipr = IPRoute(netns=self.netns, flags=0, ext_ack=True)
-            except FileNotFoundError as exc:
-                raise TcError(errno.ENOENT, self.ifname, f"netns {self.netns}") from exc
+            if self.netns is None:
+                self._ipr = IPRoute(ext_ack=True)
+            else:
+                self._ipr = IPRoute(netns=self.netns, flags=0, ext_ack=True)
 
     def close(self) -> None:
         if self._ipr is not None:
@@ -496,7 +497,7 @@ class QdiscManager:
 
     def _del_class(self, index: int, classid: int) -> None:
         with translated(self.ifname, f"delete class {fmt_handle(classid)}"):
-            self.ipr.tc("del-class", "htb", index, classid)
+            self.ipr.tc("del-class", index=index, handle=classid)
 
     def _add_filter(
         self, index: int, pref: int, keys: list[tuple[int, int, int]], classid: int

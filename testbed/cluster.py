@@ -20,13 +20,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from gradlane.testbed import links
-from gradlane.testbed import netns as gl_netns
-from gradlane.testbed.topology import Topology
 from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from gradlane.errors import GradlaneError, TestbedError
+from gradlane.testbed import links
+from gradlane.testbed import netns as gl_netns
+from gradlane.testbed.topology import Topology
 
 __all__ = ["Cluster", "ns_argv"]
 

@@ -11,10 +11,10 @@ import signal
 import time
 from pathlib import Path
 
-from gradlane.testbed.topology import NS_PREFIX
 from pyroute2 import IPRoute, netns
 
 from gradlane.errors import TestbedError
+from gradlane.testbed.topology import NS_PREFIX
 
 __all__ = ["clean", "enter", "exists", "kill_processes", "list_namespaces", "remove"]
 

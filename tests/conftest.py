@@ -1,0 +1,58 @@
+"""Shared fixtures: root gating for namespace tests and the end-of-run leak check."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _can_use_namespaces() -> str | None:
+    """None if namespace tests can run here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, qdiscs)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs the {tool!r} command (iproute2) to check results independently"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _netns_gate(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("netns") is None:
+        return
+    reason = _can_use_namespaces()
+    if reason is None:
+        return
+    if IN_CI:
+        pytest.fail(f"CI=true but this namespace test cannot run: {reason}")
+    pytest.skip(reason)
+
+
+def gl_objects() -> set[str]:
+    """gl-* namespaces, and gl-* links in the root namespace."""
+    found: set[str] = set()
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return found
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found |= {line.split()[0] for line in names.splitlines() if line.startswith("gl-")}
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for line in links.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if name.startswith("gl-"):
+            found.add(f"link {name}")
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind() -> Iterator[None]:
+    """After the whole run, no gl- namespace or link may remain (beyond pre-existing ones)."""
+    before = gl_objects()
+    yield
+    left = gl_objects() - before
+    assert not left, f"the test run left these behind: {sorted(left)}"

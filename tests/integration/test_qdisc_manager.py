@@ -1,0 +1,212 @@
+"""The qdisc manager against a real kernel, in an emulated 2-host cluster at 200 Mbit/s."""
+
+from __future__ import annotations
+
+import errno
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gradlane.daemon import FlowMatch, JobSpec, QdiscManager, QdiscSpec
+from gradlane.errors import ForeignQdiscError, TcError
+from gradlane.testbed import Cluster, Topology
+from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
+from tests.integration.helpers import max_goodput, tc
+
+pytestmark = pytest.mark.netns
+M = 1_000_000
+LINK = 200 * M
+SHAPED = 190 * M  # gradlane shapes 5% under the line rate
+BAND0, BAND3 = 46, 18
+
+
+def job_spec(job_rate: int = 100 * M, flows: tuple[FlowMatch, ...] = ()) -> QdiscSpec:
+    return QdiscSpec(
+        rate_bps=SHAPED,
+        other_rate_bps=10 * M,
+        jobs=(JobSpec("train", job_rate, SHAPED, flows=flows), JobSpec("eval", 10 * M, SHAPED)),
+        dscp_job="train",
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(Topology.build("tqdisc", 2, LINK)) as c:
+        yield c
+
+
+@pytest.fixture
+def manager(cluster: Cluster, tmp_path: Path) -> Iterator[QdiscManager]:
+    with QdiscManager("eth0", netns=cluster.ns("h1"), state_file=tmp_path / "q.json") as qm:
+        try:
+            yield qm
+        finally:
+            qm.restore()
+
+
+def test_band0_preempts_band3_and_band3_alone_uses_the_link(
+    cluster: Cluster, manager: QdiscManager
+) -> None:
+    manager.apply(job_spec())
+    flows = [
+        Flow("h1", "h2", dscp=BAND3, seconds=5, label="band3"),
+        Flow("h1", "h2", dscp=BAND0, seconds=3.5, label="band0", delay=0.75),
+    ]
+    band3, band0 = window_goodputs(run_flows(cluster, flows))
+    assert band0 >= 0.9 * max_goodput(SHAPED), (band0, band3)
+    assert band0 / (band0 + band3) >= 0.9
+    (alone,) = window_goodputs(
+        run_flows(cluster, [Flow("h1", "h2", dscp=BAND3, seconds=3, label="alone")])
+    )
+    assert alone >= 0.9 * max_goodput(SHAPED), alone  # work-conserving
+
+
+def test_registered_5tuple_overrides_dscp(cluster: Cluster, manager: QdiscManager) -> None:
+    # An unmarked flow to port 5301 is registered as band 1 of "train".
+    spec = job_spec(flows=(FlowMatch(band=1, dst=cluster.addr("h2"), dport=5301),))
+    manager.apply(spec)
+    before = {s.classid: s.bytes for s in manager.class_stats()}
+    run_flows(cluster, [Flow("h1", "h2", dscp=0, nbytes=4_000_000, label="reg")], port=5301)
+    after = {s.classid: s.bytes for s in manager.class_stats()}
+    band1 = "474c:102"
+    assert after[band1] - before[band1] >= 4_000_000
+    assert after["474c:2"] - before["474c:2"] < 1_000_000  # not in "other traffic"
+
+
+def test_apply_is_idempotent_and_local(cluster: Cluster, manager: QdiscManager) -> None:
+    first = manager.apply(job_spec())
+    assert "install root qdisc" in first
+    assert manager.apply(job_spec()) == []
+    run_flows(cluster, [Flow("h1", "h2", dscp=BAND0, nbytes=2_000_000, label="t")])
+    counters = {s.classid: s.bytes for s in manager.class_stats()}
+    shown_before = tc(cluster.ns("h1"), "class", "show", "dev", "eth0")
+
+    assert manager.apply(job_spec(job_rate=60 * M)) == ["change class 474c:100"]
+
+    # The class kept its counters (changed in place, not re-created) ...
+    counters_after = {s.classid: s.bytes for s in manager.class_stats()}
+    assert counters_after.keys() == counters.keys()
+    assert all(counters_after[k] >= counters[k] for k in counters)
+    assert counters["474c:101"] >= 2_000_000
+    # ... and the kernel shows exactly that one class changed.
+    shown_after = tc(cluster.ns("h1"), "class", "show", "dev", "eth0")
+    diff = set(shown_after.splitlines()) ^ set(shown_before.splitlines())
+    assert len(diff) == 2 and all("474c:100 " in line for line in diff), diff
+    assert any("rate 60Mbit" in line for line in diff)
+
+
+def test_removing_a_job_removes_its_classes(cluster: Cluster, manager: QdiscManager) -> None:
+    manager.apply(job_spec())
+    only_train = QdiscSpec(
+        rate_bps=SHAPED,
+        other_rate_bps=10 * M,
+        jobs=(JobSpec("train", 100 * M, SHAPED),),
+        dscp_job="train",
+    )
+    changes = manager.apply(only_train)
+    assert sorted(changes) == sorted(f"delete class 474c:{m:x}" for m in range(0x200, 0x205))
+    assert "474c:200" not in tc(cluster.ns("h1"), "class", "show", "dev", "eth0")
+
+
+def test_restore_gives_back_the_exact_default_root(cluster: Cluster, tmp_path: Path) -> None:
+    ns = cluster.ns("h1")
+    before = tc(ns, "qdisc", "show", "dev", "eth0")
+    with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
+        qm.apply(job_spec())
+        assert "htb 474c: root" in tc(ns, "qdisc", "show", "dev", "eth0")
+        assert qm.restore() is True
+    assert tc(ns, "qdisc", "show", "dev", "eth0") == before
+    assert not (tmp_path / "q.json").exists()
+
+
+def test_restore_gives_back_an_operators_pfifo(cluster: Cluster, tmp_path: Path) -> None:
+    ns = cluster.ns("h1")
+    tc(ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "8123:", "pfifo", "limit", "321")
+    try:
+        before = tc(ns, "qdisc", "show", "dev", "eth0")
+        with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
+            qm.apply(job_spec())
+            qm.restore()
+        assert tc(ns, "qdisc", "show", "dev", "eth0") == before
+    finally:
+        tc(ns, "qdisc", "del", "dev", "eth0", "root")
+
+
+def test_foreign_root_is_left_alone(cluster: Cluster, tmp_path: Path) -> None:
+    ns = cluster.ns("h1")
+    tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "9:", "tbf",
+       "rate", "50mbit", "burst", "32kb", "latency", "50ms")  # fmt: skip
+    try:
+        before = tc(ns, "qdisc", "show", "dev", "eth0")
+        with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
+            with pytest.raises(ForeignQdiscError, match="root qdisc tbf 9:0 on eth0"):
+                qm.apply(job_spec())
+            assert not qm.owned()
+        assert tc(ns, "qdisc", "show", "dev", "eth0") == before
+    finally:
+        tc(ns, "qdisc", "del", "dev", "eth0", "root")
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from gradlane.daemon import JobSpec, QdiscManager, QdiscSpec
+    spec = QdiscSpec(rate_bps=190_000_000, other_rate_bps=10_000_000,
+                     jobs=(JobSpec("train", 100_000_000, 190_000_000),), dscp_job="train")
+    qm = QdiscManager("eth0", netns=sys.argv[1], state_file=Path(sys.argv[2]))
+    qm.apply(spec)
+    print("applied", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_takeover_after_sigkill_then_exact_restore(cluster: Cluster, tmp_path: Path) -> None:
+    ns = cluster.ns("h1")
+    state = tmp_path / "q.json"
+    tc(ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "8124:", "pfifo", "limit", "77")
+    try:
+        before = tc(ns, "qdisc", "show", "dev", "eth0")
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, ns, str(state)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "applied"
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=10)
+            holder.stdout.close()  # type: ignore[union-attr]
+        classes_left = tc(ns, "class", "show", "dev", "eth0")
+        with QdiscManager("eth0", netns=ns, state_file=state) as qm:
+            assert qm.owned()
+            same = QdiscSpec(
+                rate_bps=SHAPED,
+                other_rate_bps=10 * M,
+                jobs=(JobSpec("train", 100 * M, SHAPED),),
+                dscp_job="train",
+            )
+            assert qm.apply(same) == []  # taken over as it was: nothing duplicated
+            assert tc(ns, "class", "show", "dev", "eth0") == classes_left
+            assert qm.restore() is True
+        assert tc(ns, "qdisc", "show", "dev", "eth0") == before
+    finally:
+        tc(ns, "qdisc", "del", "dev", "eth0", "root")
+
+
+def test_kernel_errors_name_the_interface(cluster: Cluster, tmp_path: Path) -> None:
+    qm = QdiscManager("nosuch0", netns=cluster.ns("h1"), state_file=tmp_path / "q.json")
+    with qm, pytest.raises(TcError, match="nosuch0") as info:
+        qm.apply(job_spec())
+    assert info.value.errno == errno.ENODEV
+
+
+def test_missing_namespace_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(TcError, match="netns gl-nosuch-h1") as info:
+        QdiscManager("eth0", netns="gl-nosuch-h1", state_file=tmp_path / "q.json").open()
+    assert info.value.errno == errno.ENOENT

@@ -1,0 +1,162 @@
+"""The emulated cluster: reachability, link rates, switch priority, topologies, clean-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gradlane.testbed import Cluster, Topology
+from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
+from tests.integration.helpers import max_goodput
+
+pytestmark = pytest.mark.netns
+M = 1_000_000
+GRADLANE = [sys.executable, "-m", "gradlane.cli"]
+
+
+def namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line}
+
+
+def test_hosts_reach_each_other_and_nothing_else() -> None:
+    with Cluster(Topology.build("treach", 3, "200mbit")) as c:
+        (r,) = run_flows(c, [Flow("h1", "h3", nbytes=100_000, label="x")])
+        assert r.bytes == 100_000
+        routes = subprocess.run(
+            ["ip", "-n", c.ns("h1"), "-4", "route", "show"], capture_output=True, text=True
+        ).stdout
+        assert routes.split()[0] == "10.200.0.0/24" and "default" not in routes
+        assert len(routes.strip().splitlines()) == 1
+        # the switch lives in its own namespace, not the root one
+        root_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert "p0h1" not in root_links and "b00" not in root_links
+    assert not {n for n in namespaces() if n.startswith("gl-treach-")}
+
+
+def test_host_rate_is_enforced_both_ways_with_heterogeneous_hosts() -> None:
+    # h1 at 100 Mbit/s, h2 at 200: h1's link is the bottleneck in both directions.
+    with Cluster(Topology.build("trate", 2, "100mbit,200mbit")) as c:
+        (up,) = window_goodputs(run_flows(c, [Flow("h1", "h2", seconds=3, label="up")]))
+        (down,) = window_goodputs(run_flows(c, [Flow("h2", "h1", seconds=3, label="down")]))
+    assert 85 * M <= up <= 105 * M, up
+    assert 85 * M <= down <= 105 * M, down
+
+
+def test_switch_port_serves_dscp_high_first_under_incast() -> None:
+    # h1 (EF) and h3 (unmarked AF21-less: DSCP 8, CS1) send to h2 at once.
+    with Cluster(Topology.build("tincast", 3, "200mbit")) as c:
+        high, low = window_goodputs(
+            run_flows(
+                c,
+                [
+                    Flow("h3", "h2", dscp=8, seconds=5, label="low"),
+                    Flow("h1", "h2", dscp=46, seconds=4, label="high", delay=0.5),
+                ],
+            )
+        )[::-1]
+    assert high >= 0.85 * 200 * M, (high, low)
+    assert low < 0.1 * high
+
+
+def test_two_tier_cross_leaf_goodput_is_bounded_by_the_uplink() -> None:
+    topo = Topology.build("ttier", 4, "200mbit", leaves=2, uplink="100mbit")
+    with Cluster(topo) as c:
+        (same_leaf,) = window_goodputs(run_flows(c, [Flow("h1", "h2", seconds=3, label="s")]))
+        (cross,) = window_goodputs(run_flows(c, [Flow("h1", "h3", seconds=3, label="x")]))
+    assert same_leaf >= 0.9 * max_goodput(200 * M), same_leaf
+    assert 85 * M <= cross <= 105 * M, cross
+
+
+def test_second_nic_is_an_independent_path() -> None:
+    with Cluster(Topology.build("tnic", 2, "100mbit", nics=2)) as c:
+        nic0, nic1 = window_goodputs(
+            run_flows(
+                c,
+                [
+                    Flow("h1", "h2", seconds=3, label="nic0", nic=0),
+                    Flow("h1", "h2", seconds=3, label="nic1", nic=1),
+                ],
+            )
+        )
+    # each gets a whole 100 Mbit/s link: together more than one link could carry
+    assert nic0 >= 85 * M and nic1 >= 85 * M, (nic0, nic1)
+
+
+def test_cli_up_run_down() -> None:
+    subprocess.run([*GRADLANE, "testbed", "up", "tcli", "--hosts", "2"], check=True, timeout=30)
+    try:
+        listed = subprocess.run(
+            [*GRADLANE, "testbed", "list"], capture_output=True, text=True, check=True
+        ).stdout
+        assert "tcli" in listed.split()
+        out = subprocess.run(
+            [*GRADLANE, "testbed", "run", "tcli", "h2", "--", "ip", "-o", "-4", "addr", "show"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+        assert "10.200.0.2/24" in out and "10.200.0.1/" not in out
+    finally:
+        subprocess.run([*GRADLANE, "testbed", "down", "tcli"], check=True, timeout=30)
+    assert not {n for n in namespaces() if n.startswith("gl-tcli-")}
+
+
+def test_down_of_unknown_cluster_is_a_clear_error() -> None:
+    out = subprocess.run(
+        [*GRADLANE, "testbed", "down", "nosuch"], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode != 0 and "no cluster named 'nosuch'" in out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_a_run_cleans_up(sig: signal.Signals) -> None:
+    name = f"tsig{sig.value}"
+    proc = subprocess.Popen(
+        [*GRADLANE, "testbed", "smoke", "--name", name, "--seconds", "10"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not any(n.startswith(f"gl-{name}-") for n in namespaces()):
+            assert time.monotonic() < deadline and proc.poll() is None, "cluster never came up"
+            time.sleep(0.05)
+        time.sleep(1.5)  # let the traffic processes start
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert not {n for n in namespaces() if n.startswith(f"gl-{name}-")}
+    leftover = subprocess.run(
+        ["pgrep", "-f", "gradlane.testbed.traffic"], capture_output=True, text=True
+    ).stdout
+    assert leftover == "", "traffic processes survived the clean-up"
+
+
+def test_clean_removes_stale_namespaces_and_their_processes() -> None:
+    subprocess.run(["ip", "netns", "add", "gl-tstale-h1"], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", "gl-tstale-h1", "sleep", "60"])
+    try:
+        out = subprocess.run(
+            [*GRADLANE, "testbed", "clean"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        assert "gl-tstale-h1" in out
+        assert sleeper.wait(timeout=10) != 0  # killed
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+        if "gl-tstale-h1" in namespaces():
+            subprocess.run(["ip", "netns", "del", "gl-tstale-h1"])
+    assert "gl-tstale-h1" not in namespaces()
+    assert os.path.exists("/run/netns/gl-tstale-h1") is False

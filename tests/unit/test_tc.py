@@ -1,0 +1,70 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gradlane.daemon.tc import (
+    dscp_key,
+    fmt_handle,
+    handle,
+    htb_class_kwargs,
+    ipv4_tcp_keys,
+    tos_class_key,
+    u32_bytemap,
+)
+
+
+def test_handles() -> None:
+    assert handle(0x474C, 0x101) == 0x474C0101
+    assert fmt_handle(0x474C0101) == "474c:101"
+
+
+def test_dscp_key_matches_tos_byte_without_ecn() -> None:
+    # DSCP 46 (EF) is TOS 0xb8; the two ECN bits are masked out.
+    assert dscp_key(46) == (0x00B80000, 0x00FC0000, 0)
+    assert tos_class_key(5) == (0x00A00000, 0x00E00000, 0)
+
+
+def test_bytemap_is_independent_of_packing() -> None:
+    # pyroute2 sends "0x00b80000/0x00fc0000+0" as b8000000/fc000000 at offset 1.
+    assert u32_bytemap([dscp_key(46)]) == u32_bytemap([(0xB8000000, 0xFC000000, 1)])
+    assert u32_bytemap([dscp_key(46)]) == frozenset({(1, 0xB8, 0xFC)})
+
+
+def test_bytemap_distinguishes_different_matches() -> None:
+    assert u32_bytemap([dscp_key(46)]) != u32_bytemap([dscp_key(34)])
+    assert u32_bytemap(ipv4_tcp_keys(dport=5000)) != u32_bytemap(ipv4_tcp_keys(sport=5000))
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 60)),
+        max_size=6,
+    )
+)
+def test_bytemap_equals_bytewise_repacking(keys: list[tuple[int, int, int]]) -> None:
+    # Split every key into one-byte keys at their own offsets: same match.
+    bytewise = []
+    for value, mask, offset in keys:
+        for i in range(4):
+            shift = 24 - 8 * i
+            bytewise.append(
+                ((value >> shift & 0xFF) << 24, (mask >> shift & 0xFF) << 24, offset + i)
+            )
+    assert u32_bytemap(keys) == u32_bytemap(bytewise)
+
+
+def test_ipv4_tcp_keys_cover_the_5tuple() -> None:
+    keys = ipv4_tcp_keys(src="10.200.0.1", sport=40000, dst="10.200.0.2", dport=5201)
+    assert (0x0AC80001, 0xFFFFFFFF, 12) in keys
+    assert (0x0AC80002, 0xFFFFFFFF, 16) in keys
+    assert ((40000 << 16) | 5201, 0xFFFFFFFF, 20) in keys
+    assert (0x00060000, 0x00FF0000, 8) in keys  # TCP
+    assert (0x05000000, 0x0F000000, 0) in keys  # IHL 5: ports really at offset 20
+
+
+def test_htb_kwargs_are_bytes_per_second_with_explicit_bursts() -> None:
+    kw = htb_class_kwargs(200_000_000, 400_000_000, prio=3, quantum=3028)
+    assert kw["rate"] == 25_000_000 and kw["ceil"] == 50_000_000
+    assert kw["prio"] == 3 and kw["quantum"] == 3028
+    assert kw["burst"] == 25_000 and kw["cburst"] == 50_000
+    small = htb_class_kwargs(8_000, 8_000, 0, 1514)
+    assert small["burst"] == 2 * 1514  # never under two frames

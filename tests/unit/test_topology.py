@@ -1,0 +1,39 @@
+import pytest
+
+from gradlane.errors import ConfigError
+from gradlane.testbed.topology import Topology
+
+
+def test_build_one_rate_for_all_and_per_host_list() -> None:
+    assert Topology.build("c", 3, "1gbit").rates == (10**9,) * 3
+    topo = Topology.build("c", 3, "1gbit,1gbit,500mbit")
+    assert topo.rates == (10**9, 10**9, 5 * 10**8)
+
+
+def test_names_and_addresses() -> None:
+    topo = Topology.build("demo", 4, "1gbit", leaves=2, uplink="1gbit", nics=2)
+    assert topo.switch_ns == "gl-demo-sw"
+    assert topo.host_ns(3) == "gl-demo-h3"
+    assert [topo.leaf_of(h) for h in range(1, 5)] == [0, 0, 1, 1]
+    assert Topology.build("x", 5, "1gbit", leaves=2, uplink="1gbit").leaf_of(3) == 0
+    assert topo.address(3, 1) == "10.200.1.3"
+    assert topo.namespaces()[0] == "gl-demo-sw" and len(topo.namespaces()) == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "Bad-Name"}, "cluster name"),
+        ({"hosts": 1, "rate": "1gbit"}, "2..64 hosts"),
+        ({"rate": "1gbit,2gbit"}, "2 rates for 3 hosts"),
+        ({"leaves": 2}, "uplink"),
+        ({"uplink": "1gbit"}, "only applies with two leaves"),
+        ({"nics": 3}, "nics"),
+        ({"rate": "fast"}, "bad rate"),
+        ({"queue_packets": 1}, "queue_packets"),
+    ],
+)
+def test_bad_topologies_are_refused(kwargs: dict, message: str) -> None:
+    args = {"name": "c", "hosts": 3, "rate": "1gbit"} | kwargs
+    with pytest.raises(ConfigError, match=message):
+        Topology.build(**args)

@@ -1,0 +1,39 @@
+import pytest
+
+from gradlane.errors import TestbedError
+from gradlane.testbed.traffic import Flow, FlowResult, window_goodputs
+
+
+def result(label: str, start: float, seconds: float, bps: float) -> FlowResult:
+    # a flow sampled every 0.1 s at a constant rate
+    steps = round(seconds / 0.1)
+    samples = tuple((start + i * 0.1, round(bps / 8 * i * 0.1)) for i in range(steps + 1))
+    return FlowResult(label, 0, samples[-1][1], start, start + seconds, samples)
+
+
+def test_goodput_whole_and_between() -> None:
+    r = result("a", 10.0, 4.0, 80e6)
+    assert r.goodput_bps == pytest.approx(80e6)
+    assert r.goodput_between(11.0, 13.05) == pytest.approx(80e6)
+    assert r.bytes_at(9.0) == 0 and r.bytes_at(99.0) == r.bytes
+
+
+def test_window_is_the_overlap_of_all_flows() -> None:
+    early = result("early", 0.0, 6.0, 100e6)
+    late = result("late", 2.0, 3.0, 50e6)
+    rates = window_goodputs([early, late], skip=0.5)
+    assert rates == [pytest.approx(100e6), pytest.approx(50e6)]
+
+
+def test_window_too_short_is_an_error() -> None:
+    with pytest.raises(TestbedError, match="overlapped"):
+        window_goodputs([result("a", 0, 1.0, 1e6), result("b", 0.8, 1.0, 1e6)])
+
+
+def test_flow_needs_exactly_one_size() -> None:
+    with pytest.raises(TestbedError, match="exactly one"):
+        Flow("h1", "h2")
+    with pytest.raises(TestbedError, match="exactly one"):
+        Flow("h1", "h2", seconds=1, nbytes=10)
+    with pytest.raises(TestbedError, match="DSCP"):
+        Flow("h1", "h2", seconds=1, dscp=64)

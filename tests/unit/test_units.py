@@ -1,0 +1,33 @@
+import pytest
+
+from gradlane.errors import ConfigError
+from gradlane.units import format_rate, parse_rate
+
+
+@pytest.mark.parametrize(
+    ("text", "bps"),
+    [
+        ("1gbit", 1_000_000_000),
+        ("200mbit", 200_000_000),
+        ("200Mbit", 200_000_000),
+        ("1.5gbit", 1_500_000_000),
+        ("64kbit", 64_000),
+        ("1000", 1000),
+        ("10mbps", 80_000_000),  # tc: bps = bytes per second
+        (2_000_000, 2_000_000),
+    ],
+)
+def test_parse_rate(text: str | int, bps: int) -> None:
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("bad", ["", "fast", "10 furlongs", "-5mbit", "0", 0, -1, True, "1e9bit"])
+def test_parse_rate_rejects_bad_input_with_a_clear_message(bad: object) -> None:
+    with pytest.raises(ConfigError, match="rate"):
+        parse_rate(bad)  # type: ignore[arg-type]
+
+
+def test_format_rate() -> None:
+    assert format_rate(192_500_000) == "192.5Mbit"
+    assert format_rate(1e9) == "1Gbit"
+    assert format_rate(500) == "500bit"
