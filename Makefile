@@ -1,0 +1,60 @@
+# The README's two commands:  `make demo` (run the main job) and `make test`.
+# Both set up everything they need in ./.venv first, once (re-done when
+# pyproject.toml or this file changes). Run them as root: the emulated
+# cluster is made of network namespaces and qdiscs.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch is installed before gradlane's own requirements, so
+# that the shim extra's torch range is already satisfied and pip never pulls a
+# multi-GB CUDA build. On a machine that has no CPU wheel at hand, point pip
+# at PyTorch's CPU wheel index with TORCH_PIP_ARGS='--index-url <url>'.
+TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+STAMP := $(VENV)/.gradlane-installed
+
+.PHONY: help setup demo test lint sysdeps clean-testbed
+
+help:
+	@echo "make demo           run the main job (needs root)"
+	@echo "make test           lint and run the whole test suite (needs root for namespace tests)"
+	@echo "make setup          only create .venv and install gradlane with its extras"
+	@echo "make clean-testbed  remove emulated clusters left by a crashed run"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile | sysdeps
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "gradlane needs Python >= 3.11, found " + sys.version.split()[0]'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) '$(TORCH)'
+	$(BIN)/python -m pip install --quiet -e '.[shim,dev]'
+	touch $@
+
+# iproute2 gives tests an independent look at the kernel (`ip`, `tc`);
+# procps gives `pgrep`. Installed with apt when missing and possible.
+sysdeps:
+	@missing=""; for tool in ip tc pgrep; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing iproute2 procps (missing:$$missing)"; \
+	    apt-get update -qq && apt-get install -y -qq iproute2 procps >/dev/null; \
+	  else \
+	    echo "missing commands:$$missing; install iproute2 and procps"; exit 1; \
+	  fi; \
+	fi
+
+demo: $(STAMP)
+	$(BIN)/gradlane testbed smoke
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean-testbed: $(STAMP)
+	$(BIN)/gradlane testbed clean
