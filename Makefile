@@ -50,11 +50,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	PYTHON=$(BIN)/python scripts/typecheck
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	PYTHON=$(BIN)/python scripts/typecheck
 
 clean-testbed: $(STAMP)
 	$(BIN)/gradlane testbed clean
