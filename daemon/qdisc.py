@@ -46,6 +46,7 @@ from pyroute2.netlink.rtnl import TC_H_ROOT
 from gradlane.daemon.tc import (
     ETH_P_IP,
     HtbClass,
+    HtbParams,
     U32Filter,
     dscp_key,
     filter_info,
@@ -215,16 +216,6 @@ class _Original:
         return self.handle == 0
 
 
-@dataclass(frozen=True)
-class _Want:
-    classid: int
-    parent: int
-    rate_bps: int
-    ceil_bps: int
-    prio: int
-    quantum: int
-
-
 @dataclass
 class _Persisted:
     original: _Original | None = None
@@ -319,7 +310,7 @@ class QdiscManager:
         want_classes = _wanted_classes(spec, slots)
         want_filters = _wanted_filters(spec, slots)
 
-        have_classes = {c.classid: c for c in self._classes(index)}
+        have_classes = {c.params.classid: c for c in self._classes(index)}
         have_filters = self._filters(index)
 
         keep, add_filters = _diff_filters(want_filters, have_filters)
@@ -332,11 +323,11 @@ class QdiscManager:
             if have is None:
                 self._set_class("add-class", index, want)
                 changes.append(f"add class {fmt_handle(want.classid)}")
-            elif have.parent != want.parent:
+            elif have.params.parent != want.parent:
                 self._del_class(index, want.classid)
                 self._set_class("add-class", index, want)
                 changes.append(f"re-add class {fmt_handle(want.classid)}")
-            elif not _same_class(have, want):
+            elif have.params != want.as_kernel_stores():
                 self._set_class("change-class", index, want)
                 changes.append(f"change class {fmt_handle(want.classid)}")
 
@@ -397,20 +388,20 @@ class QdiscManager:
         names = {slot: name for name, slot in self._state.slots.items()}
         out = []
         for cls in self._classes(index):
-            previous = self._last_bytes.get(cls.classid)
-            self._last_bytes[cls.classid] = (now, cls.bytes)
+            previous = self._last_bytes.get(cls.params.classid)
+            self._last_bytes[cls.params.classid] = (now, cls.bytes)
             throughput = None
             if previous is not None and now > previous[0]:
                 throughput = (cls.bytes - previous[1]) * 8 / (now - previous[0])
-            role, job, band = _describe(cls.classid, names)
+            role, job, band = _describe(cls.params.classid, names)
             out.append(
                 ClassStats(
-                    classid=fmt_handle(cls.classid),
+                    classid=fmt_handle(cls.params.classid),
                     role=role,
                     job=job,
                     band=band,
-                    rate_bps=cls.rate_bps,
-                    ceil_bps=cls.ceil_bps,
+                    rate_bps=cls.params.rate_bps,
+                    ceil_bps=cls.params.ceil_bps,
                     bytes=cls.bytes,
                     packets=cls.packets,
                     drops=cls.drops,
@@ -490,7 +481,7 @@ class QdiscManager:
             "own this interface",
         )
 
-    def _set_class(self, command: str, index: int, want: _Want) -> None:
+    def _set_class(self, command: str, index: int, want: HtbParams) -> None:
         kwargs = htb_class_kwargs(want.rate_bps, want.ceil_bps, want.prio, want.quantum)
         with translated(self.ifname, f"{command} {fmt_handle(want.classid)}"):
             self.ipr.tc(command, "htb", index, want.classid, parent=want.parent, **kwargs)
@@ -564,11 +555,11 @@ def _leaf_rate(ceil_bps: int) -> int:
     return max(ceil_bps // 1000, 8_000)
 
 
-def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, _Want]:
+def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, HtbParams]:
     """Desired classes in creation order (every parent before its children)."""
     want = [
-        _Want(ROOT_CLASS, TC_H_ROOT, spec.rate_bps, spec.rate_bps, 0, spec.quantum),
-        _Want(
+        HtbParams(ROOT_CLASS, TC_H_ROOT, spec.rate_bps, spec.rate_bps, 0, spec.quantum),
+        HtbParams(
             OTHER_CLASS,
             ROOT_CLASS,
             spec.other_rate_bps,
@@ -579,10 +570,12 @@ def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, _Want]:
     ]
     for job in spec.jobs:
         job_id = handle(MARKER, slots[job.name] << 8)
-        want.append(_Want(job_id, ROOT_CLASS, job.rate_bps, job.ceil_bps, job.prio, spec.quantum))
+        want.append(
+            HtbParams(job_id, ROOT_CLASS, job.rate_bps, job.ceil_bps, job.prio, spec.quantum)
+        )
         for band in range(len(spec.bands)):
             want.append(
-                _Want(
+                HtbParams(
                     job_id + band + 1,
                     job_id,
                     _leaf_rate(job.ceil_bps),
@@ -596,11 +589,11 @@ def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, _Want]:
 
 # A wanted filter: (kind, keys, classid); kind is the band for a DSCP
 # fallback (its pref is fixed) or -1 for a registered flow (pref allocated).
-_WantFilter = tuple[int, list[tuple[int, int, int]], int]
+HtbParamsFilter = tuple[int, list[tuple[int, int, int]], int]
 
 
-def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[_WantFilter]:
-    out: list[_WantFilter] = []
+def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[HtbParamsFilter]:
+    out: list[HtbParamsFilter] = []
     for job in spec.jobs:
         base = handle(MARKER, slots[job.name] << 8)
         for flow in job.flows:
@@ -613,15 +606,15 @@ def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[_WantFilter]
 
 
 def _diff_filters(
-    want: list[_WantFilter], have: list[U32Filter]
-) -> tuple[set[int], list[_WantFilter]]:
+    want: list[HtbParamsFilter], have: list[U32Filter]
+) -> tuple[set[int], list[HtbParamsFilter]]:
     """Return (prefs to keep, wanted filters to add)."""
     by_pref: dict[int, list[U32Filter]] = {}
     for f in have:
         by_pref.setdefault(f.pref, []).append(f)
     keep: set[int] = set()
-    add: list[_WantFilter] = []
-    wanted_flows: dict[tuple[frozenset[tuple[int, int, int]], int], _WantFilter] = {}
+    add: list[HtbParamsFilter] = []
+    wanted_flows: dict[tuple[frozenset[tuple[int, int, int]], int], HtbParamsFilter] = {}
     for item in want:
         kind, keys, classid = item
         if kind >= 0:
@@ -643,16 +636,6 @@ def _diff_filters(
                 del wanted_flows[key]
     add.extend(wanted_flows.values())
     return keep, add
-
-
-def _same_class(have: HtbClass, want: _Want) -> bool:
-    kwargs = htb_class_kwargs(want.rate_bps, want.ceil_bps, want.prio, want.quantum)
-    return (
-        have.rate_bps == kwargs["rate"] * 8
-        and have.ceil_bps == kwargs["ceil"] * 8
-        and have.prio == want.prio
-        and have.quantum == want.quantum
-    )
 
 
 def _describe(classid: int, names: dict[int, str]) -> tuple[str, str | None, int | None]:

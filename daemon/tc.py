@@ -18,7 +18,7 @@ import ipaddress
 import socket
 import struct
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
@@ -29,6 +29,7 @@ __all__ = [
     "ETH_P_ALL",
     "ETH_P_IP",
     "HtbClass",
+    "HtbParams",
     "U32Filter",
     "U32Key",
     "dscp_key",
@@ -99,8 +100,8 @@ def htb_class_kwargs(
 
 
 @dataclass(frozen=True)
-class HtbClass:
-    """An HTB class as the kernel reports it (rates in bit/s)."""
+class HtbParams:
+    """What defines an HTB class (rates in bit/s)."""
 
     classid: int
     parent: int
@@ -108,6 +109,18 @@ class HtbClass:
     ceil_bps: int
     prio: int
     quantum: int
+
+    def as_kernel_stores(self) -> HtbParams:
+        """The same class with rates as the kernel keeps them (whole bytes/s, ceil >= rate)."""
+        kwargs = htb_class_kwargs(self.rate_bps, self.ceil_bps, self.prio, self.quantum)
+        return replace(self, rate_bps=kwargs["rate"] * 8, ceil_bps=kwargs["ceil"] * 8)
+
+
+@dataclass(frozen=True)
+class HtbClass:
+    """An HTB class as the kernel reports it: its parameters and counters."""
+
+    params: HtbParams
     bytes: int
     packets: int
     drops: int
@@ -125,12 +138,14 @@ def parse_htb_class(msg: Any) -> HtbClass:
     basic = msg.get_nested("TCA_STATS2", "TCA_STATS_BASIC") or {}
     queue = msg.get_nested("TCA_STATS2", "TCA_STATS_QUEUE") or {}
     return HtbClass(
-        classid=msg["handle"],
-        parent=msg["parent"],
-        rate_bps=rate * 8,
-        ceil_bps=ceil * 8,
-        prio=parms["prio"],
-        quantum=parms["quantum"],
+        params=HtbParams(
+            classid=msg["handle"],
+            parent=msg["parent"],
+            rate_bps=rate * 8,
+            ceil_bps=ceil * 8,
+            prio=parms["prio"],
+            quantum=parms["quantum"],
+        ),
         bytes=basic.get("bytes", 0),
         packets=basic.get("packets", 0),
         drops=queue.get("drops", 0),
