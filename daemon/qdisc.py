@@ -34,6 +34,7 @@ import errno
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -387,7 +388,7 @@ class QdiscManager:
         now = self._clock()
         names = {slot: name for name, slot in self._state.slots.items()}
         out = []
-        for cls in self._classes(index):
+        for cls in sorted(self._classes(index), key=lambda c: c.params.classid):
             previous = self._last_bytes.get(cls.params.classid)
             self._last_bytes[cls.params.classid] = (now, cls.bytes)
             throughput = None
@@ -411,6 +412,13 @@ class QdiscManager:
                 )
             )
         return out
+
+    def addresses(self) -> set[str]:
+        """The interface's IPv4 addresses (flows from these leave through it)."""
+        index = self._index()
+        with translated(self.ifname, "dump addresses"):
+            msgs = self.ipr.get_addr(index=index, family=socket.AF_INET)
+        return {m.get_attr("IFA_ADDRESS") for m in msgs}
 
     def leaf_classid(self, job: str, band: int) -> int:
         """The classid of `job`'s leaf for `band` (after `apply` placed the job)."""

@@ -6,7 +6,9 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 from rich.console import Console
@@ -188,6 +190,196 @@ def smoke(rate: str, seconds: float, name: str) -> None:
             label, format_rate(hi) + "/s", format_rate(lo) + "/s", f"{hi / (hi + lo):.1%}"
         )
     Console().print(table)
+
+
+DEFAULT_CONFIG = Path("/etc/gradlane/gradlaned.toml")
+
+
+def _daemon_options(fn: Any) -> Any:
+    options = [
+        click.option(
+            "--config",
+            "config_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help=f"TOML config file [default: {DEFAULT_CONFIG} if it exists].",
+        ),
+        click.option(
+            "--interface",
+            "-i",
+            multiple=True,
+            help="Interface to manage, IF or IF=RATE (e.g. eth0=25gbit); repeatable. "
+            "Replaces the file's [[interface]] list.",
+        ),
+        click.option("--socket", "socket_path", default=None, help="Unix socket for shims."),
+        click.option("--http", default=None, help="host:port for /status and /metrics; '' = off."),
+        click.option("--state-dir", default=None, help="Where original qdiscs are recorded."),
+        click.option("--policy", default=None, help="Local policy name or module:Class."),
+        click.option(
+            "--on-start",
+            type=click.Choice(["takeover", "restore"]),
+            default=None,
+            help="What to do with a tree a crashed run left behind.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load_daemon_config(
+    config_path: Path | None,
+    interface: tuple[str, ...],
+    socket_path: str | None,
+    http: str | None,
+    state_dir: str | None,
+    policy: str | None,
+    on_start: str | None,
+) -> tuple[Path | None, dict[str, Any]]:
+    if config_path is None and DEFAULT_CONFIG.exists():
+        config_path = DEFAULT_CONFIG
+    overrides: dict[str, Any] = {}
+    if interface:
+        overrides["interface"] = list(interface)
+    for key, value in (
+        ("daemon.socket", socket_path),
+        ("daemon.http", http),
+        ("daemon.state_dir", state_dir),
+        ("daemon.policy", policy),
+        ("daemon.on_start", on_start),
+    ):
+        if value is not None:
+            overrides[key] = value
+    return config_path, overrides
+
+
+def run_daemon(config_path: Path | None, overrides: dict[str, Any]) -> None:
+    """Run gradlaned in the foreground until SIGTERM/SIGINT; SIGHUP reloads the config."""
+    import asyncio
+
+    from gradlane.daemon.config import load_config
+    from gradlane.daemon.service import Daemon
+
+    config = load_config(config_path, overrides)
+
+    async def serve() -> None:
+        daemon = Daemon(config)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, daemon.stop)
+        loop.add_signal_handler(signal.SIGINT, daemon.stop)
+
+        def reload() -> None:
+            try:
+                new = load_config(config_path, overrides)
+            except GradlaneError as exc:
+                logging.getLogger("gradlane.daemon").error("reload refused: %s", exc)
+                return
+            loop.create_task(daemon.reload(new))
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
+        await daemon.serve(notify_socket=os.environ.get("NOTIFY_SOCKET"))
+
+    asyncio.run(serve())
+
+
+@cli.command()
+@_daemon_options
+def daemon(**kwargs: Any) -> None:
+    """Run gradlaned, the per-host daemon, in the foreground (as `gradlaned` does)."""
+    run_daemon(*_load_daemon_config(**kwargs))
+
+
+@cli.command()
+@click.option(
+    "--url", default="http://127.0.0.1:9464", show_default=True, help="The daemon's HTTP address."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON (for scripts).")
+def status(url: str, as_json: bool) -> None:
+    """Show a running gradlaned's jobs, workers and classes."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=5) as resp:
+            data = json.load(resp)
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"no gradlaned answers at {url}: {exc}") from None
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        return
+    out = Console()
+    plan = data["plan"]
+    out.print(
+        f"gradlaned {data['version']}, up {data['uptime_s']:.0f}s, policy {data['policy']}, "
+        f"plan from {plan['source']} ({plan['age_s']}s old), "
+        f"{data['reconcile']['count']} reconciles, {data['reconcile']['errors']} errors, "
+        f"{data['clients']} clients, API errors {data['api_errors'] or 'none'}"
+    )
+    jobs = Table(title="jobs")
+    for column in ("job", "rank", "pid", "flows", "iteration", "chunk events", "bytes by band"):
+        jobs.add_column(column)
+    for job in data["jobs"]:
+        for w in job["workers"]:
+            jobs.add_row(
+                job["name"],
+                str(w["rank"]),
+                str(w["pid"]),
+                str(w["flows"]),
+                str(w["iteration"]),
+                str(w["chunk_events"]),
+                str(w["chunk_bytes"]),
+            )
+    out.print(jobs)
+    for iface in data["interfaces"]:
+        classes = Table(title=f"{iface['name']}: shaped to {format_rate(iface['shaped_bps'])}")
+        for column in (
+            "class",
+            "role",
+            "job",
+            "band",
+            "rate",
+            "ceil",
+            "bytes",
+            "drops",
+            "backlog",
+            "throughput",
+        ):
+            classes.add_column(column)
+        for c in iface["classes"]:
+            tput = c["throughput_bps"]
+            classes.add_row(
+                c["classid"],
+                c["role"],
+                c["job"] or "",
+                "" if c["band"] is None else str(c["band"]),
+                format_rate(c["rate_bps"]),
+                format_rate(c["ceil_bps"]),
+                str(c["bytes"]),
+                str(c["drops"]),
+                str(c["backlog"]),
+                "" if tput is None else format_rate(tput) + "/s",
+            )
+        out.print(classes)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gradlaned")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@_daemon_options
+def gradlaned(verbose: int, **kwargs: Any) -> None:
+    """gradlaned: the gradlane per-host daemon (foreground; run it under systemd)."""
+    level = [logging.INFO, logging.DEBUG][min(verbose, 1)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    run_daemon(*_load_daemon_config(**kwargs))
+
+
+def daemon_main() -> None:
+    try:
+        gradlaned(standalone_mode=True)
+    except GradlaneError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        sys.exit(1)
 
 
 def main() -> None:

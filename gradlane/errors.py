@@ -7,6 +7,10 @@ chained (``raise TcError(...) from exc``) so the original stays visible.
     GradlaneError
     ├── ConfigError          bad input: a rate string, a topology, a desired
     │                        qdisc state. Fix the input; nothing was changed.
+    ├── ProtocolError        a peer sent a frame or message that breaks the
+    │                        shim <-> daemon protocol. Carries a short `code`;
+    │                        the daemon answers with it and closes that one
+    │                        connection.
     ├── TcError              the kernel refused a traffic-control or link
     │   │                    operation. Carries errno, interface and object.
     │   └── ForeignQdiscError  the interface has a root qdisc that gradlane did
@@ -23,6 +27,7 @@ import os
 
 __all__ = [
     "ConfigError",
+    "ProtocolError",
     "ForeignQdiscError",
     "GradlaneError",
     "TcError",
@@ -39,6 +44,23 @@ class ConfigError(GradlaneError, ValueError):
 
     Nothing was changed on the system. Correct the value and try again.
     """
+
+
+class ProtocolError(GradlaneError):
+    """Raised when a frame or message breaks the shim <-> daemon protocol.
+
+    Attributes:
+        code: a short machine-readable kind ("bad_frame", "bad_message",
+            "version", "order", "too_big", "limit"), used in error replies and
+            the daemon's error metrics.
+
+    The peer is at fault: fix the sender. The daemon closes only that
+    connection; a shim reconnects with a fresh hello.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)
 
 
 class TcError(GradlaneError):

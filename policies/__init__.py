@@ -1,6 +1,23 @@
-"""Pure scheduling policies, `plan(state) -> Plan`.
+"""Pure scheduling policies: ``plan(state) -> Plan``, registered by name."""
 
-Not built yet: see the policies issue. Nothing is exported so far.
-"""
+from gradlane.policies import fair
+from gradlane.policies.base import (
+    JobClassPlan,
+    JobState,
+    Plan,
+    Policy,
+    State,
+    get_policy,
+    register,
+)
 
-__all__: list[str] = []
+__all__ = [
+    "JobClassPlan",
+    "JobState",
+    "Plan",
+    "Policy",
+    "State",
+    "fair",
+    "get_policy",
+    "register",
+]

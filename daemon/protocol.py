@@ -1,0 +1,318 @@
+"""The shim <-> gradlaned protocol, for both sides.
+
+Transport: a Unix stream socket (default ``/run/gradlane/gradlaned.sock``).
+Framing: a 4-byte big-endian length, then that many bytes of msgpack holding
+one map with string keys and a ``"type"``. Frames over `MAX_FRAME` bytes are
+refused before they are buffered.
+
+Conversation (client = a training process's shim)::
+
+    client                                   daemon
+    hello {version, job, rank, world_size,   -> welcome {version, worker, bands}
+           flows}
+    flows {flows}          (replace the band connections, e.g. after a reconnect)
+    chunks {iteration, events}               (batched, no reply)
+    timing {iteration, compute_s, comm_s, samples}
+                                             <- plan {version, bands, batch_share, ...}
+    bye                                      -> connection closed
+
+A flow is one band connection: ``{"band", "src", "sport", "dst", "dport"}``
+(IPv4, TCP). A chunk event is ``[layer, nbytes, band, t]`` with t the
+sender's clock in seconds. `hello` must come first and only once. Anything
+else (bad framing, a wrong type, an out-of-order message) gets one
+``error {code, message}`` and the connection is closed.
+
+The `pid` of a worker is taken from SO_PEERCRED, not from the message.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from gradlane.errors import ProtocolError
+
+__all__ = [
+    "MAX_FRAME",
+    "VERSION",
+    "Bye",
+    "ChunkEvent",
+    "Chunks",
+    "FlowSpec",
+    "FrameDecoder",
+    "Hello",
+    "Message",
+    "SetFlows",
+    "Timing",
+    "encode",
+    "parse",
+]
+
+VERSION = 1
+MAX_FRAME = 1 << 20
+MAX_FLOWS = 1024
+MAX_EVENTS = 16384
+MAX_NAME = 128
+_LEN = struct.Struct(">I")
+
+
+def encode(message: dict[str, Any], max_frame: int = MAX_FRAME) -> bytes:
+    """One frame holding `message` (a map with a "type")."""
+    body: bytes = msgpack.packb(message, use_bin_type=True)
+    if len(body) > max_frame:
+        raise ProtocolError("too_big", f"message of {len(body)} bytes exceeds {max_frame}")
+    return _LEN.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Turns a byte stream into decoded maps, refusing oversized or malformed frames."""
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[dict[str, Any]]:
+        """Add `data`; yield every complete message now available.
+
+        Raises:
+            ProtocolError: a frame is empty, too big, not msgpack, or not a map.
+        """
+        self._buf += data
+        while len(self._buf) >= _LEN.size:
+            (size,) = _LEN.unpack_from(self._buf)
+            if size == 0 or size > self.max_frame:
+                raise ProtocolError("bad_frame", f"frame length {size} not in 1..{self.max_frame}")
+            if len(self._buf) < _LEN.size + size:
+                return
+            body = bytes(self._buf[_LEN.size : _LEN.size + size])
+            del self._buf[: _LEN.size + size]
+            yield _unpack(body, self.max_frame)
+
+    @property
+    def pending(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buf)
+
+
+def _unpack(body: bytes, max_frame: int) -> dict[str, Any]:
+    try:
+        value = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=max_frame,
+            max_bin_len=max_frame,
+            max_array_len=MAX_EVENTS,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError) as exc:
+        # ValueError covers ExtraData, FormatError, StackError, bad UTF-8 and
+        # non-string map keys; TypeError an unhashable key inside a map.
+        raise ProtocolError("bad_frame", f"not a msgpack message: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_message", f"a message is a map, got {type(value).__name__}")
+    return value
+
+
+# -- messages ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlowSpec:
+    """One band connection, as its sender sees it."""
+
+    band: int
+    src: str
+    sport: int
+    dst: str
+    dport: int
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int
+    job: str
+    rank: int
+    world_size: int
+    flows: tuple[FlowSpec, ...]
+
+
+@dataclass(frozen=True)
+class SetFlows:
+    flows: tuple[FlowSpec, ...]
+
+
+@dataclass(frozen=True)
+class ChunkEvent:
+    layer: int
+    nbytes: int
+    band: int
+    t: float
+
+
+@dataclass(frozen=True)
+class Chunks:
+    iteration: int
+    events: tuple[ChunkEvent, ...]
+
+
+@dataclass(frozen=True)
+class Timing:
+    iteration: int
+    compute_s: float
+    comm_s: float
+    samples: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    pass
+
+
+Message = Hello | SetFlows | Chunks | Timing | Bye
+
+
+def parse(raw: dict[str, Any], bands: int) -> Message:
+    """Validate one decoded map and return the message it holds.
+
+    `bands` is how many bands the daemon has (band numbers are checked).
+
+    Raises:
+        ProtocolError: the map is not a valid message; the text names the field.
+    """
+    kind = raw.get("type")
+    if kind == "hello":
+        _only(raw, {"type", "version", "job", "rank", "world_size", "flows"})
+        version = _int(raw, "version", 1, 1 << 16)
+        if version != VERSION:
+            raise ProtocolError(
+                "version", f"protocol version {version} unsupported (want {VERSION})"
+            )
+        world = _int(raw, "world_size", 1, 1 << 20)
+        return Hello(
+            version=version,
+            job=_name(raw, "job"),
+            rank=_int(raw, "rank", 0, world - 1),
+            world_size=world,
+            flows=_flows(raw, bands),
+        )
+    if kind == "flows":
+        _only(raw, {"type", "flows"})
+        return SetFlows(flows=_flows(raw, bands))
+    if kind == "chunks":
+        _only(raw, {"type", "iteration", "events"})
+        events = _list(raw, "events", MAX_EVENTS)
+        return Chunks(
+            iteration=_int(raw, "iteration", 0, 1 << 62),
+            events=tuple(_event(e, i, bands) for i, e in enumerate(events)),
+        )
+    if kind == "timing":
+        _only(raw, {"type", "iteration", "compute_s", "comm_s", "samples"})
+        return Timing(
+            iteration=_int(raw, "iteration", 0, 1 << 62),
+            compute_s=_float(raw, "compute_s"),
+            comm_s=_float(raw, "comm_s"),
+            samples=_int(raw, "samples", 0, 1 << 31),
+        )
+    if kind == "bye":
+        _only(raw, {"type"})
+        return Bye()
+    raise ProtocolError("bad_message", f"unknown message type {kind!r}")
+
+
+def _only(raw: dict[str, Any], allowed: set[str]) -> None:
+    extra = set(raw) - allowed
+    if extra:
+        raise ProtocolError("bad_message", f"{raw['type']}: unknown fields {sorted(extra)}")
+
+
+def _get(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw:
+        raise ProtocolError("bad_message", f"{raw.get('type')}: missing field {key!r}")
+    return raw[key]
+
+
+def _int(raw: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = _get(raw, key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ProtocolError(
+            "bad_message", f"{raw.get('type')}: {key} must be an integer in {low}..{high}"
+        )
+    return value
+
+
+def _float(raw: dict[str, Any], key: str) -> float:
+    value = _get(raw, key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        raise ProtocolError("bad_message", f"{raw.get('type')}: {key} must be a number >= 0")
+    return float(value)
+
+
+def _name(raw: dict[str, Any], key: str) -> str:
+    value = _get(raw, key)
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or not value.isprintable():
+        raise ProtocolError(
+            "bad_message", f"{raw.get('type')}: {key} must be printable text of 1..{MAX_NAME} chars"
+        )
+    return value
+
+
+def _list(raw: dict[str, Any], key: str, most: int) -> list[Any]:
+    value = _get(raw, key)
+    if not isinstance(value, list) or len(value) > most:
+        raise ProtocolError("bad_message", f"{raw.get('type')}: {key} must be a list of <= {most}")
+    return value
+
+
+def _flows(raw: dict[str, Any], bands: int) -> tuple[FlowSpec, ...]:
+    out = []
+    for i, item in enumerate(_list(raw, "flows", MAX_FLOWS)):
+        if not isinstance(item, dict):
+            raise ProtocolError("bad_message", f"{raw['type']}: flows[{i}] must be a map")
+        where = {**item, "type": f"{raw['type']}: flows[{i}]"}
+        _only(where, {"type", "band", "src", "sport", "dst", "dport"})
+        out.append(
+            FlowSpec(
+                band=_int(where, "band", 0, bands - 1),
+                src=_ipv4(where, "src"),
+                sport=_int(where, "sport", 1, 65535),
+                dst=_ipv4(where, "dst"),
+                dport=_int(where, "dport", 1, 65535),
+            )
+        )
+    return tuple(out)
+
+
+def _ipv4(raw: dict[str, Any], key: str) -> str:
+    value = _get(raw, key)
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except (ValueError, TypeError):
+        raise ProtocolError(
+            "bad_message", f"{raw['type']}: {key} must be an IPv4 address"
+        ) from None
+
+
+def _event(item: Any, i: int, bands: int) -> ChunkEvent:
+    if not isinstance(item, list) or len(item) != 4:
+        raise ProtocolError("bad_message", f"chunks: events[{i}] must be [layer, nbytes, band, t]")
+    layer, nbytes, band, t = item
+    ok = (
+        isinstance(layer, int)
+        and isinstance(nbytes, int)
+        and isinstance(band, int)
+        and isinstance(t, int | float)
+        and not any(isinstance(v, bool) for v in item)
+        and 0 <= layer < 1 << 20
+        and 0 <= nbytes < 1 << 40
+        and 0 <= band < bands
+    )
+    if not ok:
+        raise ProtocolError("bad_message", f"chunks: events[{i}] has a bad value: {item!r:.80}")
+    return ChunkEvent(layer, nbytes, band, float(t))

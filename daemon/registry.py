@@ -1,0 +1,155 @@
+"""What gradlaned knows: jobs, their workers on this host, and their band connections.
+
+A worker exists while its connection is open and its process lives; the
+daemon removes it on bye, on disconnect, or when `expire` finds its pid gone.
+Every change that matters to traffic control bumps `version`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello, Timing
+from gradlane.errors import ProtocolError
+
+__all__ = ["Credentials", "Registry", "Worker"]
+
+RESERVED_PREFIX = "_"  # job names the daemon uses itself
+TIMINGS_KEPT = 64
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The peer of a Unix socket connection, from SO_PEERCRED."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass
+class Worker:
+    id: str
+    job: str
+    rank: int
+    world_size: int
+    cred: Credentials
+    flows: tuple[FlowSpec, ...]
+    since: float
+    chunk_events: int = 0
+    chunk_bytes: list[int] = field(default_factory=list)  # per band
+    iteration: int = -1
+    timings: deque[Timing] = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Registry:
+    """Workers by id, indexed by (job, rank). Not thread-safe: the daemon's loop owns it."""
+
+    def __init__(
+        self,
+        bands: int,
+        clock: Callable[[], float] = time.monotonic,
+        alive: Callable[[int], bool] = process_alive,
+    ) -> None:
+        self.bands = bands
+        self.version = 0
+        self._clock = clock
+        self._alive = alive
+        self._ids = itertools.count(1)
+        self._workers: dict[str, Worker] = {}
+        self._by_rank: dict[tuple[str, int], str] = {}
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def workers(self) -> list[Worker]:
+        return sorted(self._workers.values(), key=lambda w: (w.job, w.rank))
+
+    def jobs(self) -> dict[str, list[Worker]]:
+        out: dict[str, list[Worker]] = {}
+        for worker in self.workers():
+            out.setdefault(worker.job, []).append(worker)
+        return out
+
+    def add(self, hello: Hello, cred: Credentials) -> Worker:
+        """Register a worker.
+
+        Raises:
+            ProtocolError: reserved job name, or (job, rank) held by a live process.
+        """
+        if hello.job.startswith(RESERVED_PREFIX):
+            raise ProtocolError(
+                "bad_message", f"job names starting with {RESERVED_PREFIX!r} are reserved"
+            )
+        key = (hello.job, hello.rank)
+        held = self._by_rank.get(key)
+        if held is not None:
+            other = self._workers[held]
+            if self._alive(other.cred.pid):
+                raise ProtocolError(
+                    "conflict",
+                    f"job {hello.job!r} rank {hello.rank} is registered already "
+                    f"by pid {other.cred.pid}",
+                )
+            self.remove(held)
+        worker = Worker(
+            id=f"w{next(self._ids)}",
+            job=hello.job,
+            rank=hello.rank,
+            world_size=hello.world_size,
+            cred=cred,
+            flows=hello.flows,
+            since=self._clock(),
+            chunk_bytes=[0] * self.bands,
+        )
+        self._workers[worker.id] = worker
+        self._by_rank[key] = worker.id
+        self.version += 1
+        return worker
+
+    def set_flows(self, worker_id: str, flows: tuple[FlowSpec, ...]) -> None:
+        worker = self._workers[worker_id]
+        if worker.flows != flows:
+            worker.flows = flows
+            self.version += 1
+
+    def record_chunks(self, worker_id: str, iteration: int, events: tuple[ChunkEvent, ...]) -> None:
+        worker = self._workers[worker_id]
+        worker.iteration = max(worker.iteration, iteration)
+        worker.chunk_events += len(events)
+        for event in events:
+            worker.chunk_bytes[event.band] += event.nbytes
+
+    def record_timing(self, worker_id: str, timing: Timing) -> None:
+        worker = self._workers[worker_id]
+        worker.iteration = max(worker.iteration, timing.iteration)
+        worker.timings.append(timing)
+
+    def remove(self, worker_id: str) -> Worker | None:
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            self._by_rank.pop((worker.job, worker.rank), None)
+            self.version += 1
+        return worker
+
+    def expire(self) -> list[Worker]:
+        """Remove workers whose process is gone; return them."""
+        dead = [w for w in self._workers.values() if not self._alive(w.cred.pid)]
+        for worker in dead:
+            self.remove(worker.id)
+        return dead

@@ -1,0 +1,541 @@
+"""gradlaned: the per-host service.
+
+`Daemon.serve()` owns one `asyncio.TaskGroup` with:
+
+1. the Unix-socket API for shims (`gradlane.daemon.protocol`),
+2. the reconcile loop: registry + policy -> `QdiscSpec` per interface ->
+   `QdiscManager.apply` (bursts of registrations are coalesced; every apply
+   is an idempotent diff, so a repeated or lost wake-up costs nothing),
+3. expiry of workers whose process died without closing its connection,
+4. a stats sampler feeding `/status` and `/metrics` (localhost HTTP).
+
+Start-up order: qdisc tree installed (a tree left by a crash is taken over,
+or restored first with ``on_start = "restore"``), then the socket bound,
+then HTTP, then readiness (`ready` event, sd_notify READY=1). Shutdown:
+stop accepting, close clients, restore every interface's original qdisc,
+remove the socket; bounded by `SHUTDOWN_TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gradlane import __version__
+from gradlane.daemon import protocol
+from gradlane.daemon.config import DaemonConfig, InterfaceConfig
+from gradlane.daemon.qdisc import ClassStats, FlowMatch, JobSpec, QdiscManager, QdiscSpec
+from gradlane.daemon.registry import Credentials, Registry, Worker
+from gradlane.errors import GradlaneError, ProtocolError
+from gradlane.policies import JobState, Plan, State, get_policy
+
+__all__ = ["DSCP_JOB", "Backend", "Daemon"]
+
+logger = logging.getLogger(__name__)
+
+DSCP_JOB = "_dscp"  # class for DSCP-marked traffic of flows nobody registered
+SHUTDOWN_TIMEOUT = 10.0
+STATS_EVERY = 1.0
+EXPIRE_EVERY = 1.0
+SEND_TIMEOUT = 5.0
+
+
+class Backend(Protocol):
+    """What the daemon needs of an interface's qdisc owner (`QdiscManager` is one)."""
+
+    ifname: str
+
+    def open(self) -> None: ...
+    def close(self) -> None: ...
+    def owned(self) -> bool: ...
+    def apply(self, spec: QdiscSpec) -> list[str]: ...
+    def restore(self) -> bool: ...
+    def class_stats(self) -> list[ClassStats]: ...
+    def addresses(self) -> set[str]: ...
+
+
+def qdisc_backend(iface: InterfaceConfig, config: DaemonConfig) -> Backend:
+    return QdiscManager(iface.name, state_file=config.state_dir / f"qdisc-{iface.name}.json")
+
+
+class Daemon:
+    """One gradlaned. `serve()` runs it until `stop()` (or a signal in the CLI)."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        backend_factory: Callable[[InterfaceConfig, DaemonConfig], Backend] = qdisc_backend,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.policy = get_policy(config.policy)
+        self.registry = Registry(len(config.bands), clock=clock)
+        self._clock = clock
+        self._backends = [backend_factory(i, config) for i in config.interfaces]
+        self._addresses: dict[str, set[str]] = {}
+        self._tc_lock = asyncio.Lock()
+        self._dirty = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self.ready = asyncio.Event()
+        self._clients: dict[asyncio.StreamWriter, str | None] = {}
+        self._started = time.time()
+        self._plan: Plan | None = None
+        self._plan_at = 0.0
+        self._plan_version = 0
+        self._stats: dict[str, list[ClassStats]] = {}
+        self._reconciles = 0
+        self._reconcile_errors = 0
+        self._last_changes: list[str] = []
+        self.api_errors: Counter[str] = Counter()
+        self.metrics = CollectorRegistry(auto_describe=True)
+        self._reconcile_hist = Histogram(
+            "gradlane_reconcile_seconds",
+            "Time from a registry change being picked up to the kernel having it",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5),
+            registry=self.metrics,
+        )
+        self._api_error_counter = PromCounter(
+            "gradlane_api_errors",
+            "Connections closed for a protocol error, by kind",
+            ["kind"],
+            registry=self.metrics,
+        )
+        self._chunk_counter = PromCounter(
+            "gradlane_chunk_events", "Chunk events reported by shims", registry=self.metrics
+        )
+        self.metrics.register(_StateCollector(self))
+
+    # -- lifecycle -------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask `serve` to shut down (safe from a signal handler)."""
+        self._stopping.set()
+
+    async def serve(self, notify_socket: str | None = None) -> None:
+        """Run until `stop()`; restore every interface on the way out, whatever happens."""
+        try:
+            await self._start_tc()
+            server = await self._start_socket()
+            runner = await self._start_http()
+            try:
+                self.ready.set()
+                _sd_notify(notify_socket, "READY=1")
+                logger.info(
+                    "gradlaned %s ready: %s, policy %s",
+                    __version__,
+                    ", ".join(b.ifname for b in self._backends),
+                    self.policy.name,
+                )
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self._reconcile_loop())
+                    tasks.create_task(self._expire_loop())
+                    tasks.create_task(self._stats_loop())
+                    await self._stopping.wait()
+                    raise _Stop
+            except* _Stop:
+                pass
+            finally:
+                _sd_notify(notify_socket, "STOPPING=1")
+                server.close()
+                for writer in list(self._clients):
+                    writer.close()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(server.wait_closed(), SHUTDOWN_TIMEOUT)
+                if runner is not None:
+                    await runner.cleanup()
+        finally:
+            await self._restore_tc()
+            with contextlib.suppress(FileNotFoundError):
+                self.config.socket_path.unlink()
+            logger.info("gradlaned stopped; original qdiscs restored")
+
+    async def reload(self, config: DaemonConfig) -> None:
+        """Take a new config (SIGHUP). Interfaces and the socket need a restart."""
+        if (
+            config.interfaces != self.config.interfaces
+            or config.socket_path != self.config.socket_path
+        ):
+            logger.error("reload: interfaces or socket changed; restart gradlaned to apply that")
+            return
+        policy = get_policy(config.policy)
+        self.config, self.policy = config, policy
+        self.registry.bands = len(config.bands)
+        self._plan_version += 1
+        self._dirty.set()
+        logger.info("configuration reloaded from %s", config.source)
+
+    # -- traffic control -------------------------------------------------
+
+    async def _tc(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # pyroute2's sync socket cannot run inside the event loop; one call at a time.
+        async with self._tc_lock:
+            return await asyncio.to_thread(fn, *args)
+
+    async def _start_tc(self) -> None:
+        for backend in self._backends:
+            await self._tc(backend.open)
+            if await self._tc(backend.owned):
+                if self.config.on_start == "restore":
+                    logger.warning("%s: restoring a tree left by a previous run", backend.ifname)
+                    await self._tc(backend.restore)
+                else:
+                    logger.warning("%s: taking over a tree left by a previous run", backend.ifname)
+            self._addresses[backend.ifname] = await self._tc(backend.addresses)
+        await self._reconcile()
+
+    async def _restore_tc(self) -> None:
+        for backend in self._backends:
+            try:
+                await self._tc(backend.restore)
+            except GradlaneError:
+                logger.exception("%s: could not restore the original qdisc", backend.ifname)
+            finally:
+                backend.close()
+
+    def state(self) -> State:
+        shaped = min(self._shaped(b) for b in self._backends)
+        jobs = tuple(
+            JobState(name=name, workers=len(ws), flows=sum(len(w.flows) for w in ws))
+            for name, ws in sorted(self.registry.jobs().items())
+        )
+        return State(shaped_bps=shaped, other_bps=int(shaped * self.config.other_share), jobs=jobs)
+
+    def _shaped(self, backend: Backend) -> int:
+        iface = next(i for i in self.config.interfaces if i.name == backend.ifname)
+        return int(iface.rate_bps * self.config.shape_fraction)
+
+    def spec_for(self, backend: Backend, plan: Plan) -> QdiscSpec:
+        """The desired tree of one interface under `plan`."""
+        shaped = self._shaped(backend)
+        other = max(1, int(shaped * self.config.other_share))
+        local = self._addresses.get(backend.ifname, set())
+        only_one = len(self._backends) == 1
+        # Unregistered but DSCP-marked traffic keeps its band order, on borrowed bandwidth.
+        trickle = max(shaped // 1000, 8_000)
+        jobs = [JobSpec(DSCP_JOB, rate_bps=trickle, ceil_bps=shaped, prio=0)]
+        for name, workers in sorted(self.registry.jobs().items()):
+            cls = plan.job_classes[name]
+            flows = tuple(
+                FlowMatch(f.band, src=f.src, sport=f.sport, dst=f.dst, dport=f.dport)
+                for w in workers
+                for f in w.flows
+                if only_one or f.src in local
+            )
+            jobs.append(
+                JobSpec(
+                    name,
+                    rate_bps=max(1, min(cls.rate_bps, shaped)),
+                    ceil_bps=max(1, min(cls.ceil_bps, shaped)),
+                    prio=cls.prio,
+                    flows=tuple(dict.fromkeys(flows)),  # one filter per distinct 5-tuple
+                )
+            )
+        return QdiscSpec(
+            rate_bps=shaped,
+            other_rate_bps=other,
+            bands=self.config.bands,
+            jobs=tuple(jobs),
+            dscp_job=DSCP_JOB,
+        )
+
+    async def _reconcile(self) -> None:
+        started = time.perf_counter()
+        plan = self.policy.plan(self.state())
+        changes: list[str] = []
+        try:
+            for backend in self._backends:
+                changes += await self._tc(backend.apply, self.spec_for(backend, plan))
+        except GradlaneError:
+            self._reconcile_errors += 1
+            logger.exception("reconcile failed; retrying on the next change")
+            return
+        self._plan, self._plan_at = plan, self._clock()
+        self._reconciles += 1
+        self._last_changes = changes
+        self._reconcile_hist.observe(time.perf_counter() - started)
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(self.config.coalesce_s)  # coalesce a burst of changes
+            self._dirty.clear()
+            await self._reconcile()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_EVERY)
+            for worker in self.registry.expire():
+                logger.info(
+                    "worker %s (job %s, pid %d) expired", worker.id, worker.job, worker.cred.pid
+                )
+                self._dirty.set()
+
+    async def _stats_loop(self) -> None:
+        while True:
+            for backend in self._backends:
+                try:
+                    self._stats[backend.ifname] = await self._tc(backend.class_stats)
+                except GradlaneError:
+                    logger.exception("%s: reading class statistics failed", backend.ifname)
+            await asyncio.sleep(STATS_EVERY)
+
+    # -- the local API ---------------------------------------------------
+
+    async def _start_socket(self) -> asyncio.Server:
+        path = self.config.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            if await _someone_listens(path):
+                raise GradlaneError(f"another gradlaned is serving {path}; stop it first")
+            path.unlink()
+        server = await asyncio.start_unix_server(self._client, path=str(path))
+        os.chmod(path, self.config.socket_mode)
+        if self.config.socket_group:
+            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
+        return server
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        cred = _peer_credentials(writer)
+        worker: Worker | None = None
+        self._clients[writer] = None
+        try:
+            if len(self._clients) > self.config.max_clients:
+                raise ProtocolError("limit", f"too many clients (max {self.config.max_clients})")
+            decoder = protocol.FrameDecoder()
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                for raw in decoder.feed(data):
+                    message = protocol.parse(raw, len(self.config.bands))
+                    if isinstance(message, protocol.Bye):
+                        return
+                    worker = await self._handle(message, worker, cred, writer)
+        except ProtocolError as exc:
+            self.api_errors[exc.code] += 1
+            self._api_error_counter.labels(exc.code).inc()
+            logger.info("client pid %d: %s error: %s", cred.pid, exc.code, exc)
+            with contextlib.suppress(ConnectionError, TimeoutError, ProtocolError):
+                await self._send(writer, {"type": "error", "code": exc.code, "message": str(exc)})
+        except (ConnectionError, TimeoutError):
+            pass
+        finally:
+            self._clients.pop(writer, None)
+            if worker is not None and self.registry.remove(worker.id) is not None:
+                self._dirty.set()
+            writer.close()
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await asyncio.wait_for(writer.wait_closed(), SEND_TIMEOUT)
+
+    async def _handle(
+        self,
+        message: protocol.Message,
+        worker: Worker | None,
+        cred: Credentials,
+        writer: asyncio.StreamWriter,
+    ) -> Worker:
+        if isinstance(message, protocol.Hello):
+            if worker is not None:
+                raise ProtocolError("order", "hello sent twice on one connection")
+            worker = self.registry.add(message, cred)
+            self._clients[writer] = worker.id
+            self._dirty.set()
+            await self._send(
+                writer,
+                {
+                    "type": "welcome",
+                    "version": protocol.VERSION,
+                    "worker": worker.id,
+                    "bands": list(self.config.bands),
+                },
+            )
+            await self._send(writer, self._plan_message())
+            return worker
+        if worker is None:
+            raise ProtocolError("order", f"{type(message).__name__.lower()} before hello")
+        if isinstance(message, protocol.SetFlows):
+            self.registry.set_flows(worker.id, message.flows)
+            self._dirty.set()
+        elif isinstance(message, protocol.Chunks):
+            self.registry.record_chunks(worker.id, message.iteration, message.events)
+            self._chunk_counter.inc(len(message.events))
+        elif isinstance(message, protocol.Timing):
+            self.registry.record_timing(worker.id, message)
+        return worker
+
+    def _plan_message(self) -> dict[str, Any]:
+        return {
+            "type": "plan",
+            "version": self._plan_version,
+            "bands": list(self.config.bands),
+            "batch_share": None,  # set by the control plane (straggler mitigation)
+            "ownership": None,
+        }
+
+    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+        writer.write(protocol.encode(message))
+        await asyncio.wait_for(writer.drain(), SEND_TIMEOUT)
+
+    # -- HTTP: /status and /metrics ---------------------------------------
+
+    async def _start_http(self) -> web.AppRunner | None:
+        address = self.config.http_address
+        if address is None:
+            return None
+        app = web.Application(client_max_size=1024)
+        app.router.add_get("/status", self._status_handler)
+        app.router.add_get("/metrics", self._metrics_handler)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2)
+        await runner.setup()
+        await web.TCPSite(runner, address[0], address[1]).start()
+        return runner
+
+    def status(self) -> dict[str, Any]:
+        """Everything `gradlane status` shows, as JSON-ready data."""
+        plan = self._plan
+        return {
+            "version": __version__,
+            "uptime_s": round(time.time() - self._started, 3),
+            "policy": self.policy.name,
+            "plan": {
+                "source": plan.source if plan else None,
+                "age_s": round(self._clock() - self._plan_at, 3) if plan else None,
+                "version": self._plan_version,
+            },
+            "reconcile": {
+                "count": self._reconciles,
+                "errors": self._reconcile_errors,
+                "last_changes": self._last_changes[-20:],
+            },
+            "interfaces": [
+                {
+                    "name": b.ifname,
+                    "shaped_bps": self._shaped(b),
+                    "classes": [asdict(c) for c in self._stats.get(b.ifname, [])],
+                }
+                for b in self._backends
+            ],
+            "jobs": [
+                {
+                    "name": name,
+                    "workers": [_worker_status(w) for w in workers],
+                }
+                for name, workers in sorted(self.registry.jobs().items())
+            ],
+            "clients": len(self._clients),
+            "api_errors": dict(self.api_errors),
+        }
+
+    async def _status_handler(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status(), dumps=lambda v: json.dumps(v, indent=1))
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StateCollector:
+    """Prometheus metrics read from the daemon's latest samples at scrape time."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["interface", "classid", "role", "job", "band"]
+        counters = {
+            name: CounterMetricFamily(f"gradlane_class_{name}", f"HTB class {name}", labels=labels)
+            for name in ("bytes", "packets", "drops")
+        }
+        backlog = GaugeMetricFamily("gradlane_class_backlog_bytes", "Bytes queued", labels=labels)
+        throughput = GaugeMetricFamily(
+            "gradlane_job_throughput_bps", "Job class throughput", labels=["interface", "job"]
+        )
+        for ifname, stats in self.daemon._stats.items():
+            for c in stats:
+                values = [
+                    ifname,
+                    c.classid,
+                    c.role,
+                    c.job or "",
+                    "" if c.band is None else str(c.band),
+                ]
+                counters["bytes"].add_metric(values, c.bytes)
+                counters["packets"].add_metric(values, c.packets)
+                counters["drops"].add_metric(values, c.drops)
+                backlog.add_metric(values, c.backlog)
+                if c.role == "job" and c.job is not None and c.throughput_bps is not None:
+                    throughput.add_metric([ifname, c.job], c.throughput_bps)
+        workers = GaugeMetricFamily("gradlane_workers", "Registered workers", labels=["job"])
+        for name, ws in self.daemon.registry.jobs().items():
+            workers.add_metric([name], len(ws))
+        yield from counters.values()
+        yield backlog
+        yield throughput
+        yield workers
+
+
+def _worker_status(worker: Worker) -> dict[str, Any]:
+    last = worker.timings[-1] if worker.timings else None
+    return {
+        "id": worker.id,
+        "rank": worker.rank,
+        "world_size": worker.world_size,
+        "pid": worker.cred.pid,
+        "uid": worker.cred.uid,
+        "flows": len(worker.flows),
+        "iteration": worker.iteration,
+        "chunk_events": worker.chunk_events,
+        "chunk_bytes": worker.chunk_bytes,
+        "last_timing": asdict(last) if last else None,
+    }
+
+
+_PEERCRED = struct.Struct("3i")
+
+
+def _peer_credentials(writer: asyncio.StreamWriter) -> Credentials:
+    sock = writer.get_extra_info("socket")
+    pid, uid, gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    return Credentials(pid, uid, gid)
+
+
+async def _someone_listens(path: Path) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+def _sd_notify(notify_socket: str | None, state: str) -> None:
+    """Tell systemd (Type=notify) about readiness; a no-op outside systemd."""
+    if not notify_socket:
+        return
+    address = "\0" + notify_socket[1:] if notify_socket.startswith("@") else notify_socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
+        sock.sendto(state.encode(), address)
