@@ -323,6 +323,8 @@ class Daemon:
             while True:
                 data = await reader.read(65536)
                 if not data:
+                    if decoder.pending:
+                        raise ProtocolError("bad_frame", "connection closed inside a frame")
                     return
                 for raw in decoder.feed(data):
                     message = protocol.parse(raw, len(self.config.bands))

@@ -308,7 +308,8 @@ def status(url: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
-    out = Console()
+    # Piped output is not cut to 80 columns: scripts and logs need whole class ids.
+    out = Console(width=None if sys.stdout.isatty() else 160)
     plan = data["plan"]
     out.print(
         f"gradlaned {data['version']}, up {data['uptime_s']:.0f}s, policy {data['policy']}, "

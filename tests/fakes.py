@@ -1,0 +1,96 @@
+"""A gradlaned with an in-memory qdisc backend: the real service, no kernel, no root.
+
+``python -m tests.fakes SOCKET [HTTP]`` runs one in the foreground until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from gradlane.daemon.config import DaemonConfig, InterfaceConfig
+from gradlane.daemon.qdisc import ClassStats, QdiscSpec
+from gradlane.daemon.service import Daemon
+
+
+class FakeBackend:
+    """Remembers the last spec instead of changing the kernel."""
+
+    def __init__(self, iface: InterfaceConfig, config: DaemonConfig) -> None:
+        self.ifname = iface.name
+        self.spec: QdiscSpec | None = None
+        self.applied = 0
+        self.restored = False
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def owned(self) -> bool:
+        return self.spec is not None
+
+    def apply(self, spec: QdiscSpec) -> list[str]:
+        changed = spec != self.spec
+        self.spec = spec
+        self.applied += 1
+        return ["changed"] if changed else []
+
+    def restore(self) -> bool:
+        self.restored = True
+        self.spec = None
+        return True
+
+    def class_stats(self) -> list[ClassStats]:
+        if self.spec is None:
+            return []
+        return [
+            ClassStats(
+                classid=f"474c:{i + 3:x}",
+                role="job",
+                job=job.name,
+                band=None,
+                rate_bps=job.rate_bps,
+                ceil_bps=job.ceil_bps,
+                bytes=0,
+                packets=0,
+                drops=0,
+                backlog=0,
+                qlen=0,
+                throughput_bps=0.0,
+            )
+            for i, job in enumerate(self.spec.jobs)
+        ]
+
+    def addresses(self) -> set[str]:
+        return {"10.0.0.1"}
+
+
+def fake_config(socket_path: Path, http: str = "", state_dir: Path | None = None) -> DaemonConfig:
+    return DaemonConfig(
+        interfaces=(InterfaceConfig("fake0", 1_000_000_000),),
+        socket_path=socket_path,
+        http=http,
+        state_dir=state_dir or Path(tempfile.mkdtemp()),
+        max_clients=64,
+    )
+
+
+def main() -> None:
+    config = fake_config(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "")
+
+    async def serve() -> None:
+        daemon = Daemon(config, backend_factory=FakeBackend)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, daemon.stop)
+        await daemon.serve()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

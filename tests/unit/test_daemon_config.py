@@ -1,0 +1,68 @@
+from pathlib import Path
+
+import pytest
+
+from gradlane.daemon.config import load_config
+from gradlane.errors import ConfigError
+
+GOOD = """
+[daemon]
+socket = "/tmp/x.sock"
+socket_mode = "0600"
+http = "127.0.0.1:9999"
+policy = "fair"
+on_start = "restore"
+
+[network]
+bands = [46, 26]
+other_share = 0.1
+
+[[interface]]
+name = "eth0"
+rate = "25gbit"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gradlaned.toml"
+    path.write_text(text)
+    return path
+
+
+def test_file_values_and_overrides(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD)
+    config = load_config(path)
+    assert config.interfaces[0].rate_bps == 25 * 10**9
+    assert config.bands == (46, 26) and config.other_share == 0.1
+    assert config.socket_mode == 0o600 and config.on_start == "restore"
+    assert config.http_address == ("127.0.0.1", 9999)
+    flags = load_config(path, {"interface": ["eth1=1gbit"], "daemon.http": ""})
+    assert [i.name for i in flags.interfaces] == ["eth1"] and flags.http_address is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (GOOD.replace("other_share = 0.1", "other_share = 0.9"), "network.other_share"),
+        (GOOD.replace('rate = "25gbit"', 'rate = "fast"'), r"interface\[0\].rate"),
+        (GOOD.replace("bands = [46, 26]", "bands = [46, 46]"), "network.bands"),
+        (GOOD.replace('on_start = "restore"', 'on_start = "maybe"'), "daemon.on_start"),
+        (GOOD.replace('socket_mode = "0600"', 'socket_mode = "rw"'), "daemon.socket_mode"),
+        (GOOD.replace('http = "127.0.0.1:9999"', 'http = "localhost"'), "daemon.http"),
+        (GOOD + "\n[extra]\n", "extra: unknown section"),
+        (GOOD.replace("[daemon]", "[daemon]\nsokcet = 1"), "daemon.sokcet: unknown key"),
+        (GOOD.replace('name = "eth0"', 'name = "eth0"\nspeed = 1'), "unknown keys"),
+        ("[daemon]\n", "at least one"),
+        ("this is not toml", "gradlaned.toml"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
+
+
+def test_missing_file_and_undetectable_rate(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="cannot detect the line rate of nosuch0"):
+        load_config(None, {"interface": ["nosuch0"]})

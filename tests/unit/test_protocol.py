@@ -1,0 +1,116 @@
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradlane.daemon import protocol
+from gradlane.errors import ProtocolError
+
+FLOW = {"band": 1, "src": "10.0.0.1", "sport": 40000, "dst": "10.0.0.2", "dport": 5201}
+HELLO = {"type": "hello", "version": 1, "job": "j", "rank": 1, "world_size": 4, "flows": [FLOW]}
+
+
+def decode_all(data: bytes) -> list[dict]:
+    return list(protocol.FrameDecoder().feed(data))
+
+
+def test_roundtrip_in_pieces() -> None:
+    frames = protocol.encode(HELLO) + protocol.encode({"type": "bye"})
+    decoder = protocol.FrameDecoder()
+    got = []
+    for i in range(len(frames)):  # one byte at a time
+        got += decoder.feed(frames[i : i + 1])
+    assert got == [HELLO, {"type": "bye"}] and decoder.pending == 0
+    hello = protocol.parse(got[0], bands=4)
+    assert isinstance(hello, protocol.Hello)
+    assert hello.flows == (protocol.FlowSpec(1, "10.0.0.1", 40000, "10.0.0.2", 5201),)
+
+
+def test_chunks_and_timing() -> None:
+    chunks = protocol.parse({"type": "chunks", "iteration": 3, "events": [[0, 4096, 0, 1.5]]}, 4)
+    assert chunks == protocol.Chunks(3, (protocol.ChunkEvent(0, 4096, 0, 1.5),))
+    timing = {"type": "timing", "iteration": 3, "compute_s": 0.2, "comm_s": 0.1, "samples": 32}
+    assert protocol.parse(timing, 4) == protocol.Timing(3, 0.2, 0.1, 32)
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "text"),
+    [
+        ({"type": "nope"}, "bad_message", "unknown message type"),
+        ({**HELLO, "version": 2}, "version", "unsupported"),
+        ({**HELLO, "rank": 4}, "bad_message", "rank"),
+        ({**HELLO, "job": ""}, "bad_message", "job"),
+        ({**HELLO, "extra": 1}, "bad_message", "unknown fields"),
+        ({k: v for k, v in HELLO.items() if k != "flows"}, "bad_message", "missing field 'flows'"),
+        ({**HELLO, "flows": [{**FLOW, "band": 4}]}, "bad_message", "band"),
+        ({**HELLO, "flows": [{**FLOW, "src": "nowhere"}]}, "bad_message", "IPv4"),
+        ({**HELLO, "flows": [{**FLOW, "dport": 0}]}, "bad_message", "dport"),
+        ({**HELLO, "rank": True}, "bad_message", "rank"),
+        ({"type": "chunks", "iteration": 1, "events": [[0, 1, 9, 0.0]]}, "bad_message",
+         r"events\[0\]"),
+        ({"type": "chunks", "iteration": 1, "events": [[0, 1]]}, "bad_message", r"events\[0\]"),
+        ({"type": "timing", "iteration": 1, "compute_s": -1, "comm_s": 0, "samples": 1},
+         "bad_message", "compute_s"),
+    ],
+)  # fmt: skip
+def test_invalid_messages_name_the_problem(message: dict, code: str, text: str) -> None:
+    with pytest.raises(ProtocolError, match=text) as info:
+        protocol.parse(message, bands=4)
+    assert info.value.code == code
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\x00\x00\x00\x00",  # empty frame
+        (protocol.MAX_FRAME + 1).to_bytes(4, "big"),  # oversized, refused before buffering
+        b"\x00\x00\x00\x01\xc1",  # never-used msgpack byte
+        b"\x00\x00\x00\x01\x05",  # an int, not a map
+        b"\x00\x00\x00\x03\x81\x01\x02",  # map with an int key
+    ],
+)
+def test_bad_frames(frame: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_all(frame)
+
+
+def test_encode_refuses_oversized() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.encode({"type": "x", "pad": "a" * 100}, max_frame=50)
+
+
+@settings(max_examples=400)
+@given(st.binary(max_size=300))
+def test_garbage_only_ever_raises_protocol_error(data: bytes) -> None:
+    try:
+        for raw in protocol.FrameDecoder().feed(data):
+            protocol.parse(raw, bands=4)
+    except ProtocolError:
+        pass
+
+
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text(max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=400)
+@given(
+    st.sampled_from(["hello", "flows", "chunks", "timing", "bye", "x"]),
+    st.dictionaries(
+        st.sampled_from(["version", "job", "rank", "world_size", "flows", "events", "iteration"]),
+        json_like,
+        max_size=5,
+    ),
+)
+def test_wrongly_typed_messages_only_ever_raise_protocol_error(kind: str, fields: dict) -> None:
+    body = msgpack.packb({"type": kind, **fields})
+    try:
+        for raw in protocol.FrameDecoder().feed(len(body).to_bytes(4, "big") + body):
+            protocol.parse(raw, bands=4)
+    except ProtocolError:
+        pass

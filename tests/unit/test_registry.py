@@ -1,0 +1,51 @@
+import pytest
+
+from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello, Timing
+from gradlane.daemon.registry import Credentials, Registry
+from gradlane.errors import ProtocolError
+
+FLOW = FlowSpec(0, "10.0.0.1", 40000, "10.0.0.2", 5201)
+
+
+def hello(job: str = "j", rank: int = 0) -> Hello:
+    return Hello(version=1, job=job, rank=rank, world_size=4, flows=(FLOW,))
+
+
+def test_add_record_remove_bumps_version() -> None:
+    reg = Registry(bands=4)
+    w = reg.add(hello(), Credentials(10, 0, 0))
+    v = reg.version
+    reg.record_chunks(w.id, 5, (ChunkEvent(0, 100, 2, 0.0), ChunkEvent(1, 50, 2, 0.1)))
+    reg.record_timing(w.id, Timing(6, 0.1, 0.05, 32))
+    assert reg.version == v  # statistics do not touch traffic control
+    assert w.chunk_events == 2 and w.chunk_bytes == [0, 0, 150, 0] and w.iteration == 6
+    reg.set_flows(w.id, ())
+    assert reg.version == v + 1
+    assert reg.remove(w.id) is w and len(reg) == 0 and reg.jobs() == {}
+
+
+def test_rank_conflict_and_takeover_from_dead_process() -> None:
+    alive = {10: True}
+    reg = Registry(bands=4, alive=lambda pid: alive.get(pid, False))
+    reg.add(hello(), Credentials(10, 0, 0))
+    with pytest.raises(ProtocolError, match="pid 10") as info:
+        reg.add(hello(), Credentials(11, 0, 0))
+    assert info.value.code == "conflict"
+    alive[10] = False  # the first process died without saying bye
+    w = reg.add(hello(), Credentials(11, 0, 0))
+    assert [x.id for x in reg.workers()] == [w.id]
+
+
+def test_expire_removes_dead_workers() -> None:
+    alive = {1: True, 2: True}
+    reg = Registry(bands=4, alive=lambda pid: alive[pid])
+    reg.add(hello(rank=0), Credentials(1, 0, 0))
+    keep = reg.add(hello(rank=1), Credentials(2, 0, 0))
+    alive[1] = False
+    assert [w.rank for w in reg.expire()] == [0]
+    assert reg.workers() == [keep]
+
+
+def test_reserved_job_names() -> None:
+    with pytest.raises(ProtocolError, match="reserved"):
+        Registry(bands=4).add(hello(job="_dscp"), Credentials(1, 0, 0))
