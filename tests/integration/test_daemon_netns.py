@@ -1,0 +1,240 @@
+"""gradlaned against the real kernel, in emulated hosts (root only)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradlane.daemon import protocol
+from gradlane.testbed import Cluster, Topology
+from tests.integration.helpers import tc
+
+pytestmark = pytest.mark.netns
+BASE_CLASSES = {"474c:1", "474c:2", "474c:100", "474c:101", "474c:102", "474c:103", "474c:104"}
+JOB_CLASSES = {"474c:200", "474c:201", "474c:202", "474c:203", "474c:204"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(Topology.build("tdmn", 2, "200mbit")) as c:
+        yield c
+
+
+def start_daemon(cluster: Cluster, host: str, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
+    sock = tmp / f"{host}.sock"
+    argv = [
+        sys.executable, "-m", "gradlane.cli", "daemon",
+        "-i", "eth0=200mbit", "--socket", str(sock),
+        "--state-dir", str(tmp / f"state-{host}"), "--http", "127.0.0.1:9464",
+    ]  # fmt: skip
+    proc = cluster.popen(host, argv, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(sock))
+            return proc, sock
+        except OSError:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "daemon did not start"
+            time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen[str], sig: signal.Signals = signal.SIGTERM) -> int:
+    proc.send_signal(sig)
+    code = proc.wait(timeout=20)
+    if proc.stderr is not None:
+        proc.stderr.close()
+    return code
+
+
+def classes(cluster: Cluster, host: str = "h1") -> list[str]:
+    return re.findall(r"class htb (\S+)", tc(cluster.ns(host), "class", "show", "dev", "eth0"))
+
+
+def filter_prefs(cluster: Cluster, host: str = "h1") -> list[int]:
+    shown = tc(cluster.ns(host), "filter", "show", "dev", "eth0")
+    return sorted({int(p) for p in re.findall(r"pref (\d+) u32 .*flowid", shown)})
+
+
+def status(cluster: Cluster, host: str = "h1") -> dict[str, Any]:
+    out = cluster.run(host, [sys.executable, "-m", "gradlane.cli", "status", "--json"]).stdout
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def hello(flows: list[dict[str, Any]], job: str = "train", rank: int = 0) -> dict[str, Any]:
+    return {
+        "type": "hello",
+        "version": 1,
+        "job": job,
+        "rank": rank,
+        "world_size": 4,
+        "flows": flows,
+    }
+
+
+def register(sock: Path, message: dict[str, Any]) -> socket.socket:
+    client = socket.socket(socket.AF_UNIX)
+    client.settimeout(10)
+    client.connect(str(sock))
+    client.sendall(protocol.encode(message))
+    decoder, got = protocol.FrameDecoder(), []
+    while len(got) < 2:
+        data = client.recv(65536)
+        if not data:
+            client.close()
+            raise AssertionError(f"daemon closed the connection: {got}")
+        got += decoder.feed(data)
+    assert got[0]["type"] == "welcome", got
+    return client
+
+
+# A training process's stand-in: four unmarked band connections, registered
+# with the daemon by 5-tuple, band b sending (b + 1) MB.
+WORKER = textwrap.dedent(
+    """
+    import json, socket, sys, time
+    from gradlane.daemon import protocol
+    dst, sock_path = sys.argv[1], sys.argv[2]
+    conns = [socket.create_connection((dst, 5201)) for _ in range(4)]
+    flows = []
+    for band, c in enumerate(conns):
+        src, sport = c.getsockname()
+        flows.append({"band": band, "src": src, "sport": sport, "dst": dst, "dport": 5201})
+    d = socket.socket(socket.AF_UNIX)
+    d.connect(sock_path)
+    d.sendall(protocol.encode({"type": "hello", "version": 1, "job": "train", "rank": 0,
+                               "world_size": 2, "flows": flows}))
+    dec, got = protocol.FrameDecoder(), []
+    while len(got) < 2:
+        got += dec.feed(d.recv(65536))
+    print("registered", flush=True)
+    sys.stdin.readline()  # the test has checked the tree
+    for band, c in enumerate(conns):
+        c.sendall(json.dumps({"label": f"band{band}", "dscp": 0}).encode() + b"\\n")
+        c.sendall(b"x" * ((band + 1) * 1_000_000))
+        c.shutdown(socket.SHUT_WR)
+    for c in conns:
+        c.recv(1)
+    print("sent", flush=True)
+    sys.stdin.readline()  # hold the registration until told
+    """
+)
+
+
+def leaf_bytes(cluster: Cluster) -> dict[str, int]:
+    shown = tc(cluster.ns("h1"), "-s", "class", "show", "dev", "eth0")
+    return {m[0]: int(m[1]) for m in re.findall(r"class htb (\S+) .*?\n Sent (\d+) bytes", shown)}
+
+
+def test_bands_land_in_their_leaves_and_sigterm_restores(cluster: Cluster, tmp_path: Path) -> None:
+    original = tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0")
+    d1, sock1 = start_daemon(cluster, "h1", tmp_path)
+    d2, _ = start_daemon(cluster, "h2", tmp_path)
+    receiver = cluster.popen(
+        "h2",
+        [sys.executable, "-m", "gradlane.testbed.traffic", "recv", "--flows", "4",
+         "--timeout", "60"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert receiver.stdout is not None and receiver.stdout.readline().strip() == "READY"
+    worker = cluster.popen(
+        "h1", [sys.executable, "-c", WORKER, cluster.addr("h2"), str(sock1)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert worker.stdout is not None and worker.stdin is not None
+    try:
+        assert worker.stdout.readline().strip() == "registered"
+        wait_for(lambda: set(classes(cluster)) >= JOB_CLASSES, "the job's classes")
+        assert len(filter_prefs(cluster)) == 4 + 4  # one per band connection + DSCP fallbacks
+        before = leaf_bytes(cluster)
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().strip() == "sent"
+        after = leaf_bytes(cluster)
+        for band in range(4):
+            leaf = f"474c:20{band + 1}"
+            assert after[leaf] - before[leaf] >= (band + 1) * 1_000_000, (leaf, after)
+        assert after["474c:2"] - before["474c:2"] < 500_000  # not counted as other traffic
+        assert status(cluster)["jobs"][0]["name"] == "train"
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        worker.wait(timeout=10)
+        wait_for(lambda: not JOB_CLASSES & set(classes(cluster)), "the job's classes to go")
+    finally:
+        for proc in (worker, receiver):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    stream.close()
+        assert stop(d1) == 0 and stop(d2) == 0
+    assert tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0") == original
+    assert not sock1.exists()
+
+
+def test_sigkill_then_restart_recovers_without_leftovers(cluster: Cluster, tmp_path: Path) -> None:
+    original = tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0")
+    daemon, sock = start_daemon(cluster, "h1", tmp_path)
+    flows = [
+        {"band": b, "src": cluster.addr("h1"), "sport": 41000 + b, "dst": cluster.addr("h2"),
+         "dport": 5201}
+        for b in range(4)
+    ]  # fmt: skip
+    client = register(sock, hello(flows))
+    wait_for(lambda: set(classes(cluster)) >= JOB_CLASSES, "the job's classes")
+    assert stop(daemon, signal.SIGKILL) != 0
+    client.close()
+    assert set(classes(cluster)) >= JOB_CLASSES  # the crash left the tree behind
+    daemon, sock = start_daemon(cluster, "h1", tmp_path)
+    try:
+        wait_for(lambda: set(classes(cluster)) == BASE_CLASSES, "leftover classes to go")
+        shown = classes(cluster)
+        assert len(shown) == len(set(shown))  # no duplicates
+        assert filter_prefs(cluster) == [0x8000, 0x8001, 0x8002, 0x8003]
+        client = register(sock, hello(flows))  # and it works again
+        wait_for(lambda: set(classes(cluster)) >= JOB_CLASSES, "the job's classes")
+        client.close()
+    finally:
+        assert stop(daemon) == 0
+    assert tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0") == original
+
+
+@pytest.mark.timeout(300)
+def test_thousand_register_cycles_leave_nothing_behind(cluster: Cluster, tmp_path: Path) -> None:
+    daemon, sock = start_daemon(cluster, "h1", tmp_path)
+    try:
+        for i in range(1000):
+            flows = [
+                {"band": b, "src": cluster.addr("h1"), "sport": 20000 + 4 * i + b,
+                 "dst": cluster.addr("h2"), "dport": 5201}
+                for b in range(4)
+            ]  # fmt: skip
+            client = register(sock, hello(flows, job=f"job{i % 7}", rank=i % 3))
+            client.sendall(protocol.encode({"type": "bye"}))
+            client.close()
+        wait_for(lambda: status(cluster)["jobs"] == [], "an empty registry", timeout=30)
+        wait_for(lambda: set(classes(cluster)) == BASE_CLASSES, "base classes only", timeout=30)
+        assert filter_prefs(cluster) == [0x8000, 0x8001, 0x8002, 0x8003]
+        assert status(cluster)["reconcile"]["errors"] == 0
+    finally:
+        assert stop(daemon) == 0
