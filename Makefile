@@ -35,13 +35,13 @@ $(STAMP): pyproject.toml Makefile | sysdeps
 # iproute2 gives tests an independent look at the kernel (`ip`, `tc`);
 # procps gives `pgrep`. Installed with apt when missing and possible.
 sysdeps:
-	@missing=""; for tool in ip tc pgrep; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	@missing=""; for tool in ip tc pgrep systemd-analyze; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing iproute2 procps (missing:$$missing)"; \
-	    apt-get update -qq && apt-get install -y -qq iproute2 procps >/dev/null; \
+	    echo "installing iproute2 procps systemd (missing:$$missing)"; \
+	    apt-get update -qq && apt-get install -y -qq iproute2 procps systemd >/dev/null; \
 	  else \
-	    echo "missing commands:$$missing; install iproute2 and procps"; exit 1; \
+	    echo "missing commands:$$missing; install iproute2, procps and systemd"; exit 1; \
 	  fi; \
 	fi
 
