@@ -53,7 +53,6 @@ class Cluster:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._procs: list[subprocess.Popen[Any]] = []
-        self._is_up = False
 
     def __enter__(self) -> Cluster:
         self.up()
@@ -77,7 +76,6 @@ class Cluster:
                 f"cluster {self.topology.name!r} exists already ({', '.join(taken)}); "
                 f"remove it with: gradlane testbed down {self.topology.name}"
             )
-        self._is_up = True
         try:
             self._build()
         except BaseException as exc:
@@ -106,7 +104,6 @@ class Cluster:
                 proc.wait()
         self._procs.clear()
         remove_cluster(self.topology.name)
-        self._is_up = False
 
     # -- hosts -----------------------------------------------------------
 
