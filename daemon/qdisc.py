@@ -218,6 +218,12 @@ class _Original:
 
 
 @dataclass
+class _View:
+    classes: dict[int, HtbParams]
+    filters: list[U32Filter]
+
+
+@dataclass
 class _Persisted:
     original: _Original | None = None
     slots: dict[str, int] = field(default_factory=dict)
@@ -255,6 +261,10 @@ class QdiscManager:
         self._ipr: IPRoute | None = None
         self._state = self._load_state()
         self._last_bytes: dict[int, tuple[float, int]] = {}
+        # What the kernel holds, as last read and since updated with every
+        # change sent; None = read it again before the next diff.
+        self._view: _View | None = None
+        self._ifindex: int | None = None
 
     # -- lifecycle -------------------------------------------------------
 
@@ -272,10 +282,13 @@ class QdiscManager:
             # Checked first: pyroute2 leaks a socket when IPRoute(netns=...) fails.
             raise TcError(errno.ENOENT, self.ifname, f"netns {self.netns}")
         with translated(self.ifname, f"netlink socket in netns {self.netns or '(current)'}"):
+            # groups=0: pyroute2 joins the link, address, route, neighbour and
+            # tc multicast groups by default; this socket never reads events,
+            # and parsing every one of the host's cost ~1.5 ms per change.
             if self.netns is None:
-                self._ipr = IPRoute(ext_ack=True)
+                self._ipr = IPRoute(ext_ack=True, groups=0)
             else:
-                self._ipr = IPRoute(netns=self.netns, flags=0, ext_ack=True)
+                self._ipr = IPRoute(netns=self.netns, flags=0, ext_ack=True, groups=0)
 
     def close(self) -> None:
         if self._ipr is not None:
@@ -296,58 +309,103 @@ class QdiscManager:
         root = self._root_qdisc(self._index())
         return root is not None and _is_ours(root)
 
-    def apply(self, spec: QdiscSpec) -> list[str]:
+    def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]:
         """Make the interface's tree match `spec`; return the changes sent.
+
+        The diff runs against the manager's view of the kernel: read on the
+        first call, after an error, and whenever `verify` is set (call it so
+        now and then to repair changes made behind gradlane's back); kept up
+        to date with every change sent otherwise, so that a small change
+        costs only its own netlink messages.
 
         Raises:
             ForeignQdiscError: the current root qdisc is not gradlane's and
                 could not be restored exactly later; nothing was changed.
             TcError: the kernel refused a change (the message names it).
         """
-        index = self._index()
+        started = time.perf_counter()
+        try:
+            changes = self._apply(spec, verify)
+        except TcError:
+            self._view, self._ifindex = None, None
+            raise
+        if changes:
+            logger.info(
+                "%s: %d change(s) in %.2f ms: %s",
+                self.ifname,
+                len(changes),
+                (time.perf_counter() - started) * 1000,
+                changes,
+            )
+        return changes
+
+    def _apply(self, spec: QdiscSpec, verify: bool) -> list[str]:
         changes: list[str] = []
-        self._ensure_root(index, changes)
+        if verify or self._view is None:
+            self._ifindex = None
+            index = self._index()
+            self._ensure_root(index, changes)
+            self._view = _View(
+                classes={c.params.classid: c.params for c in self._classes(index)},
+                filters=self._filters(index),
+            )
+        index = self._index()
+        view = self._view
         slots = self._assign_slots(spec)
         want_classes = _wanted_classes(spec, slots)
         want_filters = _wanted_filters(spec, slots)
 
-        have_classes = {c.params.classid: c for c in self._classes(index)}
-        have_filters = self._filters(index)
+        have_classes = dict(view.classes)
+        have_filters = list(view.filters)
 
-        keep, add_filters = _diff_filters(want_filters, have_filters)
+        keep, add_filters, retarget = _diff_filters(want_filters, have_filters)
         for pref in sorted({f.pref for f in have_filters} - keep):
             self._del_filter(index, pref)
+            view.filters = [f for f in view.filters if f.pref != pref]
             changes.append(f"delete filter pref {pref:#x}")
 
         for want in want_classes.values():  # parents come before children
             have = have_classes.get(want.classid)
+            stored = want.as_kernel_stores()
             if have is None:
                 self._set_class("add-class", index, want)
                 changes.append(f"add class {fmt_handle(want.classid)}")
-            elif have.params.parent != want.parent:
+            elif have.parent != want.parent:
                 self._del_class(index, want.classid)
                 self._set_class("add-class", index, want)
                 changes.append(f"re-add class {fmt_handle(want.classid)}")
-            elif have.params != want.as_kernel_stores():
+            elif have != stored:
                 self._set_class("change-class", index, want)
                 changes.append(f"change class {fmt_handle(want.classid)}")
+            view.classes[want.classid] = stored
 
-        free = iter(sorted(set(FLOW_PREFS) - keep))
-        for kind, bytemap_keys, classid in add_filters:
+        for old, keys, classid in retarget:  # a registered flow moved to another band
+            self._add_filter(index, old.pref, keys, classid, handle=old.handle)
+            view.filters = [f for f in view.filters if f.pref != old.pref]
+            view.filters.append(U32Filter(old.pref, classid, old.bytemap, old.handle))
+            changes.append(f"change filter pref {old.pref:#x} -> {fmt_handle(classid)}")
+
+        free = (pref for pref in FLOW_PREFS if pref not in keep)  # lazily: 32k prefs
+        for kind, keys, classid in add_filters:
             pref = DSCP_PREF_BASE + kind if kind >= 0 else next(free)
-            self._add_filter(index, pref, bytemap_keys, classid)
+            self._add_filter(index, pref, keys, classid)
+            view.filters.append(U32Filter(pref, classid, u32_bytemap(keys)))
             changes.append(f"add filter pref {pref:#x} -> {fmt_handle(classid)}")
+        if add_filters:
+            # The kernel chose the new nodes' handles: learn them, so that a
+            # later band change is one change-filter instead of delete + add.
+            view.filters = self._filters(index)
 
         stale = [cid for cid in have_classes if cid not in want_classes]
         for classid in sorted(stale, key=lambda cid: cid & 0xFF == 0):  # leaves first
             self._del_class(index, classid)
+            del view.classes[classid]
             self._last_bytes.pop(classid, None)
             changes.append(f"delete class {fmt_handle(classid)}")
 
-        self._state.slots = slots
-        self._save_state()
-        if changes:
-            logger.info("%s: applied %d change(s): %s", self.ifname, len(changes), changes)
+        if slots != self._state.slots or not self._state_file.exists():
+            self._state.slots = slots
+            self._save_state()
         return changes
 
     def restore(self) -> bool:
@@ -380,6 +438,7 @@ class QdiscManager:
         self._state = _Persisted()
         self._state_file.unlink(missing_ok=True)
         self._last_bytes.clear()
+        self._view = None
         return restored
 
     def class_stats(self) -> list[ClassStats]:
@@ -430,12 +489,15 @@ class QdiscManager:
     # -- kernel access ---------------------------------------------------
 
     def _index(self) -> int:
+        if self._ifindex is not None:
+            return self._ifindex
         with translated(self.ifname, "interface lookup"):
             found = self.ipr.link_lookup(ifname=self.ifname)
         if not found:
             where = f" in netns {self.netns}" if self.netns else ""
             raise TcError(errno.ENODEV, self.ifname, f"interface {self.ifname}{where}")
-        return int(found[0])
+        self._ifindex = int(found[0])
+        return self._ifindex
 
     def _root_qdisc(self, index: int) -> Any | None:
         with translated(self.ifname, "dump qdiscs"):
@@ -499,11 +561,19 @@ class QdiscManager:
             self.ipr.tc("del-class", index=index, handle=classid)
 
     def _add_filter(
-        self, index: int, pref: int, keys: list[tuple[int, int, int]], classid: int
+        self,
+        index: int,
+        pref: int,
+        keys: list[tuple[int, int, int]],
+        classid: int,
+        handle: int = 0,
     ) -> None:
-        with translated(self.ifname, f"add filter pref {pref:#x} -> {fmt_handle(classid)}"):
+        """Add a filter, or with the `handle` of an existing one, retarget it in place."""
+        command = "change-filter" if handle else "add-filter"
+        extra = {"handle": handle} if handle else {}
+        with translated(self.ifname, f"{command} pref {pref:#x} -> {fmt_handle(classid)}"):
             self.ipr.tc(
-                "add-filter",
+                command,
                 "u32",
                 index,
                 parent=ROOT,
@@ -511,6 +581,7 @@ class QdiscManager:
                 protocol=ETH_P_IP,
                 target=classid,
                 keys=u32_key_strings(keys),
+                **extra,
             )
 
     def _del_filter(self, index: int, pref: int) -> None:
@@ -597,11 +668,11 @@ def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, HtbPara
 
 # A wanted filter: (kind, keys, classid); kind is the band for a DSCP
 # fallback (its pref is fixed) or -1 for a registered flow (pref allocated).
-HtbParamsFilter = tuple[int, list[tuple[int, int, int]], int]
+_WantFilter = tuple[int, list[tuple[int, int, int]], int]
 
 
-def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[HtbParamsFilter]:
-    out: list[HtbParamsFilter] = []
+def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[_WantFilter]:
+    out: list[_WantFilter] = []
     for job in spec.jobs:
         base = handle(MARKER, slots[job.name] << 8)
         for flow in job.flows:
@@ -614,15 +685,19 @@ def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[HtbParamsFil
 
 
 def _diff_filters(
-    want: list[HtbParamsFilter], have: list[U32Filter]
-) -> tuple[set[int], list[HtbParamsFilter]]:
-    """Return (prefs to keep, wanted filters to add)."""
+    want: list[_WantFilter], have: list[U32Filter]
+) -> tuple[set[int], list[_WantFilter], list[tuple[U32Filter, list[tuple[int, int, int]], int]]]:
+    """Return (prefs to keep, wanted filters to add, filters to retarget).
+
+    A registered flow whose filter exists with another target (it moved to
+    another band) is retargeted in place when its node handle is known.
+    """
     by_pref: dict[int, list[U32Filter]] = {}
     for f in have:
         by_pref.setdefault(f.pref, []).append(f)
     keep: set[int] = set()
-    add: list[HtbParamsFilter] = []
-    wanted_flows: dict[tuple[frozenset[tuple[int, int, int]], int], HtbParamsFilter] = {}
+    add: list[_WantFilter] = []
+    wanted_flows: dict[frozenset[tuple[int, int, int]], _WantFilter] = {}
     for item in want:
         kind, keys, classid = item
         if kind >= 0:
@@ -635,15 +710,24 @@ def _diff_filters(
             else:
                 add.append(item)
         else:
-            wanted_flows[(u32_bytemap(keys), classid)] = item
-    for pref, found in by_pref.items():
-        if pref in FLOW_PREFS and len(found) == 1:
-            key = (found[0].bytemap, found[0].classid)
-            if key in wanted_flows:
-                keep.add(pref)
-                del wanted_flows[key]
+            wanted_flows[u32_bytemap(keys)] = item
+    moved = []
+    for pref, found in sorted(by_pref.items()):
+        if pref not in FLOW_PREFS or len(found) != 1:
+            continue
+        node = found[0]
+        wanted = wanted_flows.get(node.bytemap)
+        if wanted is None:
+            continue
+        if node.classid == wanted[2]:
+            keep.add(pref)
+            del wanted_flows[node.bytemap]
+        elif node.handle:
+            moved.append((node, wanted[1], wanted[2]))
+            keep.add(pref)
+            del wanted_flows[node.bytemap]
     add.extend(wanted_flows.values())
-    return keep, add
+    return keep, add, moved
 
 
 def _describe(classid: int, names: dict[int, str]) -> tuple[str, str | None, int | None]:

@@ -222,6 +222,7 @@ class U32Filter:
     pref: int
     classid: int
     bytemap: ByteMap
+    handle: int = 0  # the kernel's node handle (e.g. 800::800); 0 when not known
 
 
 _SEL_HEADER = 16  # struct tc_u32_sel before its keys
@@ -254,7 +255,9 @@ def parse_u32_filter(msg: Any) -> U32Filter | None:
         mask, val = _KEY_MASK_VAL.unpack_from(sel.data, at)
         (off,) = _KEY_OFF.unpack_from(sel.data, at + _KEY_MASK_VAL.size)
         keys.append((val, mask, off))
-    return U32Filter(pref=msg["info"] >> 16, classid=classid, bytemap=u32_bytemap(keys))
+    return U32Filter(
+        pref=msg["info"] >> 16, classid=classid, bytemap=u32_bytemap(keys), handle=msg["handle"]
+    )
 
 
 def filter_info(pref: int, protocol: int = ETH_P_IP) -> int:

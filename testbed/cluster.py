@@ -167,12 +167,12 @@ class Cluster:
         topo = self.topology
         for name in topo.namespaces():
             netns.create(name)
-        with IPRoute(netns=topo.switch_ns, flags=0) as sw:
+        with IPRoute(netns=topo.switch_ns, flags=0, groups=0) as sw:
             _set_up(sw, "lo")
             for nic in range(topo.nics):
                 self._build_plane(sw, nic)
         for host in range(1, topo.hosts + 1):
-            with IPRoute(netns=topo.host_ns(host), flags=0) as ipr:
+            with IPRoute(netns=topo.host_ns(host), flags=0, groups=0) as ipr:
                 _set_up(ipr, "lo")
                 for nic in range(topo.nics):
                     index = _set_up(ipr, f"eth{nic}")

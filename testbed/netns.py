@@ -116,7 +116,7 @@ def clean(prefix: str = NS_PREFIX) -> list[str]:
     for name in list_namespaces(prefix):
         remove(name)
         removed.append(name)
-    with IPRoute() as ipr:
+    with IPRoute(groups=0) as ipr:
         for link in ipr.get_links():
             ifname = link.get_attr("IFLA_IFNAME") or ""
             if ifname.startswith(prefix):

@@ -75,8 +75,20 @@ def test_filters_existing_in_kernel_are_kept_and_missing_ones_added() -> None:
     flow = U32Filter(0x100, 0x474C0102, u32_bytemap(FlowMatch(1, dport=5000).keys()))
     stale = U32Filter(0x101, 0x474C0103, u32_bytemap(FlowMatch(2, dport=6000).keys()))
     wrong_dscp = U32Filter(DSCP_PREF_BASE + 1, 0x474C0102, u32_bytemap([dscp_key(10)]))
-    keep, add = _diff_filters(want, [dscp0, flow, stale, wrong_dscp])
+    keep, add, moved = _diff_filters(want, [dscp0, flow, stale, wrong_dscp])
     assert keep == {DSCP_PREF_BASE, 0x100}  # stale and wrong_dscp get deleted
     assert sorted(kind for kind, _, _ in add) == [1, 2, 3]  # DSCP bands 1..3 re-added
-    keep, add = _diff_filters(want, [])
-    assert keep == set() and len(add) == 5
+    keep, add, moved = _diff_filters(want, [])
+    assert keep == set() and len(add) == 5 and moved == []
+
+
+def test_a_flow_moved_to_another_band_is_retargeted_in_place() -> None:
+    s = spec(jobs=(JobSpec("a", M, 100 * M, flows=(FlowMatch(3, dport=5000),)),))
+    want = _wanted_filters(s, {"a": 1})
+    node = U32Filter(0x100, 0x474C0102, u32_bytemap(FlowMatch(1, dport=5000).keys()), 0x80000800)
+    keep, add, moved = _diff_filters(want, [node])
+    assert 0x100 in keep and [item for item in add if item[0] < 0] == []
+    assert [(old.pref, target) for old, _, target in moved] == [(0x100, 0x474C0104)]
+    unknown = U32Filter(0x100, 0x474C0102, node.bytemap)  # handle not known: delete + add
+    keep, add, moved = _diff_filters(want, [unknown])
+    assert 0x100 not in keep and moved == [] and [i for i in add if i[0] < 0][0][2] == 0x474C0104
