@@ -4,8 +4,9 @@
 
 1. the Unix-socket API for shims (`gradlane.daemon.protocol`),
 2. the reconcile loop: registry + policy -> `QdiscSpec` per interface ->
-   `QdiscManager.apply` (bursts of registrations are coalesced; every apply
-   is an idempotent diff, so a repeated or lost wake-up costs nothing),
+   `QdiscManager.apply` (a change finding the loop idle is applied at once,
+   later ones in a burst are coalesced; every apply is an idempotent diff,
+   so a repeated or lost wake-up costs nothing),
 3. expiry of workers whose process died without closing its connection,
 4. a stats sampler feeding `/status` and `/metrics` (localhost HTTP).
 
@@ -29,7 +30,9 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,6 +56,7 @@ logger = logging.getLogger(__name__)
 DSCP_JOB = "_dscp"  # class for DSCP-marked traffic of flows nobody registered
 SHUTDOWN_TIMEOUT = 10.0
 STATS_EVERY = 1.0
+VERIFY_EVERY = 30.0  # re-read the kernel's tree to repair changes made behind our back
 EXPIRE_EVERY = 1.0
 SEND_TIMEOUT = 5.0
 
@@ -65,7 +69,7 @@ class Backend(Protocol):
     def open(self) -> None: ...
     def close(self) -> None: ...
     def owned(self) -> bool: ...
-    def apply(self, spec: QdiscSpec) -> list[str]: ...
+    def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]: ...
     def restore(self) -> bool: ...
     def class_stats(self) -> list[ClassStats]: ...
     def addresses(self) -> set[str]: ...
@@ -91,7 +95,9 @@ class Daemon:
         self._clock = clock
         self._backends = [backend_factory(i, config) for i in config.interfaces]
         self._addresses: dict[str, set[str]] = {}
-        self._tc_lock = asyncio.Lock()
+        # One thread owns every netlink socket: pyroute2's sync API keeps
+        # per-thread state, and one worker also serializes the calls.
+        self._tc_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradlane-tc")
         self._dirty = asyncio.Event()
         self._stopping = asyncio.Event()
         self.ready = asyncio.Event()
@@ -100,6 +106,7 @@ class Daemon:
         self._plan: Plan | None = None
         self._plan_at = 0.0
         self._plan_version = 0
+        self._verified_at = -VERIFY_EVERY
         self._stats: dict[str, list[ClassStats]] = {}
         self._reconciles = 0
         self._reconcile_errors = 0
@@ -158,7 +165,8 @@ class Daemon:
                 for writer in list(self._clients):
                     writer.close()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(server.wait_closed(), SHUTDOWN_TIMEOUT)
+                    async with asyncio.timeout(SHUTDOWN_TIMEOUT):
+                        await server.wait_closed()
                 if runner is not None:
                     await runner.cleanup()
         finally:
@@ -185,9 +193,8 @@ class Daemon:
     # -- traffic control -------------------------------------------------
 
     async def _tc(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # pyroute2's sync socket cannot run inside the event loop; one call at a time.
-        async with self._tc_lock:
-            return await asyncio.to_thread(fn, *args)
+        # pyroute2's sync socket cannot run inside the event loop.
+        return await asyncio.get_running_loop().run_in_executor(self._tc_thread, fn, *args)
 
     async def _start_tc(self) -> None:
         for backend in self._backends:
@@ -208,7 +215,8 @@ class Daemon:
             except GradlaneError:
                 logger.exception("%s: could not restore the original qdisc", backend.ifname)
             finally:
-                backend.close()
+                await self._tc(backend.close)
+        self._tc_thread.shutdown(wait=True)
 
     def state(self) -> State:
         shaped = min(self._shaped(b) for b in self._backends)
@@ -260,24 +268,44 @@ class Daemon:
         started = time.perf_counter()
         plan = self.policy.plan(self.state())
         changes: list[str] = []
+        verify = self._clock() - self._verified_at >= VERIFY_EVERY
+        planned = time.perf_counter()
         try:
             for backend in self._backends:
-                changes += await self._tc(backend.apply, self.spec_for(backend, plan))
+                spec = self.spec_for(backend, plan)
+                changes += await self._tc(partial(backend.apply, spec, verify=verify))
         except GradlaneError:
             self._reconcile_errors += 1
             logger.exception("reconcile failed; retrying on the next change")
             return
         self._plan, self._plan_at = plan, self._clock()
+        if verify:
+            self._verified_at = self._plan_at
         self._reconciles += 1
         self._last_changes = changes
-        self._reconcile_hist.observe(time.perf_counter() - started)
+        done = time.perf_counter()
+        self._reconcile_hist.observe(done - started)
+        logger.debug(
+            "reconcile: plan %.2f ms, apply %.2f ms%s: %s",
+            (planned - started) * 1000,
+            (done - planned) * 1000,
+            " (verified)" if verify else "",
+            changes,
+        )
 
     async def _reconcile_loop(self) -> None:
         while True:
-            await self._dirty.wait()
-            await asyncio.sleep(self.config.coalesce_s)  # coalesce a burst of changes
+            # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a
+            # cancellation that races with the event, and shutdown would hang.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(VERIFY_EVERY):  # wake up to verify now and then
+                    await self._dirty.wait()
+            # Leading edge: a change that finds the daemon idle is applied at
+            # once; what arrives during a reconcile or within coalesce_s after
+            # it is gathered into the next one, so a burst costs few applies.
             self._dirty.clear()
             await self._reconcile()
+            await asyncio.sleep(self.config.coalesce_s)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -345,7 +373,8 @@ class Daemon:
                 self._dirty.set()
             writer.close()
             with contextlib.suppress(ConnectionError, TimeoutError):
-                await asyncio.wait_for(writer.wait_closed(), SEND_TIMEOUT)
+                async with asyncio.timeout(SEND_TIMEOUT):
+                    await writer.wait_closed()
 
     async def _handle(
         self,
@@ -394,7 +423,8 @@ class Daemon:
 
     async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
         writer.write(protocol.encode(message))
-        await asyncio.wait_for(writer.drain(), SEND_TIMEOUT)
+        async with asyncio.timeout(SEND_TIMEOUT):
+            await writer.drain()
 
     # -- HTTP: /status and /metrics ---------------------------------------
 

@@ -34,7 +34,7 @@ class FakeBackend:
     def owned(self) -> bool:
         return self.spec is not None
 
-    def apply(self, spec: QdiscSpec) -> list[str]:
+    def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]:
         changed = spec != self.spec
         self.spec = spec
         self.applied += 1

@@ -190,6 +190,29 @@ def test_out_of_order_and_conflicts_get_errors(daemon: RunningDaemon) -> None:
         c.close()
 
 
+def test_a_burst_of_registrations_is_coalesced(daemon: RunningDaemon) -> None:
+    before = daemon.status()["reconcile"]["count"]
+    clients = [Client(daemon.socket) for _ in range(60)]
+    for i, c in enumerate(clients):
+        # 1 ms apart: each would find the daemon idle were it not for the
+        # coalescing window (2 ms) after every reconcile. A stalled machine
+        # only bunches them further.
+        c.send(hello(f"burst{i}"))
+        time.sleep(0.001)
+    for c in clients:
+        assert c.recv()["type"] == "welcome"
+    deadline = time.monotonic() + 5
+    while len(daemon.status()["jobs"]) != 60 or daemon.status()["reconcile"]["count"] == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.2)  # any trailing reconcile
+    reconciles = daemon.status()["reconcile"]["count"] - before
+    # Measured here: 17-18 with the window, 43-45 without it.
+    assert 1 <= reconciles <= 30, reconciles
+    for c in clients:
+        c.close()
+
+
 def test_client_limit(daemon: RunningDaemon) -> None:
     clients = [Client(daemon.socket) for _ in range(64)]
     for i, c in enumerate(clients):  # the daemon has them all before the next arrives
