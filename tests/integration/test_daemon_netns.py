@@ -31,13 +31,17 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def start_daemon(cluster: Cluster, host: str, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
+def start_daemon(
+    cluster: Cluster, host: str, tmp: Path, config: Path | None = None
+) -> tuple[subprocess.Popen[str], Path]:
     sock = tmp / f"{host}.sock"
     argv = [
         sys.executable, "-m", "gradlane.cli", "daemon",
         "-i", "eth0=200mbit", "--socket", str(sock),
         "--state-dir", str(tmp / f"state-{host}"), "--http", "127.0.0.1:9464",
     ]  # fmt: skip
+    if config is not None:
+        argv += ["--config", str(config)]
     proc = cluster.popen(host, argv, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20
     while True:
@@ -236,5 +240,36 @@ def test_thousand_register_cycles_leave_nothing_behind(cluster: Cluster, tmp_pat
         wait_for(lambda: set(classes(cluster)) == BASE_CLASSES, "base classes only", timeout=30)
         assert filter_prefs(cluster) == [0x8000, 0x8001, 0x8002, 0x8003]
         assert status(cluster)["reconcile"]["errors"] == 0
+    finally:
+        assert stop(daemon) == 0
+
+
+def dscp_filters(cluster: Cluster) -> set[str]:
+    shown = tc(cluster.ns("h1"), "filter", "show", "dev", "eth0")
+    return set(re.findall(r"match ([0-9a-f]{2})000000/fc000000 at 1", shown))
+
+
+def test_sighup_reloads_bands(cluster: Cluster, tmp_path: Path) -> None:
+    config = tmp_path / "gradlaned.toml"
+    config.write_text("[network]\nbands = [46, 34, 26, 18]\n")
+    daemon, sock = start_daemon(cluster, "h1", tmp_path, config)
+    try:
+        wait_for(lambda: dscp_filters(cluster) == {"b8", "88", "68", "48"}, "four DSCP filters")
+        config.write_text("[network]\nbands = [46, 10]\n")
+        daemon.send_signal(signal.SIGHUP)
+        wait_for(lambda: dscp_filters(cluster) == {"b8", "28"}, "the reloaded bands")
+        client = socket.socket(socket.AF_UNIX)
+        client.settimeout(10)
+        client.connect(str(sock))
+        client.sendall(protocol.encode(hello([])))
+        decoder, got = protocol.FrameDecoder(), []
+        while len(got) < 2:
+            got += decoder.feed(client.recv(65536))
+        assert got[0]["bands"] == [46, 10] and got[1]["version"] == 1
+        client.close()
+        config.write_text("[network]\nbands = [46, 46]\n")  # invalid: refused, kept
+        daemon.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert daemon.poll() is None and dscp_filters(cluster) == {"b8", "28"}
     finally:
         assert stop(daemon) == 0
