@@ -16,8 +16,17 @@ chained (``raise TcError(...) from exc``) so the original stays visible.
     │   └── ForeignQdiscError  the interface has a root qdisc that gradlane did
     │                        not install and cannot restore exactly. Remove it
     │                        or pick another interface; gradlane left it alone.
-    └── TestbedError         the emulated cluster could not be built, a command
-                             in a host failed, or a measurement did not finish.
+    ├── TestbedError         the emulated cluster could not be built, a command
+    │                        in a host failed, or a measurement did not finish.
+    └── TransportError       the shim's worker-to-worker transport failed:
+        │                    rendezvous, a connection, or a malformed frame.
+        ├── ModelMismatch    workers attached different models or settings.
+        │                    Nothing was sent; make every rank build the same
+        │                    model and pass the same options.
+        └── PeerLost         a peer worker died, closed its connections or
+                             sent nothing within the timeout. Says which
+                             rank and which step. The job cannot go on:
+                             restart it (e.g. torchrun's --max-restarts).
 """
 
 from __future__ import annotations
@@ -31,7 +40,10 @@ __all__ = [
     "ForeignQdiscError",
     "GradlaneError",
     "TcError",
+    "ModelMismatch",
+    "PeerLost",
     "TestbedError",
+    "TransportError",
 ]
 
 
@@ -106,3 +118,34 @@ class TestbedError(GradlaneError):
     """
 
     __test__ = False  # not a pytest test class despite the name
+
+
+class TransportError(GradlaneError):
+    """Raised when the shim's transport between workers fails.
+
+    The message says which peer and which step when known. Training cannot
+    continue on this worker; the other workers raise too.
+    """
+
+
+class ModelMismatch(TransportError):
+    """Raised by `attach` when workers do not agree on the model or options.
+
+    The message names the first parameter (or option) that differs and the
+    two ranks compared. Nothing was exchanged yet.
+    """
+
+
+class PeerLost(TransportError):
+    """Raised when a peer worker is gone or silent past the timeout.
+
+    Attributes:
+        rank: the peer's rank (None when several were silent).
+        step: the optimizer step that was being synchronized.
+    """
+
+    def __init__(self, rank: int | None, step: int, detail: str) -> None:
+        self.rank = rank
+        self.step = step
+        who = f"rank {rank}" if rank is not None else "peers"
+        super().__init__(f"step {step}: {who} lost: {detail}")

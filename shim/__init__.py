@@ -1,6 +1,15 @@
-"""PyTorch integration (per-layer gradient sync over gradlane's transport).
+"""PyTorch integration: layer-wise gradient sync over gradlane's transport.
 
-Not built yet: see the shim issue. Nothing is exported so far.
+    import gradlane.shim as gl
+    sync = gl.attach(model, optimizer)   # torchrun's RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    ...                                  # the usual loop: backward, step, zero_grad
+    sync.close()
+
+See `gradlane.shim.sync` for what happens underneath and `ShimConfig` for the
+options. `comm_hook` is the DDP communication hook for users who keep DDP.
 """
 
-__all__: list[str] = []
+from gradlane.shim.config import ShimConfig
+from gradlane.shim.sync import PER_PARAMETER_OPTIMIZERS, Sync, attach
+
+__all__ = ["PER_PARAMETER_OPTIMIZERS", "ShimConfig", "Sync", "attach"]

@@ -1,0 +1,216 @@
+"""The shim's side of the gradlaned protocol (`gradlane.daemon.protocol`).
+
+One background thread owns the Unix socket. The training thread only appends
+to an in-memory batch (`chunk_event`, `begin`, `compute_time`), so a slow or
+dead daemon never slows training. When the socket is missing or the daemon
+goes away, one log line says so; training goes on with the local order and
+the thread reconnects every `RETRY_S` seconds, replaying hello with the
+current flows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from gradlane.daemon import protocol
+from gradlane.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from gradlane.shim.config import ShimConfig
+    from gradlane.shim.engine import Chunk, Group
+    from gradlane.shim.transport import Mesh
+
+__all__ = ["DaemonClient"]
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 2.0
+_MAX_QUEUED = 256  # messages; older batches are dropped past this (the daemon is behind)
+
+
+class DaemonClient:
+    """Registers this worker's band connections with gradlaned and reports to it.
+
+    Attributes:
+        connected: whether a daemon accepted our hello.
+        plan: the last plan message, or None.
+        advised_batch_share: the batch share the plan advises (None: keep yours).
+    """
+
+    def __init__(self, config: ShimConfig, rank: int, world: int, mesh: Mesh) -> None:
+        self.config, self.rank, self.world, self.mesh = config, rank, world, mesh
+        self.connected = False
+        self.plan: dict[str, Any] | None = None
+        self.advised_batch_share: float | None = None
+        self.daemon_bands: tuple[int, ...] | None = None
+        self._events: list[list[float | int]] = []
+        self._step = 0
+        self._samples = 0
+        self._outbox: queue.Queue[dict[str, Any]] = queue.Queue(_MAX_QUEUED)
+        self._stop = threading.Event()
+        self._said_absent = False
+        self._thread = threading.Thread(target=self._run, name="gl-daemon-client", daemon=True)
+        self._thread.start()
+
+    # -- called from the training thread (cheap, never blocks) ---------------
+
+    def chunk_event(self, group: Group, chunk: Chunk, kind: str) -> None:
+        if kind == "ready":
+            self._events.append(
+                [group.priority, chunk.nbytes, self._band(group.band), round(time.monotonic(), 6)]
+            )
+
+    def begin(self, step: int, samples: int) -> None:
+        """A new step starts: ship the previous step's batch of events."""
+        events, self._events = self._events, []
+        for i in range(0, len(events), protocol.MAX_EVENTS):
+            self._post(
+                {
+                    "type": "chunks",
+                    "iteration": self._step,
+                    "events": events[i : i + protocol.MAX_EVENTS],
+                }
+            )
+        self._step, self._samples = step, samples
+
+    def compute_time(self, seconds: float) -> None:
+        self._post(
+            {
+                "type": "timing",
+                "iteration": self._step,
+                "compute_s": max(0.0, seconds),
+                "comm_s": 0.0,
+                "samples": self._samples,
+            }
+        )
+
+    def _post(self, message: dict[str, Any]) -> None:
+        if not self.connected:
+            return
+        with contextlib.suppress(queue.Full):  # the daemon is behind; reports are advisory
+            self._outbox.put_nowait(message)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    # -- the background thread ------------------------------------------------
+
+    def _band(self, band: int) -> int:
+        if self.daemon_bands is None:
+            return band
+        return min(band, len(self.daemon_bands) - 1)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            path = self.config.daemon_socket
+            if not os.path.exists(path):
+                self._absent(f"no gradlaned socket at {path}")
+            else:
+                try:
+                    self._session(path)
+                except (OSError, ProtocolError, ValueError) as exc:
+                    self._absent(f"gradlaned at {path}: {exc}")
+            self.connected = False
+            self._stop.wait(RETRY_S)
+
+    def _absent(self, why: str) -> None:
+        if not self._said_absent:
+            logger.warning(
+                "gradlane: %s; training goes on with the local priority order "
+                "(retrying every %.0f s)",
+                why,
+                RETRY_S,
+            )
+            self._said_absent = True
+
+    def _session(self, path: str) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5.0)
+            sock.connect(path)
+            decoder = protocol.FrameDecoder()
+            sock.sendall(
+                protocol.encode(
+                    {
+                        "type": "hello",
+                        "version": protocol.VERSION,
+                        "job": self.config.job,
+                        "rank": self.rank,
+                        "world_size": self.world,
+                        "flows": self._flows(),
+                    }
+                )
+            )
+            welcome = self._read(sock, decoder)
+            if welcome.get("type") != "welcome":
+                raise ProtocolError("order", f"expected welcome, got {welcome.get('type')!r}")
+            self._adopt_bands(welcome.get("bands"))
+            self.connected, self._said_absent = True, False
+            logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))
+            sock.settimeout(0.2)
+            while not self._stop.is_set():
+                try:
+                    message = self._outbox.get(timeout=0.2)
+                except queue.Empty:
+                    message = None
+                if message is not None:
+                    sock.settimeout(5.0)
+                    sock.sendall(protocol.encode(message))
+                    sock.settimeout(0.2)
+                self._poll(sock, decoder)
+            sock.settimeout(1.0)
+            sock.sendall(protocol.encode({"type": "bye"}))
+
+    def _poll(self, sock: socket.socket, decoder: protocol.FrameDecoder) -> None:
+        try:
+            data = sock.recv(65536, socket.MSG_DONTWAIT)
+        except (BlockingIOError, TimeoutError):
+            return
+        if not data:
+            raise ConnectionError("gradlaned closed the connection")
+        for message in decoder.feed(data):
+            self._handle(message)
+
+    def _read(self, sock: socket.socket, decoder: protocol.FrameDecoder) -> dict[str, Any]:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("gradlaned closed the connection")
+            messages = list(decoder.feed(data))
+            for extra in messages[1:]:
+                self._handle(extra)
+            if messages:
+                return messages[0]
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "plan":
+            self.plan = message
+            self._adopt_bands(message.get("bands"))
+            share = message.get("batch_share")
+            self.advised_batch_share = float(share) if isinstance(share, int | float) else None
+        elif kind == "error":
+            raise ProtocolError(str(message.get("code")), str(message.get("message")))
+
+    def _adopt_bands(self, bands: object) -> None:
+        if not (isinstance(bands, list) and bands and all(isinstance(b, int) for b in bands)):
+            return
+        table = tuple(bands)
+        if table == self.daemon_bands:
+            return
+        self.daemon_bands = table
+        ours = tuple(table[self._band(b)] for b in range(len(self.mesh.dscp)))
+        self.mesh.remark(ours)
+
+    def _flows(self) -> list[dict[str, object]]:
+        flows = self.mesh.flows()
+        for flow in flows:
+            flow["band"] = self._band(int(flow["band"]))  # type: ignore[call-overload]
+        return flows

@@ -1,0 +1,73 @@
+"""The shim's options, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradlane.daemon.qdisc import DEFAULT_BAND_DSCP
+from gradlane.errors import ConfigError
+
+__all__ = ["DEFAULT_DSCP", "ShimConfig"]
+
+# Band 0 first: gradlaned's default table. The daemon's welcome overrides it.
+DEFAULT_DSCP = DEFAULT_BAND_DSCP
+
+
+@dataclass(frozen=True)
+class ShimConfig:
+    """How a worker cuts, orders and sends its gradients.
+
+    Attributes:
+        chunk_bytes: the unit of ownership, ordering and preemption. A newly
+            ready high-priority chunk waits for at most one chunk already being
+            written on each connection. The default comes from
+            ``bench/shim_transport.py`` (see the README): the smallest size at
+            which loopback throughput is within 10% of its best.
+        dscp: the DSCP code point of each band, band 0 (highest priority)
+            first; its length is the number of band connections per peer.
+        credit_bytes: at most this many bytes of one band connection are
+            written to the kernel but not yet sent (TCP_NOTSENT_LOWAT), so
+            little low-priority data is committed when high-priority data
+            arrives. The kernel's HTB bands preempt what is already sent.
+        timeout_s: a peer that delivers nothing for this long while we wait
+            on it is declared lost (`PeerLost`).
+        overlap: step each layer's optimizer as soon as its averaged gradient
+            is in and let the next forward start layer by layer. False: one
+            whole-model step at ``optimizer.step()`` (still priority-ordered).
+        daemon_socket: gradlaned's Unix socket; used when it exists.
+        job: the job name the daemon and control plane see.
+        sndbuf_bytes: SO_SNDBUF of band connections (0 = kernel autotuning).
+    """
+
+    chunk_bytes: int = 1 << 20
+    dscp: tuple[int, ...] = DEFAULT_DSCP
+    credit_bytes: int = 128 << 10
+    timeout_s: float = 60.0
+    overlap: bool = True
+    daemon_socket: str = "/run/gradlane/gradlaned.sock"
+    job: str = "default"
+    sndbuf_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 4096 <= self.chunk_bytes <= 1 << 30:
+            raise ConfigError(f"chunk_bytes must be 4 KiB..1 GiB, got {self.chunk_bytes}")
+        if not 1 <= len(self.dscp) <= 8:
+            raise ConfigError(f"dscp must list 1..8 bands, got {len(self.dscp)}")
+        if not all(isinstance(d, int) and 0 <= d < 64 for d in self.dscp):
+            raise ConfigError(f"dscp values must be integers 0..63, got {self.dscp}")
+        if self.credit_bytes < 1024:
+            raise ConfigError(f"credit_bytes must be >= 1024, got {self.credit_bytes}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not self.job or len(self.job) > 128 or self.job.startswith("_"):
+            raise ConfigError(f"job must be 1..128 characters, not starting with '_': {self.job!r}")
+        if self.sndbuf_bytes < 0:
+            raise ConfigError(f"sndbuf_bytes must be >= 0, got {self.sndbuf_bytes}")
+
+    @property
+    def bands(self) -> int:
+        return len(self.dscp)
+
+    def signature(self) -> dict[str, object]:
+        """The options every worker of a job must share (checked at attach)."""
+        return {"chunk_bytes": self.chunk_bytes, "bands": self.bands, "overlap": self.overlap}

@@ -1,0 +1,502 @@
+"""The chunk engine: priority queues, reduce-scatter and all-gather per chunk.
+
+A *group* is a flat gradient buffer that is synchronized as a unit (one
+layer's gradients of one dtype, or one DDP bucket). It is cut into chunks;
+each chunk has one owner rank. For every step:
+
+1. When a group's local gradient is complete (`Engine.ready`), each chunk goes
+   to its owner (reduce-scatter, RS) through the sender queue of that peer.
+2. The owner, once it holds all `world` contributions of a chunk, computes the
+   sample-weighted mean ``sum(n_r * g_r) / sum(n_r)`` in float32 (float64 for
+   float64 gradients), adding ranks in order, and writes it to the group's
+   output buffer.
+3. The owner sends that result to every peer (all-gather, AG); every replica
+   therefore holds the exact same bytes.
+4. A group is done for the step when all its chunks are; waiters wake and the
+   group's callback runs.
+
+Scheduling: one sender thread per peer pops its queue in priority order
+(smaller group priority first, AG before RS, chunk order), so a chunk that
+becomes ready while lower-priority chunks are queued goes first; at most one
+chunk per peer is being written when it arrives. Which connection (band) a
+chunk rides is the group's band; the kernel (gradlaned's HTB leaves, DSCP
+switches) preempts what was already handed over. One receiver thread per
+connection reads straight into preallocated tensors (no copies), and senders
+write straight from tensor memory.
+
+Failure: EOF, a reset or a malformed frame on any connection, or no message
+from anyone for `timeout_s` while a caller waits, makes every wait raise
+`PeerLost` naming the rank the missing data was expected from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gradlane.errors import PeerLost, TransportError
+from gradlane.shim.transport import Link, Mesh, tensor_bytes
+
+__all__ = ["Chunk", "Engine", "Group"]
+
+logger = logging.getLogger(__name__)
+
+RS, AG, BYE = 1, 2, 3
+_HDR = struct.Struct("<BxxxIQIII")  # kind, group, step, chunk, nbytes, samples
+_LAST = (1 << 62,)
+
+
+@dataclass(eq=False)
+class Chunk:
+    group: Group
+    index: int
+    start: int
+    stop: int
+    owner: int
+    done_step: int = -1
+    # Owner side only: one receive buffer per peer, and this step's arrivals.
+    inbox: dict[int, torch.Tensor] = field(default_factory=dict)
+    samples: list[int] = field(default_factory=list)
+    have: set[int] = field(default_factory=set)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * self.group.grad.element_size()
+
+
+@dataclass(eq=False)
+class Group:
+    """A flat gradient buffer synchronized as a unit.
+
+    `grad` holds this worker's contribution, `out` receives the average.
+    `priority`: smaller goes first. `band`: the connection it rides.
+    """
+
+    gid: int
+    label: str
+    grad: torch.Tensor
+    out: torch.Tensor
+    priority: int
+    band: int
+    chunks: list[Chunk] = field(default_factory=list)
+    remaining: int = 0
+    done_step: int = -1
+    step: int = -1
+    on_done: Callable[[Group], None] | None = None
+
+
+class Engine:
+    """Runs the per-chunk collective over a `Mesh` (see the module docstring).
+
+    Args:
+        mesh: established connections.
+        timeout_s: see `ShimConfig.timeout_s`.
+        on_event: called ``(group, chunk, kind)`` when a chunk is queued
+            ("ready") and when it is averaged ("done"); for the daemon client.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        timeout_s: float,
+        on_event: Callable[[Group, Chunk, str], None] | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.rank, self.world = mesh.rank, mesh.world
+        self.timeout_s = timeout_s
+        self.on_event = on_event
+        self.groups: dict[int, Group] = {}
+        self.step = 0
+        self.samples = 1
+        self.error: TransportError | None = None
+        self.last_rx = time.monotonic()
+        self.left: dict[int, str] = {}
+        self._vanished: set[int] = set()
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._queues: dict[int, list[tuple[tuple[int, ...], int, bytes, memoryview | None, int]]]
+        self._queues = {p: [] for p in mesh.peers()}
+        self._qcond = {p: threading.Condition() for p in mesh.peers()}
+        self._queued_bytes = 0
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+        for peer in mesh.peers():
+            self._spawn(self._send_loop, f"gl-send-{peer}", peer)
+        for link in mesh.links.values():
+            self._spawn(self._recv_loop, f"gl-recv-{link.peer}.{link.band}", link)
+
+    def _spawn(self, target: Callable[..., None], name: str, arg: object) -> None:
+        thread = threading.Thread(target=target, args=(arg,), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # -- groups ------------------------------------------------------------
+
+    def add_group(
+        self,
+        gid: int,
+        label: str,
+        grad: torch.Tensor,
+        ranges: Sequence[tuple[int, int]],
+        owners: Sequence[int],
+        priority: int,
+        band: int,
+        on_done: Callable[[Group], None] | None = None,
+    ) -> Group:
+        """Register a group; every worker must register the same ones."""
+        if gid in self.groups:
+            raise TransportError(f"group {gid} ({label}) registered twice")
+        if not (grad.dim() == 1 and grad.is_contiguous() and grad.device.type == "cpu"):
+            raise TransportError(f"group {label}: need a flat contiguous CPU tensor")
+        group = Group(
+            gid,
+            label,
+            grad,
+            torch.empty_like(grad),
+            priority,
+            band,
+            on_done=on_done,
+            step=self.step - 1,
+            done_step=self.step - 1,
+        )
+        for i, ((start, stop), owner) in enumerate(zip(ranges, owners, strict=True)):
+            chunk = Chunk(group, i, start, stop, owner, done_step=self.step - 1)
+            if owner == self.rank:
+                chunk.samples = [0] * self.world
+                chunk.inbox = {
+                    p: torch.empty(stop - start, dtype=grad.dtype) for p in self.mesh.peers()
+                }
+            group.chunks.append(chunk)
+        group.remaining = len(group.chunks)
+        with self._cond:
+            self.groups[gid] = group
+            self._cond.notify_all()
+        return group
+
+    # -- the caller's side -------------------------------------------------
+
+    def begin(self, step: int, samples: int) -> None:
+        """Start `step`, in which this worker averages over `samples` samples."""
+        if samples < 0:
+            raise TransportError(f"sample count must be >= 0, got {samples}")
+        self.step, self.samples = step, samples
+
+    def ready(self, group: Group) -> None:
+        """`group.grad` holds this step's local gradient: send it on its way."""
+        self.raise_error()
+        if group.step == self.step:
+            raise TransportError(f"group {group.label} was made ready twice in step {self.step}")
+        group.step = self.step
+        if not group.chunks:
+            self._group_done(group, self.step)
+            return
+        for chunk in group.chunks:
+            if self.on_event:
+                self.on_event(group, chunk, "ready")
+            if chunk.owner == self.rank:
+                self._contribute(chunk, self.rank, self.samples, self.step)
+            else:
+                view = group.grad[chunk.start : chunk.stop]
+                header = _HDR.pack(
+                    RS, group.gid, self.step, chunk.index, chunk.nbytes, self.samples
+                )
+                self._enqueue(
+                    chunk.owner,
+                    (group.priority, 1, chunk.index),
+                    header,
+                    tensor_bytes(view),
+                    group.band,
+                )
+
+    def wait(self, groups: Sequence[Group], step: int | None = None) -> None:
+        """Block until every group in `groups` is averaged for `step` (default: current)."""
+        step = self.step if step is None else step
+        started = time.monotonic()
+        with self._cond:
+            while True:
+                self.raise_error()
+                pending = [g for g in groups if g.done_step < step]
+                if not pending:
+                    return
+                missing = self._missing(pending, step)
+                # A peer that vanished breaks the job; one that said goodbye
+                # only matters if we still wait on it.
+                gone = [p for p in self.left if p in self._vanished]
+                gone += [p for p in self.left if p in missing]
+                if gone:
+                    raise PeerLost(gone[0], step, self.left[gone[0]])
+                idle = time.monotonic() - max(self.last_rx, started)
+                if idle >= self.timeout_s:
+                    rank = missing[0] if len(set(missing)) == 1 else None
+                    raise PeerLost(
+                        rank,
+                        step,
+                        f"nothing received for {idle:.0f} s while waiting for "
+                        f"{pending[0].label}; waiting on ranks {sorted(set(missing))}",
+                    )
+                self._cond.wait(min(1.0, self.timeout_s - idle))
+
+    def _missing(self, groups: Sequence[Group], step: int) -> list[int]:
+        ranks = []
+        for group in groups:
+            for chunk in group.chunks:
+                if chunk.done_step >= step:
+                    continue
+                if chunk.owner != self.rank:
+                    ranks.append(chunk.owner)
+                else:
+                    ranks.extend(p for p in self.mesh.peers() if p not in chunk.have)
+        return ranks or [p for p in self.mesh.peers()]
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until the send queues are empty; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queued_bytes > 0 and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+        return self.error is None
+
+    @property
+    def healthy(self) -> bool:
+        """No error and no peer gone: the job can go on."""
+        return self.error is None and not self.left
+
+    def close(self, linger_s: float = 10.0) -> None:
+        """Send what is queued, say goodbye on every connection, stop threads.
+
+        Healthy: waits up to `linger_s` for queued chunks to go out and for the
+        peers' goodbyes (closing earlier could reset data still in flight).
+        Otherwise it stops at once.
+        """
+        if self._closing:
+            return
+        healthy = self.healthy
+        drained = self.drain(linger_s if healthy else 0.0)
+        self._closing = True
+        for peer in self._queues:
+            if drained:
+                self._enqueue(peer, _LAST, _HDR.pack(BYE, 0, self.step, 0, 0, 0), None, 0)
+            else:
+                with self._qcond[peer]:
+                    self._qcond[peer].notify_all()
+        deadline = time.monotonic() + (linger_s if healthy else 0.5)
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for link in self.mesh.links.values():
+            with contextlib.suppress(OSError):
+                link.sock.shutdown(socket.SHUT_RDWR)  # wakes threads blocked in recv/send
+        for thread in self._threads:
+            thread.join(1.0)
+        self.mesh.close()
+
+    # -- sending ----------------------------------------------------------
+
+    def _enqueue(
+        self,
+        peer: int,
+        key: tuple[int, ...],
+        header: bytes,
+        payload: memoryview | None,
+        band: int,
+    ) -> None:
+        size = len(payload) if payload is not None else 0
+        with self._cond:
+            self._queued_bytes += size
+        with self._qcond[peer]:
+            heapq.heappush(self._queues[peer], (key, next(self._seq), header, payload, band))
+            self._qcond[peer].notify()
+
+    def _send_loop(self, peer: int) -> None:
+        queue, cond = self._queues[peer], self._qcond[peer]
+        try:
+            while True:
+                with cond:
+                    while not queue and not self._closing:
+                        cond.wait()
+                    if not queue:
+                        return
+                    _, _, header, payload, band = heapq.heappop(queue)
+                link = self.mesh.link(peer, band)
+                if payload is None:  # BYE: one on every band, then FIN
+                    for b in range(len(self.mesh.dscp)):
+                        sock = self.mesh.link(peer, b).sock
+                        sock.sendall(header)
+                        sock.shutdown(socket.SHUT_WR)
+                    return
+                _send_all(link.sock, header, payload)
+                with self._cond:
+                    self._queued_bytes -= len(payload)
+                    if self._queued_bytes == 0:
+                        self._cond.notify_all()
+        except OSError as exc:
+            self._fail(PeerLost(peer, self.step, f"sending failed: {exc}"), quiet=self._closing)
+
+    # -- receiving ----------------------------------------------------------
+
+    def _recv_loop(self, link: Link) -> None:
+        peer, sock = link.peer, link.sock
+        head = bytearray(_HDR.size)
+        try:
+            while True:
+                if not _recv_into(sock, memoryview(head)):
+                    if not self._closing:
+                        self._vanished.add(peer)
+                        self._peer_left(peer, "closed its connections without saying goodbye")
+                    return
+                self.last_rx = time.monotonic()
+                kind, gid, step, index, nbytes, samples = _HDR.unpack(head)
+                if kind == BYE:
+                    self._peer_left(peer, f"left (closed its shim at step {step})")
+                    return
+                chunk = self._chunk(peer, gid, index, nbytes)
+                if kind == RS:
+                    self._check_step(peer, step, (self.step, self.step + 1), "contribution")
+                    if chunk.owner != self.rank:
+                        raise TransportError(
+                            f"rank {peer} sent chunk {index} of {chunk.group.label} to a non-owner"
+                        )
+                    buf = chunk.inbox[peer]
+                    if not _recv_into(sock, tensor_bytes(buf)):
+                        raise ConnectionError("closed mid-chunk")
+                    self.last_rx = time.monotonic()
+                    self._contribute(chunk, peer, samples, step)
+                elif kind == AG:
+                    self._check_step(peer, step, (self.step,), "result")
+                    view = chunk.group.out[chunk.start : chunk.stop]
+                    if not _recv_into(sock, tensor_bytes(view)):
+                        raise ConnectionError("closed mid-chunk")
+                    self.last_rx = time.monotonic()
+                    self._chunk_done(chunk, step)
+                else:
+                    raise TransportError(f"rank {peer} sent an unknown frame kind {kind}")
+        except (OSError, ConnectionError) as exc:
+            self._vanished.add(peer)
+            self._fail(PeerLost(peer, self.step, f"connection broke: {exc}"), quiet=self._closing)
+        except TransportError as exc:
+            self._fail(PeerLost(peer, self.step, f"protocol violation: {exc}"))
+
+    def _check_step(self, peer: int, step: int, allowed: tuple[int, ...], what: str) -> None:
+        if step not in allowed:
+            raise TransportError(
+                f"rank {peer} sent a {what} for step {step} during step "
+                f"{self.step}: workers are out of step"
+            )
+
+    def _chunk(self, peer: int, gid: int, index: int, nbytes: int) -> Chunk:
+        group = self.groups.get(gid)
+        if group is None:  # a peer got ahead of us to a group we register lazily
+            deadline = time.monotonic() + self.timeout_s
+            with self._cond:
+                while gid not in self.groups and not self._closing:
+                    if time.monotonic() >= deadline:
+                        raise TransportError(f"rank {peer} sent data for unknown group {gid}")
+                    self._cond.wait(0.5)
+                group = self.groups.get(gid)
+            if group is None:
+                raise ConnectionError("closing")
+        if not 0 <= index < len(group.chunks) or group.chunks[index].nbytes != nbytes:
+            raise TransportError(f"rank {peer} sent a bad chunk header for {group.label}")
+        return group.chunks[index]
+
+    # -- reduction and completion ------------------------------------------
+
+    def _contribute(self, chunk: Chunk, rank: int, samples: int, step: int) -> None:
+        with self._cond:
+            chunk.samples[rank] = samples
+            chunk.have.add(rank)
+            complete = len(chunk.have) == self.world
+        if not complete:
+            return
+        group = chunk.group
+        result = group.out[chunk.start : chunk.stop]
+        acc_dtype = torch.float64 if group.grad.dtype == torch.float64 else torch.float32
+        total = sum(chunk.samples)
+        acc = torch.zeros(chunk.stop - chunk.start, dtype=acc_dtype)
+        for r in range(self.world):
+            part = group.grad[chunk.start : chunk.stop] if r == self.rank else chunk.inbox[r]
+            if total > 0:
+                acc.add_(part.to(acc_dtype), alpha=chunk.samples[r] / total)
+        result.copy_(acc)
+        with self._cond:
+            chunk.have.clear()
+            chunk.samples = [0] * self.world
+        header = _HDR.pack(AG, group.gid, step, chunk.index, chunk.nbytes, 0)
+        for peer in self.mesh.peers():
+            self._enqueue(
+                peer, (group.priority, 0, chunk.index), header, tensor_bytes(result), group.band
+            )
+        self._chunk_done(chunk, step)
+
+    def _chunk_done(self, chunk: Chunk, step: int) -> None:
+        group = chunk.group
+        if self.on_event:
+            self.on_event(group, chunk, "done")
+        with self._cond:
+            chunk.done_step = step
+            group.remaining -= 1
+            if group.remaining:
+                return
+        self._group_done(group, step)
+
+    def _group_done(self, group: Group, step: int) -> None:
+        with self._cond:
+            group.remaining = len(group.chunks)
+            group.done_step = step
+            self._cond.notify_all()
+        if group.on_done is not None:
+            group.on_done(group)
+
+    # -- failures ------------------------------------------------------------
+
+    def _peer_left(self, peer: int, why: str) -> None:
+        with self._cond:
+            self.left[peer] = why
+            self._cond.notify_all()
+
+    def _fail(self, error: TransportError, quiet: bool = False) -> None:
+        with self._cond:
+            if self.error is None and not quiet:
+                logger.error("%s", error)
+                self.error = error
+            self._cond.notify_all()
+
+
+def _send_all(sock: socket.socket, header: bytes, payload: memoryview) -> None:
+    parts: list[bytes | memoryview] = [header, payload]
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = memoryview(parts[0])[sent:]
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from `sock`; False if the peer closed before the first byte."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return False
+            raise ConnectionError(f"closed after {got} of {n} bytes")
+        got += k
+    return True

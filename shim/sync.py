@@ -1,0 +1,629 @@
+"""`attach`: layer-wise gradient synchronization with cross-iteration overlap.
+
+What happens to a training loop after ``sync = attach(model, optimizer)``:
+
+1. The first forward pass records the order in which modules run; a module's
+   parameters form a *layer* whose priority is that order (first used =
+   highest). Layers are cut into chunks (`layout.split`) with balanced owners
+   (`layout.assign_owners`) and bands by forward order (`layout.band_of`).
+2. During backward, a hook per parameter copies its gradient into the layer's
+   flat buffer; a complete layer goes to the `Engine` at once, so
+   communication starts while backward still runs, highest priority first.
+3. ``optimizer.step()`` returns immediately (``overlap=True``). Each layer's
+   update runs with the optimizer's own ``step`` restricted to that layer's
+   parameters and with the hyperparameters as they were at ``step()`` (so LR
+   schedulers keep their exact schedule), as soon as the next forward pass
+   reaches the layer: a forward pre-hook waits for that layer's average only.
+4. Where a per-layer step would change the math, the step is one whole-model
+   step after all averages are in, still received in priority order:
+   ``overlap=False``; optimizers not known to be per-parameter (everything in
+   torch.optim except LBFGS and SparseAdam is); `clip_grad_norm_` (global
+   norm); and closures (LBFGS).
+
+Gradients are weighted by each worker's sample count (the first dimension of
+the model's first tensor input, summed over forwards since the last step, or
+`Sync.samples` set by hand), so unequal batches average exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradlane.errors import ConfigError, ModelMismatch, TransportError
+from gradlane.shim.client import DaemonClient
+from gradlane.shim.config import ShimConfig
+from gradlane.shim.engine import Engine, Group
+from gradlane.shim.layout import assign_owners, band_of, split
+from gradlane.shim.transport import Mesh, Store, local_address, tensor_bytes
+
+__all__ = ["PER_PARAMETER_OPTIMIZERS", "Sync", "attach"]
+
+logger = logging.getLogger(__name__)
+
+# torch.optim classes whose update of a parameter reads only that parameter,
+# its gradient and its own state: stepping a subset is exactly the same math.
+PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "Adagrad",
+        "Adadelta",
+        "RMSprop",
+        "Rprop",
+        "NAdam",
+        "RAdam",
+        "ASGD",
+        "Adafactor",
+        "Muon",
+    )
+    if hasattr(torch.optim, name)
+)
+
+
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Store | None = None,
+    address: str | None = None,
+    **options: Any,
+) -> Sync:
+    """Synchronize `model`'s gradients across workers and step `optimizer` layer by layer.
+
+    Rank, world size and the rendezvous store follow torchrun: RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or an initialized default process
+    group's store). `address` is the one peers connect to (default: the local
+    address that routes to MASTER_ADDR). Other keyword arguments are
+    `ShimConfig` fields (chunk_bytes, dscp, overlap, timeout_s, job, ...).
+
+    Raises:
+        ConfigError: bad options or environment.
+        ModelMismatch: workers built different models or passed different options.
+        TransportError: rendezvous or connections failed.
+    """
+    config = ShimConfig(**options)
+    env = os.environ
+    try:
+        rank = int(env["RANK"]) if rank is None else rank
+        world_size = int(env["WORLD_SIZE"]) if world_size is None else world_size
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"set RANK and WORLD_SIZE (torchrun does) or pass them: {exc}") from exc
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is not in 0..{world_size - 1}")
+    master = env.get("MASTER_ADDR", "127.0.0.1")
+    if store is None:
+        store = _default_store(rank, world_size, master, config.timeout_s)
+    if address is None:
+        address = local_address(master)
+    return Sync(model, optimizer, config, rank, world_size, store, address)
+
+
+def _default_store(rank: int, world: int, master: str, timeout_s: float) -> Store:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    try:
+        port = int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"set MASTER_PORT (torchrun does) or pass store=: {exc}") from exc
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        master,
+        port,
+        world,
+        is_master=rank == 0 and not agent,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+@dataclass(eq=False)
+class _Layer:
+    name: str
+    params: list[nn.Parameter]
+    order: int = 1 << 30
+    groups: list[Group] = field(default_factory=list)
+    # (param group index, params) for a per-layer optimizer step
+    by_opt_group: list[tuple[int, list[nn.Parameter]]] = field(default_factory=list)
+    updated: bool = True
+
+
+@dataclass(frozen=True)
+class _Slot:
+    group: Group
+    offset: int
+    numel: int
+
+
+class Sync:
+    """The handle `attach` returns. Use as a context manager or call `close`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ShimConfig,
+        rank: int,
+        world: int,
+        store: Store,
+        address: str,
+    ) -> None:
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ConfigError("SparseAdam needs sparse gradients; gradlane averages dense ones")
+        self.model, self.optimizer, self.config = model, optimizer, config
+        self.rank, self.world = rank, world
+        self.step = 0
+        self.samples: int | None = None  # set by hand to override the counted samples
+        self._prefix = f"gradlane/{config.job}"
+        self._store = store  # rank 0 may host it: keep it alive while others rendezvous
+        self._layers = self._find_layers(model, optimizer)
+        self._check_same_model(store)
+        self.mesh = Mesh(
+            rank,
+            world,
+            store,
+            address,
+            config.dscp,
+            credit_bytes=config.credit_bytes,
+            sndbuf_bytes=config.sndbuf_bytes,
+            timeout_s=config.timeout_s,
+            prefix=self._prefix,
+        )
+        try:
+            self._broadcast_state()
+            self.client = DaemonClient(config, rank, world, self.mesh)
+            self.engine = Engine(self.mesh, config.timeout_s, on_event=self.client.chunk_event)
+        except BaseException:
+            self.mesh.close()
+            raise
+        self._by_module: dict[nn.Module, list[_Layer]] = {}
+        self._slots: dict[nn.Parameter, _Slot] = {}
+        self._groups: list[Group] = []
+        self._order: list[_Layer] = []
+        self._laid_out = False
+        self._state = "idle"  # idle -> backward -> reduced -> (step) idle
+        self._no_sync = False
+        self._seen: set[nn.Parameter] = set()
+        self._members: dict[int, list[nn.Parameter]] = {}
+        self._left: dict[int, int] = {}
+        self._counted = 0
+        self._pending: tuple[int, list[dict[str, Any]]] | None = None
+        self._clipped = False
+        self._t_forward: float | None = None
+        self._closed = False
+        per_param = isinstance(optimizer, PER_PARAMETER_OPTIMIZERS)
+        self.layerwise = config.overlap and per_param
+        if config.overlap and not per_param:
+            logger.warning(
+                "gradlane: %s is not known to update parameters independently; "
+                "stepping the whole model after all averages arrive",
+                type(optimizer).__name__,
+            )
+        self._hooks: list[Any] = []
+        self._install_hooks()
+        self._patch_optimizer()
+
+    # -- set-up -------------------------------------------------------------
+
+    @staticmethod
+    def _find_layers(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[_Layer]:
+        in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
+        layers, owned = [], set()
+        for name, module in model.named_modules():
+            params = [
+                p for p in module.parameters(recurse=False) if p.requires_grad and p not in owned
+            ]
+            if not params:
+                continue
+            for p in params:
+                if p not in in_optimizer:
+                    raise ConfigError(
+                        f"parameter of {name or 'the model'} requires grad but "
+                        "is not in the optimizer"
+                    )
+                if p.is_sparse or p.device.type != "cpu":
+                    raise ConfigError(f"{name}: only dense CPU parameters are supported")
+            owned.update(params)
+            layers.append(_Layer(name or "<root>", params))
+        if not layers:
+            raise ConfigError("the model has no parameters that require grad")
+        for layer in layers:
+            for gi, group in enumerate(optimizer.param_groups):
+                members = set(group["params"])
+                chosen = [p for p in layer.params if p in members]
+                if chosen:
+                    layer.by_opt_group.append((gi, chosen))
+        return layers
+
+    def _describe(self) -> dict[str, Any]:
+        params = [
+            [layer.name, i, list(p.shape), str(p.dtype)]
+            for layer in self._layers
+            for i, p in enumerate(layer.params)
+        ]
+        return {"params": params, "options": self.config.signature(), "world": self.world}
+
+    def _check_same_model(self, store: Store) -> None:
+        """Every rank compares itself with rank 0, and every rank learns every verdict."""
+        mine = self._describe()
+        key = f"{self._prefix}/model"
+        if self.rank == 0:
+            store.set(key, json.dumps(mine))
+        reference = json.loads(store.get(key))
+        verdict = "ok" if reference == mine else _first_difference(reference, mine, self.rank)
+        store.set(f"{key}/{self.rank}", verdict)
+        for r in range(self.world):
+            other = store.get(f"{key}/{r}").decode()
+            if other != "ok":
+                raise ModelMismatch(other)
+
+    def _broadcast_state(self) -> None:
+        """Copy rank 0's parameters and buffers to every rank (band-0 connections)."""
+        tensors = [
+            t for t in self.model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)
+        ]
+        with torch.no_grad():
+            for t in tensors:
+                flat = t.detach().contiguous()
+                data = tensor_bytes(flat)
+                if self.rank == 0:
+                    for peer in self.mesh.peers():
+                        self.mesh.link(peer, 0).sock.sendall(data)
+                else:
+                    sock = self.mesh.link(0, 0).sock
+                    sock.settimeout(self.config.timeout_s)
+                    got = 0
+                    while got < len(data):
+                        n = sock.recv_into(data[got:])
+                        if n == 0:
+                            raise TransportError("rank 0 closed while sending the model")
+                        got += n
+                    sock.settimeout(None)
+                    if flat.data_ptr() != t.data_ptr():
+                        t.detach().copy_(flat)
+
+    def _patch_optimizer(self) -> None:
+        """Route ``optimizer.step()`` through `Sync._step`.
+
+        The optimizer's class is swapped for a subclass whose ``step`` is ours,
+        so ``isinstance`` still holds and a bound method stays a bound method
+        (LR schedulers rebind ``optimizer.step.__func__``). Our ``step`` also
+        does the schedulers' bookkeeping, so they do not wrap it again.
+        """
+        optimizer, sync = self.optimizer, self
+        base = type(optimizer)
+
+        def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            opt._opt_called = True  # type: ignore[attr-defined]
+            return sync._step(closure)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.__dict__.pop("step", None)  # a scheduler's wrapper from before attach
+        optimizer.__class__ = type(
+            base.__name__, (base,), {"step": step, "__module__": base.__module__}
+        )
+        self._base_class = base
+
+        def original(*args: Any) -> Any:
+            return base.step(optimizer, *args)
+
+        self._original_step = original
+
+    def _install_hooks(self) -> None:
+        for name, module in self.model.named_modules():
+            layers = []
+            for p in module.parameters(recurse=False):
+                for layer in self._layers:
+                    if any(p is q for q in layer.params) and layer not in layers:
+                        layers.append(layer)
+            if layers:
+                self._by_module[module] = layers
+                self._hooks.append(module.register_forward_pre_hook(self._before_module))
+            del name
+        self._hooks.append(self.model.register_forward_pre_hook(self._count_samples))
+        for layer in self._layers:
+            for p in layer.params:
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+                )
+
+    def _lay_out(self) -> None:
+        """Freeze priorities, groups, chunks and owners (at the first backward)."""
+        seen = len(self._order)
+        rest = [layer for layer in self._layers if layer not in self._order]
+        order = self._order + rest
+        for i, layer in enumerate(order):
+            layer.order = i
+        if rest and seen:
+            logger.info(
+                "gradlane: %d layers did not run in the first forward; lowest priority", len(rest)
+            )
+        specs = []
+        for layer in order:
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in layer.params:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype, params in by_dtype.items():
+                numel = sum(p.numel() for p in params)
+                ranges = split(numel, params[0].element_size(), self.config.chunk_bytes)
+                specs.append((layer, dtype, params, numel, ranges))
+        sizes = [
+            (stop - start) * torch.empty(0, dtype=d).element_size()
+            for _, d, _, _, ranges in specs
+            for start, stop in ranges
+        ]
+        owners = iter(assign_owners(sizes, self.world))
+        for gid, (layer, dtype, params, numel, ranges) in enumerate(specs):
+            band = band_of(layer.order, len(order), self.config.bands)
+            group = self.engine.add_group(
+                gid,
+                f"{layer.name}[{str(dtype).removeprefix('torch.')}]",
+                torch.zeros(numel, dtype=dtype),
+                ranges,
+                [next(owners) for _ in ranges],
+                priority=layer.order,
+                band=band,
+            )
+            offset = 0
+            for p in params:
+                self._slots[p] = _Slot(group, offset, p.numel())
+                offset += p.numel()
+            layer.groups.append(group)
+            self._groups.append(group)
+        self._order = order
+        self._laid_out = True
+
+    # -- hooks ----------------------------------------------------------------
+
+    def _count_samples(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._t_forward is None:
+            self._t_forward = time.perf_counter()
+        if torch.is_grad_enabled():
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() > 0:
+                    self._counted += a.shape[0]
+                    break
+
+    def _before_module(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        layers = self._by_module[module]
+        if not self._laid_out:
+            for layer in layers:
+                if layer not in self._order:
+                    self._order.append(layer)
+        if self._pending is not None:
+            for layer in layers:
+                if not layer.updated:
+                    self._step_layer(layer)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._no_sync:
+            return
+        if self._state != "backward":
+            self._begin_backward()
+        assert isinstance(p, nn.Parameter) and p.grad is not None
+        slot = self._slots[p]
+        slot.group.grad[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+        self._seen.add(p)
+        self._left[slot.group.gid] -= 1
+        if self._left[slot.group.gid] == 0:
+            self.engine.ready(slot.group)
+
+    def _params_of(self, group: Group) -> list[nn.Parameter]:
+        return [p for p, s in self._slots.items() if s.group is group]
+
+    def _begin_backward(self) -> None:
+        if self._closed:
+            raise TransportError("backward() after sync.close()")
+        if self._state == "reduced":
+            raise ConfigError(
+                "backward() ran twice without optimizer.step(); wrap the "
+                "accumulating backward passes in sync.no_sync()"
+            )
+        if not self._laid_out:
+            self._lay_out()
+            self._members = {g.gid: self._params_of(g) for g in self._groups}
+        self.flush()
+        samples = self.samples if self.samples is not None else (self._counted or 1)
+        self._counted, self.samples = 0, None
+        self.engine.begin(self.step, samples)
+        self.client.begin(self.step, samples)
+        self._seen = set()
+        self._left = {gid: len(members) for gid, members in self._members.items()}
+        self._clipped = False
+        self._state = "backward"
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """After the last gradient: unused parameters count as zero gradients."""
+        for group in self._groups:
+            if group.step == self.step:
+                continue
+            for p in self._members[group.gid]:
+                if p not in self._seen:
+                    slot = self._slots[p]
+                    slot.group.grad[slot.offset : slot.offset + slot.numel].zero_()
+                    self._seen.add(p)
+            self.engine.ready(group)
+        self._state = "reduced"
+        if self._t_forward is not None:
+            self.client.compute_time(time.perf_counter() - self._t_forward)
+            self._t_forward = None
+
+    # -- stepping ----------------------------------------------------------
+
+    def _hyper(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is not None:
+            return self._step_with_closure(closure)
+        if self._state != "reduced":
+            raise ConfigError("optimizer.step() without a synchronized backward() before it")
+        if self.layerwise and not self._clipped:
+            self._pending = (self.step, self._hyper())
+            for layer in self._layers:
+                layer.updated = False
+            result = None
+        else:
+            with self._averaged_grads():
+                result = self._original_step()
+        self._finish_step()
+        return result
+
+    def _finish_step(self) -> None:
+        self._state = "idle"
+        self.step += 1
+
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        """Whole-model step for optimizers that re-evaluate the loss (LBFGS)."""
+        self.flush()
+
+        def synchronized() -> Any:
+            loss = closure()
+            if self._state == "reduced":
+                self.engine.wait(self._groups)
+                for p, slot in self._slots.items():
+                    p.grad = self._average_of(p, slot)
+                self._finish_step()
+            return loss
+
+        return self._original_step(synchronized)
+
+    def _average_of(self, p: nn.Parameter, slot: _Slot) -> torch.Tensor:
+        return slot.group.out[slot.offset : slot.offset + slot.numel].view_as(p)
+
+    @contextlib.contextmanager
+    def _averaged_grads(self, params: list[nn.Parameter] | None = None) -> Iterator[None]:
+        """Temporarily put the averaged gradients in ``p.grad``; the local ones come back."""
+        chosen = list(self._slots) if params is None else params
+        groups = list({id(self._slots[p].group): self._slots[p].group for p in chosen}.values())
+        self.engine.wait(groups, self.step if params is None else self._pending_step())
+        saved = [(p, p.grad) for p in chosen]
+        try:
+            for p in chosen:
+                p.grad = self._average_of(p, self._slots[p])
+            yield
+        finally:
+            for p, grad in saved:
+                p.grad = grad
+
+    def _pending_step(self) -> int:
+        assert self._pending is not None
+        return self._pending[0]
+
+    def _step_layer(self, layer: _Layer) -> None:
+        assert self._pending is not None
+        _, hyper = self._pending
+        saved_groups = self.optimizer.param_groups
+        with self._averaged_grads(layer.params):
+            self.optimizer.param_groups = [
+                {**hyper[gi], "params": params} for gi, params in layer.by_opt_group
+            ]
+            try:
+                self._original_step()
+            finally:
+                self.optimizer.param_groups = saved_groups
+        layer.updated = True
+        if all(x.updated for x in self._layers):
+            self._pending = None
+
+    # -- public --------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Apply every pending per-layer update now (e.g. before saving a checkpoint)."""
+        if self._pending is None:
+            return
+        for layer in self._order or self._layers:
+            if not layer.updated:
+                self._step_layer(layer)
+
+    synchronize = flush
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally; the next one outside synchronizes."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the *averaged* gradients by their global norm; returns that norm.
+
+        Call it between ``backward()`` and ``optimizer.step()`` instead of
+        ``torch.nn.utils.clip_grad_norm_`` (which would see only local
+        gradients). It waits for every average, so this step is a whole-model
+        step: the overlap is lost for this iteration, the priority order is not.
+        """
+        if self._state != "reduced":
+            raise ConfigError("clip_grad_norm_ belongs between backward() and optimizer.step()")
+        self.engine.wait(self._groups)
+        averages = [self._average_of(p, s) for p, s in self._slots.items()]
+        self._clipped = True
+        return torch.nn.utils.clip_grad_norm_(averages, max_norm, norm_type)
+
+    def averaged_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """The averaged gradient of `p` for the current step (waits for it)."""
+        slot = self._slots[p]
+        self.engine.wait([slot.group])
+        return self._average_of(p, slot)
+
+    def close(self, flush: bool = True) -> None:
+        """Apply pending updates, finish sending, close connections, remove hooks.
+
+        With ``flush=False`` (used when an exception leaves the ``with`` block),
+        or when a peer is gone, pending updates are dropped and the
+        connections close at once.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if flush and self.engine.healthy:
+                self.flush()
+        finally:
+            self.optimizer.__class__ = self._base_class
+            for hook in self._hooks:
+                hook.remove()
+            self.engine.close(linger_s=min(10.0, self.config.timeout_s))
+            self.client.close()
+
+    def __enter__(self) -> Sync:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(flush=kind is None)
+
+
+def _first_difference(reference: dict[str, Any], mine: dict[str, Any], rank: int) -> str:
+    if reference["options"] != mine["options"] or reference["world"] != mine["world"]:
+        return (
+            f"rank {rank} was attached with options {mine['options']} (world "
+            f"{mine['world']}), rank 0 with {reference['options']} (world "
+            f"{reference['world']})"
+        )
+    ref, own = reference["params"], mine["params"]
+    for a, b in zip(ref, own, strict=False):
+        if a != b:
+            return (
+                f"rank {rank}'s model differs from rank 0's: {b[0]} parameter {b[1]} is "
+                f"{b[2]} {b[3]}, rank 0 has {a[0]} parameter {a[1]} {a[2]} {a[3]}"
+            )
+    return f"rank {rank}'s model has {len(own)} trainable parameters, rank 0's has {len(ref)}"

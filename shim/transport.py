@@ -1,0 +1,233 @@
+"""Worker-to-worker connections: K DSCP-marked TCP connections per peer.
+
+Rendezvous goes through a key-value store (torch.distributed's TCPStore, or
+any object with ``set(key, value)`` and ``get(key) -> bytes`` that blocks
+until the key exists); only addresses travel through it. Every worker listens
+on an ephemeral port, publishes ``addr:port``, connects K times to every
+lower rank and accepts K connections from every higher rank. A connection
+opens with a fixed hello (magic, rank, band) so the acceptor knows whose and
+which band it is.
+
+Every connection carries its band's DSCP in IP_TOS (the TOS byte is
+``dscp << 2``; the two low bits are ECN), TCP_NODELAY, and TCP_NOTSENT_LOWAT
+so that only ``credit_bytes`` of unsent data sit in the kernel per band.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from gradlane.errors import TransportError
+
+__all__ = ["Link", "Mesh", "Store", "local_address", "mark", "tensor_bytes"]
+
+logger = logging.getLogger(__name__)
+
+_HELLO = struct.Struct("<4sII")
+_MAGIC = b"GLS1"
+
+
+class Store(Protocol):
+    """The part of torch.distributed.Store that rendezvous needs."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Link:
+    """One band connection to one peer."""
+
+    peer: int
+    band: int
+    sock: socket.socket
+
+    def five_tuple(self) -> dict[str, object]:
+        """The local view ``{band, src, sport, dst, dport}`` (gradlaned's flow)."""
+        src, sport = self.sock.getsockname()[:2]
+        dst, dport = self.sock.getpeername()[:2]
+        return {"band": self.band, "src": src, "sport": sport, "dst": dst, "dport": dport}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Writable byte view of a contiguous CPU tensor's storage (no copy)."""
+    return t.view(torch.uint8).reshape(-1).numpy().data
+
+
+def mark(sock: socket.socket, dscp: int) -> None:
+    """Put `dscp` on every packet `sock` sends from now on."""
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+
+
+def local_address(toward: str) -> str:
+    """The local IPv4 address the kernel would use to reach `toward`.
+
+    A connected UDP socket sends nothing; it only asks the routing table.
+    """
+    try:
+        target = socket.gethostbyname(toward)
+    except OSError as exc:
+        raise TransportError(f"cannot resolve MASTER_ADDR {toward!r}: {exc}") from exc
+    if target.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((target, 9))
+        except OSError as exc:
+            raise TransportError(f"no route to {target} to pick a local address: {exc}") from exc
+        address: str = probe.getsockname()[0]
+        return address
+
+
+def _tune(sock: socket.socket, dscp: int, credit: int, sndbuf: int) -> None:
+    mark(sock, dscp)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, credit)
+    if sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("closed during hello")
+        got += k
+    return bytes(buf)
+
+
+class Mesh:
+    """All band connections of one worker, established at construction.
+
+    Args:
+        rank, world: this worker and the job size.
+        store: rendezvous store (keys are namespaced by `prefix`).
+        address: the address peers should connect to.
+        dscp: per-band DSCP, band 0 first.
+        credit_bytes, sndbuf_bytes: see `ShimConfig`.
+        timeout_s: bound on the whole rendezvous.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        store: Store,
+        address: str,
+        dscp: tuple[int, ...],
+        *,
+        credit_bytes: int,
+        sndbuf_bytes: int = 0,
+        timeout_s: float = 60.0,
+        prefix: str = "gradlane",
+    ) -> None:
+        self.rank, self.world = rank, world
+        self.dscp = tuple(dscp)
+        self.links: dict[tuple[int, int], Link] = {}
+        bands = len(self.dscp)
+        deadline = time.monotonic() + timeout_s
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, 0))
+            listener.listen(max(16, world * bands))
+            port = listener.getsockname()[1]
+            store.set(f"{prefix}/addr/{rank}", f"{address}:{port}")
+            for peer in range(rank):
+                host, _, peer_port = store.get(f"{prefix}/addr/{peer}").decode().rpartition(":")
+                for band in range(bands):
+                    self._connect(
+                        peer, band, (host, int(peer_port)), deadline, credit_bytes, sndbuf_bytes
+                    )
+            expected = (world - 1 - rank) * bands
+            while expected:
+                listener.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    sock, _ = listener.accept()
+                except TimeoutError:
+                    missing = sorted({p for p in range(rank + 1, world)} - self._peers_seen())
+                    raise TransportError(
+                        f"rank {rank}: ranks {missing} did not connect within {timeout_s:.0f} s"
+                    ) from None
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                magic, peer, band = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
+                if magic != _MAGIC or not rank < peer < world or not 0 <= band < bands:
+                    sock.close()
+                    logger.warning("rank %d: dropped a connection with a bad hello", rank)
+                    continue
+                sock.settimeout(None)
+                _tune(sock, self.dscp[band], credit_bytes, sndbuf_bytes)
+                self.links[(peer, band)] = Link(peer, band, sock)
+                expected -= 1
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def _peers_seen(self) -> set[int]:
+        return {peer for peer, _ in self.links}
+
+    def _connect(
+        self,
+        peer: int,
+        band: int,
+        where: tuple[str, int],
+        deadline: float,
+        credit: int,
+        sndbuf: int,
+    ) -> None:
+        while True:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            _tune(sock, self.dscp[band], credit, sndbuf)
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                sock.connect(where)
+                sock.sendall(_HELLO.pack(_MAGIC, self.rank, band))
+            except OSError as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"rank {self.rank}: cannot connect to rank {peer} at {where}: {exc}"
+                    ) from exc
+                time.sleep(0.05)
+                continue
+            sock.settimeout(None)
+            self.links[(peer, band)] = Link(peer, band, sock)
+            return
+
+    def link(self, peer: int, band: int) -> Link:
+        return self.links[(peer, band)]
+
+    def peers(self) -> Iterable[int]:
+        return (p for p in range(self.world) if p != self.rank)
+
+    def flows(self) -> list[dict[str, object]]:
+        """Every band connection as gradlaned's flow spec."""
+        return [link.five_tuple() for link in self.links.values()]
+
+    def remark(self, dscp: tuple[int, ...]) -> None:
+        """Adopt a new DSCP table (e.g. the daemon's); same number of bands."""
+        if len(dscp) != len(self.dscp):
+            raise TransportError(
+                f"DSCP table has {len(dscp)} bands, connections have {len(self.dscp)}"
+            )
+        self.dscp = tuple(dscp)
+        for link in self.links.values():
+            mark(link.sock, dscp[link.band])
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.sock.close()

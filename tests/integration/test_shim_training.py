@@ -1,0 +1,131 @@
+"""The shim end to end: 4 worker processes over loopback TCP.
+
+Every replica must end bit-identical to the others and match one process
+trained on the concatenated batch; a dead peer must make the others raise.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.shim_worker import reference
+
+WORLD = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def launch(
+    out: Path, *args: str, world: int = WORLD, per_rank: dict[int, list[str]] | None = None
+) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.shim_worker",
+                    "--out",
+                    str(out),
+                    *args,
+                    *(per_rank or {}).get(rank, []),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = 90) -> list[tuple[int, str]]:
+    results = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out + err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+CASES = {
+    "sgd-momentum-fp32": ("sgd", "float32", "4,4,4,4", False, False),
+    "adamw-fp64": ("adamw", "float64", "4,4,4,4", False, False),
+    "sgd-unequal-batches-lr-schedule": ("sgd", "float32", "3,5,2,6", True, False),
+    "adamw-fp64-unequal-no-overlap": ("adamw", "float64", "6,2,5,3", True, True),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> None:
+    optimizer, dtype, batches, sched, no_overlap = CASES[case]
+    args = ["--optimizer", optimizer, "--dtype", dtype, "--batches", batches, "--steps", "20"]
+    args += ["--sched"] if sched else []
+    args += ["--no-overlap"] if no_overlap else []
+    results = finish(launch(tmp_path, *args))
+    for rank, (code, log) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for r in range(1, WORLD):
+        for name, value in states[0].items():
+            assert torch.equal(value, states[r][name]), f"rank {r} differs in {name}"
+    ref = reference(
+        optimizer, getattr(torch, dtype), 20, [int(b) for b in batches.split(",")], sched
+    )
+    for name, value in ref.items():
+        assert relative_error(states[0][name], value) <= 1e-5, name
+        assert not torch.equal(
+            value, reference(optimizer, getattr(torch, dtype), 0, [1], False)[name]
+        ), f"{name} never trained"
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_peer_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:
+    timeout = 20.0
+    # Rank 3 SIGKILLs itself in the backward pass of step 5, with its peers mid-iteration.
+    procs = launch(
+        tmp_path, "--steps", "30", "--timeout", str(timeout), per_rank={3: ["--die-at", "5"]}
+    )
+    procs[3].wait(timeout=60)
+    died = time.monotonic()
+    assert procs[3].returncode == -9
+    results = finish(procs, timeout=timeout + 30)[:3]
+    elapsed = time.monotonic() - died
+    for rank, (code, log) in enumerate(results):
+        assert code == 3, f"rank {rank} should have raised PeerLost:\n{log[-2000:]}"
+        assert "rank 3" in log and "step 5" in log, log[-2000:]
+    assert elapsed < timeout

@@ -1,0 +1,143 @@
+"""A training worker for the shim's multi-process tests, and its reference.
+
+``python -m tests.shim_worker --out DIR [options]`` with RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set trains a small CNN for `--steps` steps through
+`gradlane.shim.attach` and saves its final parameters to
+``DIR/rank<R>.pt``. Every rank draws the same global batch per step and
+trains on its slice of it (`--batches` gives the slice sizes), so
+`reference` (one process, the whole batch, no shim) must end at the same
+parameters.
+
+Exit codes: 0 done, 3 `PeerLost` (the message goes to stderr), 4 other
+`TransportError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
+}
+
+
+def make_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(1234)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    )
+    return model.to(dtype)
+
+
+def batch(step: int, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step` (the same on every rank)."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(size, 3, 12, 12, generator=g, dtype=dtype), torch.randint(
+        0, 10, (size,), generator=g
+    )
+
+
+def make_scheduler(opt: torch.optim.Optimizer, on: bool) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s) if on else 1.0)
+
+
+def reference(
+    optimizer: str, dtype: torch.dtype, steps: int, sizes: list[int], sched: bool
+) -> dict[str, torch.Tensor]:
+    """Single-process training on the concatenated batch."""
+    model = make_model(dtype)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    scheduler = make_scheduler(opt, sched)
+    for step in range(steps):
+        x, y = batch(step, sum(sizes), dtype)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batches", default="4,4,4,4")
+    ap.add_argument("--sched", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--chunk-bytes", type=int, default=4096)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--die-at", type=int, default=-1, help="SIGKILL self in this step's backward")
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--daemon-socket", default="/nonexistent/gradlaned.sock")
+    args = ap.parse_args()
+
+    import gradlane.shim as gl
+    from gradlane.errors import PeerLost, TransportError
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dtype = getattr(torch, args.dtype)
+    sizes = [int(s) for s in args.batches.split(",")]
+    model = make_model(dtype)
+    if rank:
+        with torch.no_grad():  # attach must broadcast rank 0's parameters
+            for p in model.parameters():
+                p.add_(1.0)
+    opt = OPTIMIZERS[args.optimizer](model.parameters())
+    scheduler = make_scheduler(opt, args.sched)
+    start = sum(sizes[:rank])
+    try:
+        with gl.attach(
+            model,
+            opt,
+            chunk_bytes=args.chunk_bytes,
+            overlap=not args.no_overlap,
+            timeout_s=args.timeout,
+            daemon_socket=args.daemon_socket,
+            job="test",
+        ) as sync:
+            for step in range(args.steps):
+                x, y = batch(step, sum(sizes), dtype)
+                x, y = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
+                loss = nn.functional.cross_entropy(model(x), y)
+                if step == args.die_at:
+                    loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+                loss.backward()
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
+                print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+                time.sleep(args.step_sleep)
+            sync.flush()
+    except PeerLost as exc:
+        print(f"PeerLost: {exc}", file=sys.stderr, flush=True)
+        sys.exit(3)
+    except TransportError as exc:
+        print(f"TransportError: {exc}", file=sys.stderr, flush=True)
+        sys.exit(4)
+    torch.save(
+        {k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt"
+    )
+
+
+if __name__ == "__main__":
+    main()
