@@ -1,8 +1,20 @@
-"""What integration tests share: independent looks at the kernel, goodput ceilings."""
+"""What integration tests share: independent looks at the kernel, goodput ceilings,
+a fake-backed gradlaned process."""
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 # A full TCP segment carries 1448 payload bytes (MSS with timestamps) in a
 # 1514-byte frame, which is what HTB charges: the best goodput a shaped rate gives.
@@ -22,3 +34,62 @@ def tc(namespace: str, *args: str) -> str:
         check=True,
         timeout=10,
     ).stdout
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningDaemon:
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    url: str
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.url}/status", timeout=5) as resp:
+            return json.load(resp)  # type: ignore[no-any-return]
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+
+def start_daemon(sock: Path, http: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.fakes", str(sock), http], cwd=REPO, stderr=subprocess.PIPE
+    )
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
+    sock = tmp_path / "gl.sock"
+    port = free_port()
+    proc = start_daemon(sock, f"127.0.0.1:{port}")
+    running = RunningDaemon(proc, sock, f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            running.status()
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "daemon did not become ready"
+            time.sleep(0.05)
+    try:
+        yield running
+    finally:
+        killed_by_test = proc.poll() is not None
+        proc.terminate()
+        code = proc.wait(timeout=15)
+        proc.stderr.close()  # type: ignore[union-attr]
+    if not killed_by_test:  # a clean stop exits 0 and removes its socket
+        assert code == 0
+        assert not sock.exists()

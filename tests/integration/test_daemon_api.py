@@ -13,8 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,62 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gradlane.daemon import protocol
 from gradlane.errors import ProtocolError
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class RunningDaemon:
-    proc: subprocess.Popen[bytes]
-    socket: Path
-    url: str
-
-    def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.url}/status", timeout=5) as resp:
-            return json.load(resp)  # type: ignore[no-any-return]
-
-    def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
-
-
-def start_daemon(sock: Path, http: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes", str(sock), http], cwd=REPO, stderr=subprocess.PIPE
-    )
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
-    sock = tmp_path / "gl.sock"
-    port = free_port()
-    proc = start_daemon(sock, f"127.0.0.1:{port}")
-    running = RunningDaemon(proc, sock, f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            running.status()
-            break
-        except OSError:
-            assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "daemon did not become ready"
-            time.sleep(0.05)
-    try:
-        yield running
-    finally:
-        proc.terminate()
-        code = proc.wait(timeout=15)
-        proc.stderr.close()  # type: ignore[union-attr]
-    assert code == 0
-    assert not sock.exists()
+from tests.integration.helpers import RunningDaemon, start_daemon
 
 
 class Client:

@@ -6,8 +6,8 @@ trained on the concatenated batch; a dead peer must make the others raise.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.helpers import RunningDaemon, free_port, start_daemon
 from tests.shim_worker import reference
 
 WORLD = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def launch(
@@ -129,3 +123,48 @@ def test_sigkilled_peer_makes_the_others_raise_within_the_timeout(tmp_path: Path
         assert code == 3, f"rank {rank} should have raised PeerLost:\n{log[-2000:]}"
         assert "rank 3" in log and "step 5" in log, log[-2000:]
     assert elapsed < timeout
+
+
+@pytest.mark.timeout(120)
+def test_workers_register_with_the_daemon_and_survive_its_death(
+    tmp_path: Path, daemon: RunningDaemon
+) -> None:
+    procs = launch(tmp_path, "--steps", "400", "--step-sleep", "0.02", "--daemon-socket",
+                   str(daemon.socket), world=2)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            jobs = daemon.status()["jobs"]
+            workers = [w for j in jobs if j["name"] == "test" for w in j["workers"]]
+            if len(workers) == 2 and all(w["chunk_events"] > 0 for w in workers):
+                break
+            assert all(p.poll() is None for p in procs), finish(procs)
+            assert time.monotonic() < deadline, jobs
+            time.sleep(0.2)
+        # One peer, 4 bands: 4 band connections per worker, each a registered flow.
+        assert [w["flows"] for w in workers] == [4, 4]
+        daemon.proc.kill()
+        daemon.proc.wait()
+        # A new daemon on the same socket: the shims find it again by themselves.
+        port = free_port()
+        again = RunningDaemon(start_daemon(daemon.socket, f"127.0.0.1:{port}"), daemon.socket,
+                              f"http://127.0.0.1:{port}")
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                with contextlib.suppress(OSError):
+                    jobs = again.status()["jobs"]
+                    if sum(len(j["workers"]) for j in jobs if j["name"] == "test") == 2:
+                        break
+                assert time.monotonic() < deadline, "the shims did not re-register"
+                time.sleep(0.2)
+        finally:
+            again.proc.terminate()
+            again.proc.wait(timeout=15)
+            again.proc.stderr.close()  # type: ignore[union-attr]
+    finally:
+        results = finish(procs)
+    for rank, (code, log) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
+        assert f"rank {rank} step 399" in log
+        assert "training goes on with the local priority order" in log

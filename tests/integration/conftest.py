@@ -1,0 +1,3 @@
+"""Fixtures shared by the integration tests (defined in helpers.py)."""
+
+from tests.integration.helpers import daemon as daemon

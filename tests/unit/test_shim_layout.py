@@ -1,0 +1,54 @@
+"""Chunking, ownership and band mapping: pure functions, property-tested."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gradlane.errors import ConfigError
+from gradlane.shim.layout import assign_owners, band_of, split
+
+
+@given(st.integers(0, 10**7), st.sampled_from([1, 2, 4, 8]), st.integers(4096, 1 << 22))
+def test_split_covers_exactly_with_chunks_under_the_size(numel: int, elem: int, chunk: int) -> None:
+    ranges = split(numel, elem, chunk)
+    assert sum(stop - start for start, stop in ranges) == numel
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    if ranges:
+        assert ranges[0][0] == 0 and ranges[-1][1] == numel
+        sizes = [stop - start for start, stop in ranges]
+        assert max(sizes) * elem <= max(chunk, elem)
+        assert max(sizes) - min(sizes) <= 1  # no tiny tail chunk
+
+
+def test_split_examples() -> None:
+    assert split(10, 4, 4096) == [(0, 10)]
+    assert split(0, 4, 4096) == []
+    assert split(3000, 4, 4096) == [(0, 1000), (1000, 2000), (2000, 3000)]
+
+
+@given(st.lists(st.integers(1, 1 << 20), max_size=200), st.integers(1, 16))
+def test_owners_each_chunk_once_and_balanced(sizes: list[int], world: int) -> None:
+    owners = assign_owners(sizes, world)
+    assert len(owners) == len(sizes) and all(0 <= o < world for o in owners)
+    load = [0] * world
+    for size, owner in zip(sizes, owners, strict=True):
+        load[owner] += size
+    # Greedy least-loaded: no owner exceeds the mean by more than one chunk.
+    if sizes:
+        assert max(load) <= sum(sizes) / world + max(sizes)
+    assert owners == assign_owners(sizes, world)  # deterministic: every worker agrees
+
+
+def test_owners_follow_weights() -> None:
+    owners = assign_owners([1] * 300, 3, weights=[2.0, 1.0, 0.0001 + 1.0])
+    assert owners.count(0) == pytest.approx(150, abs=2)
+    with pytest.raises(ConfigError):
+        assign_owners([1], 2, weights=[1.0, 0.0])
+
+
+def test_bands_split_layers_by_forward_order() -> None:
+    assert [band_of(i, 8, 4) for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [band_of(i, 3, 4) for i in range(3)] == [0, 1, 2]
+    assert band_of(0, 1, 4) == 0
