@@ -6,10 +6,12 @@
     sync.close()
 
 See `gradlane.shim.sync` for what happens underneath and `ShimConfig` for the
-options. `comm_hook` is the DDP communication hook for users who keep DDP.
+options. `comm_hook` (with `HookState`) is the DDP communication hook for users who
+keep DDP: priority and chunking, but no cross-iteration overlap.
 """
 
 from gradlane.shim.config import ShimConfig
+from gradlane.shim.ddp import HookState, comm_hook
 from gradlane.shim.sync import PER_PARAMETER_OPTIMIZERS, Sync, attach
 
-__all__ = ["PER_PARAMETER_OPTIMIZERS", "ShimConfig", "Sync", "attach"]
+__all__ = ["PER_PARAMETER_OPTIMIZERS", "HookState", "ShimConfig", "Sync", "attach", "comm_hook"]

@@ -115,6 +115,7 @@ class Engine:
         self.rank, self.world = mesh.rank, mesh.world
         self.timeout_s = timeout_s
         self.on_event = on_event
+        self.on_failure: Callable[[TransportError], None] | None = None
         self.groups: dict[int, Group] = {}
         self.step = 0
         self.samples = 1
@@ -469,13 +470,18 @@ class Engine:
         with self._cond:
             self.left[peer] = why
             self._cond.notify_all()
+        if peer in self._vanished and self.on_failure is not None:
+            self.on_failure(PeerLost(peer, self.step, why))
 
     def _fail(self, error: TransportError, quiet: bool = False) -> None:
         with self._cond:
-            if self.error is None and not quiet:
+            first = self.error is None and not quiet
+            if first:
                 logger.error("%s", error)
                 self.error = error
             self._cond.notify_all()
+        if first and self.on_failure is not None:
+            self.on_failure(error)
 
 
 def _send_all(sock: socket.socket, header: bytes, payload: memoryview) -> None:

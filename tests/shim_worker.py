@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--die-at", type=int, default=-1, help="SIGKILL self in this step's backward")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--daemon-socket", default="/nonexistent/gradlaned.sock")
+    ap.add_argument("--ddp-hook", action="store_true", help="DDP(gloo) + gradlane's comm hook")
     args = ap.parse_args()
 
     import gradlane.shim as gl
@@ -105,6 +106,9 @@ def main() -> None:
     opt = OPTIMIZERS[args.optimizer](model.parameters())
     scheduler = make_scheduler(opt, args.sched)
     start = sum(sizes[:rank])
+    if args.ddp_hook:
+        run_ddp_hook(model, opt, scheduler, args, rank, sizes, dtype)
+        return
     try:
         with gl.attach(
             model,
@@ -134,6 +138,43 @@ def main() -> None:
     except TransportError as exc:
         print(f"TransportError: {exc}", file=sys.stderr, flush=True)
         sys.exit(4)
+    torch.save(
+        {k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt"
+    )
+
+
+def run_ddp_hook(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    args: argparse.Namespace,
+    rank: int,
+    sizes: list[int],
+    dtype: torch.dtype,
+) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradlane.shim as gl
+
+    dist.init_process_group("gloo", rank=rank, world_size=len(sizes))
+    ddp = DistributedDataParallel(model)
+    state = gl.HookState(ddp, chunk_bytes=args.chunk_bytes, timeout_s=args.timeout, job="test")
+    ddp.register_comm_hook(state, gl.comm_hook)
+    start = sum(sizes[:rank])
+    for step in range(args.steps):
+        x, y = batch(step, sum(sizes), dtype)
+        state.samples = sizes[rank]
+        loss = nn.functional.cross_entropy(
+            ddp(x[start : start + sizes[rank]]), y[start : start + sizes[rank]]
+        )
+        loss.backward()
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+        print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+    state.close()
+    dist.destroy_process_group()
     torch.save(
         {k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt"
     )

@@ -80,16 +80,17 @@ CASES = {
     "adamw-fp64": ("adamw", "float64", "4,4,4,4", False, False),
     "sgd-unequal-batches-lr-schedule": ("sgd", "float32", "3,5,2,6", True, False),
     "adamw-fp64-unequal-no-overlap": ("adamw", "float64", "6,2,5,3", True, True),
+    "ddp-comm-hook-sgd-unequal": ("sgd", "float32", "3,5,2,6", True, "--ddp-hook"),
 }
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> None:
-    optimizer, dtype, batches, sched, no_overlap = CASES[case]
+    optimizer, dtype, batches, sched, mode = CASES[case]
     args = ["--optimizer", optimizer, "--dtype", dtype, "--batches", batches, "--steps", "20"]
     args += ["--sched"] if sched else []
-    args += ["--no-overlap"] if no_overlap else []
+    args += ["--no-overlap"] if mode is True else [mode] if mode else []
     results = finish(launch(tmp_path, *args))
     for rank, (code, log) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
@@ -129,8 +130,16 @@ def test_sigkilled_peer_makes_the_others_raise_within_the_timeout(tmp_path: Path
 def test_workers_register_with_the_daemon_and_survive_its_death(
     tmp_path: Path, daemon: RunningDaemon
 ) -> None:
-    procs = launch(tmp_path, "--steps", "400", "--step-sleep", "0.02", "--daemon-socket",
-                   str(daemon.socket), world=2)
+    procs = launch(
+        tmp_path,
+        "--steps",
+        "400",
+        "--step-sleep",
+        "0.02",
+        "--daemon-socket",
+        str(daemon.socket),
+        world=2,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -147,8 +156,11 @@ def test_workers_register_with_the_daemon_and_survive_its_death(
         daemon.proc.wait()
         # A new daemon on the same socket: the shims find it again by themselves.
         port = free_port()
-        again = RunningDaemon(start_daemon(daemon.socket, f"127.0.0.1:{port}"), daemon.socket,
-                              f"http://127.0.0.1:{port}")
+        again = RunningDaemon(
+            start_daemon(daemon.socket, f"127.0.0.1:{port}"),
+            daemon.socket,
+            f"http://127.0.0.1:{port}",
+        )
         try:
             deadline = time.monotonic() + 30
             while True:

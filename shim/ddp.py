@@ -1,0 +1,180 @@
+"""A DDP communication hook that sends buckets over gradlane's transport.
+
+For users who keep ``DistributedDataParallel``::
+
+    state = gl.HookState(ddp_model)          # after init_process_group
+    ddp_model.register_comm_hook(state, gl.comm_hook)
+    ...
+    state.close()
+
+What it gives: each bucket is cut into chunks with balanced owners, ordered by
+the forward order of its parameters (first used = first sent) and sent over
+the DSCP-marked band connections that gradlaned schedules. What it cannot
+give: cross-iteration overlap. DDP's ``backward()`` waits for every bucket and
+the optimizer steps the whole model after it, so the next forward never starts
+before the last bucket is in; use `gradlane.shim.attach` for that.
+
+This module must not use ``from __future__ import annotations``: DDP checks
+the hook's return annotation object (see NOTES.md).
+"""
+
+import logging
+import os
+import threading
+import time
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import GradBucket  # type: ignore[attr-defined]
+
+from gradlane.errors import ConfigError, PeerLost
+from gradlane.shim.config import ShimConfig
+from gradlane.shim.engine import Engine, Group
+from gradlane.shim.layout import assign_owners, band_of, split
+from gradlane.shim.transport import Mesh, local_address
+
+__all__ = ["HookState", "comm_hook"]
+
+logger = logging.getLogger(__name__)
+
+
+class HookState:
+    """The state `comm_hook` needs: connections, the engine, forward order.
+
+    Args:
+        model: the DDP-wrapped model (its process group must be initialized;
+            its store is used for rendezvous).
+        address: the address peers connect to (default: the one that routes
+            to MASTER_ADDR).
+        options: `ShimConfig` fields (chunk_bytes, dscp, timeout_s, job, ...).
+
+    Attributes:
+        samples: this worker's sample count for the coming step, if batches
+            differ across workers (None: plain mean, as DDP does).
+    """
+
+    def __init__(self, model: nn.Module, *, address: str | None = None, **options: Any) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("HookState needs torch.distributed.init_process_group() first")
+        self.config = ShimConfig(**options)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        store = dist.distributed_c10d._get_default_store()
+        if address is None:
+            address = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        self.mesh = Mesh(
+            self.rank,
+            self.world,
+            store,
+            address,
+            self.config.dscp,
+            credit_bytes=self.config.credit_bytes,
+            sndbuf_bytes=self.config.sndbuf_bytes,
+            timeout_s=self.config.timeout_s,
+            prefix=f"gradlane/{self.config.job}/ddp",
+        )
+        self.engine = Engine(self.mesh, self.config.timeout_s)
+        self.engine.on_failure = self._fail_pending
+        self._pending: dict[int, torch.futures.Future[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="gl-ddp-watchdog", daemon=True)
+        self._watchdog.start()
+        self.samples: int | None = None
+        self.step = 0
+        self._in_step = False
+        self._groups: dict[int, Group] = {}
+        self._order: dict[torch.Tensor, int] = {}
+        inner = getattr(model, "module", model)
+        assert isinstance(inner, nn.Module)
+        self._modules = [m for m in inner.modules() if any(True for _ in m.parameters(False))]
+        self._handles = [m.register_forward_pre_hook(self._record) for m in self._modules]
+
+    def _record(self, module: nn.Module, args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            self._order.setdefault(p, len(self._order))
+
+    def _group(self, bucket: GradBucket) -> Group:
+        buffer = bucket.buffer()
+        key = f"{bucket.index()}:{buffer.numel()}:{buffer.dtype}"
+        gid = zlib.crc32(key.encode()) & 0x7FFFFFFF
+        group = self._groups.get(gid)
+        if group is None:
+            order = min(
+                (self._order.get(p, len(self._order)) for p in bucket.parameters()), default=0
+            )
+            ranges = split(buffer.numel(), buffer.element_size(), self.config.chunk_bytes)
+            sizes = [(b - a) * buffer.element_size() for a, b in ranges]
+            owners = [(o + bucket.index()) % self.world for o in assign_owners(sizes, self.world)]
+            band = band_of(order, max(1, len(self._order)), self.config.bands)
+            group = self.engine.add_group(
+                gid,
+                f"bucket {key}",
+                torch.empty(buffer.numel(), dtype=buffer.dtype),
+                ranges,
+                owners,
+                priority=order,
+                band=band,
+            )
+            self._groups[gid] = group
+        return group
+
+    def _fail_pending(self, error: Exception) -> None:
+        """Fail every bucket DDP waits on, so backward() raises instead of hanging."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)  # type: ignore[arg-type]
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            idle = time.monotonic() - self.engine.last_rx
+            if self._pending and idle > self.config.timeout_s:
+                waiting = [g.label for gid, g in self._groups.items() if gid in self._pending]
+                self._fail_pending(
+                    PeerLost(
+                        None,
+                        self.engine.step,
+                        f"nothing received for {idle:.0f} s while waiting for {waiting[:3]}",
+                    )
+                )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watchdog.join(2.0)
+        for handle in self._handles:
+            handle.remove()
+        self.engine.close(linger_s=min(10.0, self.config.timeout_s))
+
+
+def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average `bucket` across workers over gradlane's transport (see the module docstring)."""
+    if not state._in_step:
+        state.engine.begin(state.step, state.samples if state.samples is not None else 1)
+        state._in_step = True
+    group = state._group(bucket)
+    group.grad.copy_(bucket.buffer().reshape(-1))
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    buffer = bucket.buffer()
+
+    def done(g: Group) -> None:
+        with state._lock:
+            state._pending.pop(g.gid, None)
+        if not future.done():
+            future.set_result(g.out.view_as(buffer))
+
+    group.on_done = done
+    with state._lock:
+        state._pending[group.gid] = future
+    if bucket.is_last():
+        state._in_step = False
+        state.step += 1
+    try:
+        state.engine.ready(group)
+    except Exception as exc:  # surfaces in backward() as DDP's error
+        future.set_exception(exc)  # type: ignore[arg-type]
+    return future
