@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,32 +30,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
 
-
-def environment() -> dict[str, Any]:
-    def run(*argv: str) -> str:
-        return subprocess.run(argv, capture_output=True, text=True, cwd=REPO).stdout.strip()
-
-    import pyroute2
-
-    import gradlane
-
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line),
-        platform.processor(),
-    )
-    return {
-        "commit": run("git", "rev-parse", "HEAD"),
-        "dirty": bool(run("git", "status", "--porcelain")),
-        "kernel": platform.release(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "gradlane": gradlane.__version__,
-        "pyroute2": pyroute2.__version__,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+from common import environment  # noqa: E402
 
 
 def measure(sock_path: str, daemon_pid: int, samples: int) -> dict[str, Any]:

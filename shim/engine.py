@@ -123,7 +123,9 @@ class Engine:
         self.last_rx = time.monotonic()
         self.left: dict[int, str] = {}
         self._vanished: set[int] = set()
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # chunk and group progress, failures
+        self._sent = threading.Condition(lock)  # send queues drained
         self._seq = itertools.count()
         self._queues: dict[int, list[tuple[tuple[int, ...], int, bytes, memoryview | None, int]]]
         self._queues = {p: [] for p in mesh.peers()}
@@ -229,15 +231,17 @@ class Engine:
                 pending = [g for g in groups if g.done_step < step]
                 if not pending:
                     return
-                missing = self._missing(pending, step)
-                # A peer that vanished breaks the job; one that said goodbye
-                # only matters if we still wait on it.
-                gone = [p for p in self.left if p in self._vanished]
-                gone += [p for p in self.left if p in missing]
-                if gone:
-                    raise PeerLost(gone[0], step, self.left[gone[0]])
+                if self.left:
+                    # A peer that vanished breaks the job; one that said goodbye
+                    # only matters if we still wait on it.
+                    missing = self._missing(pending, step)
+                    gone = [p for p in self.left if p in self._vanished]
+                    gone += [p for p in self.left if p in missing]
+                    if gone:
+                        raise PeerLost(gone[0], step, self.left[gone[0]])
                 idle = time.monotonic() - max(self.last_rx, started)
                 if idle >= self.timeout_s:
+                    missing = self._missing(pending, step)
                     rank = missing[0] if len(set(missing)) == 1 else None
                     raise PeerLost(
                         rank,
@@ -271,7 +275,7 @@ class Engine:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(min(left, 0.5))
+                self._sent.wait(min(left, 0.5))
         return self.error is None
 
     @property
@@ -345,7 +349,7 @@ class Engine:
                 with self._cond:
                     self._queued_bytes -= len(payload)
                     if self._queued_bytes == 0:
-                        self._cond.notify_all()
+                        self._sent.notify_all()
         except OSError as exc:
             self._fail(PeerLost(peer, self.step, f"sending failed: {exc}"), quiet=self._closing)
 
@@ -427,14 +431,22 @@ class Engine:
             return
         group = chunk.group
         result = group.out[chunk.start : chunk.stop]
-        acc_dtype = torch.float64 if group.grad.dtype == torch.float64 else torch.float32
         total = sum(chunk.samples)
-        acc = torch.zeros(chunk.stop - chunk.start, dtype=acc_dtype)
-        for r in range(self.world):
-            part = group.grad[chunk.start : chunk.stop] if r == self.rank else chunk.inbox[r]
-            if total > 0:
-                acc.add_(part.to(acc_dtype), alpha=chunk.samples[r] / total)
-        result.copy_(acc)
+        weights = [n / total if total else 0.0 for n in chunk.samples]
+        parts = [
+            group.grad[chunk.start : chunk.stop] if r == self.rank else chunk.inbox[r]
+            for r in range(self.world)
+        ]
+        if group.grad.dtype in (torch.float32, torch.float64):
+            # Accumulate in place in the result: no temporary, one pass per rank.
+            torch.mul(parts[0], weights[0], out=result)
+            for part, weight in zip(parts[1:], weights[1:], strict=True):
+                result.add_(part, alpha=weight)
+        else:  # half precision: accumulate in float32, round once
+            acc = parts[0].to(torch.float32).mul_(weights[0])
+            for part, weight in zip(parts[1:], weights[1:], strict=True):
+                acc.add_(part.to(torch.float32), alpha=weight)
+            result.copy_(acc)
         with self._cond:
             chunk.have.clear()
             chunk.samples = [0] * self.world
@@ -480,6 +492,7 @@ class Engine:
                 logger.error("%s", error)
                 self.error = error
             self._cond.notify_all()
+            self._sent.notify_all()
         if first and self.on_failure is not None:
             self.on_failure(error)
 
@@ -496,10 +509,14 @@ def _send_all(sock: socket.socket, header: bytes, payload: memoryview) -> None:
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view` from `sock`; False if the peer closed before the first byte."""
+    """Fill `view` from `sock`; False if the peer closed before the first byte.
+
+    MSG_WAITALL lets the kernel fill the whole buffer in one call (a signal or
+    a closed connection can still end it early, hence the loop).
+    """
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:])
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             if got == 0:
                 return False
