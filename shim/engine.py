@@ -15,12 +15,14 @@ each chunk has one owner rank. For every step:
 4. A group is done for the step when all its chunks are; waiters wake and the
    group's callback runs.
 
-Scheduling: one sender thread per peer pops its queue in priority order
+Scheduling: a chunk rides its group's band. Every connection (peer, band)
+has a priority queue and a sender thread that pops it in priority order
 (smaller group priority first, AG before RS, chunk order), so a chunk that
-becomes ready while lower-priority chunks are queued goes first; at most one
-chunk per peer is being written when it arrives. Which connection (band) a
-chunk rides is the group's band; the kernel (gradlaned's HTB leaves, DSCP
-switches) preempts what was already handed over. One receiver thread per
+becomes ready while lower-priority chunks of its band are queued goes first,
+after at most the one chunk being written. Across bands the kernel decides:
+gradlaned's HTB leaves (and DSCP-priority switches) send band 0 before band
+3, and TCP_NOTSENT_LOWAT keeps what a band has committed but not sent small.
+Without a daemon the bands share the link like any TCP flows. One receiver thread per
 connection reads straight into preallocated tensors (no copies), and senders
 write straight from tensor memory.
 
@@ -123,19 +125,22 @@ class Engine:
         self.last_rx = time.monotonic()
         self.left: dict[int, str] = {}
         self._vanished: set[int] = set()
+        self._byes: dict[int, int] = {}
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # chunk and group progress, failures
         self._sent = threading.Condition(lock)  # send queues drained
         self._seq = itertools.count()
-        self._queues: dict[int, list[tuple[tuple[int, ...], int, bytes, memoryview | None, int]]]
-        self._queues = {p: [] for p in mesh.peers()}
-        self._qcond = {p: threading.Condition() for p in mesh.peers()}
+        # One priority queue and one sender thread per connection (peer, band).
+        self._queues: dict[
+            tuple[int, int], list[tuple[tuple[int, ...], int, bytes, memoryview | None]]
+        ]
+        self._queues = {key: [] for key in mesh.links}
+        self._qcond = {key: threading.Condition() for key in mesh.links}
         self._queued_bytes = 0
         self._closing = False
         self._threads: list[threading.Thread] = []
-        for peer in mesh.peers():
-            self._spawn(self._send_loop, f"gl-send-{peer}", peer)
         for link in mesh.links.values():
+            self._spawn(self._send_loop, f"gl-send-{link.peer}.{link.band}", link)
             self._spawn(self._recv_loop, f"gl-recv-{link.peer}.{link.band}", link)
 
     def _spawn(self, target: Callable[..., None], name: str, arg: object) -> None:
@@ -295,12 +300,12 @@ class Engine:
         healthy = self.healthy
         drained = self.drain(linger_s if healthy else 0.0)
         self._closing = True
-        for peer in self._queues:
+        for peer, band in self._queues:
             if drained:
-                self._enqueue(peer, _LAST, _HDR.pack(BYE, 0, self.step, 0, 0, 0), None, 0)
+                self._enqueue(peer, _LAST, _HDR.pack(BYE, 0, self.step, 0, 0, 0), None, band)
             else:
-                with self._qcond[peer]:
-                    self._qcond[peer].notify_all()
+                with self._qcond[peer, band]:
+                    self._qcond[peer, band].notify_all()
         deadline = time.monotonic() + (linger_s if healthy else 0.5)
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -324,12 +329,13 @@ class Engine:
         size = len(payload) if payload is not None else 0
         with self._cond:
             self._queued_bytes += size
-        with self._qcond[peer]:
-            heapq.heappush(self._queues[peer], (key, next(self._seq), header, payload, band))
-            self._qcond[peer].notify()
+        with self._qcond[peer, band]:
+            heapq.heappush(self._queues[peer, band], (key, next(self._seq), header, payload))
+            self._qcond[peer, band].notify()
 
-    def _send_loop(self, peer: int) -> None:
-        queue, cond = self._queues[peer], self._qcond[peer]
+    def _send_loop(self, link: Link) -> None:
+        peer = link.peer
+        queue, cond = self._queues[peer, link.band], self._qcond[peer, link.band]
         try:
             while True:
                 with cond:
@@ -337,13 +343,10 @@ class Engine:
                         cond.wait()
                     if not queue:
                         return
-                    _, _, header, payload, band = heapq.heappop(queue)
-                link = self.mesh.link(peer, band)
-                if payload is None:  # BYE: one on every band, then FIN
-                    for b in range(len(self.mesh.dscp)):
-                        sock = self.mesh.link(peer, b).sock
-                        sock.sendall(header)
-                        sock.shutdown(socket.SHUT_WR)
+                    _, _, header, payload = heapq.heappop(queue)
+                if payload is None:  # BYE, then FIN
+                    link.sock.sendall(header)
+                    link.sock.shutdown(socket.SHUT_WR)
                     return
                 _send_all(link.sock, header, payload)
                 with self._cond:
@@ -367,8 +370,12 @@ class Engine:
                     return
                 self.last_rx = time.monotonic()
                 kind, gid, step, index, nbytes, samples = _HDR.unpack(head)
-                if kind == BYE:
-                    self._peer_left(peer, f"left (closed its shim at step {step})")
+                if kind == BYE:  # data before it on this connection is all processed
+                    with self._cond:
+                        self._byes[peer] = self._byes.get(peer, 0) + 1
+                        last = self._byes[peer] == len(self.mesh.dscp)
+                    if last:
+                        self._peer_left(peer, f"left (closed its shim at step {step})")
                     return
                 chunk = self._chunk(peer, gid, index, nbytes)
                 if kind == RS:
