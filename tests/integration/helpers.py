@@ -4,6 +4,7 @@ a fake-backed gradlaned process."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gradlane.testbed import Cluster
 
 # A full TCP segment carries 1448 payload bytes (MSS with timestamps) in a
 # 1514-byte frame, which is what HTB charges: the best goodput a shaped rate gives.
@@ -93,3 +96,37 @@ def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
     if not killed_by_test:  # a clean stop exits 0 and removes its socket
         assert code == 0
         assert not sock.exists()
+
+
+def start_netns_daemon(
+    cluster: Cluster, host: str, tmp: Path, config: Path | None = None, rate: str = "200mbit"
+) -> tuple[subprocess.Popen[str], Path]:
+    """Run the real gradlaned on `host`'s eth0; returns it and its socket once it serves."""
+    sock = tmp / f"{host}.sock"
+    argv = [
+        sys.executable, "-m", "gradlane.cli", "daemon",
+        "-i", f"eth0={rate}", "--socket", str(sock),
+        "--state-dir", str(tmp / f"state-{host}"), "--http", "127.0.0.1:9464",
+    ]  # fmt: skip
+    if config is not None:
+        argv += ["--config", str(config)]
+    proc = cluster.popen(host, argv, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(sock))
+            return proc, sock
+        except OSError:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "daemon did not start"
+            time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen[str], sig: signal.Signals = signal.SIGTERM) -> int:
+    """Signal a daemon and wait for it; its exit code."""
+    proc.send_signal(sig)
+    code = proc.wait(timeout=20)
+    if proc.stderr is not None:
+        proc.stderr.close()
+    return code

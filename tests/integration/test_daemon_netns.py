@@ -18,7 +18,8 @@ import pytest
 
 from gradlane.daemon import protocol
 from gradlane.testbed import Cluster, Topology
-from tests.integration.helpers import tc
+from tests.integration.helpers import start_netns_daemon as start_daemon
+from tests.integration.helpers import stop, tc
 
 pytestmark = pytest.mark.netns
 BASE_CLASSES = {"474c:1", "474c:2", "474c:100", "474c:101", "474c:102", "474c:103", "474c:104"}
@@ -29,38 +30,6 @@ JOB_CLASSES = {"474c:200", "474c:201", "474c:202", "474c:203", "474c:204"}
 def cluster() -> Iterator[Cluster]:
     with Cluster(Topology.build("tdmn", 2, "200mbit")) as c:
         yield c
-
-
-def start_daemon(
-    cluster: Cluster, host: str, tmp: Path, config: Path | None = None
-) -> tuple[subprocess.Popen[str], Path]:
-    sock = tmp / f"{host}.sock"
-    argv = [
-        sys.executable, "-m", "gradlane.cli", "daemon",
-        "-i", "eth0=200mbit", "--socket", str(sock),
-        "--state-dir", str(tmp / f"state-{host}"), "--http", "127.0.0.1:9464",
-    ]  # fmt: skip
-    if config is not None:
-        argv += ["--config", str(config)]
-    proc = cluster.popen(host, argv, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(sock))
-            return proc, sock
-        except OSError:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "daemon did not start"
-            time.sleep(0.05)
-
-
-def stop(proc: subprocess.Popen[str], sig: signal.Signals = signal.SIGTERM) -> int:
-    proc.send_signal(sig)
-    code = proc.wait(timeout=20)
-    if proc.stderr is not None:
-        proc.stderr.close()
-    return code
 
 
 def classes(cluster: Cluster, host: str = "h1") -> list[str]:
