@@ -80,13 +80,14 @@ class DaemonClient:
             )
         self._step, self._samples = step, samples
 
-    def compute_time(self, seconds: float) -> None:
+    def timing(self, compute_s: float, comm_s: float) -> None:
+        """This step's compute time and the time it waited on communication."""
         self._post(
             {
                 "type": "timing",
                 "iteration": self._step,
-                "compute_s": max(0.0, seconds),
-                "comm_s": 0.0,
+                "compute_s": max(0.0, compute_s),
+                "comm_s": max(0.0, comm_s),
                 "samples": self._samples,
             }
         )

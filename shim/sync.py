@@ -170,6 +170,10 @@ class Sync:
         self.rank, self.world = rank, world
         self.step = 0
         self.samples: int | None = None  # set by hand to override the counted samples
+        # Seconds training waited for averages since the last backward began
+        # (communication not hidden behind compute).
+        self.exposed_comm_s = 0.0
+        self.last_exposed_comm_s = 0.0
         self._prefix = f"gradlane/{config.job}"
         self._store = store  # rank 0 may host it: keep it alive while others rendezvous
         self._layers = self._find_layers(model, optimizer)
@@ -194,6 +198,7 @@ class Sync:
             raise
         self._by_module: dict[nn.Module, list[_Layer]] = {}
         self._slots: dict[nn.Parameter, _Slot] = {}
+        self._averages: dict[nn.Parameter, torch.Tensor] = {}  # views of the groups' output
         self._groups: list[Group] = []
         self._order: list[_Layer] = []
         self._laid_out = False
@@ -383,6 +388,7 @@ class Sync:
             offset = 0
             for p in params:
                 self._slots[p] = _Slot(group, offset, p.numel())
+                self._averages[p] = group.out[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
             layer.groups.append(group)
             self._groups.append(group)
@@ -462,8 +468,10 @@ class Sync:
             self.engine.ready(group)
         self._state = "reduced"
         if self._t_forward is not None:
-            self.client.compute_time(time.perf_counter() - self._t_forward)
+            elapsed = time.perf_counter() - self._t_forward
+            self.client.timing(elapsed - self.exposed_comm_s, self.exposed_comm_s)
             self._t_forward = None
+        self.last_exposed_comm_s, self.exposed_comm_s = self.exposed_comm_s, 0.0
 
     # -- stepping ----------------------------------------------------------
 
@@ -498,29 +506,35 @@ class Sync:
             loss = closure()
             if self._state == "reduced":
                 self.engine.wait(self._groups)
-                for p, slot in self._slots.items():
-                    p.grad = self._average_of(p, slot)
+                for p, average in self._averages.items():
+                    p.grad = average
                 self._finish_step()
             return loss
 
         return self._original_step(synchronized)
 
-    def _average_of(self, p: nn.Parameter, slot: _Slot) -> torch.Tensor:
-        return slot.group.out[slot.offset : slot.offset + slot.numel].view_as(p)
-
     @contextlib.contextmanager
-    def _averaged_grads(self, params: list[nn.Parameter] | None = None) -> Iterator[None]:
-        """Temporarily put the averaged gradients in ``p.grad``; the local ones come back."""
-        chosen = list(self._slots) if params is None else params
-        groups = list({id(self._slots[p].group): self._slots[p].group for p in chosen}.values())
-        self.engine.wait(groups, self.step if params is None else self._pending_step())
-        saved = [(p, p.grad) for p in chosen]
+    def _averaged_grads(self, layers: list[_Layer] | None = None) -> Iterator[None]:
+        """Temporarily put the averaged gradients in ``p.grad``; the local ones come back.
+
+        `layers` None: every layer, for the current step. Otherwise those
+        layers, for the step whose update is pending.
+        """
+        if layers is None:
+            layers, step = self._layers, self.step
+        else:
+            step = self._pending_step()
+        waited = time.perf_counter()
+        self.engine.wait([g for layer in layers for g in layer.groups], step)
+        self.exposed_comm_s += time.perf_counter() - waited
+        chosen = [p for layer in layers for p in layer.params]
+        saved = [p.grad for p in chosen]
         try:
             for p in chosen:
-                p.grad = self._average_of(p, self._slots[p])
+                p.grad = self._averages[p]
             yield
         finally:
-            for p, grad in saved:
+            for p, grad in zip(chosen, saved, strict=True):
                 p.grad = grad
 
     def _pending_step(self) -> int:
@@ -528,18 +542,32 @@ class Sync:
         return self._pending[0]
 
     def _step_layer(self, layer: _Layer) -> None:
+        """Update `layer`, and with it every later layer whose average is already in.
+
+        One optimizer call for all of them: its fixed cost is paid once.
+        """
         assert self._pending is not None
-        _, hyper = self._pending
+        step, hyper = self._pending
+        layers = [layer] + [
+            x
+            for x in self._order
+            if x is not layer and not x.updated and all(g.done_step >= step for g in x.groups)
+        ]
+        params_by_group: dict[int, list[nn.Parameter]] = {}
+        for x in layers:
+            for gi, params in x.by_opt_group:
+                params_by_group.setdefault(gi, []).extend(params)
         saved_groups = self.optimizer.param_groups
-        with self._averaged_grads(layer.params):
+        with self._averaged_grads(layers):
             self.optimizer.param_groups = [
-                {**hyper[gi], "params": params} for gi, params in layer.by_opt_group
+                {**hyper[gi], "params": params} for gi, params in sorted(params_by_group.items())
             ]
             try:
                 self._original_step()
             finally:
                 self.optimizer.param_groups = saved_groups
-        layer.updated = True
+        for x in layers:
+            x.updated = True
         if all(x.updated for x in self._layers):
             self._pending = None
 
@@ -575,15 +603,14 @@ class Sync:
         if self._state != "reduced":
             raise ConfigError("clip_grad_norm_ belongs between backward() and optimizer.step()")
         self.engine.wait(self._groups)
-        averages = [self._average_of(p, s) for p, s in self._slots.items()]
+        averages = list(self._averages.values())
         self._clipped = True
         return torch.nn.utils.clip_grad_norm_(averages, max_norm, norm_type)
 
     def averaged_grad(self, p: nn.Parameter) -> torch.Tensor:
         """The averaged gradient of `p` for the current step (waits for it)."""
-        slot = self._slots[p]
-        self.engine.wait([slot.group])
-        return self._average_of(p, slot)
+        self.engine.wait([self._slots[p].group])
+        return self._averages[p]
 
     def close(self, flush: bool = True) -> None:
         """Apply pending updates, finish sending, close connections, remove hooks.

@@ -15,9 +15,12 @@ priority queues are emulated.
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pyroute2 import IPRoute, netns
@@ -160,6 +163,48 @@ class Cluster:
                 f"{list(argv)} in {host} exited with {proc.returncode}: {err.strip()[-2000:]}"
             )
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def start_daemon(
+        self,
+        host: str | int,
+        workdir: Path,
+        *,
+        rate: str | None = None,
+        args: Sequence[str] = (),
+        timeout: float = 20,
+        **popen: Any,
+    ) -> tuple[subprocess.Popen[Any], Path]:
+        """Run gradlaned on `host`'s eth0 and wait until its socket accepts.
+
+        Its socket and state live under `workdir`; `rate` defaults to the
+        host's emulated link rate. It is stopped with the cluster at the
+        latest (SIGTERM, so it restores the host's qdisc).
+
+        Raises:
+            TestbedError: it exited or did not serve within `timeout`.
+        """
+        name = f"h{self.host_index(host)}"
+        rate = rate or str(self.topology.rates[self.host_index(host) - 1])
+        sock = workdir / f"{name}.sock"
+        argv = [sys.executable, "-m", "gradlane.cli", "daemon", "-i", f"eth0={rate}",
+                "--socket", str(sock), "--state-dir", str(workdir / f"state-{name}"),
+                "--http", "127.0.0.1:9464", *args]  # fmt: skip
+        popen.setdefault("stderr", subprocess.PIPE)
+        popen.setdefault("text", True)
+        proc = self.popen(host, argv, **popen)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.socket(socket.AF_UNIX) as probe:
+                    probe.connect(str(sock))
+                return proc, sock
+            except OSError:
+                if proc.poll() is not None:
+                    _, err = proc.communicate()
+                    raise TestbedError(f"gradlaned on {name} exited: {err or ''}"[-2000:]) from None
+                if time.monotonic() > deadline:
+                    raise TestbedError(f"gradlaned on {name} did not serve in {timeout}s") from None
+                time.sleep(0.05)
 
     # -- building --------------------------------------------------------
 

@@ -102,25 +102,8 @@ def start_netns_daemon(
     cluster: Cluster, host: str, tmp: Path, config: Path | None = None, rate: str = "200mbit"
 ) -> tuple[subprocess.Popen[str], Path]:
     """Run the real gradlaned on `host`'s eth0; returns it and its socket once it serves."""
-    sock = tmp / f"{host}.sock"
-    argv = [
-        sys.executable, "-m", "gradlane.cli", "daemon",
-        "-i", f"eth0={rate}", "--socket", str(sock),
-        "--state-dir", str(tmp / f"state-{host}"), "--http", "127.0.0.1:9464",
-    ]  # fmt: skip
-    if config is not None:
-        argv += ["--config", str(config)]
-    proc = cluster.popen(host, argv, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(sock))
-            return proc, sock
-        except OSError:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "daemon did not start"
-            time.sleep(0.05)
+    args = ["--config", str(config)] if config is not None else []
+    return cluster.start_daemon(host, tmp, rate=rate, args=args)
 
 
 def stop(proc: subprocess.Popen[str], sig: signal.Signals = signal.SIGTERM) -> int:

@@ -38,11 +38,27 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
 
 def probe(cluster: Cluster, sockets: list[Path], bands: int, port: int) -> dict[str, Any]:
     procs = [
-        cluster.popen(host, [sys.executable, "-m", "tests.shim_probe", "--rank", str(rank),
-                             "--master", f"{cluster.addr('h1')}:{port}", "--address",
-                             cluster.addr(host), "--bands", str(bands), "--socket",
-                             str(sockets[rank])],
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cluster.popen(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "tests.shim_probe",
+                "--rank",
+                str(rank),
+                "--master",
+                f"{cluster.addr('h1')}:{port}",
+                "--address",
+                cluster.addr(host),
+                "--bands",
+                str(bands),
+                "--socket",
+                str(sockets[rank]),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank, host in enumerate(("h1", "h2"))
     ]
     outs = [p.communicate(timeout=90) for p in procs]
@@ -60,7 +76,9 @@ def test_chunks_complete_in_priority_order_and_band0_preempts_bulk(
     c, sockets = cluster
     banded = probe(c, sockets, 4, 29410)
     fifo = probe(c, sockets, 1, 29411)
-    print(f"band-0 chunk during bulk: {banded['high_latency_s'] * 1000:.1f} ms with 4 bands, "
-          f"{fifo['high_latency_s'] * 1000:.1f} ms with one band; order {banded['order']}")
+    print(
+        f"band-0 chunk during bulk: {banded['high_latency_s'] * 1000:.1f} ms with 4 bands, "
+        f"{fifo['high_latency_s'] * 1000:.1f} ms with one band; order {banded['order']}"
+    )
     assert banded["order"] == ["p0", "p1", "p2", "p3"]
     assert fifo["high_latency_s"] >= 3 * banded["high_latency_s"]

@@ -1,0 +1,237 @@
+"""Benchmark cross-iteration overlap: `attach(overlap=True)` against `overlap=False`.
+
+    sudo .venv/bin/python bench/shim_overlap.py
+
+Trace-driven compute: one layer per module of a shipped model profile
+(`--model`, default VGG-19, `gradlane.policies.profiles`), whose forward and
+backward passes sleep for times proportional to the module's FLOPs (forward
+`--forward-ms` in all, backward twice that; no arithmetic, so the 2-core
+machine's CPU is not what is measured), each with a parameter of the
+module's bytes scaled so the model holds `--model-mb` MB. Two workers
+in two emulated hosts, each with gradlaned, at a link rate chosen so that
+one iteration's communication time (each worker sends and receives the
+model's size: half as contributions, half as results) is about its compute
+time. Both settings run in the same cluster, alternating, `--rounds` times
+each; the first `--warmup` iterations of every run are dropped.
+
+Result: median iteration time of each, and their ratio (target <= 0.85).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import write  # noqa: E402
+
+PAYLOAD_EFFICIENCY = 1448 / 1514
+
+
+def trace(args: argparse.Namespace) -> list[tuple[int, float, float]]:
+    """(parameter elements, forward s, backward s) per layer."""
+    from gradlane.policies.profiles import load_profile
+
+    profile = load_profile(args.model)
+    scale = args.model_mb * (1 << 20) / profile.total_bytes
+    times = profile.compute_times(args.forward_ms / 1000)
+    return [
+        (max(1024, round(m.bytes * scale / 4)), f, b)
+        for m, (f, b) in zip(profile.modules, times, strict=True)
+    ]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from torch import nn
+
+    import gradlane.shim as gl
+
+    torch.set_num_threads(1)
+
+    class Layer(nn.Module):
+        def __init__(self, numel: int, fwd: float, bwd: float) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(numel))
+            self.fwd, self.bwd = fwd, bwd
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _Sleep.apply(x, self.w, self.fwd, self.bwd)  # type: ignore[no-any-return]
+
+    class _Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fwd: float, bwd: float) -> Any:
+            ctx.bwd, ctx.numel = bwd, w.numel()
+            time.sleep(fwd)
+            return x + w[:1]
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            time.sleep(ctx.bwd)
+            return grad, torch.full((ctx.numel,), 1e-3), None, None
+
+    model = nn.Sequential(*[Layer(numel, fwd, bwd) for numel, fwd, bwd in trace(args)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    times: list[float] = []
+    waited: list[float] = []
+    options = {"chunk_bytes": args.chunk_kb << 10} if args.chunk_kb else {}
+    with gl.attach(
+        model,
+        opt,
+        overlap=args.overlap,
+        daemon_socket=args.socket,
+        job="overlap",
+        address=args.address,
+        **options,
+    ) as sync:
+        x = torch.zeros(1)
+        last = time.perf_counter()
+        for _ in range(args.iters):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            now = time.perf_counter()
+            times.append(now - last)
+            waited.append(sync.last_exposed_comm_s)
+            last = now
+        sync.flush()
+    if int(os.environ["RANK"]) == 0:
+        print(json.dumps({"times": times, "waited": waited}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/shim_overlap.json")
+    ap.add_argument("--model", default="vgg19", help="profile: resnet50, vgg19, bert_base")
+    ap.add_argument("--model-mb", type=float, default=10.0, help="scaled model size")
+    ap.add_argument("--forward-ms", type=float, default=50.0, help="forward time per iteration")
+    ap.add_argument("--iters", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunk-kb", type=int, default=None, help="chunk size (default: shim's)")
+    ap.add_argument("--rate", type=int, help="link rate in bit/s (default: comm = compute)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--overlap", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.overlap = bool(args.overlap)
+        worker(args)
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("bench/shim_overlap.py needs root (it builds an emulated cluster)")
+    from gradlane.testbed import Cluster, Topology
+
+    layers = trace(args)
+    compute_s = sum(f + b for _, f, b in layers)
+    model_bytes = 4 * sum(n for n, _, _ in layers)
+    # Each worker sends the model's size per iteration (W = 2); pick the rate
+    # at which that takes as long as the compute, counting TCP/IP framing and
+    # the daemon's 95% shaping.
+    rate = args.rate or int(model_bytes * 8 / compute_s / PAYLOAD_EFFICIENCY / 0.95)
+    comm_s = model_bytes * 8 / (rate * PAYLOAD_EFFICIENCY * 0.95)
+    base = [sys.executable, str(Path(__file__).resolve()), "--worker",
+            "--model", args.model, "--model-mb", str(args.model_mb),
+            "--forward-ms", str(args.forward_ms),
+            "--iters", str(args.iters),
+            *(["--chunk-kb", str(args.chunk_kb)] if args.chunk_kb else [])]  # fmt: skip
+    runs: dict[str, list[list[float]]] = {"overlap": [], "no_overlap": []}
+    exposed: dict[str, list[float]] = {"overlap": [], "no_overlap": []}
+    with tempfile.TemporaryDirectory() as tmp, Cluster(Topology.build("bovl", 2, rate)) as c:
+        socks = [c.start_daemon(h, Path(tmp))[1] for h in ("h1", "h2")]
+        port = 29420
+        for r in range(args.rounds):
+            for name, overlap in (("overlap", 1), ("no_overlap", 0)):
+                port += 1
+                procs = []
+                for rank, host in enumerate(("h1", "h2")):
+                    env = {
+                        **os.environ,
+                        "RANK": str(rank),
+                        "WORLD_SIZE": "2",
+                        "MASTER_ADDR": c.addr("h1"),
+                        "MASTER_PORT": str(port),
+                        "OMP_NUM_THREADS": "1",
+                    }
+                    procs.append(
+                        c.popen(
+                            host,
+                            [
+                                *base,
+                                "--overlap",
+                                str(overlap),
+                                "--socket",
+                                str(socks[rank]),
+                                "--address",
+                                c.addr(host),
+                            ],
+                            env=env,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                        )
+                    )
+                outs = [p.communicate(timeout=300) for p in procs]
+                for p, (_, err) in zip(procs, outs, strict=True):
+                    if p.returncode:
+                        raise SystemExit(f"a worker failed:\n{err[-3000:]}")
+                out = json.loads(outs[0][0])
+                times = out["times"][args.warmup :]
+                runs[name].append(times)
+                exposed[name].extend(out["waited"][args.warmup :])
+                print(
+                    f"round {r + 1}/{args.rounds} {name}: median "
+                    f"{statistics.median(times) * 1000:.1f} ms",
+                    flush=True,
+                )
+    medians = {k: statistics.median(t for run in v for t in run) for k, v in runs.items()}
+    ratio = medians["overlap"] / medians["no_overlap"]
+    write(
+        args.json,
+        {
+            "benchmark": "cross-iteration overlap: per-layer steps gating the next forward",
+            "config": {
+                "workers": 2,
+                "model_profile": args.model,
+                "layers": len(layers),
+                "model_MB": round(model_bytes / (1 << 20), 3),
+                "forward_s": args.forward_ms / 1000,
+                "compute_s": round(compute_s, 4),
+                "link_bps": rate,
+                "communication_s_at_link_rate": round(comm_s, 4),
+                "iters": args.iters,
+                "warmup_dropped": args.warmup,
+                "rounds": args.rounds,
+                "chunk_bytes": (args.chunk_kb << 10) if args.chunk_kb else "default",
+                "daemons": True,
+            },
+            "iteration_s": {k: [[round(t, 5) for t in run] for run in v] for k, v in runs.items()},
+            "median_iteration_s": {k: round(v, 5) for k, v in medians.items()},
+            # time rank 0's training thread waited for averages (communication not hidden)
+            "median_exposed_communication_s": {
+                k: round(statistics.median(v), 5) for k, v in exposed.items()
+            },
+            "ratio_overlap_to_no_overlap": round(ratio, 3),
+        },
+    )
+    print(
+        f"overlap {medians['overlap'] * 1000:.1f} ms vs no overlap "
+        f"{medians['no_overlap'] * 1000:.1f} ms: ratio {ratio:.3f} -> {args.json}"
+    )
+
+
+if __name__ == "__main__":
+    main()

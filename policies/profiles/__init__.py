@@ -1,0 +1,71 @@
+"""Model profiles shipped as data: per-module parameter bytes and forward FLOPs.
+
+See README.md in this folder for the sources. `load_profile` reads one;
+`Profile.compute_times` turns FLOPs into per-module forward and backward
+times under a calibration you state (a sustained FLOP rate, or a total
+forward time to scale to).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+from gradlane.errors import ConfigError
+
+__all__ = ["NAMES", "Module", "Profile", "load_profile"]
+
+NAMES = ("resnet50", "vgg19", "bert_base")
+BACKWARD_TO_FORWARD = 2.0  # backward costs about twice the forward (two matmuls per one)
+
+
+@dataclass(frozen=True)
+class Module:
+    index: int
+    name: str
+    kind: str
+    params: int
+    bytes: int
+    forward_flops: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    modules: tuple[Module, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.bytes for m in self.modules)
+
+    @property
+    def total_flops(self) -> int:
+        return sum(m.forward_flops for m in self.modules)
+
+    def compute_times(self, forward_s: float) -> list[tuple[float, float]]:
+        """Per module (forward, backward) seconds when the whole forward takes `forward_s`.
+
+        Time is proportional to FLOPs; backward is `BACKWARD_TO_FORWARD` x forward.
+        """
+        total = self.total_flops
+        return [(forward_s * m.forward_flops / total,
+                 BACKWARD_TO_FORWARD * forward_s * m.forward_flops / total)
+                for m in self.modules]
+
+
+def load_profile(name: str) -> Profile:
+    """The shipped profile `name` (one of `NAMES`).
+
+    Raises:
+        ConfigError: unknown name.
+    """
+    if name not in NAMES:
+        raise ConfigError(f"unknown model profile {name!r}; known: {', '.join(NAMES)}")
+    raw = json.loads(resources.files(__name__).joinpath(f"{name}.json").read_text())
+    modules = tuple(
+        Module(m["index"], m["module"], m["kind"], m["params"], m["bytes_fp32"],
+               m["forward_flops"])
+        for m in sorted(raw["modules_in_forward_order"], key=lambda m: m["index"])
+    )
+    return Profile(raw["model"], modules)
