@@ -70,10 +70,17 @@ class Chunk:
     inbox: dict[int, torch.Tensor] = field(default_factory=dict)
     samples: list[int] = field(default_factory=list)
     have: set[int] = field(default_factory=set)
+    # Byte views made once (sockets read and write tensor memory through them).
+    nbytes: int = 0
+    grad_bytes: memoryview = field(init=False)
+    out_bytes: memoryview = field(init=False)
+    inbox_bytes: dict[int, memoryview] = field(default_factory=dict)
 
-    @property
-    def nbytes(self) -> int:
-        return (self.stop - self.start) * self.group.grad.element_size()
+    def __post_init__(self) -> None:
+        g = self.group
+        self.nbytes = (self.stop - self.start) * g.grad.element_size()
+        self.grad_bytes = tensor_bytes(g.grad[self.start : self.stop])
+        self.out_bytes = tensor_bytes(g.out[self.start : self.stop])
 
 
 @dataclass(eq=False)
@@ -184,6 +191,7 @@ class Engine:
                 chunk.inbox = {
                     p: torch.empty(stop - start, dtype=grad.dtype) for p in self.mesh.peers()
                 }
+                chunk.inbox_bytes = {p: tensor_bytes(t) for p, t in chunk.inbox.items()}
             group.chunks.append(chunk)
         group.remaining = len(group.chunks)
         with self._cond:
@@ -214,7 +222,6 @@ class Engine:
             if chunk.owner == self.rank:
                 self._contribute(chunk, self.rank, self.samples, self.step)
             else:
-                view = group.grad[chunk.start : chunk.stop]
                 header = _HDR.pack(
                     RS, group.gid, self.step, chunk.index, chunk.nbytes, self.samples
                 )
@@ -222,7 +229,7 @@ class Engine:
                     chunk.owner,
                     (group.priority, 1, chunk.index),
                     header,
-                    tensor_bytes(view),
+                    chunk.grad_bytes,
                     group.band,
                 )
 
@@ -384,15 +391,13 @@ class Engine:
                         raise TransportError(
                             f"rank {peer} sent chunk {index} of {chunk.group.label} to a non-owner"
                         )
-                    buf = chunk.inbox[peer]
-                    if not _recv_into(sock, tensor_bytes(buf)):
+                    if not _recv_into(sock, chunk.inbox_bytes[peer]):
                         raise ConnectionError("closed mid-chunk")
                     self.last_rx = time.monotonic()
                     self._contribute(chunk, peer, samples, step)
                 elif kind == AG:
                     self._check_step(peer, step, (self.step,), "result")
-                    view = chunk.group.out[chunk.start : chunk.stop]
-                    if not _recv_into(sock, tensor_bytes(view)):
+                    if not _recv_into(sock, chunk.out_bytes):
                         raise ConnectionError("closed mid-chunk")
                     self.last_rx = time.monotonic()
                     self._chunk_done(chunk, step)
@@ -460,7 +465,7 @@ class Engine:
         header = _HDR.pack(AG, group.gid, step, chunk.index, chunk.nbytes, 0)
         for peer in self.mesh.peers():
             self._enqueue(
-                peer, (group.priority, 0, chunk.index), header, tensor_bytes(result), group.band
+                peer, (group.priority, 0, chunk.index), header, chunk.out_bytes, group.band
             )
         self._chunk_done(chunk, step)
 
