@@ -265,18 +265,29 @@ class Sync:
         return {"params": params, "options": self.config.signature(), "world": self.world}
 
     def _check_same_model(self, store: Store) -> None:
-        """Every rank compares itself with rank 0, and every rank learns every verdict."""
+        """Every rank compares itself with rank 0, and every rank learns every verdict.
+
+        Rank 0 may host the store, so it waits until all ranks have read the
+        verdicts before it goes on (or raises and exits).
+        """
         mine = self._describe()
         key = f"{self._prefix}/model"
-        if self.rank == 0:
-            store.set(key, json.dumps(mine))
-        reference = json.loads(store.get(key))
-        verdict = "ok" if reference == mine else _first_difference(reference, mine, self.rank)
-        store.set(f"{key}/{self.rank}", verdict)
-        for r in range(self.world):
-            other = store.get(f"{key}/{r}").decode()
-            if other != "ok":
-                raise ModelMismatch(other)
+        try:
+            if self.rank == 0:
+                store.set(key, json.dumps(mine))
+            reference = json.loads(store.get(key))
+            verdict = "ok" if reference == mine else _first_difference(reference, mine, self.rank)
+            store.set(f"{key}/{self.rank}", verdict)
+            verdicts = [store.get(f"{key}/{r}").decode() for r in range(self.world)]
+            store.set(f"{key}/read/{self.rank}", "1")
+            if self.rank == 0:
+                for r in range(self.world):
+                    store.get(f"{key}/read/{r}")
+        except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
+            raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
+        for verdict in verdicts:
+            if verdict != "ok":
+                raise ModelMismatch(verdict)
 
     def _broadcast_state(self) -> None:
         """Copy rank 0's parameters and buffers to every rank (band-0 connections)."""
@@ -602,10 +613,9 @@ class Sync:
         """
         if self._state != "reduced":
             raise ConfigError("clip_grad_norm_ belongs between backward() and optimizer.step()")
-        self.engine.wait(self._groups)
-        averages = list(self._averages.values())
         self._clipped = True
-        return torch.nn.utils.clip_grad_norm_(averages, max_norm, norm_type)
+        with self._averaged_grads():  # clips the averages in place, where step() reads them
+            return torch.nn.utils.clip_grad_norm_(list(self._averages), max_norm, norm_type)
 
     def averaged_grad(self, p: nn.Parameter) -> torch.Tensor:
         """The averaged gradient of `p` for the current step (waits for it)."""

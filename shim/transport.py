@@ -144,9 +144,13 @@ class Mesh:
             listener.bind((address, 0))
             listener.listen(max(16, world * bands))
             port = listener.getsockname()[1]
-            store.set(f"{prefix}/addr/{rank}", f"{address}:{port}")
+            try:
+                store.set(f"{prefix}/addr/{rank}", f"{address}:{port}")
+                where = [store.get(f"{prefix}/addr/{p}").decode() for p in range(rank)]
+            except RuntimeError as exc:  # torch's DistStoreError: the store or a rank is gone
+                raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
             for peer in range(rank):
-                host, _, peer_port = store.get(f"{prefix}/addr/{peer}").decode().rpartition(":")
+                host, _, peer_port = where[peer].rpartition(":")
                 for band in range(bands):
                     self._connect(
                         peer, band, (host, int(peer_port)), deadline, credit_bytes, sndbuf_bytes

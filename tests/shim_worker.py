@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--daemon-socket", default="/nonexistent/gradlaned.sock")
     ap.add_argument("--ddp-hook", action="store_true", help="DDP(gloo) + gradlane's comm hook")
+    ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
     args = ap.parse_args()
 
     import gradlane.shim as gl
@@ -99,6 +100,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     sizes = [int(s) for s in args.batches.split(",")]
     model = make_model(dtype)
+    if args.wider:
+        model[-1] = nn.Linear(32, 11).to(dtype)
     if rank:
         with torch.no_grad():  # attach must broadcast rank 0's parameters
             for p in model.parameters():

@@ -180,3 +180,11 @@ def test_workers_register_with_the_daemon_and_survive_its_death(
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
         assert f"rank {rank} step 399" in log
         assert "training goes on with the local priority order" in log
+
+
+@pytest.mark.timeout(120)
+def test_mismatched_models_are_refused_at_attach_on_every_rank(tmp_path: Path) -> None:
+    results = finish(launch(tmp_path, "--steps", "1", world=2, per_rank={1: ["--wider"]}))
+    for rank, (code, log) in enumerate(results):
+        assert code == 4, f"rank {rank}:\n{log[-2000:]}"
+        assert "rank 1's model differs from rank 0's" in log and "[11, 32]" in log, log[-2000:]

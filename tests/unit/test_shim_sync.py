@@ -1,0 +1,235 @@
+"""`attach` in one process (world size 1): the hooks, per-layer steps and
+fallbacks must give exactly what plain PyTorch gives.
+
+With one worker the average of a gradient is the gradient itself (times a
+weight of exactly 1.0), so every result here must be bit-identical to the
+same loop without the shim: any difference is the shim changing the math.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradlane.shim as gl
+from gradlane.errors import ConfigError
+
+
+def model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 5),
+        nn.ReLU(),
+        nn.Linear(5, 3),
+    ).to(dtype)
+
+
+def data(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(6, 3, 8, 8, generator=g).to(dtype), torch.randint(0, 3, (6,), generator=g)
+
+
+def attach(m: nn.Module, opt: torch.optim.Optimizer, **options: Any) -> gl.Sync:
+    return gl.attach(
+        m,
+        opt,
+        rank=0,
+        world_size=1,
+        store=dist.HashStore(),
+        address="127.0.0.1",
+        daemon_socket="/nonexistent/gl.sock",
+        **options,
+    )
+
+
+Loop = Callable[[nn.Module, torch.optim.Optimizer, Any, int], None]
+
+
+def plain_step(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
+    x, y = data(step, next(m.parameters()).dtype)
+    nn.functional.cross_entropy(m(x), y).backward()
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad()
+
+
+def compare(
+    make_opt: Callable[[Any], torch.optim.Optimizer],
+    loop: Loop = plain_step,
+    steps: int = 6,
+    sched: Callable[[Any], Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    **options: Any,
+) -> None:
+    ref, mine = model(dtype), model(dtype)
+    for m, shimmed in ((ref, False), (mine, True)):
+        opt = make_opt(m.parameters())
+        scheduler = sched(opt) if sched else None
+        sync = attach(m, opt, **options) if shimmed else None
+        for step in range(steps):
+            loop(m, opt, scheduler, step)
+        if sync is not None:
+            sync.close()
+    for (name, a), b in zip(ref.state_dict().items(), mine.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("name", ["SGD", "AdamW", "RMSprop", "Adagrad", "NAdam"])
+def test_per_layer_steps_match_plain_pytorch_exactly(name: str, overlap: bool) -> None:
+    kwargs = {"lr": 0.01, "momentum": 0.9} if name in ("SGD", "RMSprop") else {"lr": 0.01}
+    compare(lambda p: getattr(torch.optim, name)(p, **kwargs), overlap=overlap)
+
+
+def test_lr_scheduler_sees_the_step_it_scheduled() -> None:
+    compare(
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        sched=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.3),
+    )
+
+
+def test_low_precision_and_float64() -> None:
+    compare(lambda p: torch.optim.SGD(p, lr=0.1), dtype=torch.bfloat16)
+    compare(lambda p: torch.optim.AdamW(p, lr=0.01), dtype=torch.float64)
+
+
+def test_gradient_accumulation_with_no_sync() -> None:
+    def loop(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
+        x, y = data(step)
+        sync: gl.Sync | None = getattr(m, "_gl_sync", None)
+        for i, (xs, ys) in enumerate(zip(x.split(2), y.split(2), strict=True)):
+            last = i == 2
+            ctx = sync.no_sync() if sync is not None and not last else _null()
+            with ctx:
+                (nn.functional.cross_entropy(m(xs), ys) / 3).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    ref, mine = model(), model()
+    for m, shimmed in ((ref, False), (mine, True)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        if shimmed:
+            m._gl_sync = attach(m, opt)  # type: ignore[assignment]
+        for step in range(4):
+            loop(m, opt, None, step)
+        if shimmed:
+            m._gl_sync.close()  # type: ignore[operator]
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_clip_grad_norm_on_averaged_gradients() -> None:
+    def clipped(sync_of: dict[int, gl.Sync]) -> Loop:
+        def loop(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
+            x, y = data(step)
+            nn.functional.cross_entropy(m(x), y).backward()
+            sync = sync_of.get(id(m))
+            if sync is None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            else:
+                sync.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+
+        return loop
+
+    ref, mine = model(), model()
+    syncs: dict[int, gl.Sync] = {}
+    for m in (ref, mine):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        if m is mine:
+            syncs[id(m)] = attach(m, opt)
+        for step in range(4):
+            clipped(syncs)(m, opt, None, step)
+    syncs[id(mine)].close()
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_lbfgs_closure_falls_back_to_whole_model_steps() -> None:
+    def loop(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
+        x, y = data(step)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+    compare(lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=3), loop=loop, steps=3)
+
+
+def test_unused_parameters_count_as_zero_gradients() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x)  # b never runs
+
+    m = Branchy()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = m.b.weight.detach().clone()
+    with attach(m, opt):
+        for _ in range(3):
+            m(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert torch.equal(m.b.weight, before)
+
+
+def test_misuse_gets_clear_errors() -> None:
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with attach(m, opt):
+        x, y = data(0)
+        nn.functional.cross_entropy(m(x), y).backward()
+        with pytest.raises(ConfigError, match="twice without optimizer.step"):
+            nn.functional.cross_entropy(m(x), y).backward()
+    other = model()
+    with pytest.raises(ConfigError, match="not in the optimizer"):
+        attach(other, torch.optim.SGD(list(other.parameters())[:1], lr=0.1))
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), chunk_bytes=10)
+    with pytest.raises(ConfigError, match="RANK"):
+        gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), world_size=1)
+
+
+def test_close_restores_the_optimizer_and_removes_hooks() -> None:
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    cls = type(opt)
+    sync = attach(m, opt)
+    assert isinstance(opt, torch.optim.SGD) and type(opt) is not cls
+    sync.close()
+    assert type(opt) is cls
+    plain = copy.deepcopy(m)
+    x, y = data(0)
+    for mm in (m, plain):
+        o = opt if mm is m else torch.optim.SGD(mm.parameters(), lr=0.1)
+        nn.functional.cross_entropy(mm(x), y).backward()
+        o.step()
+    for a, b in zip(m.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
