@@ -35,7 +35,8 @@ def environment() -> dict[str, Any]:
     )
     return {
         "commit": run("git", "rev-parse", "HEAD"),
-        "dirty": bool(run("git", "status", "--porcelain")),
+        # results files being rewritten by this very run do not count
+        "dirty": bool(run("git", "status", "--porcelain", "--", ".", ":!bench/results")),
         "kernel": platform.release(),
         "cpu": cpu,
         "cores": os.cpu_count(),
