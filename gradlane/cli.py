@@ -30,8 +30,21 @@ def _require_root(what: str) -> None:
         )
 
 
+_MAIN_PID = os.getpid()
+
+
+def _stdout_console() -> Console:
+    """Tables on stdout; wide when piped, so that no cell wraps in a log or a test."""
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     # Turn SIGTERM into an exception so `with Cluster(...)` blocks clean up.
+    # A forked child (pyroute2 forks to enter a namespace, and stops that
+    # child with SIGTERM) inherits this handler: it must leave at once instead
+    # of unwinding the parent's stack and removing the parent's clusters.
+    if os.getpid() != _MAIN_PID:
+        os._exit(128 + signum)
     raise SystemExit(128 + signum)
 
 
@@ -192,6 +205,59 @@ def smoke(rate: str, seconds: float, name: str) -> None:
     Console().print(table)
 
 
+@cli.command()
+@click.option(
+    "--hosts",
+    type=click.IntRange(2, 8),
+    default=4,
+    show_default=True,
+    help="Emulated hosts, one worker each.",
+)
+@click.option(
+    "--rate", default=None, help="Link rate, e.g. 200mbit. Default: where communication ~ compute."
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(10, 10_000),
+    default=60,
+    show_default=True,
+    help="Training steps per system.",
+)
+@click.option(
+    "--png",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("gradlane-demo.png"),
+    show_default=True,
+    help="Figure to write.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the raw numbers as JSON.",
+)
+def demo(hosts: int, rate: str | None, steps: int, png: Path, json_path: Path | None) -> None:
+    """Train one small CNN under PyTorch DDP and under gradlane, and compare.
+
+    As root: an emulated cluster (one worker per host, torchrun in each),
+    gradlaned on every host for the gradlane run; a table of iteration times,
+    bytes on the wire, link utilization and final losses, and a PNG of
+    per-band link usage and iteration times. Without root: the same two runs
+    on loopback, without traffic control.
+    """
+    from gradlane.demo import run_demo
+
+    run_demo(
+        hosts=hosts,
+        rate=parse_rate(rate) if rate else None,
+        steps=steps,
+        png=png,
+        json_path=json_path,
+        console=_stdout_console(),
+    )
+
+
 DEFAULT_CONFIG = Path("/etc/gradlane/gradlaned.toml")
 
 
@@ -309,7 +375,7 @@ def status(url: str, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=1))
         return
     # Piped output is not cut to 80 columns: scripts and logs need whole class ids.
-    out = Console(width=None if sys.stdout.isatty() else 160)
+    out = _stdout_console()
     plan = data["plan"]
     out.print(
         f"gradlaned {data['version']}, up {data['uptime_s']:.0f}s, policy {data['policy']}, "

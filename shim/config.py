@@ -18,11 +18,13 @@ class ShimConfig:
     """How a worker cuts, orders and sends its gradients.
 
     Attributes:
-        chunk_bytes: the unit of ownership, ordering and preemption. A newly
-            ready high-priority chunk waits for at most one chunk already being
-            written on each connection. The default comes from
-            ``bench/shim_transport.py`` (see the README): the smallest size at
-            which loopback throughput is within 10% of its best.
+        chunk_bytes: the largest unit of ownership, ordering and preemption.
+            A newly ready high-priority chunk waits for at most one chunk
+            already being written on its connection. The default comes from
+            ``bench/shim_transport.py`` (see the README): the smallest size
+            reaching 75% of the best loopback throughput. A small model gets
+            smaller chunks (a quarter of each worker's share of the model, at
+            least 64 KiB), or owners could not be balanced.
         dscp: the DSCP code point of each band, band 0 (highest priority)
             first; its length is the number of band connections per peer.
         credit_bytes: at most this many bytes of one band connection are

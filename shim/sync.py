@@ -47,7 +47,9 @@ from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import assign_owners, band_of, split
 from gradlane.shim.transport import Mesh, Store, local_address, tensor_bytes
 
-__all__ = ["PER_PARAMETER_OPTIMIZERS", "Sync", "attach"]
+__all__ = ["MIN_CHUNK_BYTES", "PER_PARAMETER_OPTIMIZERS", "Sync", "attach"]
+
+MIN_CHUNK_BYTES = 64 << 10
 
 logger = logging.getLogger(__name__)
 
@@ -359,6 +361,19 @@ class Sync:
                     p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                 )
 
+    def _chunk_bytes(self) -> int:
+        """`ShimConfig.chunk_bytes`, or smaller for a small model.
+
+        Owners are whole chunks, so a model of few large chunks cannot be
+        balanced: one worker would receive and send a large layer's every
+        byte. Chunks are therefore at most a quarter of a worker's fair share
+        of the model (but not under `MIN_CHUNK_BYTES`, where the fixed cost
+        per chunk starts to show).
+        """
+        model = sum(p.numel() * p.element_size() for layer in self._layers for p in layer.params)
+        share = model // (4 * self.world)
+        return max(4096, min(self.config.chunk_bytes, max(MIN_CHUNK_BYTES, share)))
+
     def _lay_out(self) -> None:
         """Freeze priorities, groups, chunks and owners (at the first backward)."""
         seen = len(self._order)
@@ -370,6 +385,7 @@ class Sync:
             logger.info(
                 "gradlane: %d layers did not run in the first forward; lowest priority", len(rest)
             )
+        chunk_bytes = self._chunk_bytes()
         specs = []
         for layer in order:
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -377,7 +393,7 @@ class Sync:
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, params in by_dtype.items():
                 numel = sum(p.numel() for p in params)
-                ranges = split(numel, params[0].element_size(), self.config.chunk_bytes)
+                ranges = split(numel, params[0].element_size(), chunk_bytes)
                 specs.append((layer, dtype, params, numel, ranges))
         sizes = [
             (stop - start) * torch.empty(0, dtype=d).element_size()

@@ -15,6 +15,7 @@ priority queues are emulated.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -56,6 +57,9 @@ class Cluster:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._procs: list[subprocess.Popen[Any]] = []
+        # A forked child (pyroute2 forks to enter a namespace) that unwinds
+        # this stack must not tear down the parent's cluster.
+        self._owner = os.getpid()
 
     def __enter__(self) -> Cluster:
         self.up()
@@ -95,7 +99,12 @@ class Cluster:
         logger.info("cluster %s is up: %d hosts", self.topology.name, self.topology.hosts)
 
     def down(self) -> None:
-        """Stop every process in the cluster and remove its namespaces. Idempotent."""
+        """Stop every process in the cluster and remove its namespaces. Idempotent.
+
+        Does nothing in a process other than the one that created the cluster.
+        """
+        if os.getpid() != self._owner:
+            return
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()

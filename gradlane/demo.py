@@ -1,0 +1,496 @@
+"""`gradlane demo`: the same training job under PyTorch DDP and under gradlane.
+
+As root it builds an emulated cluster of `hosts` hosts (one worker each),
+runs `gradlane.demo_worker` with torchrun in every host twice -- DDP over
+gloo on the hosts' default queues, then gradlane with gradlaned on every
+host -- and reports iteration times, bytes on the wire, link utilization and
+final losses, plus a PNG: per-band link usage of host 1 over one second of
+the gradlane run, and the iteration times of both.
+
+The link rate defaults to the one at which one iteration's communication
+takes about as long as its compute: the model's compute time is measured here
+first (scaled by workers per core, since the emulated hosts share this
+machine's CPUs), and each worker sends ``2 (W-1)/W`` model sizes per iteration
+in both systems (ring all-reduce for gloo, reduce-scatter + all-gather for
+gradlane).
+
+Without root there is no cluster and no traffic control: both systems run on
+loopback, and the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from gradlane.errors import TestbedError
+
+__all__ = ["DemoResult", "run_demo"]
+
+WINDOW_S = 1.0  # the band-usage plot's window
+SAMPLE_S = 0.01
+
+
+@dataclass
+class SystemRun:
+    name: str
+    times: list[float]
+    losses: list[float]
+    wall_s: float
+    wire_bytes: int | None = None
+    utilization: float | None = None
+
+    @property
+    def steady(self) -> list[float]:
+        return self.times[len(self.times) // 5 :]  # the first fifth warms up
+
+    def p(self, q: float) -> float:
+        data = sorted(self.steady)
+        return data[min(len(data) - 1, int(q * len(data)))]
+
+    @property
+    def final_loss(self) -> float:
+        return statistics.fmean(self.losses[-10:])
+
+
+@dataclass
+class DemoResult:
+    hosts: int
+    rate_bps: int | None
+    compute_s: float
+    runs: dict[str, SystemRun] = field(default_factory=dict)
+    bands: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        return statistics.median(self.runs["ddp"].steady) / statistics.median(
+            self.runs["gradlane"].steady
+        )
+
+    @property
+    def loss_gap(self) -> float:
+        a, b = self.runs["ddp"].final_loss, self.runs["gradlane"].final_loss
+        return abs(a - b) / abs(a)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "hosts": self.hosts,
+            "link_bps": self.rate_bps,
+            "compute_s": self.compute_s,
+            "speedup_median": self.speedup,
+            "final_loss_relative_gap": self.loss_gap,
+            "systems": {
+                k: {
+                    "iteration_s": v.times,
+                    "losses": v.losses,
+                    "wall_s": v.wall_s,
+                    "median_s": statistics.median(v.steady),
+                    "p90_s": v.p(0.9),
+                    "wire_bytes": v.wire_bytes,
+                    "utilization": v.utilization,
+                }
+                for k, v in self.runs.items()
+            },
+            "band_usage_h1": self.bands,
+        }
+
+
+def _measure_model(steps: int = 12) -> tuple[float, int]:
+    """(median seconds of one training step on one thread, parameter bytes)."""
+    import torch
+    from torch import nn
+
+    from gradlane.demo_worker import batch, make_model
+
+    torch.set_num_threads(1)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        x, y = batch(step, 0)
+        nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return statistics.median(times[2:]), size
+
+
+def calibrate(hosts: int) -> tuple[float, int]:
+    """Seconds of compute per iteration per worker as the hosts will see it, and model bytes.
+
+    Measured in a child process: this one keeps torch (and its threads) out,
+    because entering a namespace through pyroute2 may fork.
+    """
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, gradlane.demo as d; print(json.dumps(d._measure_model()))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if out.returncode:
+        raise TestbedError(f"measuring the demo model failed: {out.stderr[-2000:]}")
+    step_s, size = json.loads(out.stdout)
+    return step_s * max(1.0, hosts / (os.cpu_count() or 1)), size
+
+
+def pick_rate(hosts: int, compute_s: float, size: int) -> int:
+    per_iteration = 2 * (hosts - 1) / hosts * size
+    rate = per_iteration * 8 / compute_s / (1448 / 1514)
+    return int(min(1e9, max(10e6, rate)) // 1e6 * 1e6)
+
+
+def _worker_argv(system: str, steps: int, out: Path, extra: list[str]) -> list[str]:
+    return [
+        "-m",
+        "gradlane.demo_worker",
+        "--system",
+        system,
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def _collect(system: str, out: Path, wall: float) -> SystemRun:
+    raw = json.loads((out / f"{system}-rank0.json").read_text())
+    return SystemRun(system, raw["times"], raw["losses"], wall)
+
+
+def _finish(procs: list[subprocess.Popen[str]], what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    failed = None
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            failed = failed or f"{what} did not finish in {timeout:.0f} s: {err[-1500:]}"
+            continue
+        if p.returncode and failed is None:
+            failed = f"{what} failed (exit {p.returncode}):\n{err[-3000:]}"
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        raise TestbedError(failed)
+
+
+def run_loopback(hosts: int, steps: int, out: Path, say: Callable[[str], None]) -> DemoResult:
+    """No root: both systems with `hosts` local processes, no traffic control."""
+    compute, _ = calibrate(hosts)
+    result = DemoResult(hosts, None, compute)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(hosts),
+        "--master-addr",
+        "127.0.0.1",
+    ]
+    for i, system in enumerate(("ddp", "gradlane")):
+        say(f"{system}: {hosts} local workers on loopback, {steps} steps")
+        start = time.monotonic()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            [
+                *torchrun,
+                "--master-port",
+                str(29600 + i),
+                *_worker_argv(system, steps, out, ["--daemon-socket", "/nonexistent"]),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _finish([proc], system, timeout=300)
+        result.runs[system] = _collect(system, out, time.monotonic() - start)
+    return result
+
+
+class _BandSampler:
+    """Reads h1's gradlane HTB leaf counters; `sample` is called every `SAMPLE_S`.
+
+    It runs in the main thread: pyroute2 may fork to enter a namespace, which
+    a non-main thread of this process must not do.
+    """
+
+    def __init__(self, netns: str) -> None:
+        from pyroute2 import IPRoute
+
+        self.samples: list[tuple[float, dict[int, int]]] = []
+        self._ipr = IPRoute(netns=netns, flags=0, groups=0)  # flags=0: never create it
+        found = self._ipr.link_lookup(ifname="eth0")
+        if not found:
+            self._ipr.close()
+            raise TestbedError(f"{netns} has no eth0: is the cluster still up?")
+        self._index = found[0]
+
+    def close(self) -> None:
+        self._ipr.close()
+
+    def sample(self) -> None:
+        from gradlane.daemon.qdisc import MARKER
+        from gradlane.daemon.tc import parse_htb_class
+
+        counts = {}
+        for msg in self._ipr.get_classes(self._index):
+            if msg.get_attr("TCA_KIND") == "htb" and msg["handle"] >> 16 == MARKER:
+                cls = parse_htb_class(msg)
+                counts[cls.params.classid & 0xFFFF] = cls.bytes
+        self.samples.append((time.monotonic(), counts))
+
+    def band_usage(self, bands: int) -> dict[str, Any]:
+        """bit/s per band over the busiest `WINDOW_S` of the run.
+
+        Leaves are minor ``S0(b+1)`` of job slot S; the slot carrying the most
+        bytes is the demo job's.
+        """
+        if len(self.samples) < 3:
+            return {}
+        # The job's classes exist only while it is registered: count each
+        # leaf's bytes over the samples that have it.
+        seen: dict[int, list[int]] = {}
+        for _, counts in self.samples:
+            for minor, total in counts.items():
+                seen.setdefault(minor, []).append(total)
+        slots: dict[int, int] = {}
+        for minor, totals in seen.items():
+            if minor >= 0x100 and 1 <= minor & 0xFF <= bands:
+                slots[minor >> 8] = slots.get(minor >> 8, 0) + max(totals) - min(totals)
+        if not slots:
+            return {}
+        slot = max(slots, key=lambda s: slots[s])
+        live = [x for x in self.samples if (slot << 8) + 1 in x[1]]
+        middle = live[len(live) // 2][0]
+        window = [x for x in live if middle <= x[0] <= middle + WINDOW_S]
+        t0 = window[0][0]
+        series: dict[str, list[float]] = {"t": []}
+        for b in range(bands):
+            series[f"band{b}"] = []
+        for (ta, a), (tb, b_) in zip(window, window[1:], strict=False):
+            series["t"].append(round(tb - t0, 4))
+            for band in range(bands):
+                minor = (slot << 8) + band + 1
+                series[f"band{band}"].append((b_.get(minor, 0) - a.get(minor, 0)) * 8 / (tb - ta))
+        return series
+
+
+def _tx_bytes(netns: str) -> int:
+    from pyroute2 import IPRoute
+
+    with IPRoute(netns=netns, flags=0, groups=0) as ipr:
+        link = ipr.get_links(ifname="eth0")[0]
+        stats = link.get_attr("IFLA_STATS64")
+        return int(stats["tx_bytes"])
+
+
+def run_cluster(
+    hosts: int, rate: int | None, steps: int, out: Path, say: Callable[[str], None]
+) -> DemoResult:
+    from gradlane.testbed import Cluster, Topology
+
+    compute, size = calibrate(hosts)
+    rate = rate or pick_rate(hosts, compute, size)
+    result = DemoResult(hosts, rate, compute)
+    say(
+        f"building a {hosts}-host cluster at {rate / 1e6:.0f} Mbit/s "
+        f"(compute {compute * 1000:.0f} ms per iteration per worker)"
+    )
+    with Cluster(Topology.build("demo", hosts, rate)) as c:
+        names = [f"h{i}" for i in range(1, hosts + 1)]
+        master = c.addr("h1")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+        sockets: list[Path] = []
+        for i, system in enumerate(("ddp", "gradlane")):
+            if system == "gradlane":
+                say("starting gradlaned on every host")
+                sockets = [c.start_daemon(h, out)[1] for h in names]
+            say(f"{system}: {hosts} workers under torchrun, {steps} steps")
+            before = [_tx_bytes(c.ns(h)) for h in names]
+            start = time.monotonic()
+            procs = []
+            for rank, host in enumerate(names):
+                extra = ["--daemon-socket", str(sockets[rank])] if sockets else []
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    str(hosts),
+                    "--nproc-per-node",
+                    "1",
+                    "--node-rank",
+                    str(rank),
+                    "--master-addr",
+                    master,
+                    "--master-port",
+                    str(29500 + i),
+                    *_worker_argv(system, steps, out, extra),
+                ]
+                procs.append(
+                    c.popen(
+                        host,
+                        argv,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            if system == "gradlane":
+                sampler = _BandSampler(c.ns("h1"))
+                try:
+                    deadline = time.monotonic() + 300
+                    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                        sampler.sample()
+                        time.sleep(SAMPLE_S)
+                finally:
+                    sampler.close()
+                result.bands = sampler.band_usage(4)
+            _finish(procs, system, timeout=300)
+            wall = time.monotonic() - start
+            run = _collect(system, out, wall)
+            sent = sum(_tx_bytes(c.ns(h)) - b for h, b in zip(names, before, strict=True))
+            run.wire_bytes = sent
+            busy = sum(run.times)  # training time, without start-up
+            run.utilization = sent * 8 / (rate * hosts * busy) if busy else None
+            result.runs[system] = run
+    return result
+
+
+def report(result: DemoResult, console: Console) -> None:
+    table = Table(
+        title=f"gradlane demo: {result.hosts} workers"
+        + (
+            f", {result.rate_bps / 1e6:.0f} Mbit/s links"
+            if result.rate_bps
+            else ", loopback (no traffic control)"
+        )
+    )
+    for col in (
+        "system",
+        "iteration median",
+        "p90",
+        "speedup",
+        "bytes on the wire",
+        "link utilization",
+        "final loss",
+    ):
+        table.add_column(col, justify="right" if col != "system" else "left")
+    base = statistics.median(result.runs["ddp"].steady)
+    for name, run in result.runs.items():
+        median = statistics.median(run.steady)
+        table.add_row(
+            "PyTorch DDP (gloo)" if name == "ddp" else "gradlane",
+            f"{median * 1000:.1f} ms",
+            f"{run.p(0.9) * 1000:.1f} ms",
+            f"{base / median:.2f}x",
+            f"{run.wire_bytes / 1e6:.1f} MB" if run.wire_bytes is not None else "-",
+            f"{run.utilization:.0%}" if run.utilization is not None else "-",
+            f"{run.final_loss:.4f}",
+        )
+    console.print(table)
+    console.print(
+        f"final losses differ by {result.loss_gap:.2%} (mean of the last 10 steps, rank 0)"
+    )
+
+
+def plot(result: DemoResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    bands = result.bands
+    if bands.get("t"):
+        ax1.stackplot(
+            bands["t"],
+            *[[v / 1e6 for v in bands[f"band{b}"]] for b in range(4)],
+            labels=[f"band {b}" for b in range(4)],
+            step="pre",
+        )
+        if result.rate_bps:
+            ax1.axhline(result.rate_bps / 1e6, color="grey", ls="--", lw=0.8, label="link rate")
+        ax1.set_xlabel("seconds (a 1 s window of the gradlane run)")
+        ax1.set_ylabel("Mbit/s sent by host 1")
+        ax1.set_title("host 1 egress per priority band (gradlaned's HTB leaves)")
+        ax1.legend(loc="upper right", fontsize=8)
+    else:
+        ax1.text(
+            0.5,
+            0.5,
+            "no traffic control on loopback:\nno per-band counters",
+            ha="center",
+            va="center",
+        )
+        ax1.set_axis_off()
+    for name, run in result.runs.items():
+        ax2.plot([t * 1000 for t in run.times], label="PyTorch DDP" if name == "ddp" else name)
+    ax2.set_xlabel("iteration")
+    ax2.set_ylabel("iteration time (ms)")
+    ax2.set_title(f"iteration time (gradlane {result.speedup:.2f}x faster, median)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(
+    *,
+    hosts: int,
+    rate: int | None,
+    steps: int,
+    png: Path,
+    json_path: Path | None,
+    console: Console,
+) -> DemoResult:
+    with tempfile.TemporaryDirectory(prefix="gradlane-demo-") as tmp:
+        out = Path(tmp)
+        os.chmod(out, 0o755)
+
+        def say(text: str) -> None:
+            console.log(text)
+
+        if os.geteuid() == 0:
+            result = run_cluster(hosts, rate, steps, out, say)
+        else:
+            console.print(
+                "[yellow]not root:[/] the emulated cluster needs root "
+                "(network namespaces, qdiscs). Running both systems on loopback "
+                "instead, without traffic control: the numbers show the shim's "
+                "overlap only."
+            )
+            result = run_loopback(hosts, steps, out, say)
+    report(result, console)
+    plot(result, png)
+    console.print(f"figure: {png}")
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.as_json(), indent=1))
+        console.print(f"raw numbers: {json_path}")
+    return result
