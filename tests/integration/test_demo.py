@@ -22,9 +22,23 @@ pytestmark = pytest.mark.netns
 def test_demo_runs_both_systems_and_writes_table_figure_and_json(tmp_path: Path) -> None:
     png, raw = tmp_path / "demo.png", tmp_path / "demo.json"
     out = subprocess.run(
-        [sys.executable, "-m", "gradlane.cli", "demo", "--hosts", "2", "--steps", "15",
-         "--png", str(png), "--json", str(raw)],
-        capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "gradlane.cli",
+            "demo",
+            "--hosts",
+            "2",
+            "--steps",
+            "15",
+            "--png",
+            str(png),
+            "--json",
+            str(raw),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "PyTorch DDP" in out.stdout and "gradlane" in out.stdout
