@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -40,47 +39,20 @@ PAYLOAD_EFFICIENCY = 1448 / 1514
 
 def trace(args: argparse.Namespace) -> list[tuple[int, float, float]]:
     """(parameter elements, forward s, backward s) per layer."""
-    from gradlane.policies.profiles import load_profile
+    from gradlane.workloads import trace_spec
 
-    profile = load_profile(args.model)
-    scale = args.model_mb * (1 << 20) / profile.total_bytes
-    times = profile.compute_times(args.forward_ms / 1000)
-    return [
-        (max(1024, round(m.bytes * scale / 4)), f, b)
-        for m, (f, b) in zip(profile.modules, times, strict=True)
-    ]
+    return trace_spec(args.model, args.model_mb, args.forward_ms / 1000)
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    from torch import nn
 
     import gradlane.shim as gl
+    from gradlane.workloads import make_trace
 
     torch.set_num_threads(1)
 
-    class Layer(nn.Module):
-        def __init__(self, numel: int, fwd: float, bwd: float) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.zeros(numel))
-            self.fwd, self.bwd = fwd, bwd
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return _Sleep.apply(x, self.w, self.fwd, self.bwd)  # type: ignore[no-any-return]
-
-    class _Sleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fwd: float, bwd: float) -> Any:
-            ctx.bwd, ctx.numel = bwd, w.numel()
-            time.sleep(fwd)
-            return x + w[:1]
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> Any:
-            time.sleep(ctx.bwd)
-            return grad, torch.full((ctx.numel,), 1e-3), None, None
-
-    model = nn.Sequential(*[Layer(numel, fwd, bwd) for numel, fwd, bwd in trace(args)])
+    model = make_trace(args.model, args.model_mb, args.forward_ms / 1000)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     times: list[float] = []
     waited: list[float] = []

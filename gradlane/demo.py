@@ -1,7 +1,7 @@
 """`gradlane demo`: the same training job under PyTorch DDP and under gradlane.
 
 As root it builds an emulated cluster of `hosts` hosts (one worker each),
-runs `gradlane.demo_worker` with torchrun in every host twice -- DDP over
+runs `gradlane.worker` with torchrun in every host twice -- DDP over
 gloo on the hosts' default queues, then gradlane with gradlaned on every
 host -- and reports iteration times, bytes on the wire, link utilization and
 final losses, plus a PNG: per-band link usage of host 1 over one second of
@@ -112,7 +112,8 @@ def _measure_model(steps: int = 12) -> tuple[float, int]:
     import torch
     from torch import nn
 
-    from gradlane.demo_worker import batch, make_model
+    from gradlane.workloads import cnn_batch as batch
+    from gradlane.workloads import make_cnn as make_model
 
     torch.set_num_threads(1)
     model = make_model()
@@ -160,7 +161,7 @@ def pick_rate(hosts: int, compute_s: float, size: int) -> int:
 def _worker_argv(system: str, steps: int, out: Path, extra: list[str]) -> list[str]:
     return [
         "-m",
-        "gradlane.demo_worker",
+        "gradlane.worker",
         "--system",
         system,
         "--steps",

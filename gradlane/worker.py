@@ -1,0 +1,99 @@
+"""The training worker of `gradlane demo` and `gradlane bench`, one per host under torchrun.
+
+``torchrun ... -m gradlane.worker --system S --steps N --out DIR [workload options]``
+
+Workloads (`gradlane.workloads`): ``cnn`` (a small real CNN, synthetic data,
+the same seed in every system) or ``trace`` (per-layer sleeps and parameter
+bytes from a model profile; ``--speed`` slows this worker's compute).
+SGD with momentum, one CPU thread. Every rank writes
+``DIR/<system>-rank<R>.json`` with its iteration times, losses and the time
+it waited on communication (gradlane systems).
+
+Systems:
+- ``ddp``: PyTorch DistributedDataParallel over gloo, default buckets.
+- ``fifo``: gradlane's transport with one band and no overlap, no daemon.
+- ``priority``: P3-like: forward-order priority, chunks and cross-iteration
+  overlap in the shim, 4 bands, but no daemon (the kernel does not prioritize).
+- ``gradlane``: everything: the shim as in ``priority`` plus gradlaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradlane.workloads import cnn_batch, make_cnn, make_trace
+
+SYSTEMS = ("ddp", "fifo", "priority", "gradlane")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--system", choices=SYSTEMS, required=True)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--daemon-socket", default="/run/gradlane/gradlaned.sock")
+    ap.add_argument("--workload", choices=["cnn", "trace"], default="cnn")
+    ap.add_argument("--model", default="vgg19", help="trace: the profile")
+    ap.add_argument("--model-mb", type=float, default=10.0, help="trace: scaled model size")
+    ap.add_argument("--forward-ms", type=float, default=50.0, help="trace: forward time")
+    ap.add_argument("--speed", type=float, default=1.0, help="trace: relative compute speed")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if args.workload == "cnn":
+        model = make_cnn()
+    else:
+        model = make_trace(args.model, args.model_mb, args.forward_ms / 1000, args.speed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    record: dict[str, list[float]] = {"times": [], "losses": [], "waited": []}
+
+    def train(net: nn.Module, sync: Any = None) -> None:
+        last = time.perf_counter()
+        for step in range(args.steps):
+            if args.workload == "cnn":
+                x, y = cnn_batch(step, rank)
+                loss = nn.functional.cross_entropy(net(x), y)
+            else:
+                loss = net(torch.zeros(1)).sum()
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            opt.zero_grad()
+            now = time.perf_counter()
+            record["times"].append(now - last)
+            record["losses"].append(loss.item())
+            record["waited"].append(sync.last_exposed_comm_s if sync is not None else 0.0)
+            last = now
+
+    if args.system == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("gloo")
+        try:
+            train(DistributedDataParallel(model))
+        finally:
+            dist.destroy_process_group()
+    else:
+        import gradlane.shim as gl
+
+        options: dict[str, Any] = {"job": "bench", "daemon_socket": "/nonexistent/gradlaned.sock"}
+        if args.system == "fifo":
+            options.update(dscp=(0,), overlap=False)
+        if args.system == "gradlane":
+            options["daemon_socket"] = args.daemon_socket
+        with gl.attach(model, opt, **options) as sync:
+            train(model, sync)
+            sync.flush()
+    (args.out / f"{args.system}-rank{rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

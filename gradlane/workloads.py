@@ -1,0 +1,85 @@
+"""Training workloads for the demo and the benchmarks.
+
+- `make_cnn`: a small real CNN on synthetic CIFAR-sized data (`cnn_batch`).
+- `make_trace`: a trace-driven model: one layer per module of a shipped
+  profile (`gradlane.policies.profiles`), each with a parameter of the
+  module's bytes (scaled) and forward/backward passes that *sleep* for times
+  proportional to the module's FLOPs. Sleeping keeps the 2-core machine's CPU
+  out of the measurement: what is left is communication.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BATCH", "TraceLayer", "cnn_batch", "make_cnn", "make_trace", "trace_spec"]
+
+BATCH = 32
+
+
+def make_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10),
+    )  # fmt: skip
+
+
+def cnn_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic but learnable: the label decides the mean of each image's channels."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    y = torch.randint(0, 10, (BATCH,), generator=g)
+    x = torch.randn(BATCH, 3, 32, 32, generator=g) * 0.5
+    x += (y.float() / 10 - 0.45).view(-1, 1, 1, 1)
+    return x, y
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fwd: float, bwd: float) -> Any:
+        ctx.bwd, ctx.numel = bwd, w.numel()
+        time.sleep(fwd)
+        return x + w[:1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        time.sleep(ctx.bwd)
+        return grad, torch.full((ctx.numel,), 1e-3), None, None
+
+
+class TraceLayer(nn.Module):
+    """A parameter of `numel` floats; forward sleeps `fwd` s, backward `bwd` s."""
+
+    def __init__(self, numel: int, fwd: float, bwd: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(numel))
+        self.fwd, self.bwd = fwd, bwd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.w, self.fwd, self.bwd)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def trace_spec(model: str, model_mb: float, forward_s: float) -> list[tuple[int, float, float]]:
+    """(parameter elements, forward s, backward s) per layer of a profile."""
+    from gradlane.policies.profiles import load_profile
+
+    profile = load_profile(model)
+    scale = model_mb * (1 << 20) / profile.total_bytes
+    times = profile.compute_times(forward_s)
+    return [
+        (max(1024, round(m.bytes * scale / 4)), f, b)
+        for m, (f, b) in zip(profile.modules, times, strict=True)
+    ]
+
+
+def make_trace(model: str, model_mb: float, forward_s: float, speed: float = 1.0) -> nn.Module:
+    """The trace model; `speed` < 1 makes this worker's compute slower (e.g. 0.5: twice as long)."""
+    return nn.Sequential(
+        *[TraceLayer(n, f / speed, b / speed) for n, f, b in trace_spec(model, model_mb, forward_s)]
+    )
