@@ -3,49 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
+from gradlane.provenance import environment
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def environment() -> dict[str, Any]:
-    def run(*argv: str) -> str:
-        return subprocess.run(argv, capture_output=True, text=True, cwd=REPO).stdout.strip()
-
-    import pyroute2
-
-    import gradlane
-
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
-
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line),
-        platform.processor(),
-    )
-    return {
-        "commit": run("git", "rev-parse", "HEAD"),
-        # results files being rewritten by this very run do not count
-        "dirty": bool(run("git", "status", "--porcelain", "--", ".", ":!bench/results")),
-        "kernel": platform.release(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "gradlane": gradlane.__version__,
-        "pyroute2": pyroute2.__version__,
-        "torch": torch_version,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 def write(path: Path, result: dict[str, Any]) -> None:

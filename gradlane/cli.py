@@ -258,6 +258,98 @@ def demo(hosts: int, rate: str | None, steps: int, png: Path, json_path: Path | 
     )
 
 
+@cli.group()
+def bench() -> None:
+    """Benchmarks: every system measured in the same run, against the physical bound.
+
+    Scenario files live in bench/scenarios/; results are JSON with the
+    environment (commit, kernel, CPU, versions) and every raw iteration time.
+    """
+
+
+@bench.command(name="run")
+@click.argument("scenario", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Result file (default: bench/results/<name>.json).",
+)
+def bench_run(scenario: Path, json_path: Path | None) -> None:
+    """Run SCENARIO (a TOML file) on an emulated cluster (needs root)."""
+    from gradlane.benchmark import load_scenario, run_scenario, write_result
+
+    _require_root("gradlane bench run")
+    spec = load_scenario(scenario)
+    out = _stdout_console()
+    result = run_scenario(spec, say=lambda text: out.log(text))
+    path = json_path or Path("bench/results") / f"{spec.name}.json"
+    write_result(result, path)
+    table = Table(title=f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms")
+    for col in ("system", "median", "p90", "vs DDP", "achieved / bound"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for system, s in result["summary"].items():
+        table.add_row(
+            system,
+            f"{s['median_s'] * 1000:.1f} ms",
+            f"{s['p90_s'] * 1000:.1f} ms",
+            f"{s['speedup_over_ddp']:.2f}x" if "speedup_over_ddp" in s else "-",
+            f"{s['achieved_over_bound']:.2f}",
+        )
+    out.print(table)
+    out.print(f"-> {path}")
+
+
+@bench.command(name="plot")
+@click.argument("result", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--png",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Figure to write (default: next to RESULT).",
+)
+def bench_plot(result: Path, png: Path | None) -> None:
+    """Draw RESULT's iteration times per system with the lower bound."""
+    import json
+
+    from gradlane.benchmark import plot
+
+    target = png or result.with_suffix(".png")
+    plot(json.loads(result.read_text()), target)
+    click.echo(target)
+
+
+@bench.command(name="table")
+@click.argument(
+    "results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option(
+    "--readme",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Replace the table between the README's bench markers.",
+)
+def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
+    """The results table (Markdown) from RESULTS files; never typed by hand."""
+    import json
+
+    from gradlane.benchmark import markdown_table
+
+    text = markdown_table([json.loads(p.read_text()) for p in results])
+    if readme is None:
+        click.echo(text)
+        return
+    begin, end = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
+    body = readme.read_text()
+    if begin not in body or end not in body:
+        raise click.ClickException(f"{readme} has no {begin} ... {end} markers")
+    head, rest = body.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+    click.echo(f"updated {readme}")
+
+
 DEFAULT_CONFIG = Path("/etc/gradlane/gradlaned.toml")
 
 

@@ -310,6 +310,63 @@ def _tx_bytes(netns: str) -> int:
         return int(stats["tx_bytes"])
 
 
+def run_on_cluster(
+    c: Any,
+    system: str,
+    worker_args: list[str],
+    *,
+    port: int,
+    out: Path,
+    sockets: list[Path] | None = None,
+    bands: bool = False,
+    speeds: list[float] | None = None,
+) -> tuple[SystemRun, dict[str, Any]]:
+    """Run `system` with one torchrun worker per host of cluster `c`.
+
+    `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
+    sockets (gradlane only); `speeds` gives each rank's `--speed`. With
+    `bands`, host 1's band leaves are sampled (see `_BandSampler`). Returns
+    rank 0's run (with bytes sent by all hosts and utilization of their
+    links) and the band usage.
+    """
+    names = [f"h{i}" for i in range(1, c.topology.hosts + 1)]
+    rate = c.topology.rates[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+    before = [_tx_bytes(c.ns(h)) for h in names]
+    start = time.monotonic()
+    procs = []
+    for rank, host in enumerate(names):
+        extra = list(worker_args)
+        if sockets:
+            extra += ["--daemon-socket", str(sockets[rank])]
+        if speeds:
+            extra += ["--speed", str(speeds[rank])]
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
+                "--nproc-per-node", "1", "--node-rank", str(rank),
+                "--master-addr", c.addr("h1"), "--master-port", str(port),
+                "-m", "gradlane.worker", "--system", system, "--out", str(out), *extra]  # fmt: skip
+        procs.append(
+            c.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    usage: dict[str, Any] = {}
+    if bands:
+        sampler = _BandSampler(c.ns("h1"))
+        try:
+            deadline = time.monotonic() + 300
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                sampler.sample()
+                time.sleep(SAMPLE_S)
+        finally:
+            sampler.close()
+        usage = sampler.band_usage(4)
+    _finish(procs, system, timeout=300)
+    run = _collect(system, out, time.monotonic() - start)
+    run.wire_bytes = sum(_tx_bytes(c.ns(h)) - b for h, b in zip(names, before, strict=True))
+    busy = sum(run.times)  # training time, without start-up
+    run.utilization = run.wire_bytes * 8 / (rate * len(names) * busy) if busy else None
+    return run, usage
+
+
 def run_cluster(
     hosts: int, rate: int | None, steps: int, out: Path, say: Callable[[str], None]
 ) -> DemoResult:
@@ -323,64 +380,16 @@ def run_cluster(
         f"(compute {compute * 1000:.0f} ms per iteration per worker)"
     )
     with Cluster(Topology.build("demo", hosts, rate)) as c:
-        names = [f"h{i}" for i in range(1, hosts + 1)]
-        master = c.addr("h1")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
-        sockets: list[Path] = []
-        for i, system in enumerate(("ddp", "gradlane")):
-            if system == "gradlane":
-                say("starting gradlaned on every host")
-                sockets = [c.start_daemon(h, out)[1] for h in names]
-            say(f"{system}: {hosts} workers under torchrun, {steps} steps")
-            before = [_tx_bytes(c.ns(h)) for h in names]
-            start = time.monotonic()
-            procs = []
-            for rank, host in enumerate(names):
-                extra = ["--daemon-socket", str(sockets[rank])] if sockets else []
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nnodes",
-                    str(hosts),
-                    "--nproc-per-node",
-                    "1",
-                    "--node-rank",
-                    str(rank),
-                    "--master-addr",
-                    master,
-                    "--master-port",
-                    str(29500 + i),
-                    *_worker_argv(system, steps, out, extra),
-                ]
-                procs.append(
-                    c.popen(
-                        host,
-                        argv,
-                        env=env,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                    )
-                )
-            if system == "gradlane":
-                sampler = _BandSampler(c.ns("h1"))
-                try:
-                    deadline = time.monotonic() + 300
-                    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                        sampler.sample()
-                        time.sleep(SAMPLE_S)
-                finally:
-                    sampler.close()
-                result.bands = sampler.band_usage(4)
-            _finish(procs, system, timeout=300)
-            wall = time.monotonic() - start
-            run = _collect(system, out, wall)
-            sent = sum(_tx_bytes(c.ns(h)) - b for h, b in zip(names, before, strict=True))
-            run.wire_bytes = sent
-            busy = sum(run.times)  # training time, without start-up
-            run.utilization = sent * 8 / (rate * hosts * busy) if busy else None
-            result.runs[system] = run
+        say(f"ddp: {hosts} workers under torchrun, {steps} steps")
+        result.runs["ddp"], _ = run_on_cluster(
+            c, "ddp", ["--steps", str(steps)], port=29500, out=out
+        )
+        say("starting gradlaned on every host")
+        sockets = [c.start_daemon(f"h{i}", out)[1] for i in range(1, hosts + 1)]
+        say(f"gradlane: {hosts} workers under torchrun, {steps} steps")
+        result.runs["gradlane"], result.bands = run_on_cluster(
+            c, "gradlane", ["--steps", str(steps)], port=29501, out=out, sockets=sockets, bands=True
+        )
     return result
 
 

@@ -1,0 +1,284 @@
+"""`gradlane bench`: every compared system, measured in the same run, against the physical bound.
+
+A scenario is a TOML file (see ``bench/scenarios/``)::
+
+    name = "trace-vgg19"
+    description = "VGG-19 trace, communication about equal to compute"
+    hosts = 4
+    steps = 30             # per run; the first fifth is dropped as warm-up
+    rounds = 2             # the systems run in turn, this many times each
+    systems = ["ddp", "fifo", "priority", "gradlane"]
+    comm_to_compute = 1.0  # link rate: one iteration's traffic takes this x compute
+    [workload]
+    kind = "trace"         # or "cnn"
+    model = "vgg19"        # a shipped profile (trace)
+    model_mb = 10          # its scaled size (trace)
+    forward_ms = 50        # forward time; backward is twice that (trace)
+
+Systems are those of `gradlane.worker`. One emulated cluster serves the whole
+scenario; gradlaned runs on every host only during ``gradlane`` runs.
+
+The lower bound of an iteration (homogeneous workers) is
+``max(compute, traffic / link payload rate)``: every worker must compute the
+whole iteration, and must send ``2 (W-1)/W`` model sizes over its own link
+(the all-reduce minimum, which both ring all-reduce and reduce-scatter +
+all-gather reach), at most at ``rate x 1448/1514`` (full TCP frames). For the
+``cnn`` workload compute is measured (one thread, scaled by workers per core
+since the emulated hosts share this machine's cores), so its bound is an
+estimate; for traces it is exact (sleeps). Every result reports achieved /
+bound.
+
+Each worker's CPU use is not separated yet: compare ``cnn`` results with
+that in mind (4 workers on 2 cores are CPU-bound; traces are not).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradlane.errors import ConfigError
+
+__all__ = ["Scenario", "load_scenario", "lower_bound", "run_scenario"]
+
+PAYLOAD_EFFICIENCY = 1448 / 1514
+SYSTEMS = ("ddp", "fifo", "priority", "gradlane")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    hosts: int
+    steps: int
+    rounds: int
+    systems: tuple[str, ...]
+    comm_to_compute: float
+    workload: dict[str, Any] = field(default_factory=dict)
+
+
+def load_scenario(path: Path) -> Scenario:
+    """Read and check a scenario file.
+
+    Raises:
+        ConfigError: unreadable, or a key is missing or out of range (named).
+    """
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+    def get(key: str, kind: Any, default: Any = None) -> Any:
+        value = raw.get(key, default)
+        if value is None or not isinstance(value, kind) or isinstance(value, bool):
+            raise ConfigError(f"{path}: {key} must be a {getattr(kind, '__name__', 'number')}")
+        return value
+
+    workload = get("workload", dict)
+    kind = workload.get("kind")
+    if kind not in ("cnn", "trace"):
+        raise ConfigError(f"{path}: workload.kind must be 'cnn' or 'trace'")
+    if kind == "trace":
+        from gradlane.policies.profiles import NAMES
+
+        if workload.get("model") not in NAMES:
+            raise ConfigError(f"{path}: workload.model must be one of {', '.join(NAMES)}")
+        for key in ("model_mb", "forward_ms"):
+            if not isinstance(workload.get(key), int | float) or workload[key] <= 0:
+                raise ConfigError(f"{path}: workload.{key} must be a positive number")
+    systems = tuple(get("systems", list, list(SYSTEMS)))
+    if not systems or any(s not in SYSTEMS for s in systems):
+        raise ConfigError(f"{path}: systems must be a list drawn from {', '.join(SYSTEMS)}")
+    scenario = Scenario(
+        name=get("name", str),
+        description=get("description", str, ""),
+        hosts=get("hosts", int, 4),
+        steps=get("steps", int, 30),
+        rounds=get("rounds", int, 2),
+        systems=systems,
+        comm_to_compute=float(get("comm_to_compute", int | float, 1.0)),
+        workload=dict(workload),
+    )
+    if not 2 <= scenario.hosts <= 8 or scenario.steps < 10 or scenario.rounds < 1:
+        raise ConfigError(f"{path}: need hosts 2..8, steps >= 10, rounds >= 1")
+    if not scenario.comm_to_compute > 0:
+        raise ConfigError(f"{path}: comm_to_compute must be positive")
+    return scenario
+
+
+def _workload_args(scenario: Scenario) -> list[str]:
+    w = scenario.workload
+    if w["kind"] == "cnn":
+        return ["--workload", "cnn"]
+    return [
+        "--workload",
+        "trace",
+        "--model",
+        w["model"],
+        "--model-mb",
+        str(w["model_mb"]),
+        "--forward-ms",
+        str(w["forward_ms"]),
+    ]
+
+
+def compute_and_bytes(scenario: Scenario) -> tuple[float, int]:
+    """Compute seconds per iteration (per worker) and the model's bytes."""
+    w = scenario.workload
+    if w["kind"] == "cnn":
+        from gradlane.demo import calibrate
+
+        return calibrate(scenario.hosts)
+    from gradlane.workloads import trace_spec
+
+    spec = trace_spec(w["model"], w["model_mb"], w["forward_ms"] / 1000)
+    return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
+
+
+def lower_bound(hosts: int, compute_s: float, model_bytes: int, rate_bps: float) -> float:
+    """The physical lower bound of one iteration (see the module docstring)."""
+    traffic = 2 * (hosts - 1) / hosts * model_bytes
+    return max(compute_s, traffic * 8 / (rate_bps * PAYLOAD_EFFICIENCY))
+
+
+def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, Any]:
+    """Run every system `rounds` times in one cluster; the result as JSON-ready data."""
+    from gradlane.demo import run_on_cluster
+    from gradlane.testbed import Cluster, Topology
+
+    compute, size = compute_and_bytes(scenario)
+    traffic = 2 * (scenario.hosts - 1) / scenario.hosts * size
+    rate = int(traffic * 8 / (compute * scenario.comm_to_compute) / PAYLOAD_EFFICIENCY)
+    bound = lower_bound(scenario.hosts, compute, size, rate)
+    say(
+        f"{scenario.name}: {scenario.hosts} hosts at {rate / 1e6:.0f} Mbit/s, compute "
+        f"{compute * 1000:.0f} ms, model {size / 1e6:.2f} MB, bound {bound * 1000:.0f} ms"
+    )
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in scenario.systems}
+    port = 29700
+    with (
+        tempfile.TemporaryDirectory(prefix="gradlane-bench-") as tmp,
+        Cluster(Topology.build("bench", scenario.hosts, rate)) as c,
+    ):
+        out = Path(tmp)
+        out.chmod(0o755)
+        sockets: list[Path] | None = None
+        for r in range(scenario.rounds):
+            for system in scenario.systems:
+                if system == "gradlane" and sockets is None:
+                    sockets = [
+                        c.start_daemon(f"h{i}", out)[1] for i in range(1, scenario.hosts + 1)
+                    ]
+                port += 1
+                started = time.monotonic()
+                run, _ = run_on_cluster(
+                    c,
+                    system,
+                    ["--steps", str(scenario.steps), *_workload_args(scenario)],
+                    port=port,
+                    out=out,
+                    sockets=sockets if system == "gradlane" else None,
+                )
+                median = statistics.median(run.steady)
+                say(
+                    f"round {r + 1}/{scenario.rounds} {system}: median {median * 1000:.1f} ms "
+                    f"({time.monotonic() - started:.0f} s)"
+                )
+                runs[system].append(
+                    {
+                        "iteration_s": run.times,
+                        "losses": run.losses,
+                        "wire_bytes": run.wire_bytes,
+                        "utilization": run.utilization,
+                    }
+                )
+    summary = {}
+    for system, rs in runs.items():
+        steady = [t for run in rs for t in run["iteration_s"][len(run["iteration_s"]) // 5 :]]
+        median = statistics.median(steady)
+        summary[system] = {
+            "median_s": median,
+            "p90_s": sorted(steady)[int(0.9 * (len(steady) - 1))],
+            "achieved_over_bound": median / bound,
+        }
+    if "ddp" in summary:
+        for s in summary.values():
+            s["speedup_over_ddp"] = summary["ddp"]["median_s"] / s["median_s"]
+    return {
+        "scenario": {**scenario.__dict__, "systems": list(scenario.systems)},
+        "link_bps": rate,
+        "compute_s": compute,
+        "model_bytes": size,
+        "lower_bound_s": bound,
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+def write_result(result: dict[str, Any], path: Path) -> None:
+    from gradlane.provenance import environment
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result, "environment": environment()}, indent=1) + "\n")
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """The README's results table, from result files (never typed by hand)."""
+    lines = [
+        "| scenario | system | median iteration | vs DDP | achieved / bound |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for res in results:
+        name = res["scenario"]["name"]
+        for system, s in res["summary"].items():
+            speed = f"{s['speedup_over_ddp']:.2f}x" if "speedup_over_ddp" in s else "-"
+            lines.append(
+                f"| {name} | {system} | {s['median_s'] * 1000:.1f} ms | {speed} | "
+                f"{s['achieved_over_bound']:.2f} |"
+            )
+    envs = {
+        (
+            r["environment"]["commit"][:10],
+            r["environment"]["date"][:10],
+            r["environment"]["cpu"],
+            r["environment"]["cores"],
+        )
+        for r in results
+    }
+    for commit, date, cpu, cores in sorted(envs):
+        lines.append("")
+        lines.append(f"Measured {date} at commit {commit} on {cpu} ({cores} cores).")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(result["summary"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    data = [
+        [
+            t * 1000
+            for run in result["runs"][s]
+            for t in run["iteration_s"][len(run["iteration_s"]) // 5 :]
+        ]
+        for s in systems
+    ]
+    ax.boxplot(data, tick_labels=systems)
+    ax.axhline(result["lower_bound_s"] * 1000, color="grey", ls="--", label="lower bound")
+    ax.set_ylabel("iteration time (ms)")
+    ax.set_title(result["scenario"]["name"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
