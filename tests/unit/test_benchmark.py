@@ -1,0 +1,84 @@
+"""The bench harness's pure parts: scenario files, the lower bound, the README table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gradlane.benchmark import compute_and_bytes, load_scenario, lower_bound, markdown_table
+from gradlane.cli import cli
+from gradlane.errors import ConfigError
+
+SCENARIOS = sorted((Path(__file__).resolve().parents[2] / "bench/scenarios").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_shipped_scenarios_load(path: Path) -> None:
+    scenario = load_scenario(path)
+    assert scenario.name == path.stem
+    assert set(scenario.systems) == {"ddp", "fifo", "priority", "gradlane"}
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ('name = "x"\n[workload]\nkind = "gpu"\n', "workload.kind"),
+        ('name = "x"\n[workload]\nkind = "trace"\nmodel = "alexnet"\n', "workload.model"),
+        ('name = "x"\nsystems = ["ddp", "nccl"]\n[workload]\nkind = "cnn"\n', "systems"),
+        ('name = "x"\nhosts = 99\n[workload]\nkind = "cnn"\n', "hosts"),
+        ('hosts = 4\n[workload]\nkind = "cnn"\n', "name"),
+        ('name = "x"\n[workload\n', "x.toml"),
+    ],
+)
+def test_bad_scenarios_name_the_key(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_scenario(path)
+
+
+def test_lower_bound_is_the_larger_of_compute_and_traffic() -> None:
+    # 4 workers send 1.5 model sizes each: 8 MB -> 12 MB = 96 Mbit at 1448/1514 of 100 Mbit/s
+    comm = 1.5 * 8e6 * 8 / (100e6 * 1448 / 1514)
+    assert lower_bound(4, 0.5, 8_000_000, 100e6) == pytest.approx(max(0.5, comm))
+    assert lower_bound(4, 2.0, 8_000_000, 100e6) == 2.0
+
+
+def test_trace_compute_is_three_times_the_forward() -> None:
+    scenario = load_scenario(next(p for p in SCENARIOS if "vgg19" in p.name))
+    compute, size = compute_and_bytes(scenario)
+    assert compute == pytest.approx(3 * scenario.workload["forward_ms"] / 1000)
+    assert size == pytest.approx(scenario.workload["model_mb"] * (1 << 20), rel=0.01)
+
+
+def result(name: str) -> dict[str, object]:
+    return {
+        "scenario": {"name": name},
+        "summary": {
+            "ddp": {"median_s": 0.2, "achieved_over_bound": 2.0, "speedup_over_ddp": 1.0},
+            "gradlane": {"median_s": 0.1, "achieved_over_bound": 1.0, "speedup_over_ddp": 2.0},
+        },
+        "environment": {
+            "commit": "abcdef1234567",
+            "date": "2026-11-22T00:00:00Z",
+            "cpu": "cpu",
+            "cores": 2,
+        },
+    }
+
+
+def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
+    table = markdown_table([result("s1")])
+    assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 |" in table
+    assert "commit abcdef1234" in table
+    res = tmp_path / "s1.json"
+    res.write_text(__import__("json").dumps(result("s1")))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench-table:begin -->\nold\n<!-- bench-table:end -->\nend\n")
+    out = CliRunner().invoke(cli, ["bench", "table", str(res), "--readme", str(readme)])
+    assert out.exit_code == 0, out.output
+    text = readme.read_text()
+    assert "old" not in text and "| s1 | ddp |" in text
+    assert text.startswith("intro\n") and text.endswith("end\n")
