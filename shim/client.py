@@ -1,7 +1,7 @@
 """The shim's side of the gradlaned protocol (`gradlane.daemon.protocol`).
 
 One background thread owns the Unix socket. The training thread only appends
-to an in-memory batch (`chunk_event`, `begin`, `compute_time`), so a slow or
+to an in-memory batch (`chunk_event`, `begin`, `timing`), so a slow or
 dead daemon never slows training. When the socket is missing or the daemon
 goes away, one log line says so; training goes on with the local order and
 the thread reconnects every `RETRY_S` seconds, replaying hello with the

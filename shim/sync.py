@@ -419,6 +419,7 @@ class Sync:
                 offset += p.numel()
             layer.groups.append(group)
             self._groups.append(group)
+            self._members[gid] = params
         self._order = order
         self._laid_out = True
 
@@ -457,9 +458,6 @@ class Sync:
         if self._left[slot.group.gid] == 0:
             self.engine.ready(slot.group)
 
-    def _params_of(self, group: Group) -> list[nn.Parameter]:
-        return [p for p, s in self._slots.items() if s.group is group]
-
     def _begin_backward(self) -> None:
         if self._closed:
             raise TransportError("backward() after sync.close()")
@@ -470,7 +468,6 @@ class Sync:
             )
         if not self._laid_out:
             self._lay_out()
-            self._members = {g.gid: self._params_of(g) for g in self._groups}
         self.flush()
         samples = self.samples if self.samples is not None else (self._counted or 1)
         self._counted, self.samples = 0, None
@@ -607,8 +604,6 @@ class Sync:
         for layer in self._order or self._layers:
             if not layer.updated:
                 self._step_layer(layer)
-
-    synchronize = flush
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
