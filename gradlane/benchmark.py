@@ -28,8 +28,10 @@ since the emulated hosts share this machine's cores), so its bound is an
 estimate; for traces it is exact (sleeps). Every result reports achieved /
 bound.
 
-Each worker's CPU use is not separated yet: compare ``cnn`` results with
-that in mind (4 workers on 2 cores are CPU-bound; traces are not).
+Each worker's CPU use over its training loop (cores, all threads) is
+recorded per run and averaged per system: a worker near 1.0, or workers
+summing to more than the machine's cores, are CPU-bound, whatever the
+network does.
 """
 
 from __future__ import annotations

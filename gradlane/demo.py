@@ -51,6 +51,7 @@ class SystemRun:
     wall_s: float
     wire_bytes: int | None = None
     utilization: float | None = None
+    cpu_cores: list[float] = field(default_factory=list)  # per rank, over training
 
     @property
     def steady(self) -> list[float]:
@@ -100,6 +101,7 @@ class DemoResult:
                     "p90_s": v.p(0.9),
                     "wire_bytes": v.wire_bytes,
                     "utilization": v.utilization,
+                    "cpu_cores_per_rank": v.cpu_cores,
                 }
                 for k, v in self.runs.items()
             },
@@ -173,8 +175,18 @@ def _worker_argv(system: str, steps: int, out: Path, extra: list[str]) -> list[s
 
 
 def _collect(system: str, out: Path, wall: float) -> SystemRun:
+    """Rank 0's times and losses; every rank's CPU use."""
     raw = json.loads((out / f"{system}-rank0.json").read_text())
-    return SystemRun(system, raw["times"], raw["losses"], wall)
+    cpu = [
+        json.loads(f.read_text()).get("cpu_cores") for f in sorted(out.glob(f"{system}-rank*.json"))
+    ]
+    return SystemRun(
+        system,
+        raw["times"],
+        raw["losses"],
+        wall,
+        cpu_cores=[round(c, 3) for c in cpu if c is not None],
+    )
 
 
 def _finish(procs: list[subprocess.Popen[str]], what: str, timeout: float) -> None:
@@ -409,6 +421,7 @@ def report(result: DemoResult, console: Console) -> None:
         "speedup",
         "bytes on the wire",
         "link utilization",
+        "worker CPU",
         "final loss",
     ):
         table.add_column(col, justify="right" if col != "system" else "left")
@@ -422,6 +435,7 @@ def report(result: DemoResult, console: Console) -> None:
             f"{base / median:.2f}x",
             f"{run.wire_bytes / 1e6:.1f} MB" if run.wire_bytes is not None else "-",
             f"{run.utilization:.0%}" if run.utilization is not None else "-",
+            f"{statistics.fmean(run.cpu_cores):.2f} cores" if run.cpu_cores else "-",
             f"{run.final_loss:.4f}",
         )
     console.print(table)

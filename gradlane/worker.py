@@ -6,8 +6,9 @@ Workloads (`gradlane.workloads`): ``cnn`` (a small real CNN, synthetic data,
 the same seed in every system) or ``trace`` (per-layer sleeps and parameter
 bytes from a model profile; ``--speed`` slows this worker's compute).
 SGD with momentum, one CPU thread. Every rank writes
-``DIR/<system>-rank<R>.json`` with its iteration times, losses and the time
-it waited on communication (gradlane systems).
+``DIR/<system>-rank<R>.json`` with its iteration times, losses, the time it
+waited on communication (gradlane systems) and the CPU cores it used over
+the training loop.
 
 Systems:
 - ``ddp``: PyTorch DistributedDataParallel over gloo, default buckets.
@@ -53,10 +54,13 @@ def main() -> None:
     else:
         model = make_trace(args.model, args.model_mb, args.forward_ms / 1000, args.speed)
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-    record: dict[str, list[float]] = {"times": [], "losses": [], "waited": []}
+    record: dict[str, Any] = {"times": [], "losses": [], "waited": []}
 
     def train(net: nn.Module, sync: Any = None) -> None:
-        last = time.perf_counter()
+        # CPU of this process (all threads) over the training loop: a worker
+        # near 1.0 core is CPU-bound, whatever the network does.
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        last = wall0
         for step in range(args.steps):
             if args.workload == "cnn":
                 x, y = cnn_batch(step, rank)
@@ -71,6 +75,7 @@ def main() -> None:
             record["losses"].append(loss.item())
             record["waited"].append(sync.last_exposed_comm_s if sync is not None else 0.0)
             last = now
+        record["cpu_cores"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
 
     if args.system == "ddp":
         import torch.distributed as dist

@@ -71,7 +71,7 @@ def result(name: str) -> dict[str, object]:
 
 def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
     table = markdown_table([result("s1")])
-    assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 |" in table
+    assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 | - |" in table
     assert "commit abcdef1234" in table
     res = tmp_path / "s1.json"
     res.write_text(__import__("json").dumps(result("s1")))
