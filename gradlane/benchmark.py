@@ -234,16 +234,18 @@ def write_result(result: dict[str, Any], path: Path) -> None:
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The README's results table, from result files (never typed by hand)."""
     lines = [
-        "| scenario | system | median iteration | vs DDP | achieved / bound |",
-        "|---|---|---:|---:|---:|",
+        "| scenario | system | median iteration | vs DDP | achieved / bound | worker CPU |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for res in results:
         name = res["scenario"]["name"]
         for system, s in res["summary"].items():
             speed = f"{s['speedup_over_ddp']:.2f}x" if "speedup_over_ddp" in s else "-"
+            cpu = s.get("worker_cpu_cores_mean")
+            cores = f"{cpu:.2f} cores" if cpu is not None else "-"
             lines.append(
                 f"| {name} | {system} | {s['median_s'] * 1000:.1f} ms | {speed} | "
-                f"{s['achieved_over_bound']:.2f} |"
+                f"{s['achieved_over_bound']:.2f} | {cores} |"
             )
     envs = {
         (
