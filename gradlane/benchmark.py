@@ -199,16 +199,19 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                         "losses": run.losses,
                         "wire_bytes": run.wire_bytes,
                         "utilization": run.utilization,
+                        "cpu_cores_per_rank": run.cpu_cores,
                     }
                 )
     summary = {}
     for system, rs in runs.items():
         steady = [t for run in rs for t in run["iteration_s"][len(run["iteration_s"]) // 5 :]]
         median = statistics.median(steady)
+        cpu = [c for run in rs for c in run["cpu_cores_per_rank"]]
         summary[system] = {
             "median_s": median,
             "p90_s": sorted(steady)[int(0.9 * (len(steady) - 1))],
             "achieved_over_bound": median / bound,
+            "worker_cpu_cores_mean": statistics.fmean(cpu) if cpu else None,
         }
     if "ddp" in summary:
         for s in summary.values():

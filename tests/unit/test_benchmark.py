@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
     assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 | - |" in table
     assert "commit abcdef1234" in table
     res = tmp_path / "s1.json"
-    res.write_text(__import__("json").dumps(result("s1")))
+    res.write_text(json.dumps(result("s1")))
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- bench-table:begin -->\nold\n<!-- bench-table:end -->\nend\n")
     out = CliRunner().invoke(cli, ["bench", "table", str(res), "--readme", str(readme)])
@@ -82,3 +83,21 @@ def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
     text = readme.read_text()
     assert "old" not in text and "| s1 | ddp |" in text
     assert text.startswith("intro\n") and text.endswith("end\n")
+
+
+def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
+    from gradlane.demo import _collect
+
+    for rank, cores in enumerate((0.9, 0.4)):
+        (tmp_path / f"gradlane-rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "times": [0.1] * 10,
+                    "losses": [1.0] * 10,
+                    "waited": [0.0] * 10,
+                    "cpu_cores": cores,
+                }
+            )
+        )
+    run = _collect("gradlane", tmp_path, 5.0)
+    assert run.cpu_cores == [0.9, 0.4]
