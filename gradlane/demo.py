@@ -160,18 +160,9 @@ def pick_rate(hosts: int, compute_s: float, size: int) -> int:
     return int(min(1e9, max(10e6, rate)) // 1e6 * 1e6)
 
 
-def _worker_argv(system: str, steps: int, out: Path, extra: list[str]) -> list[str]:
-    return [
-        "-m",
-        "gradlane.worker",
-        "--system",
-        system,
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-        *extra,
-    ]
+def _worker_argv(system: str, out: Path, extra: list[str]) -> list[str]:
+    """torchrun's arguments after its own: the worker module and its options."""
+    return ["-m", "gradlane.worker", "--system", system, "--out", str(out), *extra]
 
 
 def _collect(system: str, out: Path, wall: float) -> SystemRun:
@@ -233,7 +224,9 @@ def run_loopback(hosts: int, steps: int, out: Path, say: Callable[[str], None]) 
                 *torchrun,
                 "--master-port",
                 str(29600 + i),
-                *_worker_argv(system, steps, out, ["--daemon-socket", "/nonexistent"]),
+                *_worker_argv(
+                    system, out, ["--steps", str(steps), "--daemon-socket", "/nonexistent"]
+                ),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -356,7 +349,7 @@ def run_on_cluster(
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
                 "--nproc-per-node", "1", "--node-rank", str(rank),
                 "--master-addr", c.addr("h1"), "--master-port", str(port),
-                "-m", "gradlane.worker", "--system", system, "--out", str(out), *extra]  # fmt: skip
+                *_worker_argv(system, out, extra)]  # fmt: skip
         procs.append(
             c.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
