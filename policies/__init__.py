@@ -1,23 +1,54 @@
-"""Pure scheduling policies: ``plan(state) -> Plan``, registered by name."""
+"""Pure scheduling policies: ``plan(state) -> Plan``, registered by name.
 
-from gradlane.policies import fair
+Registered: `fifo` and `fair` (baselines), `priority` (P3/ByteScheduler),
+`coflow` (Sincronia/Varys), `loadbalance`, `straggler`, and `gradlane`
+(the composition). `check_plan` says what a valid plan is; the flow-level
+simulator that evaluates them is `gradlane.policies.sim`.
+"""
+
+from gradlane.policies import coflow, fifo, gradlane, loadbalance, priority, straggler
 from gradlane.policies.base import (
+    DEFAULT_BANDS,
+    LEVELS,
+    Coflow,
+    FlowTable,
+    Host,
     JobClassPlan,
     JobState,
     Plan,
     Policy,
     State,
+    Topology,
+    Tuning,
+    Worker,
     get_policy,
+    policy_names,
     register,
 )
+from gradlane.policies.check import check_plan
 
 __all__ = [
+    "DEFAULT_BANDS",
+    "LEVELS",
+    "Coflow",
+    "FlowTable",
+    "Host",
     "JobClassPlan",
     "JobState",
     "Plan",
     "Policy",
     "State",
-    "fair",
+    "Topology",
+    "Tuning",
+    "Worker",
+    "check_plan",
+    "coflow",
+    "fifo",
     "get_policy",
+    "gradlane",
+    "loadbalance",
+    "policy_names",
+    "priority",
     "register",
+    "straggler",
 ]

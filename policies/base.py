@@ -1,40 +1,225 @@
 """The policy interface: ``plan(state) -> Plan``, pure and deterministic.
 
-This is the host-local core of the interface: what one daemon knows (its
-link and the jobs with workers on it) and what it enforces (one class per
-job). The policies issue extends `State` and `Plan` (coflows, topology,
-ownership, batch shares) without changing the contract: a policy is a class
-with one synchronous method, no I/O, same state in -> same plan out.
+One `State` serves two callers:
+
+- a daemon fills only the host-local part (`shaped_bps`, `other_bps`,
+  `jobs`) and enforces `Plan.job_classes`, one HTB class per job;
+- the control plane and the simulator also fill the cluster part
+  (`topology`, `workers`, `coflows`, `flows`) and get back everything a
+  cluster plan holds: a band per flow, per-flow rates, the coflow order and
+  its priority levels, per-host job classes, chunk ownership, batch shares
+  and partition tuning, with a version and a time-to-live.
+
+Flows are many (a 1,024-host cluster has tens of thousands), so they travel
+as one `FlowTable` of numpy columns rather than one object each, and the
+per-flow parts of a plan are arrays aligned with it. `check_plan`
+(in `gradlane.policies.check`) states what a valid plan is.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from gradlane.errors import ConfigError
 
-__all__ = ["JobClassPlan", "JobState", "Plan", "Policy", "State", "get_policy", "register"]
+__all__ = [
+    "DEFAULT_BANDS",
+    "DEFAULT_TTL_S",
+    "LEVELS",
+    "Coflow",
+    "FlowTable",
+    "Host",
+    "JobClassPlan",
+    "JobState",
+    "Plan",
+    "Policy",
+    "State",
+    "Topology",
+    "Tuning",
+    "Worker",
+    "get_policy",
+    "policy_names",
+    "register",
+]
+
+LEVELS = 8  # priority levels real switches have (and HTB's prio range)
+DEFAULT_BANDS = 4  # gradlaned's default bands per job
+DEFAULT_TTL_S = 10.0
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True)
 class JobState:
-    """A job as one host sees it."""
+    """A job. A daemon fills the first three fields; a cluster state all of them."""
 
     name: str
-    workers: int  # its workers on this host
-    flows: int  # their registered band connections
+    workers: int  # its workers (on this host, for a daemon)
+    flows: int = 0  # their registered band connections (daemon)
+    global_batch: int = 0  # samples per iteration over all workers; 0: unknown
+    chunk_bytes: tuple[int, ...] = ()  # gradient chunks in forward order (ownership plans these)
+    # configurations tried so far: (chunk bytes, credit bytes, measured iteration s)
+    tuning: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)
-class State:
-    """What a policy plans from."""
+class Worker:
+    """One worker of a job: where it runs and how fast it computes."""
 
-    shaped_bps: int  # what the host's root class carries
-    other_bps: int  # kept for non-gradlane traffic
-    jobs: tuple[JobState, ...]  # sorted by name
+    job: str
+    rank: int
+    host: int  # index into `Topology.hosts`
+    throughput: float = 0.0  # measured samples/s; 0: not measured yet
+    batch: int = 0  # its current local batch size
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    leaf: int = 0
+    nic_bps: int = 10_000_000_000
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Hosts under leaf switches; leaves joined by a spine.
+
+    Every host has one NIC (an egress and an ingress link). Leaf ``l`` has an
+    uplink to the spine and a downlink from it of ``uplink_bps[l]`` each; a
+    one-switch cluster has one leaf and no uplink traffic. Links are numbered:
+    host egress ``0..H-1``, host ingress ``H..2H-1``, leaf up ``2H..2H+L-1``,
+    leaf down ``2H+L..2H+2L-1``.
+    """
+
+    hosts: tuple[Host, ...]
+    uplink_bps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise ConfigError("a topology needs at least one host")
+        leaves = max(h.leaf for h in self.hosts) + 1
+        if min(h.leaf for h in self.hosts) < 0 or len(self.uplink_bps) not in (0, leaves):
+            raise ConfigError(
+                f"need one uplink rate per leaf ({leaves}), got {len(self.uplink_bps)}"
+            )
+        if any(h.nic_bps <= 0 for h in self.hosts) or any(r <= 0 for r in self.uplink_bps):
+            raise ConfigError("link rates must be positive")
+
+    @property
+    def leaves(self) -> int:
+        return len(self.uplink_bps) or 1
+
+    @cached_property
+    def host_leaf(self) -> IntArray:
+        return np.array([h.leaf for h in self.hosts], dtype=np.int64)
+
+    @cached_property
+    def capacity_bps(self) -> FloatArray:
+        """Capacity of every link, in the numbering above."""
+        nic = np.array([h.nic_bps for h in self.hosts], dtype=np.float64)
+        up = np.array(self.uplink_bps, dtype=np.float64)
+        return np.concatenate([nic, nic, up, up])
+
+    def links(self, src: IntArray, dst: IntArray) -> IntArray:
+        """The links of each (src, dst) host pair: an ``(n, 4)`` array, -1 where unused.
+
+        Columns: src egress, dst ingress, src leaf up, dst leaf down (the last
+        two only when the leaves differ).
+        """
+        h, n_leaves = len(self.hosts), len(self.uplink_bps)
+        out = np.full((len(src), 4), -1, dtype=np.int64)
+        out[:, 0] = src
+        out[:, 1] = h + dst
+        if n_leaves:
+            ls, ld = self.host_leaf[src], self.host_leaf[dst]
+            cross = ls != ld
+            out[cross, 2] = 2 * h + ls[cross]
+            out[cross, 3] = 2 * h + n_leaves + ld[cross]
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class FlowTable:
+    """Flows as columns: flow ``i`` is ``(src[i], dst[i], bytes[i], ...)``.
+
+    `src`/`dst` index `Topology.hosts`; `coflow` indexes `State.coflows`;
+    `priority` is the forward-order position of the chunk (0: needed first
+    by the next forward pass); `chunk` indexes the job's `chunk_bytes` (-1:
+    not a chunk of a job, e.g. background traffic).
+    """
+
+    src: IntArray
+    dst: IntArray
+    bytes: FloatArray
+    ready_s: FloatArray
+    priority: IntArray
+    coflow: IntArray
+    chunk: IntArray
+
+    @staticmethod
+    def empty() -> FlowTable:
+        i, f = np.zeros(0, np.int64), np.zeros(0, np.float64)
+        return FlowTable(i, i, f, f, i, i, i)
+
+    @staticmethod
+    def build(rows: list[tuple[int, int, float, float, int, int, int]]) -> FlowTable:
+        """From rows ``(src, dst, bytes, ready_s, priority, coflow, chunk)``."""
+        if not rows:
+            return FlowTable.empty()
+        cols = list(zip(*rows, strict=True))
+        i, f = np.int64, np.float64
+        return FlowTable(
+            np.array(cols[0], i), np.array(cols[1], i), np.array(cols[2], f),
+            np.array(cols[3], f), np.array(cols[4], i), np.array(cols[5], i), np.array(cols[6], i),
+        )
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def equals(self, other: FlowTable) -> bool:
+        return all(
+            np.array_equal(getattr(self, k), getattr(other, k))
+            for k in ("src", "dst", "bytes", "ready_s", "priority", "coflow", "chunk")
+        )
+
+
+@dataclass(frozen=True)
+class Coflow:
+    """The flows of one job that only matter together (one iteration's gradients)."""
+
+    id: str
+    job: str
+
+
+@dataclass(frozen=True, eq=False)
+class State:
+    """What a policy plans from. See the module docstring for who fills what."""
+
+    shaped_bps: int = 0  # a daemon's root class rate
+    other_bps: int = 0  # kept for non-gradlane traffic on that host
+    jobs: tuple[JobState, ...] = ()  # sorted by name
+    topology: Topology | None = None
+    workers: tuple[Worker, ...] = ()  # sorted by (job, rank)
+    coflows: tuple[Coflow, ...] = ()
+    flows: FlowTable = field(default_factory=FlowTable.empty)
+    bands: int = DEFAULT_BANDS
+    version: int = 0
+
+    @property
+    def cluster(self) -> bool:
+        return self.topology is not None
+
+    def workers_of(self, job: str) -> list[Worker]:
+        return [w for w in self.workers if w.job == job]
 
 
 @dataclass(frozen=True)
@@ -45,19 +230,72 @@ class JobClassPlan:
 
 
 @dataclass(frozen=True)
+class Tuning:
+    """Partitioning for a job's shims (ByteScheduler's two knobs)."""
+
+    chunk_bytes: int
+    credit_bytes: int
+
+
+def _no_flows() -> FloatArray:
+    return np.zeros(0, np.float64)
+
+
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """What the daemon enforces: one class per job, by job name."""
+    """What the daemons and shims enforce.
+
+    `job_classes` is the host-local part a daemon applies (one HTB class per
+    job). The rest is filled for a cluster state: `host_classes` gives every
+    host its job classes; `flow_band` (level 0 first) and `flow_rate_bps`
+    are aligned with `State.flows`; `coflow_order` lists coflow ids, first
+    served first, and `job_level` maps each job to the priority level its
+    coflow got; `ownership[job][i]` is the rank owning chunk ``i``;
+    `batch_shares[job][rank]` the local batch size of that rank.
+    """
 
     job_classes: dict[str, JobClassPlan]
     source: str  # the policy's name, or "control" for a control-plane plan
+    host_classes: dict[int, dict[str, JobClassPlan]] = field(default_factory=dict)
+    flow_band: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))
+    flow_rate_bps: FloatArray = field(default_factory=_no_flows)
+    coflow_order: tuple[str, ...] = ()
+    job_level: dict[str, int] = field(default_factory=dict)
+    ownership: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    batch_shares: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    tuning: dict[str, Tuning] = field(default_factory=dict)
+    version: int = 0
+    ttl_s: float = DEFAULT_TTL_S
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain lists and dicts (msgpack and JSON safe); equal plans give equal dicts."""
+
+        def classes(c: Mapping[str, JobClassPlan]) -> dict[str, list[int]]:
+            return {job: [p.rate_bps, p.ceil_bps, p.prio] for job, p in sorted(c.items())}
+
+        return {
+            "source": self.source,
+            "version": self.version,
+            "ttl_s": self.ttl_s,
+            "job_classes": classes(self.job_classes),
+            "host_classes": {str(h): classes(c) for h, c in sorted(self.host_classes.items())},
+            "flow_band": self.flow_band.tolist(),
+            "flow_rate_bps": self.flow_rate_bps.tolist(),
+            "coflow_order": list(self.coflow_order),
+            "job_level": dict(sorted(self.job_level.items())),
+            "ownership": {j: list(o) for j, o in sorted(self.ownership.items())},
+            "batch_shares": {j: list(s) for j, s in sorted(self.batch_shares.items())},
+            "tuning": {j: [t.chunk_bytes, t.credit_bytes] for j, t in sorted(self.tuning.items())},
+        }
 
 
 class Policy(ABC):
-    """A scheduling policy. Subclasses set `name` and implement `plan`.
+    """A scheduling policy. Subclasses set `name` (by `register`) and implement `plan`.
 
     `plan` must be pure (no I/O, no clock, no randomness without a seed in
-    the state) and total: it returns a plan for every job in the state, with
-    0 < rate <= ceil <= state.shaped_bps and prio in 0..7.
+    the state), deterministic and total: for a daemon's state it returns a
+    class for every job with 0 < rate <= ceil <= state.shaped_bps and prio
+    in 0..7; for a cluster state, a plan that `check_plan` accepts.
     """
 
     name: str = ""
@@ -81,6 +319,10 @@ def register(name: str) -> Callable[[type[Policy]], type[Policy]]:
         return cls
 
     return add
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
 
 
 def get_policy(name: str) -> Policy:

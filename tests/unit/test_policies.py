@@ -1,8 +1,28 @@
+"""Table-driven tests of each policy's algorithm, on small hand-made states."""
+
+import numpy as np
 import pytest
 
 from gradlane.errors import ConfigError
-from gradlane.policies import JobState, Policy, State, get_policy
-from gradlane.policies.fair import FairPolicy
+from gradlane.policies import (
+    Coflow,
+    FlowTable,
+    Host,
+    JobState,
+    Policy,
+    State,
+    Topology,
+    Worker,
+    check_plan,
+    get_policy,
+)
+from gradlane.policies.chunks import assign_owners
+from gradlane.policies.coflow import bssi_order, levels
+from gradlane.policies.fifo import FairPolicy
+from gradlane.policies.priority import CHUNK_GRID, next_tuning
+from gradlane.policies.straggler import proportional_shares
+
+G = 1_000_000_000
 
 
 def test_fair_splits_the_guaranteed_rate_and_lets_every_job_borrow() -> None:
@@ -13,8 +33,17 @@ def test_fair_splits_the_guaranteed_rate_and_lets_every_job_borrow() -> None:
         "a": (450, 1000, 0),
         "b": (450, 1000, 0),
     }
-    assert plan == get_policy("fair").plan(state)  # deterministic
+    assert plan.to_wire() == get_policy("fair").plan(state).to_wire()  # deterministic
     assert get_policy("fair").plan(State(1000, 100, ())).job_classes == {}
+
+
+@pytest.mark.parametrize("name", ["fifo", "fair", "priority", "coflow", "loadbalance",
+                                  "straggler", "gradlane"])
+def test_every_policy_gives_a_daemon_a_valid_local_plan(name: str) -> None:
+    state = State(shaped_bps=10 * G, other_bps=G, jobs=(JobState("a", 1, 4), JobState("b", 2, 8)))
+    plan = get_policy(name).plan(state)
+    assert check_plan(state, plan) == []
+    assert set(plan.job_classes) == {"a", "b"}
 
 
 def test_unknown_policy_is_an_error_not_a_default() -> None:
@@ -27,5 +56,126 @@ def test_unknown_policy_is_an_error_not_a_default() -> None:
 
 
 def test_third_party_policy_by_module_path() -> None:
-    policy = get_policy("gradlane.policies.fair:FairPolicy")
+    policy = get_policy("gradlane.policies.fifo:FairPolicy")
     assert isinstance(policy, FairPolicy) and isinstance(policy, Policy)
+
+
+def _two_jobs_on_one_link() -> State:
+    """Jobs 'big' and 'small' each send one flow across the same 1 Gbit/s egress."""
+    topo = Topology(tuple(Host(f"h{i}", 0, G) for i in range(3)))
+    flows = FlowTable.build([
+        (0, 1, 100e6, 0.0, 0, 0, 0),  # big: 100 MB
+        (0, 2, 10e6, 0.0, 0, 1, 0),   # small: 10 MB
+    ])
+    return State(
+        jobs=(JobState("big", 2, chunk_bytes=(100,)), JobState("small", 2, chunk_bytes=(10,))),
+        topology=topo,
+        workers=(Worker("big", 0, 0), Worker("big", 1, 1), Worker("small", 0, 0),
+                 Worker("small", 1, 2)),
+        coflows=(Coflow("big/1", "big"), Coflow("small/1", "small")),
+        flows=flows,
+    )
+
+
+def test_coflow_serves_the_smaller_coflow_first_with_madd_rates() -> None:
+    state = _two_jobs_on_one_link()
+    plan = get_policy("coflow").plan(state)
+    assert check_plan(state, plan) == []
+    assert plan.coflow_order == ("small/1", "big/1")
+    assert plan.job_level == {"small": 0, "big": 1}
+    # MADD gives 'small' the whole bottleneck; nothing is left for 'big' on it.
+    assert plan.flow_rate_bps[1] == pytest.approx(G)
+    assert plan.flow_rate_bps[0] == pytest.approx(0.0, abs=1.0)
+    fair = get_policy("fair").plan(state)
+    assert fair.flow_rate_bps.tolist() == pytest.approx([G / 2, G / 2])
+
+
+def test_bssi_puts_the_coflow_heaviest_on_the_bottleneck_last() -> None:
+    # Port 0 is the bottleneck; coflow 1 loads it most, so it goes last.
+    load = np.array([[1.0, 0.0], [5.0, 1.0], [2.0, 4.0]])
+    assert bssi_order(load) == [0, 2, 1]
+    assert bssi_order(np.zeros((3, 2))) == [0, 1, 2]
+
+
+def test_levels_keep_the_order_on_eight_levels() -> None:
+    assert levels(3) == [0, 1, 2]
+    many = levels(20)
+    assert many[0] == 0 and many[-1] == 7 and many == sorted(many)
+
+
+def test_priority_bands_follow_forward_order() -> None:
+    topo = Topology(tuple(Host(f"h{i}") for i in range(2)))
+    flows = FlowTable.build([(0, 1, 1e6, 0.0, p, 0, p) for p in range(8)])
+    state = State(jobs=(JobState("j", 2, chunk_bytes=(1,) * 8),), topology=topo,
+                  workers=(Worker("j", 0, 0), Worker("j", 1, 1)),
+                  coflows=(Coflow("j/1", "j"),), flows=flows)
+    plan = get_policy("priority").plan(state)
+    assert plan.flow_band.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    # Band 0 is served first on the shared egress: it gets the link, later bands get 0.
+    assert plan.flow_rate_bps[:2].sum() == pytest.approx(10 * G)
+    assert check_plan(state, plan) == []
+
+
+def test_loadbalance_gives_a_faster_link_more_chunks() -> None:
+    topo = Topology((Host("fast", 0, 2 * G), Host("slow", 0, G), Host("slow2", 0, G)))
+    state = State(jobs=(JobState("j", 3, chunk_bytes=(1,) * 400),), topology=topo,
+                  workers=(Worker("j", 0, 0), Worker("j", 1, 1), Worker("j", 2, 2)))
+    owners = get_policy("loadbalance").plan(state).ownership["j"]
+    assert owners.count(0) == pytest.approx(200, abs=2)
+    assert owners.count(1) == pytest.approx(100, abs=2)
+    assert get_policy("fifo").plan(state).ownership["j"].count(0) == pytest.approx(134, abs=1)
+
+
+def test_assign_owners_equal_and_weighted_paths_agree_on_equal_weights() -> None:
+    sizes = [5, 3, 8, 1, 1, 9, 2] * 10
+    assert assign_owners(sizes, 4) == assign_owners(sizes, 4, [1.0, 1.0, 1.0, 1.0])
+    assert assign_owners(sizes, 4, [3.0] * 4) == assign_owners(sizes, 4)
+    # The general path on weights (2, 1, 1): rank 0 ends with about half the bytes.
+    owners = assign_owners(sizes, 3, [2.0, 1.0, 1.0])
+    owned = sum(s for s, o in zip(sizes, owners, strict=True) if o == 0)
+    assert abs(owned - sum(sizes) / 2) <= max(sizes)
+
+
+def test_straggler_shares_follow_throughput() -> None:
+    assert proportional_shares(64, [1, 1, 1, 0.5]) == (19, 18, 18, 9)
+    assert sum(proportional_shares(7, [100, 1, 1])) == 7
+    assert min(proportional_shares(7, [100, 1, 1])) == 1
+    with pytest.raises(ValueError, match="one sample each"):
+        proportional_shares(2, [1, 1, 1])
+
+
+def test_straggler_promotes_the_last_ready_flows() -> None:
+    topo = Topology(tuple(Host(f"h{i}") for i in range(3)))
+    flows = FlowTable.build([(0, 2, 1e6, 0.0, 7, 0, 0), (1, 2, 1e6, 0.3, 7, 0, 0)])
+    state = State(jobs=(JobState("j", 3, global_batch=30),), topology=topo,
+                  workers=tuple(Worker("j", r, r, throughput=t) for r, t in
+                                enumerate([100.0, 50.0, 100.0])),
+                  coflows=(Coflow("j/1", "j"),), flows=flows, bands=4)
+    plan = get_policy("straggler").plan(state)
+    assert plan.batch_shares["j"] == (12, 6, 12)
+    assert plan.flow_band.tolist()[1] == plan.flow_band.tolist()[0] - 1
+    assert check_plan(state, plan) == []
+
+
+def test_autotune_starts_at_the_defaults_and_walks_downhill() -> None:
+    first = next_tuning(())
+    assert (first.chunk_bytes, first.credit_bytes) == (1 << 20, 128 << 10)
+    tried = ((1 << 20, 128 << 10, 0.30),)
+    second = next_tuning(tried)
+    assert second.chunk_bytes == 2 << 20  # first neighbour: one step larger chunks
+    tried += ((2 << 20, 128 << 10, 0.20),)
+    assert next_tuning(tried).chunk_bytes == 4 << 20  # better: keep walking from there
+    # Every neighbour of the best tried and worse: converged on it.
+    best = (2 << 20, 128 << 10)
+    tried = ((*best, 0.1), (4 << 20, 128 << 10, 0.2), (1 << 20, 128 << 10, 0.2),
+             (2 << 20, 256 << 10, 0.2), (2 << 20, 64 << 10, 0.2))
+    t = next_tuning(tried)
+    assert (t.chunk_bytes, t.credit_bytes) == best
+    assert max(CHUNK_GRID) == 16 << 20
+
+
+def test_check_plan_catches_an_oversubscribed_link() -> None:
+    state = _two_jobs_on_one_link()
+    plan = get_policy("fair").plan(state)
+    plan.flow_rate_bps[:] = G  # two flows at full rate on one 1 Gbit/s link
+    assert any("over capacity" in p for p in check_plan(state, plan))

@@ -1,0 +1,154 @@
+"""Link arithmetic shared by the policies: loads, feasible rates, MADD.
+
+Everything is vectorized over the state's `FlowTable`: a flow crosses up to
+four links (`Topology.links`), and per-link sums are one `np.bincount`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradlane.policies.base import FloatArray, IntArray, JobClassPlan, State
+
+__all__ = [
+    "equal_split",
+    "flow_links",
+    "host_classes",
+    "link_sum",
+    "madd",
+    "max_min",
+    "per_coflow_link_load",
+]
+
+
+def flow_links(state: State) -> IntArray:
+    """The ``(n, 4)`` link array of the state's flows (-1: unused column)."""
+    assert state.topology is not None
+    return state.topology.links(state.flows.src, state.flows.dst)
+
+
+def link_sum(links: IntArray, values: FloatArray, n_links: int) -> FloatArray:
+    """Per link, the sum of `values` over the flows crossing it."""
+    used = links >= 0
+    weights = np.broadcast_to(values[:, None], links.shape)[used].astype(np.float64)
+    return np.bincount(links[used], weights=weights, minlength=n_links).astype(np.float64)
+
+
+def _tightest(links: IntArray, per_link: FloatArray) -> FloatArray:
+    """Per flow, the minimum of `per_link` over its links."""
+    padded = np.append(per_link, np.inf)  # index -1 -> +inf
+    return np.asarray(padded[links].min(axis=1), dtype=np.float64)
+
+
+def equal_split(
+    links: IntArray, capacity: FloatArray, residual: FloatArray, members: IntArray
+) -> FloatArray:
+    """Rates for flows `members`: each gets its tightest link's residual / flow count.
+
+    What per-flow fair sharing (TCP) gives before any redistribution. Never
+    oversubscribes a link: a link with ``n`` member flows gives each at most
+    ``residual / n``. Returns rates aligned with `members`.
+    """
+    if len(members) == 0:
+        return np.zeros(0)
+    sub = links[members]
+    count = link_sum(sub, np.ones(len(members)), len(capacity))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(count > 0, residual / count, np.inf)
+    return np.maximum(_tightest(sub, share), 0.0)
+
+
+def max_min(
+    links: IntArray, capacity: FloatArray, residual: FloatArray, members: IntArray,
+    rounds: int = 64,
+) -> FloatArray:
+    """Max-min fair rates for flows `members` on `residual` (progressive filling).
+
+    1. Every active flow gets its tightest link's residual / active flows there
+       (`equal_split`: never oversubscribes).
+    2. Flows that now cross a full link stop; the others repeat on what is left.
+    Each round fills at least the link with the smallest fair share, so this
+    ends with every flow crossing a full link (work conserving) within
+    `rounds` on all but adversarial inputs. Returns rates aligned with `members`.
+    """
+    rates = np.zeros(len(members))
+    if len(members) == 0:
+        return rates
+    sub = links[members]
+    residual = residual.copy()
+    active = np.arange(len(members))
+    eps = capacity * 1e-9
+    for _ in range(rounds):
+        add = equal_split(sub, capacity, residual, active)
+        rates[active] += add
+        residual = np.maximum(residual - link_sum(sub[active], add, len(capacity)), 0.0)
+        full = np.append(residual <= eps, False)  # index -1 (unused column) is never full
+        active = active[~full[sub[active]].any(axis=1)]
+        if len(active) == 0 or add.max(initial=0.0) <= 0:
+            break
+    return rates
+
+
+def madd(
+    links: IntArray, bytes_: FloatArray, residual: FloatArray, members: IntArray
+) -> FloatArray:
+    """Varys' MADD for one coflow: rates that make all its flows finish together.
+
+    1. The coflow's effective bottleneck time is
+       ``gamma = max over links of (its bytes on the link / residual capacity)``.
+    2. Each flow gets ``bytes / gamma``: the slowest-possible rate that still
+       finishes at ``gamma``, leaving the rest of every link to later coflows.
+    A coflow whose links are already full gets zero (it waits its turn).
+    """
+    if len(members) == 0:
+        return np.zeros(0)
+    sub = links[members]
+    load = link_sum(sub, bytes_[members] * 8.0, len(residual))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        times = np.where(load > 0, load / np.maximum(residual, 0.0), 0.0)
+    gamma = float(np.max(times)) if len(times) else 0.0
+    if not np.isfinite(gamma) or gamma <= 0:
+        return np.zeros(len(members))
+    return np.asarray(bytes_[members] * 8.0 / gamma, dtype=np.float64)
+
+
+def per_coflow_link_load(state: State, links: IntArray) -> FloatArray:
+    """A ``(coflows, links)`` matrix of seconds: each coflow's bits on a link / its capacity."""
+    assert state.topology is not None
+    cap = state.topology.capacity_bps
+    n_links, k = len(cap), len(state.coflows)
+    flat = np.where(links >= 0, state.flows.coflow[:, None] * n_links + links, -1)
+    used = flat >= 0
+    bits = np.broadcast_to(state.flows.bytes[:, None] * 8.0, links.shape)[used]
+    load = np.bincount(flat[used], weights=bits, minlength=k * n_links).reshape(k, n_links)
+    return np.asarray(load / cap[None, :], dtype=np.float64)
+
+
+def host_classes(
+    state: State, rates: FloatArray, job_level: dict[str, int]
+) -> dict[int, dict[str, JobClassPlan]]:
+    """Per host, one class per job with workers there: rate = its flows' egress rates.
+
+    The ceiling is the host's NIC (a class may borrow what others leave);
+    prio is the job's coflow level. Rates below 1 bit/s round up to 1, the
+    smallest HTB accepts.
+    """
+    assert state.topology is not None
+    nic = [h.nic_bps for h in state.topology.hosts]
+    job_of_coflow = [c.job for c in state.coflows]
+    out: dict[int, dict[str, JobClassPlan]] = {}
+    egress: dict[tuple[int, str], float] = {}
+    if len(state.flows):
+        keys = state.flows.src * max(1, len(state.coflows)) + state.flows.coflow
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        sums = np.bincount(inverse, weights=rates)
+        for key, total in zip(uniq.tolist(), sums.tolist(), strict=True):
+            host, coflow = divmod(key, max(1, len(state.coflows)))
+            job = job_of_coflow[coflow]
+            egress[host, job] = egress.get((host, job), 0.0) + total
+    for w in state.workers:
+        rate = egress.get((w.host, w.job), 0.0)
+        out.setdefault(w.host, {})[w.job] = JobClassPlan(
+            rate_bps=max(1, int(rate)), ceil_bps=nic[w.host], prio=job_level.get(w.job, 0)
+        )
+    return out

@@ -1,0 +1,68 @@
+"""`loadbalance`: tensor-aware choice of chunk owners so the most loaded link finishes first.
+
+With reduce-scatter and all-gather through per-chunk owners (gradlane's
+data path, and BytePS's co-located servers), a worker sends and receives
+``S + (W - 2) * owned`` bytes per iteration, ``S`` the model and ``owned``
+its chunks' bytes. Its link finishes at that over its rate, so:
+
+1. Each worker's weight is the rate its NIC can give this job: the NIC
+   rate divided by the number of jobs with workers on that host.
+2. Chunks go to owners by list scheduling on uniform machines
+   (`assign_owners`): in priority order, each chunk to the worker whose
+   owned bytes / weight would be smallest after taking it. Equal rates give
+   equal bytes; a worker on a 2x faster link owns about twice as much.
+
+Departures from TicTac/BytePS-style balancing: ownership is by measured
+link rate, not only bytes; hosts have one NIC here, so there is no path to
+choose (with several NICs the weight would be their sum and the path the
+least loaded one). Bands and rates are `priority`'s.
+"""
+
+from __future__ import annotations
+
+from gradlane.policies.base import Plan, Policy, State, Worker, register
+from gradlane.policies.chunks import assign_owners
+from gradlane.policies.priority import PriorityPolicy
+
+__all__ = ["LoadBalancePolicy", "balanced_ownership"]
+
+
+def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
+    """Per job with known chunks, an owner rank per chunk weighted by link rate."""
+    out: dict[str, tuple[int, ...]] = {}
+    if state.topology is None:
+        return out
+    jobs_on_host: dict[int, set[str]] = {}
+    for w in state.workers:
+        jobs_on_host.setdefault(w.host, set()).add(w.job)
+    nic = [h.nic_bps for h in state.topology.hosts]
+
+    def weight(w: Worker) -> float:
+        return nic[w.host] / len(jobs_on_host[w.host])
+
+    for job in state.jobs:
+        workers = state.workers_of(job.name)
+        if workers and job.chunk_bytes:
+            weights = [weight(w) for w in workers]
+            owners = assign_owners(job.chunk_bytes, len(workers), weights)
+            out[job.name] = tuple(workers[o].rank for o in owners)
+    return out
+
+
+@register("loadbalance")
+class LoadBalancePolicy(Policy):
+    def plan(self, state: State) -> Plan:
+        base = PriorityPolicy().plan(state)
+        return Plan(
+            job_classes=base.job_classes,
+            source=self.name,
+            host_classes=base.host_classes,
+            flow_band=base.flow_band,
+            flow_rate_bps=base.flow_rate_bps,
+            coflow_order=base.coflow_order,
+            job_level=base.job_level,
+            ownership=balanced_ownership(state),
+            batch_shares=base.batch_shares,
+            tuning=base.tuning,
+            version=state.version,
+        )

@@ -1,0 +1,101 @@
+"""`straggler`: heterogeneous workers finish their compute together.
+
+Load-balanced bulk-synchronous parallelism (LB-BSP: Chen et al.,
+"Semi-dynamic load balancing", SoCC 2020):
+
+1. Each worker's throughput (samples/s of compute) is measured by its shim.
+2. The global batch is split in proportion to throughput, as integers by
+   the largest-remainder method (Hamilton's apportionment), every worker
+   keeping at least one sample, so the shares always sum to the global batch.
+3. Workers whose throughput is not measured yet keep an even split.
+4. Critical flows first: within a coflow, the flows that became ready last
+   (those of the slowest worker) are on the critical path; at a shared
+   bottleneck (the owner's link) they move up one band.
+
+Departures: LB-BSP predicts throughput with a NARX model; gradlane plans
+from the latest measurement and relies on re-planning every few
+iterations. The shim weights its average by actual sample counts, so
+unequal shares leave the update unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradlane.policies.base import IntArray, Plan, Policy, State, register
+from gradlane.policies.fifo import even_shares
+from gradlane.policies.priority import PriorityPolicy
+
+__all__ = ["StragglerPolicy", "critical_first", "proportional_shares", "throughput_shares"]
+
+
+def proportional_shares(total: int, throughputs: list[float]) -> tuple[int, ...]:
+    """`total` split in proportion to `throughputs`, each >= 1 (largest remainder).
+
+    Raises:
+        ValueError: fewer samples than workers, or a non-positive throughput.
+    """
+    n = len(throughputs)
+    if total < n:
+        raise ValueError(f"a batch of {total} cannot give {n} workers one sample each")
+    if any(t <= 0 for t in throughputs):
+        raise ValueError(f"throughputs must be positive, got {throughputs}")
+    t = np.asarray(throughputs, dtype=np.float64)
+    quota = total * t / t.sum()
+    share = np.maximum(np.floor(quota), 1).astype(np.int64)
+    left = total - int(share.sum())
+    # Too few handed out: the largest remainders get one more (ties: lower rank).
+    for i in np.argsort(-(quota - share), kind="stable")[:max(left, 0)]:
+        share[i] += 1
+    # Too many (the floor of one sample each): the most over-served give one back.
+    for _ in range(max(-left, 0)):
+        over = np.where(share > 1, share - quota, -np.inf)
+        share[int(np.argmax(over))] -= 1
+    return tuple(int(x) for x in share)
+
+
+def throughput_shares(state: State) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for job in state.jobs:
+        workers = state.workers_of(job.name)
+        if not workers or job.global_batch < len(workers):
+            continue
+        rates = [w.throughput for w in workers]
+        if all(r > 0 for r in rates):
+            out[job.name] = proportional_shares(job.global_batch, rates)
+        else:
+            out[job.name] = even_shares(job.global_batch, len(workers))
+    return out
+
+
+def critical_first(state: State, bands: IntArray) -> IntArray:
+    """`bands` with the flows that became ready last in each coflow moved up one band."""
+    flows = state.flows
+    if not len(flows):
+        return bands
+    latest = np.full(len(state.coflows), -np.inf)
+    earliest = np.full(len(state.coflows), np.inf)
+    np.maximum.at(latest, flows.coflow, flows.ready_s)
+    np.minimum.at(earliest, flows.coflow, flows.ready_s)
+    spread = latest - earliest
+    critical = (spread[flows.coflow] > 0) & (flows.ready_s >= latest[flows.coflow])
+    return np.where(critical, np.maximum(bands - 1, 0), bands)
+
+
+@register("straggler")
+class StragglerPolicy(Policy):
+    def plan(self, state: State) -> Plan:
+        base = PriorityPolicy().plan(state)
+        return Plan(
+            job_classes=base.job_classes,
+            source=self.name,
+            host_classes=base.host_classes,
+            flow_band=critical_first(state, base.flow_band) if state.cluster else base.flow_band,
+            flow_rate_bps=base.flow_rate_bps,
+            coflow_order=base.coflow_order,
+            job_level=base.job_level,
+            ownership=base.ownership,
+            batch_shares=throughput_shares(state),
+            tuning=base.tuning,
+            version=state.version,
+        )
