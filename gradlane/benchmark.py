@@ -200,6 +200,9 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                         "wire_bytes": run.wire_bytes,
                         "utilization": run.utilization,
                         "cpu_cores_per_rank": run.cpu_cores,
+                        # Time rank 0 waited for gradients (0 for ddp, which cannot say):
+                        # iteration - waited is the compute the simulator replays.
+                        "waited_s": run.waited,
                     }
                 )
     summary = {}

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gradlane import __version__
-from gradlane.errors import GradlaneError
+from gradlane.errors import ConfigError, GradlaneError
 from gradlane.units import format_rate, parse_rate
 
 __all__ = ["main"]
@@ -350,6 +350,91 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
     click.echo(f"updated {readme}")
+
+
+@cli.command()
+@click.argument("experiment", type=click.Choice(["cluster", "heterogeneous", "validate"]),
+                default="cluster")
+@click.option("--policy", "policies", multiple=True,
+              help="Policy to simulate (repeatable; default: all that the experiment compares).")
+@click.option("--seed", default=0, show_default=True, help="Placement and job-mix seed.")
+@click.option("--hosts", default=1024, show_default=True,
+              help="Cluster size for 'cluster' (a multiple of 32).")
+@click.option("--mixed", default=0.0, show_default=True,
+              help="'cluster': fraction of servers of an older GPU generation (0.68x speed).")
+@click.option("--results", "results_dir", default=Path("bench/results"), show_default=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Testbed results that 'validate' replays.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Result file (default: bench/results/sim-EXPERIMENT.json).")
+@click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Figure (default: next to the JSON).")
+def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed: float,
+        results_dir: Path, json_path: Path | None, png: Path | None) -> None:
+    """Run a flow-level simulation EXPERIMENT (no root, no network needed).
+
+    \b
+    cluster        1,024 hosts, 2:1 leaf/spine, 8 jobs; every policy compared
+    heterogeneous  4 workers at speeds 1, 1, 1, 0.5 against the ideal
+    validate       the testbed's trace scenarios replayed, sim vs measured
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gradlane.benchmark import write_result
+    from gradlane.simulation import plot, run_experiment
+
+    out = _stdout_console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=out, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(policy: str, fraction: float) -> None:
+            if policy not in tasks:
+                tasks[policy] = bar.add_task(f"{experiment}: {policy}", total=1.0)
+            bar.update(tasks[policy], completed=fraction)
+
+        try:
+            result = run_experiment(experiment, policies or None, seed, hosts, results_dir,
+                                    mixed, progress)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+    suffix = "-mixed" if experiment == "cluster" and mixed else ""
+    path = json_path or Path("bench/results") / f"sim-{experiment}{suffix}.json"
+    write_result(result, path)
+    figure = png or path.with_suffix(".png")
+    plot(result, figure)
+    out.print(_sim_table(result))
+    out.print(f"-> {path}, {figure}")
+
+
+def _sim_table(result: dict[str, Any]) -> Table:
+    if result["experiment"] == "validate":
+        table = Table(title=f"simulator vs testbed (max error {result['max_abs_error']:.0%})")
+        for col in ("scenario", "system", "testbed", "simulated", "error"):
+            table.add_column(col)
+        for r in result["rows"]:
+            table.add_row(r["scenario"], r["system"], f"{r['measured_s'] * 1000:.1f} ms",
+                          f"{r['simulated_s'] * 1000:.1f} ms", f"{r['error']:+.1%}")
+        return table
+    title = f"gradlane sim {result['experiment']}"
+    if result.get("gradlane_vs_fifo_iteration"):
+        title += (f": gradlane vs fifo {result['gradlane_vs_fifo_iteration']:.2f}x iteration, "
+                  f"coflow vs fair {result['coflow_vs_fair_cct'] or 0:.2f}x CCT")
+    if "ideal_s" in result:
+        title += f": ideal {result['ideal_s'] * 1000:.1f} ms"
+    table = Table(title=title)
+    for col in ("policy", "mean iteration", "mean CCT", "host util", "uplink util",
+                "plan median", "wall"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for name, r in result["results"].items():
+        util = r["utilization"]
+        table.add_row(
+            name, f"{r['mean_iteration_s'] * 1000:.1f} ms", f"{r['mean_cct_s'] * 1000:.1f} ms",
+            f"{util['host']:.2f}", f"{util['uplink']:.2f}" if "uplink" in util else "-",
+            f"{r['plan_ms_median']:.1f} ms" if r["plan_ms_median"] is not None else "-",
+            f"{r['wall_s']:.1f} s",
+        )
+    return table
 
 
 DEFAULT_CONFIG = Path("/etc/gradlane/gradlaned.toml")

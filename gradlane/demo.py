@@ -52,6 +52,7 @@ class SystemRun:
     wire_bytes: int | None = None
     utilization: float | None = None
     cpu_cores: list[float] = field(default_factory=list)  # per rank, over training
+    waited: list[float] = field(default_factory=list)  # rank 0's exposed communication per step
 
     @property
     def steady(self) -> list[float]:
@@ -177,6 +178,7 @@ def _collect(system: str, out: Path, wall: float) -> SystemRun:
         raw["losses"],
         wall,
         cpu_cores=[round(c, 3) for c in cpu if c is not None],
+        waited=raw.get("waited", []),
     )
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradlane.policies.profiles import trace_spec
+
 __all__ = ["BATCH", "TraceLayer", "cnn_batch", "make_cnn", "make_trace", "trace_spec"]
 
 BATCH = 32
@@ -63,19 +65,6 @@ class TraceLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Sleep.apply(x, self.w, self.fwd, self.bwd)  # type: ignore[no-untyped-call,no-any-return]
-
-
-def trace_spec(model: str, model_mb: float, forward_s: float) -> list[tuple[int, float, float]]:
-    """(parameter elements, forward s, backward s) per layer of a profile."""
-    from gradlane.policies.profiles import load_profile
-
-    profile = load_profile(model)
-    scale = model_mb * (1 << 20) / profile.total_bytes
-    times = profile.compute_times(forward_s)
-    return [
-        (max(1024, round(m.bytes * scale / 4)), f, b)
-        for m, (f, b) in zip(profile.modules, times, strict=True)
-    ]
 
 
 def make_trace(model: str, model_mb: float, forward_s: float, speed: float = 1.0) -> nn.Module:

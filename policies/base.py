@@ -67,6 +67,8 @@ class JobState:
     flows: int = 0  # their registered band connections (daemon)
     global_batch: int = 0  # samples per iteration over all workers; 0: unknown
     chunk_bytes: tuple[int, ...] = ()  # gradient chunks in forward order (ownership plans these)
+    layers: int = 0  # distinct flow priorities (layers in forward order); 0: one per chunk
+    chunk_layers: tuple[int, ...] = ()  # the layer of each chunk, when known
     # configurations tried so far: (chunk bytes, credit bytes, measured iteration s)
     tuning: tuple[tuple[int, int, float], ...] = ()
 
@@ -152,9 +154,10 @@ class FlowTable:
     """Flows as columns: flow ``i`` is ``(src[i], dst[i], bytes[i], ...)``.
 
     `src`/`dst` index `Topology.hosts`; `coflow` indexes `State.coflows`;
-    `priority` is the forward-order position of the chunk (0: needed first
-    by the next forward pass); `chunk` indexes the job's `chunk_bytes` (-1:
-    not a chunk of a job, e.g. background traffic).
+    `priority` is the forward-order position of the flow's layer (or chunk,
+    when the job does not give `layers`): 0 is needed first by the next
+    forward pass; `chunk` indexes the job's `chunk_bytes` (-1: not a chunk of
+    a job, e.g. background traffic).
     """
 
     src: IntArray
@@ -198,6 +201,7 @@ class Coflow:
 
     id: str
     job: str
+    age_s: float = 0.0  # how long since its first flow became ready
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,7 +223,14 @@ class State:
         return self.topology is not None
 
     def workers_of(self, job: str) -> list[Worker]:
-        return [w for w in self.workers if w.job == job]
+        return self._by_job.get(job, [])
+
+    @cached_property
+    def _by_job(self) -> dict[str, list[Worker]]:
+        out: dict[str, list[Worker]] = {}
+        for w in self.workers:
+            out.setdefault(w.job, []).append(w)
+        return out
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ __all__ = ["assign_owners", "band_of"]
 
 
 def assign_owners(
-    sizes: Sequence[int], world: int, weights: Sequence[float] | None = None
+    sizes: Sequence[int],
+    world: int,
+    weights: Sequence[float] | None = None,
+    groups: Sequence[int] | None = None,
 ) -> list[int]:
     """An owner rank for each chunk so that owned bytes follow `weights`.
 
@@ -30,30 +33,54 @@ def assign_owners(
     spreads both the bytes and their timing. Equal weights (the default)
     balance bytes; the `loadbalance` policy passes link rates for
     heterogeneous links.
+
+    `groups` (one id per chunk, consecutive chunks sharing an id, e.g. the
+    layer) balances each group on its own first: a group's chunks travel
+    together, so its exchange ends when its most loaded owner is done.
+    Within a group the rank with the least owned bytes overall breaks ties,
+    so the remainders of uneven groups rotate over the ranks.
     """
     if world < 1:
         raise ConfigError(f"world size must be >= 1, got {world}")
-    if weights is None or len(set(weights)) == 1:
-        if weights is not None and (len(weights) != world or weights[0] <= 0):
-            raise ConfigError(f"need {world} positive owner weights, got {list(weights)}")
-        # Equal weights: the smallest finish is the smallest load; a heap does it in log time.
-        heap = [(0, r) for r in range(world)]
-        owners = []
-        for size in sizes:
-            load, best = heap[0]
-            heapq.heapreplace(heap, (load + size, best))
-            owners.append(best)
-        return owners
-    if len(weights) != world or not all(w > 0 for w in weights):
+    if weights is not None and (len(weights) != world or not all(w > 0 for w in weights)):
         raise ConfigError(f"need {world} positive owner weights, got {list(weights)}")
+    if groups is not None and len(groups) != len(sizes):
+        raise ConfigError(f"need one group per chunk: {len(groups)} groups, {len(sizes)} chunks")
+    if weights is None or len(set(weights)) == 1:
+        return _equal_weights(sizes, world, groups)
     w = np.asarray(weights, dtype=np.float64)
-    owned = np.zeros(world)
+    total = np.zeros(world)
+    group_load = np.zeros(world)
     out = []
-    for size in sizes:
-        best = int(np.argmin((owned + size) / w))  # argmin takes the first (lowest) rank on ties
-        owned[best] += size
+    current = None
+    for i, size in enumerate(sizes):
+        if groups is not None and groups[i] != current:
+            current, group_load = groups[i], np.zeros(world)
+        finish = (group_load + size) / w
+        tied = np.flatnonzero(finish == finish.min())
+        best = int(tied[np.argmin((total[tied] + size) / w[tied])])  # first = lowest rank
+        group_load[best] += size
+        total[best] += size
         out.append(best)
     return out
+
+
+def _equal_weights(sizes: Sequence[int], world: int, groups: Sequence[int] | None) -> list[int]:
+    # The smallest finish is the smallest load: a heap keyed (group load, total load, rank).
+    total = [0] * world
+    heap = [(0, 0, r) for r in range(world)]
+    owners = []
+    current = groups[0] if groups else None
+    for i, size in enumerate(sizes):
+        if groups is not None and groups[i] != current:
+            current = groups[i]
+            heap = [(0, total[r], r) for r in range(world)]
+            heapq.heapify(heap)
+        load, _, best = heap[0]
+        total[best] += size
+        heapq.heapreplace(heap, (load + size, total[best], best))
+        owners.append(best)
+    return owners
 
 
 def band_of(order: int, layers: int, bands: int) -> int:

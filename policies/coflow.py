@@ -17,8 +17,11 @@
 
 Departures: Sincronia's ports are a big switch's ingress and egress; here
 the leaf uplinks and downlinks are ports too, and loads are in seconds
-(bytes / capacity), so a slow link counts as a loaded one. All weights are
-1 (every job's iteration matters equally). Flows within a coflow share one
+(bytes / capacity), so a slow link counts as a loaded one. Training jobs
+send a new coflow every iteration, so a job ordered last would starve: a
+coflow's weight is its response ratio, 1 + age / its bottleneck time (as in
+Brinch Hansen's HRRN), so one that has waited many times its own length
+moves up. Flows within a coflow share one
 band (`priority` adds bands; `gradlane` composes both).
 """
 
@@ -28,7 +31,7 @@ import numpy as np
 
 from gradlane.policies import fabric
 from gradlane.policies.base import LEVELS, FloatArray, IntArray, Plan, Policy, State, register
-from gradlane.policies.fifo import FifoPolicy
+from gradlane.policies.fifo import local_classes, plain_layout
 
 __all__ = ["CoflowPolicy", "bssi_order", "levels", "ordered_rates"]
 
@@ -46,7 +49,7 @@ def bssi_order(load: FloatArray, weights: FloatArray | None = None) -> list[int]
         if on_port.max() <= 0:  # nothing loaded left: keep the given order
             order.extend(reversed(left))
             break
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(on_port > 0, w[left] / on_port, np.inf)
         last_pos = int(np.argmin(ratio))  # first minimum: deterministic
         last = left[last_pos]
@@ -55,6 +58,14 @@ def bssi_order(load: FloatArray, weights: FloatArray | None = None) -> list[int]
         left.pop(last_pos)
     order.reverse()
     return order
+
+
+def response_ratio(state: State, load: FloatArray) -> FloatArray:
+    """Each coflow's weight: 1 + its age over its own bottleneck time (HRRN's response ratio)."""
+    alone = load.max(axis=1) if load.size else np.zeros(len(state.coflows))
+    age = np.array([c.age_s for c in state.coflows], dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(1.0 + np.where(alone > 0, age / alone, 0.0), dtype=np.float64)
 
 
 def levels(count: int, n_levels: int = LEVELS) -> list[int]:
@@ -86,7 +97,8 @@ def ordered_rates(state: State, order: list[int], links: IntArray) -> FloatArray
 def coflow_schedule(state: State) -> tuple[list[int], dict[str, int], FloatArray]:
     """(order, job levels, rates) for a cluster state."""
     links = fabric.flow_links(state)
-    order = bssi_order(fabric.per_coflow_link_load(state, links))
+    load = fabric.per_coflow_link_load(state, links)
+    order = bssi_order(load, response_ratio(state, load))
     level_of = levels(len(order))
     job_level: dict[str, int] = {}
     for pos, k in enumerate(order):
@@ -99,10 +111,10 @@ def coflow_schedule(state: State) -> tuple[list[int], dict[str, int], FloatArray
 @register("coflow")
 class CoflowPolicy(Policy):
     def plan(self, state: State) -> Plan:
-        base = FifoPolicy().plan(state)
         if not state.cluster:
-            return Plan(job_classes=base.job_classes, source=self.name, version=state.version)
+            return Plan(job_classes=local_classes(state), source=self.name, version=state.version)
         order, job_level, rates = coflow_schedule(state)
+        ownership, shares = plain_layout(state)
         return Plan(
             job_classes={},
             source=self.name,
@@ -111,7 +123,7 @@ class CoflowPolicy(Policy):
             flow_rate_bps=rates,
             coflow_order=tuple(state.coflows[k].id for k in order),
             job_level=job_level,
-            ownership=base.ownership,
-            batch_shares=base.batch_shares,
+            ownership=ownership,
+            batch_shares=shares,
             version=state.version,
         )

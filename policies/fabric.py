@@ -22,21 +22,28 @@ __all__ = [
 
 
 def flow_links(state: State) -> IntArray:
-    """The ``(n, 4)`` link array of the state's flows (-1: unused column)."""
+    """The ``(n, 4)`` link array of the state's flows.
+
+    An unused column holds ``n_links``: a null link past the real ones, so
+    per-link sums are one `np.bincount` with no masking (its entry is dropped)
+    and per-link lookups pad one value (+inf capacity, never full).
+    """
     assert state.topology is not None
-    return state.topology.links(state.flows.src, state.flows.dst)
+    links = state.topology.links(state.flows.src, state.flows.dst)
+    links[links < 0] = len(state.topology.capacity_bps)
+    return links
 
 
 def link_sum(links: IntArray, values: FloatArray, n_links: int) -> FloatArray:
     """Per link, the sum of `values` over the flows crossing it."""
-    used = links >= 0
-    weights = np.broadcast_to(values[:, None], links.shape)[used].astype(np.float64)
-    return np.bincount(links[used], weights=weights, minlength=n_links).astype(np.float64)
+    sums = np.bincount(links.ravel(), weights=np.repeat(values.astype(np.float64), links.shape[1]),
+                       minlength=n_links + 1)
+    return np.asarray(sums[:n_links], dtype=np.float64)
 
 
 def _tightest(links: IntArray, per_link: FloatArray) -> FloatArray:
     """Per flow, the minimum of `per_link` over its links."""
-    padded = np.append(per_link, np.inf)  # index -1 -> +inf
+    padded = np.append(per_link, np.inf)  # the null link -> +inf
     return np.asarray(padded[links].min(axis=1), dtype=np.float64)
 
 
@@ -82,7 +89,7 @@ def max_min(
         add = equal_split(sub, capacity, residual, active)
         rates[active] += add
         residual = np.maximum(residual - link_sum(sub[active], add, len(capacity)), 0.0)
-        full = np.append(residual <= eps, False)  # index -1 (unused column) is never full
+        full = np.append(residual <= eps, False)  # the null link is never full
         active = active[~full[sub[active]].any(axis=1)]
         if len(active) == 0 or add.max(initial=0.0) <= 0:
             break
@@ -116,11 +123,10 @@ def per_coflow_link_load(state: State, links: IntArray) -> FloatArray:
     """A ``(coflows, links)`` matrix of seconds: each coflow's bits on a link / its capacity."""
     assert state.topology is not None
     cap = state.topology.capacity_bps
-    n_links, k = len(cap), len(state.coflows)
-    flat = np.where(links >= 0, state.flows.coflow[:, None] * n_links + links, -1)
-    used = flat >= 0
-    bits = np.broadcast_to(state.flows.bytes[:, None] * 8.0, links.shape)[used]
-    load = np.bincount(flat[used], weights=bits, minlength=k * n_links).reshape(k, n_links)
+    span, k = len(cap) + 1, len(state.coflows)  # + the null link
+    flat = (state.flows.coflow[:, None] * span + links).ravel()
+    bits = np.repeat(state.flows.bytes * 8.0, links.shape[1])
+    load = np.bincount(flat, weights=bits, minlength=k * span).reshape(k, span)[:, :-1]
     return np.asarray(load / cap[None, :], dtype=np.float64)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from gradlane.policies import fabric
 from gradlane.policies.base import JobClassPlan, Plan, Policy, State, register
 
-__all__ = ["FairPolicy", "FifoPolicy", "even_shares", "local_classes"]
+__all__ = ["FairPolicy", "FifoPolicy", "even_shares", "local_classes", "plain_layout"]
 
 
 def local_classes(state: State, prio: dict[str, int] | None = None) -> dict[str, JobClassPlan]:
@@ -35,6 +35,20 @@ def even_shares(global_batch: int, workers: int) -> tuple[int, ...]:
     return tuple(base + (1 if r < extra else 0) for r in range(workers))
 
 
+def plain_layout(state: State) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """Ownership round-robin by chunk index and even batch shares, per job."""
+    ownership, shares = {}, {}
+    for job in state.jobs:
+        workers = state.workers_of(job.name)
+        if workers and job.chunk_bytes:
+            ownership[job.name] = tuple(
+                workers[i % len(workers)].rank for i in range(len(job.chunk_bytes))
+            )
+        if workers and job.global_batch >= len(workers):
+            shares[job.name] = even_shares(job.global_batch, len(workers))
+    return ownership, shares
+
+
 @register("fifo")
 class FifoPolicy(Policy):
     def plan(self, state: State) -> Plan:
@@ -44,13 +58,7 @@ class FifoPolicy(Policy):
         links = fabric.flow_links(state)
         cap = state.topology.capacity_bps
         rates = fabric.max_min(links, cap, cap, np.arange(len(state.flows)))
-        ownership, shares = {}, {}
-        for job in state.jobs:
-            world = len(state.workers_of(job.name))
-            if world and job.chunk_bytes:
-                ownership[job.name] = tuple(i % world for i in range(len(job.chunk_bytes)))
-            if world and job.global_batch >= world:
-                shares[job.name] = even_shares(job.global_batch, world)
+        ownership, shares = plain_layout(state)
         return Plan(
             job_classes={},
             source=self.name,

@@ -11,6 +11,9 @@ its chunks' bytes. Its link finishes at that over its rate, so:
    (`assign_owners`): in priority order, each chunk to the worker whose
    owned bytes / weight would be smallest after taking it. Equal rates give
    equal bytes; a worker on a 2x faster link owns about twice as much.
+3. When the job says which layer each chunk belongs to, each layer is
+   balanced on its own first (its chunks are exchanged together, so its
+   slowest owner sets its time), overall balance breaking ties.
 
 Departures from TicTac/BytePS-style balancing: ownership is by measured
 link rate, not only bytes; hosts have one NIC here, so there is no path to
@@ -20,7 +23,7 @@ least loaded one). Bands and rates are `priority`'s.
 
 from __future__ import annotations
 
-from gradlane.policies.base import Plan, Policy, State, Worker, register
+from gradlane.policies.base import Plan, Policy, State, register
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.priority import PriorityPolicy
 
@@ -36,15 +39,12 @@ def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
     for w in state.workers:
         jobs_on_host.setdefault(w.host, set()).add(w.job)
     nic = [h.nic_bps for h in state.topology.hosts]
-
-    def weight(w: Worker) -> float:
-        return nic[w.host] / len(jobs_on_host[w.host])
-
     for job in state.jobs:
         workers = state.workers_of(job.name)
         if workers and job.chunk_bytes:
-            weights = [weight(w) for w in workers]
-            owners = assign_owners(job.chunk_bytes, len(workers), weights)
+            weights = [nic[w.host] / len(jobs_on_host[w.host]) for w in workers]
+            layers = job.chunk_layers if len(job.chunk_layers) == len(job.chunk_bytes) else None
+            owners = assign_owners(job.chunk_bytes, len(workers), weights, layers)
             out[job.name] = tuple(workers[o].rank for o in owners)
     return out
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from gradlane.policies import fabric
 from gradlane.policies.base import IntArray, Plan, Policy, State, Tuning, register
-from gradlane.policies.fifo import FifoPolicy
+from gradlane.policies.fifo import local_classes, plain_layout
 
 __all__ = ["CHUNK_GRID", "CREDIT_GRID", "PriorityPolicy", "banded_rates", "flow_bands",
            "next_tuning"]
@@ -42,15 +42,16 @@ START = (1 << 20, 128 << 10)  # the shim's defaults
 def flow_bands(state: State) -> IntArray:
     """Each flow's band from its priority, scaled by its job's number of priorities.
 
-    A job with ``n`` chunk priorities puts priority ``p`` in band
-    ``min(bands - 1, p * bands // n)`` (`band_of`, vectorized).
+    A job with ``n`` priorities (its `layers`, else its chunks) puts priority
+    ``p`` in band ``min(bands - 1, p * bands // n)`` (`band_of`, vectorized):
+    the shim's rule, so a plan and a shim without one agree.
     """
     flows = state.flows
     if not len(flows):
         return np.zeros(0, np.int64)
     per_coflow = np.zeros(len(state.coflows), np.int64)
     np.maximum.at(per_coflow, flows.coflow, flows.priority + 1)
-    known = {j.name: len(j.chunk_bytes) for j in state.jobs}
+    known = {j.name: j.layers or len(j.chunk_bytes) for j in state.jobs}
     for k, coflow in enumerate(state.coflows):
         per_coflow[k] = max(per_coflow[k], known.get(coflow.job, 0), 1)
     layers = per_coflow[flows.coflow]
@@ -102,23 +103,24 @@ def next_tuning(tried: tuple[tuple[int, int, float], ...]) -> Tuning:
 @register("priority")
 class PriorityPolicy(Policy):
     def plan(self, state: State) -> Plan:
-        base = FifoPolicy().plan(state)
         tuning = {job.name: next_tuning(job.tuning) for job in state.jobs}
         if not state.cluster:
-            return Plan(job_classes=base.job_classes, source=self.name, tuning=tuning,
+            return Plan(job_classes=local_classes(state), source=self.name, tuning=tuning,
                         version=state.version)
         bands = flow_bands(state)
         rates = banded_rates(state, bands)
+        ownership, shares = plain_layout(state)
+        job_level = {job.name: 0 for job in state.jobs}
         return Plan(
             job_classes={},
             source=self.name,
-            host_classes=fabric.host_classes(state, rates, base.job_level),
+            host_classes=fabric.host_classes(state, rates, job_level),
             flow_band=bands,
             flow_rate_bps=rates,
-            coflow_order=base.coflow_order,
-            job_level=base.job_level,
-            ownership=base.ownership,
-            batch_shares=base.batch_shares,
+            coflow_order=tuple(c.id for c in state.coflows),
+            job_level=job_level,
+            ownership=ownership,
+            batch_shares=shares,
             tuning=tuning,
             version=state.version,
         )

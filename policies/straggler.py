@@ -8,9 +8,10 @@ Load-balanced bulk-synchronous parallelism (LB-BSP: Chen et al.,
    the largest-remainder method (Hamilton's apportionment), every worker
    keeping at least one sample, so the shares always sum to the global batch.
 3. Workers whose throughput is not measured yet keep an even split.
-4. Critical flows first: within a coflow, the flows that became ready last
-   (those of the slowest worker) are on the critical path; at a shared
-   bottleneck (the owner's link) they move up one band.
+4. Critical flows first: of the flows carrying the same chunk (same coflow,
+   chunk and priority) from different workers, those that became ready last
+   (the slowest worker's) are on the critical path; at a shared bottleneck
+   (the owner's link) they move up one band.
 
 Departures: LB-BSP predicts throughput with a NARX model; gradlane plans
 from the latest measurement and relies on re-planning every few
@@ -69,16 +70,21 @@ def throughput_shares(state: State) -> dict[str, tuple[int, ...]]:
 
 
 def critical_first(state: State, bands: IntArray) -> IntArray:
-    """`bands` with the flows that became ready last in each coflow moved up one band."""
+    """`bands` with the last-ready flows of each chunk moved up one band."""
     flows = state.flows
     if not len(flows):
         return bands
-    latest = np.full(len(state.coflows), -np.inf)
-    earliest = np.full(len(state.coflows), np.inf)
-    np.maximum.at(latest, flows.coflow, flows.ready_s)
-    np.minimum.at(earliest, flows.coflow, flows.ready_s)
-    spread = latest - earliest
-    critical = (spread[flows.coflow] > 0) & (flows.ready_s >= latest[flows.coflow])
+    # One group per (coflow, chunk): the same gradient from different workers.
+    chunk_span = int(flows.chunk.max()) + 2
+    prio_span = int(flows.priority.max()) - int(flows.priority.min()) + 1
+    key = ((flows.coflow * chunk_span + flows.chunk + 1) * prio_span
+           + flows.priority - flows.priority.min())
+    _, group = np.unique(key, return_inverse=True)
+    latest = np.full(group.max() + 1, -np.inf)
+    earliest = np.full(group.max() + 1, np.inf)
+    np.maximum.at(latest, group, flows.ready_s)
+    np.minimum.at(earliest, group, flows.ready_s)
+    critical = (latest[group] > earliest[group]) & (flows.ready_s >= latest[group])
     return np.where(critical, np.maximum(bands - 1, 0), bands)
 
 

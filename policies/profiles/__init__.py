@@ -14,7 +14,7 @@ from importlib import resources
 
 from gradlane.errors import ConfigError
 
-__all__ = ["NAMES", "Module", "Profile", "load_profile"]
+__all__ = ["NAMES", "Module", "Profile", "load_profile", "trace_spec"]
 
 NAMES = ("resnet50", "vgg19", "bert_base")
 BACKWARD_TO_FORWARD = 2.0  # backward costs about twice the forward (two matmuls per one)
@@ -69,3 +69,18 @@ def load_profile(name: str) -> Profile:
         for m in sorted(raw["modules_in_forward_order"], key=lambda m: m["index"])
     )
     return Profile(raw["model"], modules)
+
+
+def trace_spec(model: str, model_mb: float, forward_s: float) -> list[tuple[int, float, float]]:
+    """(fp32 parameter elements, forward s, backward s) per module, for a trace workload.
+
+    The profile's bytes scaled so the model has `model_mb` MiB (at least 1024
+    elements per module), its compute so the forward takes `forward_s`.
+    """
+    profile = load_profile(model)
+    scale = model_mb * (1 << 20) / profile.total_bytes
+    times = profile.compute_times(forward_s)
+    return [
+        (max(1024, round(m.bytes * scale / 4)), f, b)
+        for m, (f, b) in zip(profile.modules, times, strict=True)
+    ]

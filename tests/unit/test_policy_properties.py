@@ -44,7 +44,7 @@ def cluster_states(draw: st.DrawFn) -> State:
         placed = draw(st.lists(st.integers(0, n_hosts - 1), min_size=1, max_size=8, unique=True))
         chunks = tuple(draw(st.lists(st.integers(1, 1 << 24), max_size=30)))
         jobs.append(JobState(name, len(placed), global_batch=draw(st.integers(0, 256)),
-                             chunk_bytes=chunks))
+                             chunk_bytes=chunks, layers=draw(st.integers(0, 12))))
         for rank, host in enumerate(placed):
             workers.append(Worker(name, rank, host,
                                   throughput=draw(st.sampled_from([0.0, 0.5, 1.0, 3.7, 100.0]))))

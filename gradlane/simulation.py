@@ -1,0 +1,232 @@
+"""`gradlane sim`: the flow-level simulator's experiments, as JSON and plots.
+
+Three experiments, each one command:
+
+- ``cluster``: 1,024 hosts under 2:1 oversubscribed leaves, 8 jobs mixing
+  the shipped profiles; every policy in the same run. Reports `gradlane`
+  vs `fifo` average iteration time and `coflow` vs per-flow `fair` average
+  coflow completion time. ``--mixed F`` makes a fraction F of the servers
+  an older GPU generation (P100 next to V100).
+- ``heterogeneous``: 4 workers at relative speeds 1, 1, 1, 0.5; reports each
+  policy against the ideal (global batch over the sum of throughputs, plus
+  the communication time).
+- ``validate``: the testbed's trace scenarios (bench/results/*.json) replayed
+  in the simulator; simulated vs measured median iteration time per system.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gradlane.benchmark import PAYLOAD_EFFICIENCY
+from gradlane.errors import ConfigError
+from gradlane.policies import get_policy
+from gradlane.policies.sim import Scenario, cluster, heterogeneous, one_switch, simulate
+
+__all__ = ["EXPERIMENTS", "plot", "run_experiment"]
+
+EXPERIMENTS = ("cluster", "heterogeneous", "validate")
+CLUSTER_POLICIES = ("fifo", "fair", "priority", "coflow", "loadbalance", "straggler", "gradlane")
+# The testbed systems a simulated policy stands for: `fifo` is one band and no
+# overlap on the testbed; `gradlane` is the shim plus gradlaned.
+VALIDATED = {"fifo": "fifo", "gradlane": "gradlane"}
+
+Say = Callable[[str], None]
+Progress = Callable[[str, float], None]
+
+
+def _run_policies(
+    scenario: Scenario, policies: tuple[str, ...], progress: Progress | None
+) -> dict[str, Any]:
+    out = {}
+    for name in policies:
+        policy = get_policy(name)
+        report = (lambda f, n=name: progress(n, f)) if progress else None
+        out[name] = simulate(scenario, policy, report).to_json()
+        if progress:
+            progress(name, 1.0)
+    return out
+
+
+def _scenario_json(scenario: Scenario) -> dict[str, Any]:
+    return {
+        "name": scenario.name,
+        "hosts": len(scenario.topology.hosts),
+        "leaves": scenario.topology.leaves,
+        "iterations": scenario.iterations,
+        "warmup": scenario.warmup,
+        "replan_s": scenario.replan_s,
+        "react_s": scenario.react_s,
+        "seed": scenario.seed,
+        "jobs": [
+            {"name": j.name, "model": j.model, "workers": j.workers,
+             "compute_s": j.compute_s, "bytes": j.bytes, "buckets": len(j.buckets),
+             "chunk_bytes": j.chunk_bytes, "speeds": list(j.speed)}
+            for j in scenario.jobs
+        ],
+        **scenario.notes,
+    }
+
+
+def _ratio(results: dict[str, Any], slow: str, fast: str, key: str) -> float | None:
+    if slow in results and fast in results:
+        return float(results[slow][key] / results[fast][key])
+    return None
+
+
+def run_cluster(policies: tuple[str, ...], seed: int, hosts: int, mixed: float = 0.0,
+                progress: Progress | None = None) -> dict[str, Any]:
+    scenario = cluster(hosts=hosts, seed=seed, slow_fraction=mixed)
+    results = _run_policies(scenario, policies, progress)
+    return {
+        "experiment": "cluster",
+        "scenario": _scenario_json(scenario),
+        "results": results,
+        "gradlane_vs_fifo_iteration": _ratio(results, "fifo", "gradlane", "mean_iteration_s"),
+        "coflow_vs_fair_cct": _ratio(results, "fair", "coflow", "mean_cct_s"),
+    }
+
+
+def run_heterogeneous(policies: tuple[str, ...], progress: Progress | None = None
+                      ) -> dict[str, Any]:
+    scenario = heterogeneous()
+    (job,) = scenario.jobs
+    nic = scenario.topology.hosts[0].nic_bps
+    w = job.workers
+    # Ideal: the global batch over the summed throughputs, plus the exchange at line rate.
+    compute = w * job.compute_s / sum(job.speed)
+    comm = 2 * (w - 1) / w * job.bytes * 8 / nic
+    ideal = compute + comm
+    results = _run_policies(scenario, policies, progress)
+    return {
+        "experiment": "heterogeneous",
+        "scenario": _scenario_json(scenario),
+        "ideal_s": ideal,
+        "ideal_compute_s": compute,
+        "ideal_comm_s": comm,
+        "results": results,
+        "over_ideal": {p: r["mean_iteration_s"] / ideal for p, r in results.items()},
+    }
+
+
+def measured_compute(result: dict[str, Any], system: str) -> float | None:
+    """Median compute per iteration of `system` on the testbed: iteration minus waiting.
+
+    None when the result predates the bench's recording of waiting time.
+    """
+    import statistics
+
+    samples = []
+    for run in result["runs"].get(system, []):
+        times, waited = run["iteration_s"], run.get("waited_s") or []
+        if len(waited) != len(times):
+            return None
+        skip = len(times) // 5
+        samples += [t - w for t, w in zip(times[skip:], waited[skip:], strict=True)]
+    return statistics.median(samples) if samples else None
+
+
+def testbed_scenario(result: dict[str, Any], compute_s: float | None) -> Scenario:
+    """A bench result's trace scenario in the simulator, its compute scaled to `compute_s`."""
+    from gradlane.policies.profiles import trace_spec
+
+    wl = result["scenario"]["workload"]
+    spec = trace_spec(wl["model"], wl["model_mb"], wl["forward_ms"] / 1000)
+    nominal = sum(f + b for _, f, b in spec)
+    scale = (compute_s or nominal) / nominal
+    layers = [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
+    hosts = int(result["scenario"]["hosts"])
+    return one_switch(
+        result["scenario"]["name"], [(wl["model"], layers, [1.0] * hosts)], hosts,
+        result["link_bps"] * PAYLOAD_EFFICIENCY, iterations=20, warmup=3,
+    )
+
+
+def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[str, Any]:
+    """Replay every trace scenario measured on the testbed; compare medians.
+
+    The simulator models the network, not Python: each system is replayed
+    with the compute time the testbed measured for it (iteration minus the
+    time rank 0 waited for gradients), so the comparison checks what the
+    network model predicts on top of it.
+    """
+    rows = []
+    for path in sorted(results_dir.glob("*.json")):
+        measured = json.loads(path.read_text())
+        wl = measured.get("scenario", {}).get("workload", {})
+        if wl.get("kind") != "trace" or "summary" not in measured:
+            continue
+        for policy, system in VALIDATED.items():
+            if system not in measured["summary"]:
+                continue
+            compute = measured_compute(measured, system)
+            scenario = testbed_scenario(measured, compute)
+            sim = _run_policies(scenario, (policy,), progress)[policy]["mean_iteration_s"]
+            real = measured["summary"][system]["median_s"]
+            rows.append({
+                "scenario": measured["scenario"]["name"], "system": system,
+                "measured_s": real, "simulated_s": sim, "error": sim / real - 1,
+                "compute_s": compute if compute is not None else "nominal",
+                "link_bps": measured["link_bps"],
+                "measured_commit": measured["environment"]["commit"],
+            })
+    if not rows:
+        raise ConfigError(f"no trace-scenario results in {results_dir}")
+    return {
+        "experiment": "validate",
+        "rows": rows,
+        "max_abs_error": max(abs(r["error"]) for r in rows),
+    }
+
+
+def run_experiment(name: str, policies: tuple[str, ...] | None = None, seed: int = 0,
+                   hosts: int = 1024, results_dir: Path = Path("bench/results"),
+                   mixed: float = 0.0, progress: Progress | None = None) -> dict[str, Any]:
+    """Run experiment `name` (one of `EXPERIMENTS`)."""
+    if name == "cluster":
+        return run_cluster(policies or CLUSTER_POLICIES, seed, hosts, mixed, progress)
+    if name == "heterogeneous":
+        return run_heterogeneous(policies or ("fifo", "priority", "straggler", "gradlane"),
+                                 progress)
+    if name == "validate":
+        return run_validate(results_dir, progress)
+    raise ConfigError(f"unknown experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Per policy: iteration times (and coflow completion times) per job, or sim vs measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if result["experiment"] == "validate":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        labels = [f"{r['scenario']}\n{r['system']}" for r in result["rows"]]
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], [r["measured_s"] * 1000 for r in result["rows"]], 0.4,
+               label="testbed (median)")
+        ax.bar([i + 0.2 for i in x], [r["simulated_s"] * 1000 for r in result["rows"]], 0.4,
+               label="simulator")
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_ylabel("iteration time (ms)")
+        ax.legend()
+    else:
+        res = result["results"]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, key, title in ((axes[0], "iteration_s", "iteration time"),
+                               (axes[1], "cct_s", "coflow completion time")):
+            data = [[x * 1000 for v in r[key].values() for x in v] for r in res.values()]
+            ax.boxplot(data, tick_labels=list(res))
+            ax.set_ylabel(f"{title} (ms)")
+            ax.tick_params(axis="x", labelrotation=30)
+        if result["experiment"] == "heterogeneous":
+            axes[0].axhline(result["ideal_s"] * 1000, color="grey", ls="--", label="ideal")
+            axes[0].legend()
+        fig.suptitle(f"gradlane sim: {result['experiment']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,31 @@
+"""The flow-level simulator: evaluates the policies at cluster scale.
+
+`scenario` builds what to run (topologies, jobs from the shipped model
+profiles), `engine.simulate` runs it under one policy, deterministically.
+"""
+
+from gradlane.policies.sim.engine import Result, full_demand_state, simulate
+from gradlane.policies.sim.scenario import (
+    Bucket,
+    Scenario,
+    SimJob,
+    buckets_of,
+    cluster,
+    heterogeneous,
+    one_switch,
+    profile_layers,
+)
+
+__all__ = [
+    "Bucket",
+    "Result",
+    "Scenario",
+    "SimJob",
+    "buckets_of",
+    "cluster",
+    "full_demand_state",
+    "heterogeneous",
+    "one_switch",
+    "profile_layers",
+    "simulate",
+]

@@ -1,0 +1,482 @@
+"""The flow-level simulator: discrete events, priority-aware max-min sharing of links.
+
+Model (what is simulated, and what is not):
+
+1. Network. Links are the topology's host and leaf links with their
+   capacities; no queues, no propagation delay (fluid flows). A bucket's
+   gradient exchange is one *collective*: the reduce-scatter and all-gather
+   flows of all its chunks, each chunk's owner as the plan says. A
+   collective's flows move at one per-flow rate (it is done only when all
+   are), and it loads link ``l`` with ``n_l`` flows, from the ownership:
+   host ``h`` sends ``S + (W - 2) * owned(h)`` bytes of a bucket of ``S``,
+   a leaf's uplink carries the traffic between its workers and the others.
+2. Sharing, as gradlaned and DSCP switches enforce it: strict priority by
+   (the job's coflow level, the band of the bucket), both from the plan;
+   collectives at the same priority share by per-flow max-min (TCP-like,
+   exact progressive filling); within one (job, band) one connection serves
+   buckets first come, first served. Per-flow rate caps in the plan are not
+   enforced (priority and work conservation decide the rates).
+3. Compute. Each worker runs forward bucket by bucket, then backward in
+   reverse; its time per bucket scales with its batch share over its speed.
+   A bucket's forward in iteration ``k + 1`` waits for that bucket's
+   collective of iteration ``k`` (per-layer optimizer steps: cross-iteration
+   overlap). A bucket's collective starts when every worker has its gradient.
+4. Planning. The policy plans at time 0, every `replan_s`, and after a
+   coflow arrives or completes (no sooner than `react_s` after the last
+   plan, the control plane's reaction time), from a state
+   built like a control plane's: measured worker throughput, each job's
+   chunks, and per job one coflow of load-equivalent demand flows (per
+   worker and bucket, one flow to a worker of its own leaf and one to the
+   next leaf, carrying what the ownership puts on its links).
+
+Deterministic: same scenario, same policy, same result (ties break by
+job and bucket index; no randomness inside).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradlane.policies.base import (
+    LEVELS,
+    Coflow,
+    FlowTable,
+    IntArray,
+    JobState,
+    Plan,
+    Policy,
+    State,
+    Worker,
+)
+from gradlane.policies.chunks import assign_owners
+from gradlane.policies.sim.scenario import Scenario, SimJob
+
+__all__ = ["Result", "full_demand_state", "simulate"]
+
+EPS = 1e-9
+
+
+@dataclass
+class Result:
+    """What one run measured; `to_json` is what `gradlane sim` writes."""
+
+    policy: str
+    iteration_s: dict[str, list[float]]  # per job, measured iterations
+    cct_s: dict[str, list[float]]  # per job, coflow (iteration's gradients) completion times
+    utilization: dict[str, float]  # mean busy fraction by link kind
+    sim_s: float
+    wall_s: float
+    plan_ms: list[float] = field(default_factory=list)
+
+    @property
+    def mean_iteration_s(self) -> float:
+        return float(np.mean([np.mean(v) for v in self.iteration_s.values()]))
+
+    @property
+    def mean_cct_s(self) -> float:
+        return float(np.mean([x for v in self.cct_s.values() for x in v]))
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "policy": self.policy,
+            "mean_iteration_s": self.mean_iteration_s,
+            "mean_cct_s": self.mean_cct_s,
+            "iteration_s": self.iteration_s,
+            "cct_s": self.cct_s,
+            "utilization": self.utilization,
+            "simulated_s": self.sim_s,
+            "wall_s": self.wall_s,
+            "plan_ms_median": float(np.median(self.plan_ms)) if self.plan_ms else None,
+            "plans": len(self.plan_ms),
+        }
+
+
+class _Job:
+    def __init__(self, index: int, spec: SimJob, scenario: Scenario) -> None:
+        self.index, self.spec = index, spec
+        topo = scenario.topology
+        self.w = spec.workers
+        self.hosts = np.array(spec.hosts, dtype=np.int64)
+        self.leaf = topo.host_leaf[self.hosts]
+        self.n_hosts, self.n_leaves = len(topo.hosts), len(topo.uplink_bps)
+        self.forward = np.array([b.forward_s for b in spec.buckets])
+        self.backward = np.array([b.backward_s for b in spec.buckets])
+        self.nb = len(spec.buckets)
+        # Equal chunks per bucket.
+        self.n_chunks = [max(1, -(-int(b.bytes) // spec.chunk_bytes)) for b in spec.buckets]
+        self.chunk_size = [b.bytes / n for b, n in zip(spec.buckets, self.n_chunks, strict=True)]
+        self.first_chunk = np.concatenate([[0], np.cumsum(self.n_chunks)]).astype(np.int64)
+        self.chunk_bytes = tuple(
+            int(s) for s, n in zip(self.chunk_size, self.n_chunks, strict=True) for _ in range(n)
+        )
+        self.chunk_layer = tuple(b for b, n in enumerate(self.n_chunks) for _ in range(n))
+        self.speed = np.array(spec.speed)
+        self.shares = np.full(self.w, spec.global_batch / self.w)
+        self.iteration_shares = self.shares.copy()
+        self.band = np.zeros(self.nb, dtype=np.int64)
+        self.level = 0
+        self.set_ownership(tuple(assign_owners(self.chunk_bytes, self.w)))
+        self.peer_in_leaf, self.peer_next_leaf = self._peers()
+        self.ready_at = np.zeros(self.nb)  # when each bucket's gradient is (or will be) ready
+        # Timeline.
+        self.iteration = 0
+        self.fwd_pos = 0
+        self.clock = np.zeros(self.w)
+        self.synced = np.full(self.nb, np.nan)  # last iteration's collectives: done times
+        self.pending = 0  # collectives of the last backward not yet done
+        self.starts: list[float] = []
+        self.busy = np.zeros(self.w)  # compute seconds so far in this iteration, per worker
+        self.last_busy = np.zeros(self.w)  # ... in the last full iteration
+        self.last_shares = self.shares.copy()  # the batch shares that iteration ran with
+        self.first_ready: dict[int, float] = {}
+        self.ccts: list[float] = []
+
+    @property
+    def factor(self) -> np.ndarray:
+        """Per worker, its compute time relative to an even share at speed 1."""
+        return np.asarray((self.shares / (self.spec.global_batch / self.w)) / self.speed)
+
+    def set_ownership(self, owners: tuple[int, ...]) -> None:
+        """Per bucket, the links its collective loads and with how many flows."""
+        self.owners = owners
+        owned = np.zeros((self.nb, self.w))  # chunks of each bucket owned by each rank
+        for b in range(self.nb):
+            ranks = owners[self.first_chunk[b]:self.first_chunk[b + 1]]
+            owned[b] = np.bincount(ranks, minlength=self.w)
+        self.owned_chunks = owned
+        m = np.array(self.n_chunks, dtype=np.float64)[:, None]
+        per_host = m + (self.w - 2) * owned  # flows on each worker's egress (and ingress)
+        links = [self.hosts, self.n_hosts + self.hosts]
+        counts = [per_host, per_host]
+        if self.n_leaves:
+            leaves = np.unique(self.leaf)
+            in_leaf = np.array([(self.leaf == lf).sum() for lf in leaves], dtype=np.float64)
+            owned_leaf = np.stack([owned[:, self.leaf == lf].sum(axis=1) for lf in leaves], axis=1)
+            cross = (self.w - in_leaf) * owned_leaf + in_leaf * (m - owned_leaf)
+            base = 2 * self.n_hosts
+            links += [base + leaves, base + self.n_leaves + leaves]
+            counts += [cross, cross]
+        self.links = np.concatenate(links)
+        self.counts = np.concatenate(counts, axis=1)  # (buckets, links)
+        if self.w == 1:
+            self.counts[:] = 0
+
+    def _peers(self) -> tuple[IntArray, IntArray]:
+        """For the demand flows: the next worker (rank order) in the same leaf, and in the next."""
+        in_leaf = np.empty(self.w, dtype=np.int64)
+        next_leaf = np.empty(self.w, dtype=np.int64)
+        leaves = sorted(set(self.leaf.tolist()))
+        members = {lf: np.flatnonzero(self.leaf == lf) for lf in leaves}
+        for r in range(self.w):
+            mine = members[int(self.leaf[r])]
+            pos = int(np.searchsorted(mine, r))
+            in_leaf[r] = mine[(pos + 1) % len(mine)] if len(mine) > 1 else (r + 1) % self.w
+            other = members[leaves[(leaves.index(int(self.leaf[r])) + 1) % len(leaves)]]
+            next_leaf[r] = other[pos % len(other)]
+        # Share of a worker's traffic that leaves its leaf (uniform all-to-all through owners).
+        same = np.array([len(members[int(lf)]) for lf in self.leaf], dtype=np.float64)
+        self.across = (self.w - same) / max(1, self.w - 1)
+        return in_leaf, next_leaf
+
+    def loads(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per worker and bucket: bytes to its own leaf and to other leaves."""
+        size = np.array(self.chunk_size)[:, None]
+        egress = self.counts[:, : self.w] * size  # (buckets, workers)
+        if not self.n_leaves or self.w == 1:
+            return egress, np.zeros_like(egress)
+        return egress * (1 - self.across), egress * self.across
+
+
+@dataclass
+class _Collective:
+    job: _Job
+    iteration: int
+    bucket: int
+    ready: float
+    bits: float  # per flow, remaining
+    links: IntArray
+    counts: np.ndarray
+    band: int
+    rate: float = 0.0  # per flow, bit/s
+
+
+class _Sim:
+    def __init__(self, scenario: Scenario, policy: Policy,
+                 on_progress: Callable[[float], None] | None) -> None:
+        self.sc, self.policy, self.on_progress = scenario, policy, on_progress
+        self.cap = scenario.topology.capacity_bps
+        self.jobs = [_Job(i, j, scenario) for i, j in enumerate(scenario.jobs)]
+        self.now = 0.0
+        self.ready: list[tuple[float, int, int, int, int]] = []  # (t, seq, job, iteration, bucket)
+        self.queues: dict[tuple[int, int], deque[_Collective]] = {}
+        self.seq = 0
+        self.plan_ms: list[float] = []
+        self.version = 0
+        self.busy_bits = np.zeros(len(self.cap))
+        self.replan_due = False
+
+    # -- compute -----------------------------------------------------------
+
+    def advance(self, job: _Job) -> None:
+        """Run forwards whose gradients are in, and the backward once the forward is done."""
+        while job.fwd_pos < job.nb:
+            b = job.fwd_pos
+            synced = 0.0 if job.iteration == 0 else job.synced[b]
+            if np.isnan(synced):
+                return  # waiting for last iteration's collective of this bucket
+            if b == 0:
+                job.starts.append(float(max(job.clock.max(), synced)))
+                job.busy = np.zeros(job.w)
+                job.iteration_shares = job.shares.copy()
+            start = np.maximum(job.clock, synced)
+            step = job.forward[b] * job.factor
+            job.clock, job.busy = start + step, job.busy + step
+            job.fwd_pos += 1
+        # Backward, last bucket first: each bucket's gradient is ready when every worker has it.
+        # (The forward waited for every collective of the last iteration: none is pending.)
+        job.synced = np.full(job.nb, np.nan)
+        for b in range(job.nb - 1, -1, -1):
+            step = job.backward[b] * job.factor
+            job.clock, job.busy = job.clock + step, job.busy + step
+            self.seq += 1
+            job.ready_at[b] = float(job.clock.max())
+            heapq.heappush(self.ready, (job.ready_at[b], self.seq, job.index, job.iteration, b))
+        job.pending = job.nb
+        job.last_busy = job.busy.copy()
+        job.last_shares = job.iteration_shares
+        job.fwd_pos = 0
+        job.iteration += 1
+
+    def collective_ready(self, job: _Job, iteration: int, bucket: int) -> None:
+        if iteration not in job.first_ready:  # a coflow arrives: plan again (as Sincronia does)
+            job.first_ready[iteration] = self.now
+            self.replan_due = True
+        bits = job.chunk_size[bucket] * 8.0
+        mask = job.counts[bucket] > 0
+        c = _Collective(job, iteration, bucket, self.now, bits, job.links[mask],
+                        job.counts[bucket][mask], int(job.band[bucket]))
+        if bits <= 0 or not mask.any():
+            self.collective_done(c)
+            return
+        self.queues.setdefault((job.index, c.band), deque()).append(c)
+
+    def collective_done(self, c: _Collective) -> None:
+        job = c.job
+        job.synced[c.bucket] = self.now
+        job.pending -= 1
+        if job.pending == 0:  # a coflow departs: plan again
+            job.ccts.append(self.now - job.first_ready.pop(c.iteration, self.now))
+            self.replan_due = True
+        self.advance(job)
+
+    # -- network -----------------------------------------------------------
+
+    def active(self) -> list[_Collective]:
+        return [q[0] for q in self.queues.values() if q]
+
+    def solve(self, active: list[_Collective]) -> None:
+        """Per-flow rates: strict priority by (level, band), max-min within a priority."""
+        residual = self.cap.copy()
+        eps = self.cap * 1e-12
+        # gradlaned's HTB leaves carry prio = min(7, job level + band) (daemon/qdisc.py).
+        key = {id(c): min(LEVELS - 1, c.job.level + c.band) for c in active}
+        for c in active:
+            c.rate = 0.0
+        full = residual <= eps
+        for prio in sorted(set(key.values())):
+            # Collectives on a link that higher priorities filled get nothing at this level.
+            group = [c for c in active if key[id(c)] == prio and not full[c.links].any()]
+            while group:
+                ids = np.concatenate([c.links for c in group])
+                cnt = np.bincount(ids, weights=np.concatenate([c.counts for c in group]),
+                                  minlength=len(residual))
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    share = np.where(cnt > 0, residual / cnt, np.inf)
+                delta = float(share.min())
+                if not np.isfinite(delta) or delta <= 0:
+                    break
+                for c in group:
+                    c.rate += delta
+                residual = np.maximum(residual - delta * cnt, 0.0)
+                full = residual <= eps
+                group = [c for c in group if not full[c.links].any()]
+
+    # -- planning ----------------------------------------------------------
+
+    def remaining(self, job: _Job) -> np.ndarray:
+        """Per bucket, the fraction of its current collective still to send (0: none)."""
+        left = np.zeros(job.nb)
+        if job.pending == 0:
+            return left
+        left[np.isnan(job.synced)] = 1.0
+        for (j, _band), queue in self.queues.items():
+            if j == job.index:
+                for c in queue:
+                    left[c.bucket] = c.bits / (job.chunk_size[c.bucket] * 8.0)
+        return left
+
+    def state(self) -> State:
+        """The cluster as a control plane sees it: workers, chunks and current demands.
+
+        Each job with gradients in flight has one coflow: what is left of its
+        iteration's exchange, as load-equivalent flows per worker and bucket
+        (`_Job.loads`), at the bucket's forward-order priority (buckets are
+        the job's `layers`), tagged with the bucket's first chunk.
+        """
+        workers: list[Worker] = []
+        rows: list[tuple[int, int, float, float, int, int, int]] = []
+        coflows: list[Coflow] = []
+        jobs: list[JobState] = []
+        topo = self.sc.topology
+        for job in self.jobs:
+            spec = job.spec
+            jobs.append(JobState(spec.name, job.w, global_batch=spec.global_batch,
+                                 chunk_bytes=job.chunk_bytes, layers=job.nb,
+                                 chunk_layers=job.chunk_layer))
+            busy = job.last_busy
+            for r in range(job.w):
+                # Samples per second of compute, as the shim measures it: what the last
+                # iteration processed over how long it computed.
+                thr = float(job.last_shares[r] / busy[r]) if busy[r] > 0 else 0.0
+                workers.append(Worker(spec.name, r, int(job.hosts[r]), thr, int(job.shares[r])))
+            left = self.remaining(job)
+            if job.w < 2 or not left.any():
+                continue
+            k = len(coflows)
+            since = min(job.first_ready.values(), default=self.now)
+            coflows.append(Coflow(f"{spec.name}/{job.iteration}", spec.name, self.now - since))
+            local, remote = job.loads()
+            for b in np.flatnonzero(left).tolist():
+                chunk = int(job.first_chunk[b])
+                ready = max(0.0, job.ready_at[b] - self.now)
+                for r in range(job.w):
+                    src = int(job.hosts[r])
+                    if local[b, r] > 0:
+                        rows.append((src, int(job.hosts[job.peer_in_leaf[r]]),
+                                     float(local[b, r] * left[b]), ready, b, k, chunk))
+                    if remote[b, r] > 0:
+                        rows.append((src, int(job.hosts[job.peer_next_leaf[r]]),
+                                     float(remote[b, r] * left[b]), ready, b, k, chunk))
+        self.version += 1
+        return State(jobs=tuple(jobs), topology=topo, workers=tuple(workers),
+                     coflows=tuple(coflows), flows=FlowTable.build(rows), bands=self.sc.bands,
+                     version=self.version)
+
+    def replan(self) -> None:
+        state = self.state()
+        started = time.perf_counter()
+        plan = self.policy.plan(state)
+        self.plan_ms.append((time.perf_counter() - started) * 1000)
+        self.apply(state, plan)
+
+    def apply(self, state: State, plan: Plan) -> None:
+        """Bands and levels, ownership and batch shares, as daemons and shims would take them."""
+        band_of_chunk: dict[tuple[str, int], int] = {}
+        job_of = [c.job for c in state.coflows]
+        for k, chunk, band in zip(state.flows.coflow.tolist(), state.flows.chunk.tolist(),
+                                  plan.flow_band.tolist(), strict=True):
+            key = (job_of[k], chunk)
+            band_of_chunk[key] = min(band, band_of_chunk.get(key, band))
+        for job in self.jobs:
+            name = job.spec.name
+            job.level = plan.job_level.get(name, 0)
+            for b in range(job.nb):
+                job.band[b] = band_of_chunk.get((name, int(job.first_chunk[b])), job.band[b])
+            if name in plan.ownership and plan.ownership[name] != job.owners:
+                job.set_ownership(plan.ownership[name])
+            if name in plan.batch_shares:
+                job.shares = np.array(plan.batch_shares[name], dtype=np.float64)
+
+    # -- the loop ----------------------------------------------------------
+
+    def run(self) -> Result:
+        started = time.perf_counter()
+        sc = self.sc
+        need = sc.warmup + sc.iterations + 1  # +1: an iteration's time is start to next start
+        self.replan()
+        last_plan, next_plan = 0.0, sc.replan_s
+        for job in self.jobs:
+            self.advance(job)
+        dirty = True
+        limit = 2_000_000
+        for _ in range(limit):
+            if all(len(j.starts) >= need for j in self.jobs):
+                break
+            active = self.active()
+            if dirty:
+                self.solve(active)
+                dirty = False
+            t_done = min((self.now + c.bits / c.rate for c in active if c.rate > 0),
+                         default=np.inf)
+            t_ready = self.ready[0][0] if self.ready else np.inf
+            t_next = min(t_done, t_ready, next_plan)
+            if not np.isfinite(t_next):
+                raise RuntimeError("simulation stalled: nothing to send or compute")
+            dt = t_next - self.now
+            for c in active:
+                c.bits -= c.rate * dt
+                self.busy_bits[c.links] += c.counts * c.rate * dt
+            self.now = t_next
+            for c in active:
+                if c.bits <= EPS * max(1.0, c.job.chunk_size[c.bucket] * 8):
+                    self.queues[c.job.index, c.band].popleft()
+                    dirty = True
+                    self.collective_done(c)
+            while self.ready and self.ready[0][0] <= self.now:
+                _, _, j, it, b = heapq.heappop(self.ready)
+                self.collective_ready(self.jobs[j], it, b)
+                dirty = True
+            if self.replan_due:  # an event: plan again, but not sooner than the reaction time
+                next_plan = min(next_plan, last_plan + sc.react_s)
+                self.replan_due = False
+            if self.now >= next_plan:
+                self.replan()
+                last_plan, next_plan = self.now, self.now + sc.replan_s
+                dirty = True
+                if self.on_progress:
+                    done = min(len(j.starts) for j in self.jobs) / need
+                    self.on_progress(min(1.0, done))
+        else:
+            raise RuntimeError(f"simulation did not finish in {limit} events")
+        return self.result(time.perf_counter() - started)
+
+    def result(self, wall: float) -> Result:
+        sc = self.sc
+        iters, ccts = {}, {}
+        for job in self.jobs:
+            s = np.array(job.starts[sc.warmup:sc.warmup + sc.iterations + 1])
+            iters[job.spec.name] = np.diff(s).tolist()
+            ccts[job.spec.name] = job.ccts[sc.warmup:sc.warmup + sc.iterations]
+        h = len(sc.topology.hosts)
+        used = self.busy_bits / (self.cap * max(self.now, EPS))
+        util = {"host": float(used[:h].mean())}
+        if sc.topology.uplink_bps:
+            util["uplink"] = float(used[2 * h:].mean())
+        return Result(self.policy.name, iters, ccts, util, self.now, wall, self.plan_ms)
+
+
+def full_demand_state(scenario: Scenario, policy: Policy) -> State:
+    """The planner's largest input: every job with a whole iteration's gradients to send.
+
+    What a control plane sees when all jobs are in their exchange at once;
+    the plan-time benchmark times policies on it.
+    """
+    sim = _Sim(scenario, policy, None)
+    for job in sim.jobs:
+        job.pending = job.nb
+        job.synced = np.full(job.nb, np.nan)
+        job.ready_at = job.forward.sum() + np.cumsum(job.backward[::-1])[::-1]
+        job.first_ready[0] = 0.0
+    return sim.state()
+
+
+def simulate(scenario: Scenario, policy: Policy,
+             on_progress: Callable[[float], None] | None = None) -> Result:
+    """Run `scenario` under `policy` until every job has its measured iterations."""
+    return _Sim(scenario, policy, on_progress).run()

@@ -1,0 +1,250 @@
+"""What the simulator runs: a topology and jobs made of layers, chunks and workers.
+
+A job is data-parallel training of one model profile: per iteration each
+worker runs the forward pass layer by layer, then the backward pass in
+reverse, and every layer's gradient is reduced through per-chunk owners
+(reduce-scatter then all-gather, gradlane's data path). Layers are grouped
+into `buckets` (consecutive layers of about equal bytes) so one iteration is
+a few dozen network events, not thousands; each bucket is cut into equal
+chunks of at most `chunk_bytes`, which the plan gives owners.
+
+Compute calibration (`V100_FP32_FLOPS`): a V100 sustaining half its
+15.7 TFLOP/s FP32 peak, 32 samples per worker, backward = 2x forward. That
+puts ResNet-50 at 100 ms per iteration (320 images/s), VGG-19 at 480 ms and
+BERT-base (seq 128) at 340 ms: an assumption stated here, not a measurement.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradlane.errors import ConfigError
+from gradlane.policies.base import DEFAULT_BANDS, Host, Topology
+from gradlane.policies.profiles import BACKWARD_TO_FORWARD, NAMES, load_profile
+from gradlane.policies.straggler import proportional_shares
+
+__all__ = [
+    "BATCH_PER_WORKER",
+    "V100_FP32_FLOPS",
+    "Bucket",
+    "Scenario",
+    "SimJob",
+    "buckets_of",
+    "cluster",
+    "heterogeneous",
+    "one_switch",
+    "profile_layers",
+]
+
+V100_FP32_FLOPS = 0.5 * 15.7e12
+P100_SPEED = 10.6 / 15.7  # a P100's FP32 peak over a V100's
+BATCH_PER_WORKER = 32
+DEFAULT_BUCKETS = 16
+MAX_CHUNK = 4 << 20
+
+
+@dataclass(frozen=True)
+class Bucket:
+    bytes: float
+    forward_s: float  # at speed 1 with the even share of the batch
+    backward_s: float
+
+
+@dataclass(frozen=True)
+class SimJob:
+    name: str
+    model: str  # a profile name
+    hosts: tuple[int, ...]  # where its workers run, rank order
+    buckets: tuple[Bucket, ...]
+    global_batch: int
+    speeds: tuple[float, ...] = ()  # relative compute speed per worker (default all 1)
+    chunk_bytes: int = MAX_CHUNK
+
+    def __post_init__(self) -> None:
+        if not self.hosts or len(set(self.hosts)) != len(self.hosts):
+            raise ConfigError(f"job {self.name}: needs distinct hosts")
+        if self.speeds and (len(self.speeds) != len(self.hosts) or min(self.speeds) <= 0):
+            raise ConfigError(f"job {self.name}: one positive speed per worker")
+        if self.global_batch < len(self.hosts):
+            raise ConfigError(f"job {self.name}: global batch below one sample per worker")
+
+    @property
+    def workers(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def speed(self) -> tuple[float, ...]:
+        return self.speeds or (1.0,) * len(self.hosts)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(b.forward_s + b.backward_s for b in self.buckets)
+
+    @property
+    def bytes(self) -> float:
+        return sum(b.bytes for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    topology: Topology
+    jobs: tuple[SimJob, ...]
+    iterations: int = 12  # measured per job, after `warmup`
+    warmup: int = 2
+    bands: int = DEFAULT_BANDS
+    replan_s: float = 1.0  # the control plane's cadence, in simulated seconds
+    react_s: float = 0.05  # its reaction time to a coflow arriving or completing
+    seed: int = 0
+    notes: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.topology.hosts)
+        for job in self.jobs:
+            if max(job.hosts) >= n or min(job.hosts) < 0:
+                raise ConfigError(f"job {job.name}: a host outside 0..{n - 1}")
+        if self.iterations < 1 or self.warmup < 0 or not self.replan_s > 0 or self.react_s < 0:
+            raise ConfigError("need iterations >= 1, warmup >= 0, replan_s > 0, react_s >= 0")
+
+
+def buckets_of(
+    layers: list[tuple[float, float, float]], count: int = DEFAULT_BUCKETS
+) -> tuple[Bucket, ...]:
+    """Consecutive `layers` (bytes, forward s, backward s) grouped into about `count` buckets.
+
+    A bucket closes once it holds ``total / count`` bytes, so a huge layer is a
+    bucket of its own and compute-only layers join their neighbours.
+    """
+    total = sum(b for b, _, _ in layers)
+    target = total / max(1, count)
+    out: list[Bucket] = []
+    acc = [0.0, 0.0, 0.0]
+    for b, f, k in layers:
+        acc = [acc[0] + b, acc[1] + f, acc[2] + k]
+        if acc[0] >= target:
+            out.append(Bucket(*acc))
+            acc = [0.0, 0.0, 0.0]
+    if any(acc):
+        if out and acc[0] == 0:  # trailing compute only: fold into the last bucket
+            last = out.pop()
+            out.append(Bucket(last.bytes, last.forward_s + acc[1], last.backward_s + acc[2]))
+        else:
+            out.append(Bucket(*acc))
+    return tuple(out)
+
+
+def profile_layers(
+    model: str, batch: int, flops: float = V100_FP32_FLOPS, bytes_scale: float = 1.0
+) -> list[tuple[float, float, float]]:
+    """(bytes, forward s, backward s) per module of a shipped profile under the calibration."""
+    profile = load_profile(model)
+    return [
+        (m.bytes * bytes_scale, m.forward_flops * batch / flops,
+         BACKWARD_TO_FORWARD * m.forward_flops * batch / flops)
+        for m in profile.modules
+    ]
+
+
+def _chunk_for(total_bytes: float, workers: int) -> int:
+    # As the shim does for small models: at least ~4 chunks per worker so owners balance.
+    return int(max(64 << 10, min(MAX_CHUNK, total_bytes / (4 * workers))))
+
+
+def one_switch(
+    name: str,
+    jobs: list[tuple[str, list[tuple[float, float, float]], list[float]]],
+    hosts: int,
+    nic_bps: float,
+    **kwargs: object,
+) -> Scenario:
+    """Hosts on one switch; each job given as (model name, layers, per-worker speeds).
+
+    Jobs take consecutive hosts.
+    """
+    topo = Topology(tuple(Host(f"h{i}", 0, int(nic_bps)) for i in range(hosts)))
+    out, next_host = [], 0
+    for i, (model, layers, speeds) in enumerate(jobs):
+        placed = tuple(range(next_host, next_host + len(speeds)))
+        next_host += len(speeds)
+        buckets = buckets_of(layers)
+        total = sum(b.bytes for b in buckets)
+        out.append(SimJob(f"job{i}-{model}", model, placed, buckets,
+                          BATCH_PER_WORKER * len(placed), tuple(speeds),
+                          _chunk_for(total, len(placed))))
+    return Scenario(name, topo, tuple(out), **kwargs)  # type: ignore[arg-type]
+
+
+def heterogeneous(model: str = "resnet50", nic_bps: float = 10e9) -> Scenario:
+    """4 workers at relative speeds 1, 1, 1, 0.5 on one switch (the issue's scenario)."""
+    layers = profile_layers(model, BATCH_PER_WORKER)
+    return one_switch("heterogeneous", [(model, layers, [1, 1, 1, 0.5])], 4, nic_bps,
+                      notes={"model": model, "nic_bps": nic_bps})
+
+
+def cluster(
+    hosts: int = 1024,
+    hosts_per_leaf: int = 32,
+    jobs: int = 8,
+    nic_bps: float = 25e9,
+    oversubscription: float = 2.0,
+    group: int = 8,
+    seed: int = 0,
+    iterations: int = 12,
+    slow_fraction: float = 0.0,
+    slow_speed: float = P100_SPEED,
+) -> Scenario:
+    """A leaf/spine cluster shared by `jobs` jobs mixing the shipped profiles.
+
+    1. `hosts` under leaves of `hosts_per_leaf`; each leaf's uplink carries
+       ``hosts_per_leaf * nic / oversubscription``.
+    2. Hosts are handed out in groups of `group` consecutive hosts (a group
+       never spans two leaves), shuffled with `seed` as a busy scheduler
+       leaves them, so jobs span leaves and share uplinks.
+    3. Job sizes: random weights (seeded), rounded to whole groups, each job
+       at least one group; models cycle through the profiles in seeded order.
+    4. Mixed generations: a `slow_fraction` of the groups (seeded; a group is
+       one server) computes at `slow_speed` (default: a P100 next to V100s,
+       the ratio of their FP32 peaks, 10.6 / 15.7).
+    """
+    if hosts % hosts_per_leaf or hosts_per_leaf % group or hosts // group < jobs:
+        raise ConfigError("hosts must fill whole leaves, leaves whole groups, one group per job")
+    rng = random.Random(seed)
+    leaves = hosts // hosts_per_leaf
+    uplink = int(hosts_per_leaf * nic_bps / oversubscription)
+    topo = Topology(
+        tuple(Host(f"h{i}", i // hosts_per_leaf, int(nic_bps)) for i in range(hosts)),
+        (uplink,) * leaves if leaves > 1 else (),
+    )
+    groups = list(range(hosts // group))
+    rng.shuffle(groups)
+    if not 0 <= slow_fraction <= 1 or not slow_speed > 0:
+        raise ConfigError("slow_fraction must be in 0..1 and slow_speed positive")
+    slow = set(rng.sample(groups, round(slow_fraction * len(groups))))
+    weights = [rng.uniform(0.5, 2.0) for _ in range(jobs)]
+    counts = proportional_shares(len(groups), weights)  # groups per job, each >= 1
+    models = list(NAMES)
+    rng.shuffle(models)
+    out, at = [], 0
+    for j in range(jobs):
+        mine = groups[at:at + counts[j]]
+        at += counts[j]
+        placed = tuple(int(h) for g in sorted(mine) for h in np.arange(g * group, (g + 1) * group))
+        model = models[j % len(models)]
+        buckets = buckets_of(profile_layers(model, BATCH_PER_WORKER))
+        total = sum(b.bytes for b in buckets)
+        speeds = tuple(slow_speed if h // group in slow else 1.0 for h in placed)
+        out.append(SimJob(f"job{j}-{model}", model, placed, buckets,
+                          BATCH_PER_WORKER * len(placed), speeds if slow else (),
+                          _chunk_for(total, len(placed))))
+    notes: dict[str, object] = {
+        "hosts": hosts, "hosts_per_leaf": hosts_per_leaf, "nic_bps": nic_bps,
+        "oversubscription": oversubscription, "group": group,
+        "slow_fraction": slow_fraction, "slow_speed": slow_speed,
+        "calibration": f"V100 FP32 at {V100_FP32_FLOPS / 1e12:.2f} TFLOP/s sustained, "
+                       f"{BATCH_PER_WORKER} samples per worker",
+    }
+    name = "cluster-mixed" if slow else "cluster"
+    return Scenario(name, topo, tuple(out), iterations=iterations, seed=seed, notes=notes)
