@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -437,6 +438,98 @@ def _sim_table(result: dict[str, Any]) -> Table:
     return table
 
 
+DEFAULT_TOKEN = Path("/etc/gradlane/control.token")
+
+
+@cli.command()
+@click.option("--listen", default="127.0.0.1:7800", show_default=True,
+              help="host:port to serve daemons and the API on.")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=DEFAULT_TOKEN, show_default=True,
+              help="File holding the bearer token daemons and clients must send (>= 16 chars).")
+@click.option("--policy", default="gradlane", show_default=True, help="Global policy.")
+@click.option("--cadence", default=1.0, show_default=True, help="Seconds between plans.")
+@click.option("--ttl", default=10.0, show_default=True,
+              help="Seconds a daemon may keep a plan without hearing from the control plane.")
+def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: float) -> None:
+    """Run the control plane in the foreground until SIGTERM/SIGINT.
+
+    Daemons connect to ws://LISTEN/api/v1/daemon; GET /api/v1/cluster shows
+    the cluster, /metrics the Prometheus metrics (both need the token).
+    """
+    import asyncio
+
+    from gradlane.daemon.control import ControlConfig, read_token, serve
+
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.BadParameter(f"expected host:port, got {listen!r}", param_hint="--listen")
+    try:
+        config = ControlConfig(token=read_token(token_file), host=host, port=int(port),
+                               policy=policy, cadence_s=cadence, ttl_s=ttl)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await serve(config)
+
+    asyncio.run(main())
+
+
+def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from gradlane.daemon.control import read_token
+
+    try:
+        token = read_token(token_file)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/v1/cluster",
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            data = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        raise click.ClickException(f"the control plane at {url} said {exc.code}: "
+                                   f"{exc.read().decode(errors='replace').strip()}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"no control plane answers at {url}: {exc}") from None
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        return
+    out = _stdout_console()
+    plan = data["plan"]
+    out.print(f"gradlane control {data['version']}, policy {data['policy']}, "
+              + (f"plan v{plan['version']} ({plan['age_s']}s old, ttl {plan['ttl_s']}s)"
+                 if plan else "no plan yet"))
+    hosts = Table(title="hosts")
+    for column in ("host", "leaf", "connected", "last seen", "gradlane", "interfaces"):
+        hosts.add_column(column)
+    for h in data["hosts"]:
+        hosts.add_row(h["host"], str(h["leaf"]), "yes" if h["connected"] else "LOST",
+                      f"{h['seen_s_ago']:.1f}s ago", h["gradlane"],
+                      ", ".join(f"{i['name']} {format_rate(i['rate_bps'])}"
+                                for i in h["interfaces"]))
+    out.print(hosts)
+    jobs = Table(title="jobs")
+    for column in ("job", "workers", "hosts", "state", "batch shares"):
+        jobs.add_column(column)
+    for name, j in sorted(data["jobs"].items()):
+        shares = (plan or {}).get("batch_shares", {}).get(name)
+        jobs.add_row(name, str(j["workers"]), str(len(j["hosts"])),
+                     "DEGRADED" if j["degraded"] else "ok", str(shares or "-"))
+    out.print(jobs)
+
+
 DEFAULT_CONFIG = Path("/etc/gradlane/gradlaned.toml")
 
 
@@ -536,15 +629,23 @@ def daemon(**kwargs: Any) -> None:
 
 @cli.command()
 @click.option(
-    "--url", default="http://127.0.0.1:9464", show_default=True, help="The daemon's HTTP address."
+    "--url", default=None, help="The daemon's HTTP address [default: http://127.0.0.1:9464], "
+    "or with --cluster the control plane's [default: http://127.0.0.1:7800]."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON (for scripts).")
-def status(url: str, as_json: bool) -> None:
-    """Show a running gradlaned's jobs, workers and classes."""
+@click.option("--cluster", is_flag=True, help="Ask the control plane for the whole cluster.")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=DEFAULT_TOKEN, show_default=True, help="The control plane's token.")
+def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> None:
+    """Show a running gradlaned's jobs, workers and classes (or, --cluster, every host's)."""
     import json
     import urllib.error
     import urllib.request
 
+    if cluster:
+        _cluster_status(url or "http://127.0.0.1:7800", token_file, as_json)
+        return
+    url = url or "http://127.0.0.1:9464"
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=5) as resp:
             data = json.load(resp)

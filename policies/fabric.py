@@ -137,7 +137,8 @@ def host_classes(
 
     The ceiling is the host's NIC (a class may borrow what others leave);
     prio is the job's coflow level. Rates below 1 bit/s round up to 1, the
-    smallest HTB accepts.
+    smallest HTB accepts. A state without flows (nothing reported about
+    demand) gives each job an equal share of each host's NIC.
     """
     assert state.topology is not None
     nic = [h.nic_bps for h in state.topology.hosts]
@@ -152,8 +153,12 @@ def host_classes(
             host, coflow = divmod(key, max(1, len(state.coflows)))
             job = job_of_coflow[coflow]
             egress[host, job] = egress.get((host, job), 0.0) + total
+    jobs_on: dict[int, set[str]] = {}
     for w in state.workers:
-        rate = egress.get((w.host, w.job), 0.0)
+        jobs_on.setdefault(w.host, set()).add(w.job)
+    for w in state.workers:
+        rate = egress.get((w.host, w.job), 0.0) if len(state.flows) else (
+            nic[w.host] / len(jobs_on[w.host]) * 0.999)
         out.setdefault(w.host, {})[w.job] = JobClassPlan(
             rate_bps=max(1, int(rate)), ceil_bps=nic[w.host], prio=job_level.get(w.job, 0)
         )

@@ -21,11 +21,14 @@ def installed_gradlaned() -> str:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
-def test_unit_verifies_cleanly(tmp_path: Path) -> None:
-    # Point ExecStart at the gradlaned this checkout installed; any warning fails.
-    unit = (SYSTEMD / "gradlaned.service").read_text()
+@pytest.mark.parametrize("name", ["gradlaned.service", "gradlane-control.service"])
+def test_unit_verifies_cleanly(tmp_path: Path, name: str) -> None:
+    # Point ExecStart at the commands this checkout installed; any warning fails.
+    unit = (SYSTEMD / name).read_text()
     unit = unit.replace("/usr/local/bin/gradlaned", installed_gradlaned())
-    path = tmp_path / "gradlaned.service"
+    unit = unit.replace("/usr/local/bin/gradlane ", str(Path(installed_gradlaned()).parent /
+                                                       "gradlane") + " ")
+    path = tmp_path / name
     path.write_text(unit)
     out = subprocess.run(
         ["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60

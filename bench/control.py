@@ -1,0 +1,171 @@
+"""The control plane under 200 daemons: plan push latency, CPU and memory.
+
+    .venv/bin/python bench/control.py [--daemons 200] [--seconds 15] [--json PATH]
+
+Starts `gradlane control` as its own process on loopback (a fresh token in a
+temporary file), then connects `--daemons` lightweight simulated daemons
+from this process, each holding a WebSocket like gradlaned: it registers,
+reports 4 workers of one of 25 jobs (8 hosts per job, workers of unequal
+throughput) once a second, and receives plans. Push latency is, per plan
+message, the receive time minus the plan's `computed_at` (same clock: one
+machine). Over the measured window the control plane's CPU (user + system,
+from /proc) and its resident memory are recorded. The simulated daemons
+share this 2-core machine with the control plane, so the latency includes
+their own event loop's delay: an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, write  # noqa: E402
+
+TARGET_MS = 100.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _daemon(i: int, url: str, token: str, stop: float, lat: list[float],
+                  ready: asyncio.Event, connected: list[int], total: int) -> None:
+    job, first_rank = f"job{i // 8}", (i % 8) * 4
+    register = {"type": "register", "version": 1, "host": f"sim{i:03d}", "leaf": i // 32,
+                "gradlane": "bench", "interfaces": [{"name": "eth0", "rate_bps": 25 * 10**9}]}
+    report = {"type": "report", "seq": 0, "jobs": [{
+        "name": job, "global_batch": 32 * 32, "layers": 16, "chunk_bytes": [1 << 20] * 64,
+        "workers": [{"rank": first_rank + k, "throughput": 100.0 + 10 * ((i + k) % 5),
+                     "batch": 32} for k in range(4)]}]}
+    headers = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession() as session, \
+            session.ws_connect(f"{url}/api/v1/daemon", headers=headers) as ws:
+        await ws.send_json(register)
+        await ws.receive_json()  # welcome
+        connected.append(i)
+        if len(connected) == total:
+            ready.set()
+        await ws.send_json(report)
+        next_report = time.monotonic() + 1.0
+        while time.time() < stop:
+            try:
+                async with asyncio.timeout(max(0.01, next_report - time.monotonic())):
+                    msg = await ws.receive()
+            except TimeoutError:
+                report["seq"] += 1
+                await ws.send_json(report)
+                next_report = time.monotonic() + 1.0
+                continue
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                raise RuntimeError(f"daemon {i}: connection ended: {msg.type}")
+            data = json.loads(msg.data)
+            if data["type"] == "plan" and data["computed_at"] and ready.is_set():
+                lat.append((time.time() - data["computed_at"]) * 1000)
+
+
+async def _run(args: argparse.Namespace, url: str, token: str, pid: int) -> dict[str, Any]:
+    lat: list[float] = []
+    ready, connected = asyncio.Event(), []
+    stop = time.time() + args.seconds + 30
+    tasks = [asyncio.create_task(_daemon(i, url, token, stop, lat, ready, connected,
+                                         args.daemons)) for i in range(args.daemons)]
+    async with asyncio.timeout(30):
+        await ready.wait()
+    lat.clear()
+    cpu0, t0 = _cpu_s(pid), time.monotonic()
+    await asyncio.sleep(args.seconds)
+    cpu, wall = _cpu_s(pid) - cpu0, time.monotonic() - t0
+    rss = _rss_mb(pid)
+    samples = sorted(lat)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if not samples:
+        raise SystemExit("no plan arrived during the window")
+    return {
+        "daemons": args.daemons,
+        "seconds": wall,
+        "plans_received": len(samples),
+        "push_latency_ms": {
+            "median": statistics.median(samples),
+            "p90": samples[int(0.9 * (len(samples) - 1))],
+            "max": samples[-1],
+        },
+        "median_over_target": statistics.median(samples) / TARGET_MS,
+        "target_ms": TARGET_MS,
+        "control_cpu_cores": cpu / wall,
+        "control_rss_mb": rss,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--daemons", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/control.json")
+    args = ap.parse_args()
+    token = secrets.token_hex(16)
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        token_file = Path(tmp) / "token"
+        token_file.write_text(token)
+        gradlane = Path(sys.executable).parent / "gradlane"
+        log = (Path(tmp) / "control.log").open("w")  # shown only when something fails
+        proc = subprocess.Popen([str(gradlane), "control", "--listen", f"127.0.0.1:{port}",
+                                 "--token-file", str(token_file), "--cadence", "1"],
+                                stderr=log)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(100):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            result = asyncio.run(_run(args, url, token, proc.pid))
+        except BaseException:
+            log.flush()
+            sys.stderr.write((Path(tmp) / "control.log").read_text()[-4000:])
+            raise
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+            log.close()
+    write(args.json, {"benchmark": "control", **result})
+    lat = result["push_latency_ms"]
+    print(f"{args.daemons} daemons: push latency median {lat['median']:.1f} ms, "
+          f"p90 {lat['p90']:.1f} ms; control plane {result['control_cpu_cores']:.2f} cores, "
+          f"{result['control_rss_mb']:.0f} MB -> {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+"""`gradlane control`: the cluster-wide control plane (aiohttp).
+
+1. Daemons register (host, leaf, interfaces) and report their jobs and
+   workers over a WebSocket (or by POST); see `control_protocol`.
+2. A planner task runs the global policy on a cadence and soon after every
+   change (a register, a report, a lost daemon), off the event loop.
+3. Each connected daemon gets only its part of the plan (its job classes,
+   and batch shares and chunk owners of its jobs), versioned, with a
+   time-to-live. A daemon that does not take it within `SEND_TIMEOUT` is
+   disconnected; nobody else waits for it.
+4. Views: ``/api/v1/cluster`` (hosts, jobs, plan, version), ``/metrics``.
+
+Security: every request needs the bearer token (read from a file, compared
+in constant time); the default address is 127.0.0.1; bodies and messages
+are size-capped; a connection that breaks the protocol is closed with an
+error and affects no other. State lives only in memory: after a restart it
+is rebuilt from the daemons' re-registration (they reconnect by themselves),
+and training never waits for the control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import WSMsgType, web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gradlane import __version__
+from gradlane.daemon import control_protocol as cp
+from gradlane.errors import ConfigError, ProtocolError
+from gradlane.policies import (
+    Host,
+    JobState,
+    Plan,
+    State,
+    Topology,
+    Worker,
+    get_policy,
+)
+
+__all__ = ["ControlConfig", "ControlPlane", "read_token", "serve"]
+
+logger = logging.getLogger(__name__)
+
+SEND_TIMEOUT = 2.0
+HELLO_TIMEOUT = 5.0
+MAX_BODY = 1 << 20
+LOST_AFTER_S = 30.0  # a disconnected daemon's jobs stay "degraded" this long
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    token: str = field(repr=False)
+    host: str = "127.0.0.1"
+    port: int = 7800
+    policy: str = "gradlane"
+    cadence_s: float = 1.0
+    react_s: float = 0.05  # plan this soon after a change, at the earliest
+    ttl_s: float = 10.0
+    max_daemons: int = 4096
+
+    def __post_init__(self) -> None:
+        if len(self.token) < 16:
+            raise ConfigError("the control token must be at least 16 characters")
+        get_policy(self.policy)  # unknown names fail here, at start
+        if not (0 < self.cadence_s <= 3600 and 0 <= self.react_s <= self.cadence_s):
+            raise ConfigError("cadence_s must be in (0, 3600] and react_s in [0, cadence_s]")
+        if not self.ttl_s > self.cadence_s:
+            raise ConfigError("ttl_s must exceed cadence_s, or plans expire between pushes")
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in `path` (surrounding whitespace ignored).
+
+    Raises:
+        ConfigError: unreadable, or shorter than 16 characters.
+    """
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if len(token) < 16:
+        raise ConfigError(f"{path}: the token must be at least 16 characters")
+    return token
+
+
+@dataclass
+class _Daemon:
+    register: cp.Register
+    report: cp.Report = field(default_factory=lambda: cp.Report(0, ()))
+    ws: web.WebSocketResponse | None = None
+    binary: bool = False
+    connected: bool = True
+    seen: float = field(default_factory=time.monotonic)
+    plan_version: int = 0
+
+
+class ControlPlane:
+    """The cluster view and the planner; `app()` serves it."""
+
+    def __init__(self, config: ControlConfig) -> None:
+        self.config = config
+        self.policy = get_policy(config.policy)
+        self.daemons: dict[str, _Daemon] = {}
+        self.plan: Plan | None = None
+        self.state: State | None = None
+        self.version = 0
+        self.planned_at = 0.0
+        self._changed = asyncio.Event()
+        self.metrics = CollectorRegistry(auto_describe=True)
+        self._plans = Counter("gradlane_control_plans", "Plans computed", registry=self.metrics)
+        self._plan_s = Histogram("gradlane_control_plan_seconds", "Time to compute a plan",
+                                 registry=self.metrics)
+        self._push_s = Histogram("gradlane_control_push_seconds",
+                                 "From plan computed to the last daemon's copy sent",
+                                 registry=self.metrics)
+        self._rejected = Counter("gradlane_control_rejected", "Requests or messages refused",
+                                 ["reason"], registry=self.metrics)
+        self._connected = Gauge("gradlane_control_daemons", "Daemons connected",
+                                registry=self.metrics)
+        self._connected.set_function(lambda: sum(d.connected for d in self.daemons.values()))
+
+    # -- HTTP ----------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._auth])
+        app[CLUSTER] = self
+        app.router.add_get("/api/v1/cluster", self._cluster)
+        app.router.add_get("/api/v1/daemon", self._websocket)
+        app.router.add_post("/api/v1/report", self._post_report)
+        app.router.add_get("/metrics", self._metrics)
+        app.cleanup_ctx.append(self._planner_ctx)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {self.config.token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            self._rejected.labels("auth").inc()
+            raise web.HTTPUnauthorized(text="missing or wrong bearer token\n",
+                                       headers={"WWW-Authenticate": "Bearer"})
+        try:
+            response: web.StreamResponse = await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            self._rejected.labels("too_big").inc()
+            raise
+        return response
+
+    async def _cluster(self, request: web.Request) -> web.Response:
+        return web.json_response(self.view())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics),
+                            content_type="text/plain", charset="utf-8")
+
+    async def _post_report(self, request: web.Request) -> web.Response:
+        binary = request.content_type == "application/msgpack"
+        body = await request.read()
+        try:
+            raw = cp.decode(body if binary else body.decode("utf-8", "replace"))
+            register = cp.parse_register(_field(raw, "register"))
+            report = cp.parse_report(_field(raw, "report"))
+        except ProtocolError as exc:
+            self._rejected.labels(exc.code).inc()
+            raise web.HTTPBadRequest(text=f"{exc.code}: {exc}\n") from None
+        self._accept(register, None, binary).report = report
+        self._changed.set()
+        message = self.message_for(register.host)
+        if binary:
+            return web.Response(body=cp.encode(message, True), content_type="application/msgpack")
+        return web.json_response(message)
+
+    # -- WebSocket -------------------------------------------------------------
+
+    async def _websocket(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(max_msg_size=cp.MAX_MESSAGE, heartbeat=10.0)
+        await ws.prepare(request)
+        daemon: _Daemon | None = None
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                first = await ws.receive()
+            daemon = self._register(first, ws)
+            await self._send(daemon, {"type": "welcome", "version": cp.VERSION,
+                                      "host": daemon.register.host})
+            if self.plan is not None:
+                await self._send(daemon, self.message_for(daemon.register.host))
+            async for msg in ws:
+                daemon.binary = msg.type == WSMsgType.BINARY
+                daemon.report = cp.parse_report(cp.decode(_payload(msg)))
+                daemon.seen = time.monotonic()
+                self._changed.set()
+        except ProtocolError as exc:
+            self._rejected.labels(exc.code).inc()
+            logger.warning("daemon %s: %s: %s; closing its connection",
+                           daemon.register.host if daemon else request.remote, exc.code, exc)
+            with contextlib.suppress(Exception):
+                await ws.send_json({"type": "error", "code": exc.code, "message": str(exc)})
+        except TimeoutError:
+            self._rejected.labels("no_register").inc()
+        finally:
+            await ws.close()
+            if daemon is not None and daemon.ws is ws:
+                daemon.connected, daemon.ws = False, None
+                daemon.seen = time.monotonic()
+                self._changed.set()
+                logger.warning("daemon %s disconnected; its jobs are degraded",
+                               daemon.register.host)
+        return ws
+
+    def _register(self, msg: Any, ws: web.WebSocketResponse) -> _Daemon:
+        if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+            raise ProtocolError("bad_message", "the first message must be a register")
+        register = cp.parse_register(cp.decode(_payload(msg)))
+        daemon = self._accept(register, ws, msg.type == WSMsgType.BINARY)
+        self._changed.set()
+        logger.info("daemon %s registered (%s)", register.host, register.gradlane)
+        return daemon
+
+    def _accept(self, register: cp.Register, ws: web.WebSocketResponse | None,
+                binary: bool) -> _Daemon:
+        old = self.daemons.get(register.host)
+        if old is None and len(self.daemons) >= self.config.max_daemons:
+            raise ProtocolError("full", f"already {self.config.max_daemons} daemons")
+        daemon = _Daemon(register, old.report if old else cp.Report(0, ()), ws, binary)
+        if old is not None and old.ws is not None and old.ws is not ws:
+            asyncio.get_running_loop().create_task(old.ws.close())  # a newer session wins
+        self.daemons[register.host] = daemon
+        return daemon
+
+    async def _send(self, daemon: _Daemon, message: dict[str, Any]) -> None:
+        ws = daemon.ws
+        if ws is None or ws.closed:
+            return
+        data = cp.encode(message, daemon.binary)
+        async with asyncio.timeout(SEND_TIMEOUT):
+            if isinstance(data, bytes):
+                await ws.send_bytes(data)
+            else:
+                await ws.send_str(data)
+
+    # -- planning --------------------------------------------------------------
+
+    async def _planner_ctx(self, app: web.Application) -> Any:
+        task = asyncio.create_task(self._planner())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _planner(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.cadence_s):
+                    await self._changed.wait()
+            await asyncio.sleep(self.config.react_s)  # let a burst of reports land
+            self._changed.clear()
+            self._forget_lost()
+            state = self.build_state()
+            started = time.perf_counter()
+            try:
+                plan = await loop.run_in_executor(None, self.policy.plan, state)
+            except Exception:  # a policy bug must not stop the control plane
+                logger.exception("policy %s failed; keeping the last plan", self.policy.name)
+                continue
+            self._plan_s.observe(time.perf_counter() - started)
+            self._plans.inc()
+            self.state, self.plan, self.planned_at = state, plan, time.time()
+            await self.push()
+
+    async def push(self) -> None:
+        """Send every connected daemon its part of the current plan, concurrently."""
+        targets = [d for d in self.daemons.values() if d.ws is not None]
+        results = await asyncio.gather(
+            *(self._send(d, self.message_for(d.register.host)) for d in targets),
+            return_exceptions=True,
+        )
+        for daemon, result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("daemon %s did not take its plan (%s); disconnecting it",
+                               daemon.register.host, type(result).__name__)
+                if daemon.ws is not None:
+                    await daemon.ws.close()
+        self._push_s.observe(time.time() - self.planned_at)
+
+    def _forget_lost(self) -> None:
+        now = time.monotonic()
+        for host in [h for h, d in self.daemons.items()
+                     if not d.connected and now - d.seen > LOST_AFTER_S]:
+            del self.daemons[host]
+
+    def hosts(self) -> list[str]:
+        return sorted(self.daemons)
+
+    def build_state(self) -> State:
+        """The cluster as the daemons reported it (connected or recently lost)."""
+        names = self.hosts()
+        index = {h: i for i, h in enumerate(names)}
+        hosts = tuple(
+            Host(h, self.daemons[h].register.leaf,
+                 min(i.rate_bps for i in self.daemons[h].register.interfaces))
+            for h in names
+        )
+        jobs: dict[str, JobState] = {}
+        workers: list[Worker] = []
+        for h in names:
+            for job in self.daemons[h].report.jobs:
+                known = jobs.get(job.name)
+                jobs[job.name] = JobState(
+                    job.name,
+                    (known.workers if known else 0) + len(job.workers),
+                    global_batch=max(job.global_batch, known.global_batch if known else 0),
+                    chunk_bytes=job.chunk_bytes or (known.chunk_bytes if known else ()),
+                    layers=job.layers or (known.layers if known else 0),
+                )
+                workers += [Worker(job.name, w.rank, index[h], w.throughput, w.batch)
+                            for w in job.workers]
+        # Uplink capacities are not reported (yet): plan as one switch, leaves kept in the view.
+        topology = Topology(tuple(Host(h.name, 0, h.nic_bps) for h in hosts) or (Host("-"),))
+        self.version += 1
+        return State(
+            jobs=tuple(sorted(jobs.values(), key=lambda j: j.name)),
+            topology=topology,
+            workers=tuple(sorted(workers, key=lambda w: (w.job, w.rank))),
+            version=self.version,
+        )
+
+    def message_for(self, host: str) -> dict[str, Any]:
+        """`host`'s part of the current plan, as a plan message."""
+        plan, state = self.plan, self.state
+        if plan is None or state is None or host not in self.hosts():
+            return {"type": "plan", "version": 0, "ttl_s": 0.0, "source": None,
+                    "job_classes": {}, "batch_shares": {}, "ownership": {},
+                    "computed_at": None}
+        assert state.topology is not None
+        names = [h.name for h in state.topology.hosts]
+        mine = names.index(host) if host in names else -1
+        classes = plan.host_classes.get(mine, {})
+        jobs = {w.job for w in state.workers if w.host == mine}
+        return {
+            "type": "plan",
+            "version": plan.version,
+            "ttl_s": self.config.ttl_s,
+            "source": plan.source,
+            "job_classes": {j: [c.rate_bps, c.ceil_bps, c.prio] for j, c in classes.items()},
+            "batch_shares": {j: list(s) for j, s in plan.batch_shares.items() if j in jobs},
+            "ownership": {j: list(o) for j, o in plan.ownership.items() if j in jobs},
+            "computed_at": self.planned_at,
+        }
+
+    def view(self) -> dict[str, Any]:
+        """What ``/api/v1/cluster`` and ``gradlane status --cluster`` show."""
+        now = time.monotonic()
+        lost = {h for h, d in self.daemons.items() if not d.connected}
+        jobs: dict[str, dict[str, Any]] = {}
+        for h in self.hosts():
+            for job in self.daemons[h].report.jobs:
+                j = jobs.setdefault(job.name, {"hosts": [], "workers": 0, "degraded": False})
+                j["hosts"].append(h)
+                j["workers"] += len(job.workers)
+                j["degraded"] |= h in lost
+        plan = self.plan
+        return {
+            "version": __version__,
+            "policy": self.policy.name,
+            "hosts": [
+                {"host": h, "leaf": d.register.leaf, "connected": d.connected,
+                 "seen_s_ago": round(now - d.seen, 3), "gradlane": d.register.gradlane,
+                 "interfaces": [{"name": i.name, "rate_bps": i.rate_bps}
+                                for i in d.register.interfaces]}
+                for h, d in sorted(self.daemons.items())
+            ],
+            "jobs": jobs,
+            "plan": None if plan is None else {
+                "version": plan.version, "source": plan.source, "ttl_s": self.config.ttl_s,
+                "age_s": round(time.time() - self.planned_at, 3),
+                "batch_shares": {j: list(s) for j, s in plan.batch_shares.items()},
+                "job_level": plan.job_level,
+            },
+        }
+
+
+CLUSTER = web.AppKey("cluster", ControlPlane)
+
+
+def _payload(msg: Any) -> str | bytes:
+    if msg.type == WSMsgType.TEXT:
+        return str(msg.data)
+    if msg.type == WSMsgType.BINARY:
+        return bytes(msg.data)
+    raise ProtocolError("bad_message", f"unexpected WebSocket frame {msg.type.name}")
+
+
+def _field(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    value = raw.get(key)
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_message", f"the body needs a {key!r} map")
+    return {"type": key, **{k: v for k, v in value.items() if k != "type"}}
+
+
+async def serve(config: ControlConfig, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled; the site is bound before `ready` is set."""
+    plane = ControlPlane(config)
+    runner = web.AppRunner(plane.app(), access_log=None, shutdown_timeout=2)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        logger.info("gradlane control %s listening on %s:%d, policy %s",
+                    __version__, config.host, config.port, plane.policy.name)
+        if ready is not None:
+            ready.set()
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

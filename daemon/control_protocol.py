@@ -1,0 +1,203 @@
+"""The gradlaned <-> control plane protocol, for both sides.
+
+Transport: HTTP on the control plane (default ``127.0.0.1:7800``), every
+request with ``Authorization: Bearer <token>``.
+
+- ``GET /api/v1/daemon``: a WebSocket. Text frames are JSON, binary frames
+  msgpack; the control plane answers in the encoding of the daemon's last
+  message. Conversation::
+
+      daemon                                   control
+      register {version, host, leaf,       ->  welcome {version, host}
+                interfaces, gradlane}
+      report {seq, jobs}                       (whenever its jobs change, and
+                                                every few seconds)
+                                           <-  plan {version, ttl_s, source,
+                                                job_classes, batch_shares,
+                                                ownership, computed_at}
+
+- ``POST /api/v1/report``: the same register and report in one body
+  (``{"register": {...}, "report": {...}}``, JSON or, with
+  ``Content-Type: application/msgpack``, msgpack); the answer is the
+  host's current plan. For daemons that poll instead of holding a socket.
+
+A report lists the jobs with workers on the host: ``{"name", "global_batch",
+"layers", "chunk_bytes": [...], "workers": [{"rank", "throughput",
+"batch"}]}``. A plan gives the host its job classes (``{job: [rate_bps,
+ceil_bps, prio]}``) and, per job, every rank's batch share and every chunk's
+owner (the shims take their own).
+
+Every message is validated (`parse_register`, `parse_report`); anything
+else gets ``error {code, message}`` and, on a WebSocket, the connection is
+closed. Sizes are capped (`MAX_MESSAGE`, `MAX_JOBS`, `MAX_WORKERS`,
+`MAX_CHUNKS`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from gradlane.daemon.protocol import _float, _int, _list, _name, _only
+from gradlane.errors import ProtocolError
+
+__all__ = [
+    "MAX_MESSAGE",
+    "VERSION",
+    "InterfaceReport",
+    "JobReport",
+    "Register",
+    "Report",
+    "WorkerReport",
+    "decode",
+    "encode",
+    "parse_register",
+    "parse_report",
+]
+
+VERSION = 1
+MAX_MESSAGE = 1 << 20
+MAX_JOBS = 256
+MAX_WORKERS = 4096
+MAX_CHUNKS = 65536
+MAX_INTERFACES = 16
+
+
+@dataclass(frozen=True)
+class InterfaceReport:
+    name: str
+    rate_bps: int
+
+
+@dataclass(frozen=True)
+class Register:
+    host: str
+    leaf: int
+    interfaces: tuple[InterfaceReport, ...]
+    gradlane: str
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    rank: int
+    throughput: float  # samples/s of compute; 0: not measured yet
+    batch: int
+
+
+@dataclass(frozen=True)
+class JobReport:
+    name: str
+    global_batch: int
+    layers: int
+    chunk_bytes: tuple[int, ...]
+    workers: tuple[WorkerReport, ...]
+
+
+@dataclass(frozen=True)
+class Report:
+    seq: int
+    jobs: tuple[JobReport, ...]
+
+
+def decode(data: str | bytes) -> dict[str, Any]:
+    """A JSON (str) or msgpack (bytes) message as a map with a "type".
+
+    Raises:
+        ProtocolError: too big, not JSON/msgpack, or not a map.
+    """
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError("too_big", f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    try:
+        if isinstance(data, str):
+            value = json.loads(data)
+        else:
+            value = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+    except (ValueError, TypeError, RecursionError) as exc:
+        kind = "JSON" if isinstance(data, str) else "msgpack"
+        raise ProtocolError("bad_frame", f"not a {kind} message: {str(exc)[:200]}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_message", f"a message is a map, got {type(value).__name__}")
+    return value
+
+
+def encode(message: dict[str, Any], binary: bool) -> str | bytes:
+    if binary:
+        packed: bytes = msgpack.packb(message, use_bin_type=True)
+        return packed
+    return json.dumps(message, separators=(",", ":"))
+
+
+def _typed(raw: dict[str, Any], kind: str) -> dict[str, Any]:
+    got = raw.get("type")
+    if got != kind:
+        raise ProtocolError("bad_message", f"expected a {kind!r} message, got type {got!r:.40}")
+    return raw
+
+
+def parse_register(raw: dict[str, Any]) -> Register:
+    """Validate a register message.
+
+    Raises:
+        ProtocolError: a missing, unknown or badly typed field, or another version.
+    """
+    raw = _typed(raw, "register")
+    _only(raw, {"type", "version", "host", "leaf", "interfaces", "gradlane"})
+    if _int(raw, "version", 0, 1 << 16) != VERSION:
+        raise ProtocolError("version", f"register: protocol version {raw['version']}, "
+                                       f"this control plane speaks {VERSION}")
+    interfaces = []
+    for i, item in enumerate(_list(raw, "interfaces", MAX_INTERFACES)):
+        where = _map(item, f"register: interfaces[{i}]")
+        _only(where, {"type", "name", "rate_bps"})
+        interfaces.append(InterfaceReport(_name(where, "name"),
+                                          _int(where, "rate_bps", 1, 1 << 50)))
+    if not interfaces:
+        raise ProtocolError("bad_message", "register: at least one interface")
+    return Register(_name(raw, "host"), _int(raw, "leaf", 0, 1 << 16), tuple(interfaces),
+                    _name(raw, "gradlane"))
+
+
+def parse_report(raw: dict[str, Any]) -> Report:
+    """Validate a report message.
+
+    Raises:
+        ProtocolError: a missing, unknown or badly typed field, or too many items.
+    """
+    raw = _typed(raw, "report")
+    _only(raw, {"type", "seq", "jobs"})
+    jobs, names = [], set()
+    for i, item in enumerate(_list(raw, "jobs", MAX_JOBS)):
+        where = _map(item, f"report: jobs[{i}]")
+        _only(where, {"type", "name", "global_batch", "layers", "chunk_bytes", "workers"})
+        name = _name(where, "name")
+        if name in names:
+            raise ProtocolError("bad_message", f"report: job {name!r} listed twice")
+        names.add(name)
+        chunks = _list(where, "chunk_bytes", MAX_CHUNKS)
+        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 < c < 1 << 40
+                   for c in chunks):
+            raise ProtocolError("bad_message", f"report: jobs[{i}].chunk_bytes must be sizes > 0")
+        workers, ranks = [], set()
+        for k, w in enumerate(_list(where, "workers", MAX_WORKERS)):
+            wmap = _map(w, f"report: jobs[{i}].workers[{k}]")
+            _only(wmap, {"type", "rank", "throughput", "batch"})
+            rank = _int(wmap, "rank", 0, MAX_WORKERS * 16)
+            if rank in ranks:
+                raise ProtocolError("bad_message", f"report: job {name!r} rank {rank} twice")
+            ranks.add(rank)
+            workers.append(WorkerReport(rank, _float(wmap, "throughput"),
+                                        _int(wmap, "batch", 0, 1 << 24)))
+        jobs.append(JobReport(name, _int(where, "global_batch", 0, 1 << 30),
+                              _int(where, "layers", 0, 1 << 20),
+                              tuple(int(c) for c in chunks), tuple(workers)))
+    return Report(_int(raw, "seq", 0, 1 << 62), tuple(jobs))
+
+
+def _map(item: Any, where: str) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise ProtocolError("bad_message", f"{where} must be a map")
+    return {**item, "type": where}
+

@@ -1,0 +1,197 @@
+"""`gradlane control`: auth, input validation, plans pushed to daemons, isolation of bad peers."""
+
+import asyncio
+import io
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
+from gradlane.errors import ConfigError
+
+TOKEN = "t0ken-for-tests-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _config(**kw: Any) -> ControlConfig:
+    return ControlConfig(token=TOKEN, cadence_s=0.2, react_s=0.01, ttl_s=5.0, **kw)
+
+
+def _run(test: Callable[[ControlPlane, TestClient], Awaitable[None]], **kw: Any) -> None:
+    async def main() -> None:
+        plane = ControlPlane(_config(**kw))
+        async with TestServer(plane.app()) as server, TestClient(server) as client:
+            await test(plane, client)
+
+    asyncio.run(main())
+
+
+def _register(host: str) -> dict[str, Any]:
+    return {"type": "register", "version": 1, "host": host, "leaf": 0, "gradlane": "0.1.0",
+            "interfaces": [{"name": "eth0", "rate_bps": 10_000_000_000}]}
+
+
+def _report(ranks: list[int], throughput: float, batch: int = 64) -> dict[str, Any]:
+    return {"type": "report", "seq": 1, "jobs": [{
+        "name": "j", "global_batch": batch, "layers": 4, "chunk_bytes": [1000] * 8,
+        "workers": [{"rank": r, "throughput": throughput, "batch": 16} for r in ranks]}]}
+
+
+async def _next_plan(ws: aiohttp.ClientWebSocketResponse, want_shares: bool = True
+                     ) -> dict[str, Any]:
+    async with asyncio.timeout(10):
+        while True:
+            msg = await ws.receive()
+            assert msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY), msg
+            data = json.loads(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else \
+                msgpack.unpackb(msg.data)
+            if data["type"] == "plan" and (data["batch_shares"] or not want_shares):
+                return data
+
+
+def test_missing_or_wrong_token_is_401() -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        assert (await client.get("/api/v1/cluster")).status == 401
+        bad = {"Authorization": "Bearer wrong-token-wrong-token"}
+        assert (await client.get("/api/v1/cluster", headers=bad)).status == 401
+        assert (await client.get("/metrics", headers=bad)).status == 401
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await client.ws_connect("/api/v1/daemon")
+        assert err.value.status == 401
+        ok = await client.get("/api/v1/cluster", headers=AUTH)
+        assert ok.status == 200 and (await ok.json())["hosts"] == []
+
+    _run(test)
+
+
+def test_oversized_body_is_413_and_garbage_is_400() -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        big = await client.post("/api/v1/report", data=io.BytesIO(b"x" * (2 << 20)), headers=AUTH)
+        assert big.status == 413
+        for body, kind in ((b"{not json", "application/json"), (b"\xc1\xc1", "application/msgpack"),
+                           (b"[1, 2]", "application/json")):
+            r = await client.post("/api/v1/report", data=body,
+                                  headers={**AUTH, "Content-Type": kind})
+            assert r.status == 400, body
+        wrong = {"register": {**_register("h1"), "extra": 1}, "report": _report([0], 1.0)}
+        r = await client.post("/api/v1/report", json=wrong, headers=AUTH)
+        assert r.status == 400 and "unknown fields ['extra']" in await r.text()
+
+    _run(test)
+
+
+def test_post_report_answers_with_the_hosts_plan() -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        body = {"register": _register("h1"), "report": _report([0, 1], 10.0, batch=10)}
+        for _ in range(50):
+            r = await client.post("/api/v1/report", json=body, headers=AUTH)
+            assert r.status == 200
+            plan = await r.json()
+            if plan["version"]:
+                break
+            await asyncio.sleep(0.05)
+        assert plan["batch_shares"] == {"j": [5, 5]}
+        assert set(plan["job_classes"]) == {"j"} and plan["ttl_s"] == 5.0
+
+    _run(test)
+
+
+def test_daemons_get_their_part_of_the_plan_with_throughput_shares() -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        fast = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        slow = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await fast.send_json(_register("fast"))
+        await slow.send_bytes(msgpack.packb(_register("slow")))  # msgpack works too
+        assert (await fast.receive_json())["type"] == "welcome"
+        await fast.send_json(_report([0, 1], 100.0, batch=60))
+        await slow.send_bytes(msgpack.packb(_report([2, 3], 50.0, batch=60)))
+        for ws in (fast, slow):
+            plan = await _next_plan(ws)
+            while plan["batch_shares"]["j"] != [20, 20, 10, 10]:  # until both reports are in
+                plan = await _next_plan(ws)
+            assert plan["job_classes"]["j"][0] > 0 and plan["ownership"]["j"]
+        view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
+        assert [h["host"] for h in view["hosts"]] == ["fast", "slow"]
+        assert view["jobs"]["j"]["workers"] == 4 and not view["jobs"]["j"]["degraded"]
+        # A daemon lost: its job is degraded, the other daemon is still served.
+        await slow.close()
+        for _ in range(100):
+            view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
+            if view["jobs"]["j"]["degraded"]:
+                break
+            await asyncio.sleep(0.02)
+        assert view["jobs"]["j"]["degraded"]
+        assert (await _next_plan(fast))["type"] == "plan"
+        metrics = await (await client.get("/metrics", headers=AUTH)).text()
+        assert "gradlane_control_plans_total" in metrics
+        await fast.close()
+
+    _run(test)
+
+
+def test_a_bad_message_closes_only_that_connection() -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        good = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await good.send_json(_register("good"))
+        await good.receive_json()
+        bad = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await bad.send_json({"type": "launch_missiles"})
+        error = await bad.receive_json()
+        assert error["type"] == "error" and "expected a 'register' message" in error["message"]
+        assert (await bad.receive()).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        await good.send_json(_report([0], 5.0, batch=8))
+        assert (await _next_plan(good))["batch_shares"] == {"j": [8]}
+        await good.close()
+
+    _run(test)
+
+
+def test_a_flood_of_bad_connections_does_not_stop_good_daemons() -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        async def attacker(i: int) -> None:
+            if i % 3 == 0:
+                with pytest.raises(aiohttp.WSServerHandshakeError):
+                    await client.ws_connect("/api/v1/daemon")
+            elif i % 3 == 1:
+                ws = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+                await ws.send_bytes(b"\x00garbage")
+                await ws.receive()
+                await ws.close()
+            else:
+                r = await client.post("/api/v1/report", data=b"{", headers=AUTH)
+                assert r.status == 400
+
+        async def good() -> dict[str, Any]:
+            ws = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+            await ws.send_json(_register("good"))
+            await ws.receive_json()
+            await ws.send_json(_report([0, 1], 1.0, batch=4))
+            plan = await _next_plan(ws)
+            await ws.close()
+            return plan
+
+        results = await asyncio.gather(good(), *(attacker(i) for i in range(150)))
+        assert results[0]["batch_shares"] == {"j": [2, 2]}
+        rejected = await (await client.get("/metrics", headers=AUTH)).text()
+        assert 'gradlane_control_rejected_total{reason="auth"}' in rejected
+
+    _run(test)
+
+
+def test_config_and_token_errors(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="at least 16"):
+        ControlConfig(token="short")
+    with pytest.raises(ConfigError, match="unknown policy"):
+        ControlConfig(token=TOKEN, policy="nope")
+    with pytest.raises(ConfigError, match="ttl_s must exceed"):
+        ControlConfig(token=TOKEN, cadence_s=5, ttl_s=1)
+    path = tmp_path / "token"
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_token(path)
+    path.write_text(TOKEN + "\n")
+    assert read_token(path) == TOKEN
