@@ -70,6 +70,8 @@ class DaemonConfig:
     coalesce_s: float = 0.002
     control_url: str | None = None
     control_token_file: Path | None = None
+    control_host: str | None = None  # the name this host registers as (default: hostname)
+    control_leaf: int = 0  # the leaf switch it hangs off
     source: str = field(default="(defaults)", compare=False)
 
     @property
@@ -126,7 +128,7 @@ _KNOWN = {
         "coalesce_ms",
     },
     "network": {"bands", "other_share", "shape_fraction"},
-    "control": {"url", "token_file"},
+    "control": {"url", "token_file", "host", "leaf"},
 }
 
 
@@ -210,6 +212,17 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
             raise fail(f"daemon.{key}", "must be non-empty text")
     url = control.get("url")
     token = control.get("token_file")
+    if url is not None and (not isinstance(url, str) or not url.startswith(("http://",
+                                                                           "https://"))):
+        raise fail("control.url", f'must be like "http://10.0.0.5:7800", got {url!r}')
+    if url is not None and not token:
+        raise fail("control.token_file", "is needed with control.url")
+    leaf = control.get("leaf", 0)
+    if isinstance(leaf, bool) or not isinstance(leaf, int) or not 0 <= leaf < 1 << 16:
+        raise fail("control.leaf", f"must be an integer >= 0, got {leaf!r}")
+    host = control.get("host")
+    if host is not None and (not isinstance(host, str) or not host):
+        raise fail("control.host", "must be non-empty text")
     return DaemonConfig(
         interfaces=tuple(ifaces),
         bands=tuple(bands),
@@ -226,6 +239,8 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
         coalesce_s=coalesce_ms / 1000,
         control_url=url,
         control_token_file=Path(token) if token else None,
+        control_host=host,
+        control_leaf=leaf,
         source=source,
     )
 

@@ -314,10 +314,13 @@ class ControlPlane:
         for h in names:
             for job in self.daemons[h].report.jobs:
                 known = jobs.get(job.name)
+                batch = sum(w.batch for w in job.workers)
                 jobs[job.name] = JobState(
                     job.name,
                     (known.workers if known else 0) + len(job.workers),
-                    global_batch=max(job.global_batch, known.global_batch if known else 0),
+                    # Daemons see only local workers: the global batch is what all report.
+                    global_batch=max(job.global_batch,
+                                     (known.global_batch if known else 0) + batch),
                     chunk_bytes=job.chunk_bytes or (known.chunk_bytes if known else ()),
                     layers=job.layers or (known.layers if known else 0),
                 )

@@ -44,9 +44,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gradlane import __version__
 from gradlane.daemon import protocol
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
+from gradlane.daemon.control import read_token
 from gradlane.daemon.qdisc import ClassStats, FlowMatch, JobSpec, QdiscManager, QdiscSpec
 from gradlane.daemon.registry import Credentials, Registry, Worker
-from gradlane.errors import GradlaneError, ProtocolError
+from gradlane.daemon.uplink import ControlLink
+from gradlane.errors import ConfigError, GradlaneError, ProtocolError
 from gradlane.policies import JobState, Plan, State, get_policy
 
 __all__ = ["DSCP_JOB", "Backend", "Daemon"]
@@ -129,6 +131,20 @@ class Daemon:
             "gradlane_chunk_events", "Chunk events reported by shims", registry=self.metrics
         )
         self.metrics.register(_StateCollector(self))
+        self.link: ControlLink | None = None
+        if config.control_url:
+            if config.control_token_file is None:
+                raise ConfigError("control.url needs control.token_file")
+            self.link = ControlLink(
+                config.control_url,
+                read_token(config.control_token_file),
+                config.control_host or socket.gethostname(),
+                config.control_leaf,
+                [(i.name, i.rate_bps) for i in config.interfaces],
+                self.registry,
+                self._control_changed,
+                clock=clock,
+            )
 
     # -- lifecycle -------------------------------------------------------
 
@@ -155,6 +171,8 @@ class Daemon:
                     tasks.create_task(self._reconcile_loop())
                     tasks.create_task(self._expire_loop())
                     tasks.create_task(self._stats_loop())
+                    if self.link is not None:
+                        tasks.create_task(self.link.run())
                     await self._stopping.wait()
                     raise _Stop
             except* _Stop:
@@ -267,6 +285,12 @@ class Daemon:
     async def _reconcile(self) -> None:
         started = time.perf_counter()
         plan = self.policy.plan(self.state())
+        control = self.link.job_classes() if self.link is not None else None
+        if control:
+            # The control plane's classes for the jobs it knows; the local policy's for
+            # a job too new to be in its plan yet.
+            plan = Plan(job_classes={j: control.get(j, c) for j, c in plan.job_classes.items()},
+                        source="control", version=plan.version)
         changes: list[str] = []
         verify = self._clock() - self._verified_at >= VERIFY_EVERY
         planned = time.perf_counter()
@@ -398,7 +422,7 @@ class Daemon:
                     "bands": list(self.config.bands),
                 },
             )
-            await self._send(writer, self._plan_message())
+            await self._send(writer, self._plan_message(worker))
             return worker
         if worker is None:
             raise ProtocolError("order", f"{type(message).__name__.lower()} before hello")
@@ -412,14 +436,31 @@ class Daemon:
             self.registry.record_timing(worker.id, message)
         return worker
 
-    def _plan_message(self) -> dict[str, Any]:
+    def _plan_message(self, worker: Worker) -> dict[str, Any]:
+        share, owners = (
+            self.link.advice(worker.job, worker.rank) if self.link is not None else (None, None)
+        )
         return {
             "type": "plan",
             "version": self._plan_version,
             "bands": list(self.config.bands),
-            "batch_share": None,  # set by the control plane (straggler mitigation)
-            "ownership": None,
+            "batch_share": share,  # from the control plane (straggler mitigation)
+            "ownership": owners,
         }
+
+    def _control_changed(self) -> None:
+        """A control plan arrived or expired: re-plan, and tell every shim its part."""
+        self._plan_version += 1
+        self._dirty.set()
+        workers = {w.id: w for w in self.registry.workers()}
+        for writer, worker_id in list(self._clients.items()):
+            worker = workers.get(worker_id or "")
+            if worker is not None:
+                asyncio.get_running_loop().create_task(self._send_quietly(writer, worker))
+
+    async def _send_quietly(self, writer: asyncio.StreamWriter, worker: Worker) -> None:
+        with contextlib.suppress(ConnectionError, TimeoutError, ProtocolError):
+            await self._send(writer, self._plan_message(worker))
 
     async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
         writer.write(protocol.encode(message))
@@ -447,6 +488,7 @@ class Daemon:
             "version": __version__,
             "uptime_s": round(time.time() - self._started, 3),
             "policy": self.policy.name,
+            "control": self.link.status() if self.link is not None else None,
             "plan": {
                 "source": plan.source if plan else None,
                 "age_s": round(self._clock() - self._plan_at, 3) if plan else None,

@@ -1,0 +1,188 @@
+"""gradlaned's link to the control plane: register, report, take plans, fall back on expiry.
+
+1. Connect to ``<url>/api/v1/daemon`` with the bearer token, register (host,
+   leaf, interfaces, version), then report this host's jobs and workers
+   every `REPORT_EVERY` seconds and whenever the registry changes.
+2. Each plan received is kept with the time it arrived; `job_classes()`
+   returns its classes only while it is younger than its time-to-live.
+   When it expires the daemon is told (`on_change`) and goes back to its
+   local policy; `status()` says which one is in force.
+3. Any failure (refused, lost, a bad message) closes the connection and
+   retries with backoff up to `MAX_BACKOFF`; training never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from gradlane import __version__
+from gradlane.daemon import control_protocol as cp
+from gradlane.daemon.registry import Registry
+from gradlane.policies import JobClassPlan
+
+__all__ = ["ControlLink"]
+
+logger = logging.getLogger(__name__)
+
+REPORT_EVERY = 2.0
+MAX_BACKOFF = 5.0
+
+
+class ControlLink:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        host: str,
+        leaf: int,
+        interfaces: list[tuple[str, int]],
+        registry: Registry,
+        on_change: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._token = token
+        self.host, self.leaf, self.interfaces = host, leaf, interfaces
+        self.registry = registry
+        self.on_change = on_change
+        self._clock = clock
+        self.connected = False
+        self.plan: dict[str, Any] | None = None
+        self.plan_at = 0.0
+        self.last_error: str | None = None
+        self.sessions = 0
+
+    # -- what the daemon asks ------------------------------------------------
+
+    def fresh(self) -> bool:
+        return self.plan is not None and self._clock() - self.plan_at < float(self.plan["ttl_s"])
+
+    def job_classes(self) -> dict[str, JobClassPlan] | None:
+        """The control plane's classes for this host, or None when there is no fresh plan."""
+        if not self.fresh():
+            return None
+        assert self.plan is not None
+        return {job: JobClassPlan(int(c[0]), int(c[1]), int(c[2]))
+                for job, c in self.plan["job_classes"].items()}
+
+    def advice(self, job: str, rank: int) -> tuple[int | None, list[int] | None]:
+        """(batch share, chunk owners) for one worker, from a fresh plan."""
+        if not self.fresh():
+            return None, None
+        assert self.plan is not None
+        shares = self.plan["batch_shares"].get(job)
+        share = shares[rank] if shares and 0 <= rank < len(shares) else None
+        return share, self.plan["ownership"].get(job)
+
+    def status(self) -> dict[str, Any]:
+        if self.fresh():
+            assert self.plan is not None
+            state = f"following control plan v{self.plan['version']}"
+        elif self.plan is not None:
+            state = "control plan expired: local policy"
+        else:
+            state = "no control plan: local policy"
+        return {
+            "url": self.url,
+            "connected": self.connected,
+            "state": state,
+            "plan_version": self.plan["version"] if self.plan else None,
+            "plan_age_s": round(self._clock() - self.plan_at, 3) if self.plan else None,
+            "last_error": self.last_error,
+            "sessions": self.sessions,
+        }
+
+    # -- the connection ------------------------------------------------------
+
+    async def run(self) -> None:
+        """Stay connected until cancelled."""
+        backoff = 0.5
+        async with aiohttp.ClientSession() as http:
+            while True:
+                try:
+                    await self._session(http)
+                    backoff = 0.5
+                except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError,
+                        TypeError) as exc:
+                    error = f"{type(exc).__name__}: {exc}"[:300]
+                    if error != self.last_error:
+                        logger.warning("control plane %s: %s; retrying", self.url, error)
+                    self.last_error = error
+                finally:
+                    self.connected = False
+                await asyncio.sleep(backoff)
+                backoff = min(MAX_BACKOFF, backoff * 2)
+
+    async def _session(self, http: aiohttp.ClientSession) -> None:
+        headers = {"Authorization": f"Bearer {self._token}"}
+        async with http.ws_connect(f"{self.url}/api/v1/daemon", headers=headers,
+                                   heartbeat=10.0, max_msg_size=cp.MAX_MESSAGE,
+                                   timeout=aiohttp.ClientWSTimeout(ws_close=2.0)) as ws:
+            await ws.send_json({
+                "type": "register", "version": cp.VERSION, "host": self.host, "leaf": self.leaf,
+                "gradlane": __version__,
+                "interfaces": [{"name": n, "rate_bps": r} for n, r in self.interfaces],
+            })
+            async with asyncio.timeout(5):
+                welcome = await ws.receive_json()
+            if welcome.get("type") != "welcome":
+                raise ValueError(f"expected welcome, got {welcome!r:.200}")
+            self.connected, self.last_error = True, None
+            self.sessions += 1
+            logger.info("control plane %s: registered as %s", self.url, self.host)
+            reporter = asyncio.create_task(self._report_loop(ws))
+            try:
+                async for msg in ws:
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        break
+                    self._take(cp.decode(str(msg.data)))
+            finally:
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
+        raise ConnectionResetError("the control plane closed the connection")
+
+    def _take(self, message: dict[str, Any]) -> None:
+        if message.get("type") == "error":
+            raise ValueError(f"control plane error: {message.get('message')!r:.300}")
+        if message.get("type") != "plan" or not message.get("version"):
+            return
+        for job, c in message["job_classes"].items():
+            if not (isinstance(job, str) and len(c) == 3 and all(isinstance(v, int) for v in c)
+                    and 0 < c[0] <= c[1] and 0 <= c[2] <= 7):
+                raise ValueError(f"bad job class {job!r}: {c!r:.80}")
+        self.plan, self.plan_at = message, self._clock()
+        self.on_change()
+        # Tell the daemon again when this plan runs out, so it falls back by itself.
+        asyncio.get_running_loop().call_later(float(message["ttl_s"]) + 0.01, self.on_change)
+
+    async def _report_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        seq, seen = 0, -1
+        next_at = 0.0
+        while True:
+            if self.registry.version != seen or self._clock() >= next_at:
+                seen, seq = self.registry.version, seq + 1
+                await ws.send_json(self.report(seq))
+                next_at = self._clock() + REPORT_EVERY
+            await asyncio.sleep(0.1)
+
+    def report(self, seq: int) -> dict[str, Any]:
+        """This host's jobs and workers, with their measured throughput."""
+        jobs = []
+        for name, workers in sorted(self.registry.jobs().items()):
+            entries = []
+            for w in workers:
+                timing = w.timings[-1] if w.timings else None
+                thr = timing.samples / timing.compute_s if timing and timing.compute_s > 0 else 0.0
+                entries.append({"rank": w.rank, "throughput": round(thr, 3),
+                                "batch": timing.samples if timing else 0})
+            jobs.append({"name": name, "global_batch": 0, "layers": 0, "chunk_bytes": [],
+                         "workers": entries})
+        return {"type": "report", "seq": seq, "jobs": jobs}

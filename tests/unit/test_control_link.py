@@ -1,0 +1,113 @@
+"""gradlaned with a control plane: plans reach the qdisc spec and the shims, expire, come back.
+
+The real daemon (in-memory qdisc backend, tests/fakes.py) and the real
+control plane run in one event loop; a shim is played over the Unix socket.
+"""
+
+import asyncio
+import dataclasses
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gradlane.daemon import protocol
+from gradlane.daemon.control import ControlConfig, ControlPlane
+from gradlane.daemon.service import Daemon
+from tests.fakes import FakeBackend, fake_config
+
+TOKEN = "t0ken-for-tests-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _start_control(port: int) -> web.AppRunner:
+    plane = ControlPlane(ControlConfig(token=TOKEN, cadence_s=0.2, react_s=0.01, ttl_s=1.0))
+    runner = web.AppRunner(plane.app(), shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+class Shim:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.decoder = protocol.FrameDecoder()
+        self.inbox: list[dict[str, Any]] = []
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.writer.write(protocol.encode(message))
+        await self.writer.drain()
+
+    async def plan_with_share(self) -> dict[str, Any]:
+        async with asyncio.timeout(10):
+            while True:
+                while self.inbox:
+                    m = self.inbox.pop(0)
+                    if m["type"] == "plan" and m["batch_share"] is not None:
+                        return m
+                self.inbox += self.decoder.feed(await self.reader.read(65536))
+
+
+async def _until(check: Any, timeout: float = 10.0) -> float:
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout, "timed out"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_control_plans_reach_daemon_and_shims_expire_and_return(tmp_path: Path) -> None:
+    async def main() -> None:
+        port = _free_port()
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN)
+        config = dataclasses.replace(
+            fake_config(tmp_path / "gl.sock"), control_url=f"http://127.0.0.1:{port}",
+            control_token_file=token_file, control_host="h1")
+        daemon = Daemon(config, backend_factory=FakeBackend)
+        backend = daemon._backends[0]
+        assert isinstance(backend, FakeBackend)
+        control = await _start_control(port)
+        serving = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(daemon.ready.wait(), 10)
+        shims = []
+        for rank, compute_s in ((0, 0.1), (1, 0.3)):  # rank 1 computes 3x slower
+            shim = Shim(*await asyncio.open_unix_connection(str(config.socket_path)))
+            await shim.send({"type": "hello", "version": 1, "job": "j", "rank": rank,
+                             "world_size": 2, "flows": []})
+            await shim.send({"type": "timing", "iteration": 1, "compute_s": compute_s,
+                             "comm_s": 0.0, "samples": 16})
+            shims.append(shim)
+        # 1. The control plan reaches the shims (batch shares by throughput) and the qdiscs.
+        fast = await shims[0].plan_with_share()
+        slow = await shims[1].plan_with_share()
+        while (fast["batch_share"], slow["batch_share"]) != (24, 8):
+            fast, slow = await shims[0].plan_with_share(), await shims[1].plan_with_share()
+        await _until(lambda: daemon.status()["control"]["state"].startswith("following"))
+        await _until(lambda: daemon._plan is not None and daemon._plan.source == "control")
+        # 2. The control plane dies: the plan expires after its TTL, the daemon goes local.
+        await control.cleanup()
+        await _until(lambda: "expired" in daemon.status()["control"]["state"], timeout=5)
+        await _until(lambda: daemon._plan is not None and daemon._plan.source == "fair")
+        assert backend.spec is not None and any(j.name == "j" for j in backend.spec.jobs)
+        # 3. It comes back: the daemon re-registers and plans flow again within 5 s.
+        restarted = time.monotonic()
+        control = await _start_control(port)
+        await _until(lambda: daemon.status()["control"]["state"].startswith("following"),
+                     timeout=10)
+        assert time.monotonic() - restarted < 5.0
+        for shim in shims:
+            shim.writer.close()
+        daemon.stop()
+        await asyncio.wait_for(serving, 10)
+        await control.cleanup()
+        assert backend.restored
+
+    asyncio.run(main())
