@@ -597,6 +597,19 @@ class Sync:
 
     # -- public --------------------------------------------------------------
 
+    @property
+    def advised_batch_size(self) -> int | None:
+        """The local batch size the control plane advises for this worker, or None.
+
+        Straggler mitigation: slower workers are advised fewer samples. Take it
+        at any step (``batch = sync.advised_batch_size or batch``); no agreement
+        between workers is needed, because averages are weighted by each
+        worker's actual sample count, so any mix of batch sizes gives the exact
+        average of that step's samples.
+        """
+        share = self.client.advised_batch_share
+        return int(share) if share is not None and share >= 1 else None
+
     def flush(self) -> None:
         """Apply every pending per-layer update now (e.g. before saving a checkpoint)."""
         if self._pending is None:

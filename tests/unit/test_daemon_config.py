@@ -54,6 +54,10 @@ def test_file_values_and_overrides(tmp_path: Path) -> None:
         (GOOD.replace('name = "eth0"', 'name = "eth0"\nspeed = 1'), "unknown keys"),
         ("[daemon]\n", "at least one"),
         ("this is not toml", "gradlaned.toml"),
+        (GOOD + '\n[control]\nurl = "10.0.0.5:7800"\ntoken_file = "/t"\n', "control.url"),
+        (GOOD + '\n[control]\nurl = "http://10.0.0.5:7800"\n', "control.token_file"),
+        (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nleaf = -1\n',
+         "control.leaf"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, text: str, message: str) -> None:

@@ -233,3 +233,20 @@ def test_close_restores_the_optimizer_and_removes_hooks() -> None:
         o.step()
     for a, b in zip(m.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_advised_batch_size_follows_the_daemons_plan() -> None:
+    m = nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sync = attach(m, opt)
+    try:
+        assert sync.advised_batch_size is None  # no daemon, no control plane: no advice
+        # What the daemon client stores from a plan message carrying the control plane's share.
+        sync.client._handle({"type": "plan", "version": 3, "bands": None, "batch_share": 12,
+                             "ownership": None})
+        assert sync.advised_batch_size == 12
+        sync.client._handle({"type": "plan", "version": 4, "bands": None, "batch_share": None,
+                             "ownership": None})
+        assert sync.advised_batch_size is None
+    finally:
+        sync.close()

@@ -55,3 +55,15 @@ def test_example_config_loads(tmp_path: Path) -> None:
     path.write_text(text)
     config = load_config(path)
     assert config.interfaces[0].rate_bps == 25 * 10**9 and config.policy == "fair"
+
+
+def test_example_control_section_loads(tmp_path: Path) -> None:
+    text = (SYSTEMD / "gradlaned.toml").read_text().replace('# rate = "25gbit"', 'rate = "25gbit"')
+    for key in ("[control]", "url =", "token_file =", "host =", "leaf ="):
+        text = text.replace(f"# {key}", key)
+    path = tmp_path / "gradlaned.toml"
+    path.write_text(text)
+    config = load_config(path)
+    assert config.control_url == "http://10.0.0.5:7800" and config.control_leaf == 0
+    assert config.control_host == "node17"
+    assert config.control_token_file == Path("/etc/gradlane/control.token")
