@@ -25,7 +25,7 @@ import contextlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -311,21 +311,23 @@ class ControlPlane:
         )
         jobs: dict[str, JobState] = {}
         workers: list[Worker] = []
+        stated: dict[str, int] = {}  # global batch as a report states it
+        summed: dict[str, int] = {}  # ... as the sum of the workers' current batches
         for h in names:
             for job in self.daemons[h].report.jobs:
                 known = jobs.get(job.name)
-                batch = sum(w.batch for w in job.workers)
+                stated[job.name] = max(stated.get(job.name, 0), job.global_batch)
+                summed[job.name] = summed.get(job.name, 0) + sum(w.batch for w in job.workers)
                 jobs[job.name] = JobState(
                     job.name,
                     (known.workers if known else 0) + len(job.workers),
-                    # Daemons see only local workers: the global batch is what all report.
-                    global_batch=max(job.global_batch,
-                                     (known.global_batch if known else 0) + batch),
                     chunk_bytes=job.chunk_bytes or (known.chunk_bytes if known else ()),
                     layers=job.layers or (known.layers if known else 0),
                 )
                 workers += [Worker(job.name, w.rank, index[h], w.throughput, w.batch)
                             for w in job.workers]
+        # Daemons see only their own workers: without a stated global batch, it is the sum.
+        jobs = {n: replace(j, global_batch=stated[n] or summed[n]) for n, j in jobs.items()}
         # Uplink capacities are not reported (yet): plan as one switch, leaves kept in the view.
         topology = Topology(tuple(Host(h.name, 0, h.nic_bps) for h in hosts) or (Host("-"),))
         self.version += 1

@@ -482,10 +482,25 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
     asyncio.run(main())
 
 
-def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
+def _get_json(url: str, who: str, headers: dict[str, str] | None = None) -> Any:
+    """GET `url` as JSON; a refusal or no answer becomes a clear error naming `who`."""
     import json
     import urllib.error
     import urllib.request
+
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as exc:
+        raise click.ClickException(f"the {who} at {url} said {exc.code}: "
+                                   f"{exc.read().decode(errors='replace').strip()}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"no {who} answers at {url}: {exc}") from None
+
+
+def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
+    import json
 
     from gradlane.daemon.control import read_token
 
@@ -493,16 +508,8 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
         token = read_token(token_file)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    request = urllib.request.Request(f"{url.rstrip('/')}/api/v1/cluster",
-                                     headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            data = json.load(resp)
-    except urllib.error.HTTPError as exc:
-        raise click.ClickException(f"the control plane at {url} said {exc.code}: "
-                                   f"{exc.read().decode(errors='replace').strip()}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise click.ClickException(f"no control plane answers at {url}: {exc}") from None
+    data = _get_json(f"{url.rstrip('/')}/api/v1/cluster", "control plane",
+                     {"Authorization": f"Bearer {token}"})
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
@@ -639,18 +646,12 @@ def daemon(**kwargs: Any) -> None:
 def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> None:
     """Show a running gradlaned's jobs, workers and classes (or, --cluster, every host's)."""
     import json
-    import urllib.error
-    import urllib.request
 
     if cluster:
         _cluster_status(url or "http://127.0.0.1:7800", token_file, as_json)
         return
     url = url or "http://127.0.0.1:9464"
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=5) as resp:
-            data = json.load(resp)
-    except (urllib.error.URLError, OSError) as exc:
-        raise click.ClickException(f"no gradlaned answers at {url}: {exc}") from None
+    data = _get_json(f"{url.rstrip('/')}/status", "gradlaned")
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return

@@ -23,6 +23,8 @@ least loaded one). Bands and rates are `priority`'s.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gradlane.policies.base import Plan, Policy, State, register
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.priority import PriorityPolicy
@@ -53,16 +55,4 @@ def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
 class LoadBalancePolicy(Policy):
     def plan(self, state: State) -> Plan:
         base = PriorityPolicy().plan(state)
-        return Plan(
-            job_classes=base.job_classes,
-            source=self.name,
-            host_classes=base.host_classes,
-            flow_band=base.flow_band,
-            flow_rate_bps=base.flow_rate_bps,
-            coflow_order=base.coflow_order,
-            job_level=base.job_level,
-            ownership=balanced_ownership(state),
-            batch_shares=base.batch_shares,
-            tuning=base.tuning,
-            version=state.version,
-        )
+        return replace(base, source=self.name, ownership=balanced_ownership(state))

@@ -21,6 +21,8 @@ unequal shares leave the update unchanged.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from gradlane.policies.base import IntArray, Plan, Policy, State, register
@@ -92,16 +94,6 @@ def critical_first(state: State, bands: IntArray) -> IntArray:
 class StragglerPolicy(Policy):
     def plan(self, state: State) -> Plan:
         base = PriorityPolicy().plan(state)
-        return Plan(
-            job_classes=base.job_classes,
-            source=self.name,
-            host_classes=base.host_classes,
-            flow_band=critical_first(state, base.flow_band) if state.cluster else base.flow_band,
-            flow_rate_bps=base.flow_rate_bps,
-            coflow_order=base.coflow_order,
-            job_level=base.job_level,
-            ownership=base.ownership,
-            batch_shares=throughput_shares(state),
-            tuning=base.tuning,
-            version=state.version,
-        )
+        bands = critical_first(state, base.flow_band) if state.cluster else base.flow_band
+        return replace(base, source=self.name, flow_band=bands,
+                       batch_shares=throughput_shares(state))
