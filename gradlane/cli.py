@@ -566,6 +566,11 @@ def _daemon_options(fn: Any) -> Any:
             default=None,
             help="What to do with a tree a crashed run left behind.",
         ),
+        click.option("--control-url", default=None,
+                     help="The control plane, e.g. http://10.0.0.5:7800 (default: none)."),
+        click.option("--control-token-file", default=None, help="Its bearer token's file."),
+        click.option("--control-host", default=None, help="Name to register as (hostname)."),
+        click.option("--control-leaf", type=int, default=None, help="This host's leaf switch."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -580,6 +585,10 @@ def _load_daemon_config(
     state_dir: str | None,
     policy: str | None,
     on_start: str | None,
+    control_url: str | None = None,
+    control_token_file: str | None = None,
+    control_host: str | None = None,
+    control_leaf: int | None = None,
 ) -> tuple[Path | None, dict[str, Any]]:
     if config_path is None and DEFAULT_CONFIG.exists():
         config_path = DEFAULT_CONFIG
@@ -592,6 +601,10 @@ def _load_daemon_config(
         ("daemon.state_dir", state_dir),
         ("daemon.policy", policy),
         ("daemon.on_start", on_start),
+        ("control.url", control_url),
+        ("control.token_file", control_token_file),
+        ("control.host", control_host),
+        ("control.leaf", control_leaf),
     ):
         if value is not None:
             overrides[key] = value

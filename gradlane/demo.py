@@ -338,16 +338,18 @@ def run_on_cluster(
     sockets: list[Path] | None = None,
     bands: bool = False,
     speeds: list[float] | None = None,
+    workers: int | None = None,
 ) -> tuple[SystemRun, dict[str, Any]]:
     """Run `system` with one torchrun worker per host of cluster `c`.
 
     `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
-    sockets (gradlane only); `speeds` gives each rank's `--speed`. With
+    sockets (gradlane only); `speeds` gives each rank's `--speed`; `workers`
+    uses only the first hosts (default: all). With
     `bands`, host 1's band leaves are sampled (see `_BandSampler`). Returns
     rank 0's run (with bytes sent by all hosts and utilization of their
     links) and the band usage.
     """
-    names = [f"h{i}" for i in range(1, c.topology.hosts + 1)]
+    names = [f"h{i}" for i in range(1, (workers or c.topology.hosts) + 1)]
     rate = c.topology.rates[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     before = [_tx_bytes(c.ns(h)) for h in names]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradlane.workloads import cnn_batch, make_cnn, make_trace
+from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace
 
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane")
 
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--model-mb", type=float, default=10.0, help="trace: scaled model size")
     ap.add_argument("--forward-ms", type=float, default=50.0, help="trace: forward time")
     ap.add_argument("--speed", type=float, default=1.0, help="trace: relative compute speed")
+    ap.add_argument("--follow-advice", action="store_true",
+                    help="trace, gradlane: take the local batch size the control plane advises")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -56,7 +58,7 @@ def main() -> None:
     # lr 0.003: the CNN trains without loss spikes for 100+ steps. At 0.02 it spiked near
     # step 40, and past a spike two runs that differ only in summation order drift apart.
     opt = torch.optim.SGD(model.parameters(), lr=0.003, momentum=0.9)
-    record: dict[str, Any] = {"times": [], "losses": [], "waited": []}
+    record: dict[str, Any] = {"times": [], "losses": [], "waited": [], "batch": []}
 
     def train(net: nn.Module, sync: Any = None) -> None:
         # CPU of this process (all threads) over the training loop: a worker
@@ -68,7 +70,11 @@ def main() -> None:
                 x, y = cnn_batch(step, rank)
                 loss = nn.functional.cross_entropy(net(x), y)
             else:
-                loss = net(torch.zeros(1)).sum()
+                batch = BATCH
+                if args.follow_advice and sync is not None:
+                    batch = sync.advised_batch_size or BATCH  # the control plane's share
+                record["batch"].append(batch)
+                loss = net(torch.zeros(batch)).sum()
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             opt.zero_grad()

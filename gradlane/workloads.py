@@ -45,8 +45,10 @@ def cnn_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fwd: float, bwd: float) -> Any:
-        ctx.bwd, ctx.numel = bwd, w.numel()
-        time.sleep(fwd)
+        # Compute grows with the samples in the batch: x holds one value per sample.
+        scale = x.shape[0] / BATCH
+        ctx.bwd, ctx.numel = bwd * scale, w.numel()
+        time.sleep(fwd * scale)
         return x + w[:1]
 
     @staticmethod
@@ -56,7 +58,11 @@ class _Sleep(torch.autograd.Function):
 
 
 class TraceLayer(nn.Module):
-    """A parameter of `numel` floats; forward sleeps `fwd` s, backward `bwd` s."""
+    """A parameter of `numel` floats; forward sleeps `fwd` s, backward `bwd` s.
+
+    Those are the times for a batch of `BATCH` samples; the input holds one
+    value per sample, and a smaller or larger batch sleeps proportionally.
+    """
 
     def __init__(self, numel: int, fwd: float, bwd: float) -> None:
         super().__init__()
