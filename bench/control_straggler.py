@@ -1,0 +1,40 @@
+"""Straggler mitigation by the control plane, on the emulated cluster (needs root).
+
+    sudo .venv/bin/python bench/control_straggler.py [--steps 40] [--json PATH]
+
+Runs `gradlane.benchmark.run_control_straggler`: one VGG-19 trace job on 4
+workers at speeds 1, 1, 1, 0.5, without and then with `gradlane control`,
+in one cluster. Writes both runs' iteration times, their medians (second
+half of the steps), the ratio, and every rank's batch per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, write  # noqa: E402
+
+from gradlane.benchmark import run_control_straggler  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/control_straggler.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gradlane-straggler-") as tmp:
+        result = run_control_straggler(Path(tmp), args.steps, say=print)
+    write(args.json, {"benchmark": "control_straggler", **result})
+    print(f"median iteration {result['without_control']['median_s'] * 1000:.1f} ms without "
+          f"the control plane, {result['with_control']['median_s'] * 1000:.1f} ms with it: "
+          f"{result['speedup']:.2f}x; final batches {[b[-1] for b in result['batches']]} "
+          f"-> {args.json}")
+
+
+if __name__ == "__main__":
+    main()
