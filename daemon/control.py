@@ -131,7 +131,6 @@ class ControlPlane:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._auth])
-        app[CLUSTER] = self
         app.router.add_get("/api/v1/cluster", self._cluster)
         app.router.add_get("/api/v1/daemon", self._websocket)
         app.router.add_post("/api/v1/report", self._post_report)
@@ -391,9 +390,6 @@ class ControlPlane:
                 "job_level": plan.job_level,
             },
         }
-
-
-CLUSTER = web.AppKey("cluster", ControlPlane)
 
 
 def _payload(msg: Any) -> str | bytes:

@@ -41,7 +41,7 @@ from typing import Any
 
 import msgpack
 
-from gradlane.daemon.protocol import _float, _int, _list, _name, _only
+from gradlane.daemon.fields import integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
 __all__ = [
@@ -144,20 +144,20 @@ def parse_register(raw: dict[str, Any]) -> Register:
         ProtocolError: a missing, unknown or badly typed field, or another version.
     """
     raw = _typed(raw, "register")
-    _only(raw, {"type", "version", "host", "leaf", "interfaces", "gradlane"})
-    if _int(raw, "version", 0, 1 << 16) != VERSION:
+    only(raw, {"type", "version", "host", "leaf", "interfaces", "gradlane"})
+    if integer(raw, "version", 0, 1 << 16) != VERSION:
         raise ProtocolError("version", f"register: protocol version {raw['version']}, "
                                        f"this control plane speaks {VERSION}")
     interfaces = []
-    for i, item in enumerate(_list(raw, "interfaces", MAX_INTERFACES)):
+    for i, item in enumerate(listed(raw, "interfaces", MAX_INTERFACES)):
         where = _map(item, f"register: interfaces[{i}]")
-        _only(where, {"type", "name", "rate_bps"})
-        interfaces.append(InterfaceReport(_name(where, "name"),
-                                          _int(where, "rate_bps", 1, 1 << 50)))
+        only(where, {"type", "name", "rate_bps"})
+        interfaces.append(InterfaceReport(text(where, "name"),
+                                          integer(where, "rate_bps", 1, 1 << 50)))
     if not interfaces:
         raise ProtocolError("bad_message", "register: at least one interface")
-    return Register(_name(raw, "host"), _int(raw, "leaf", 0, 1 << 16), tuple(interfaces),
-                    _name(raw, "gradlane"))
+    return Register(text(raw, "host"), integer(raw, "leaf", 0, 1 << 16), tuple(interfaces),
+                    text(raw, "gradlane"))
 
 
 def parse_report(raw: dict[str, Any]) -> Report:
@@ -167,33 +167,33 @@ def parse_report(raw: dict[str, Any]) -> Report:
         ProtocolError: a missing, unknown or badly typed field, or too many items.
     """
     raw = _typed(raw, "report")
-    _only(raw, {"type", "seq", "jobs"})
+    only(raw, {"type", "seq", "jobs"})
     jobs, names = [], set()
-    for i, item in enumerate(_list(raw, "jobs", MAX_JOBS)):
+    for i, item in enumerate(listed(raw, "jobs", MAX_JOBS)):
         where = _map(item, f"report: jobs[{i}]")
-        _only(where, {"type", "name", "global_batch", "layers", "chunk_bytes", "workers"})
-        name = _name(where, "name")
+        only(where, {"type", "name", "global_batch", "layers", "chunk_bytes", "workers"})
+        name = text(where, "name")
         if name in names:
             raise ProtocolError("bad_message", f"report: job {name!r} listed twice")
         names.add(name)
-        chunks = _list(where, "chunk_bytes", MAX_CHUNKS)
+        chunks = listed(where, "chunk_bytes", MAX_CHUNKS)
         if not all(isinstance(c, int) and not isinstance(c, bool) and 0 < c < 1 << 40
                    for c in chunks):
             raise ProtocolError("bad_message", f"report: jobs[{i}].chunk_bytes must be sizes > 0")
         workers, ranks = [], set()
-        for k, w in enumerate(_list(where, "workers", MAX_WORKERS)):
+        for k, w in enumerate(listed(where, "workers", MAX_WORKERS)):
             wmap = _map(w, f"report: jobs[{i}].workers[{k}]")
-            _only(wmap, {"type", "rank", "throughput", "batch"})
-            rank = _int(wmap, "rank", 0, MAX_WORKERS * 16)
+            only(wmap, {"type", "rank", "throughput", "batch"})
+            rank = integer(wmap, "rank", 0, MAX_WORKERS * 16)
             if rank in ranks:
                 raise ProtocolError("bad_message", f"report: job {name!r} rank {rank} twice")
             ranks.add(rank)
-            workers.append(WorkerReport(rank, _float(wmap, "throughput"),
-                                        _int(wmap, "batch", 0, 1 << 24)))
-        jobs.append(JobReport(name, _int(where, "global_batch", 0, 1 << 30),
-                              _int(where, "layers", 0, 1 << 20),
+            workers.append(WorkerReport(rank, number(wmap, "throughput"),
+                                        integer(wmap, "batch", 0, 1 << 24)))
+        jobs.append(JobReport(name, integer(where, "global_batch", 0, 1 << 30),
+                              integer(where, "layers", 0, 1 << 20),
                               tuple(int(c) for c in chunks), tuple(workers)))
-    return Report(_int(raw, "seq", 0, 1 << 62), tuple(jobs))
+    return Report(integer(raw, "seq", 0, 1 << 62), tuple(jobs))
 
 
 def _map(item: Any, where: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from typing import Any
 
 import msgpack
 
+from gradlane.daemon.fields import get, integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
 __all__ = [
@@ -57,7 +58,6 @@ VERSION = 1
 MAX_FRAME = 1 << 20
 MAX_FLOWS = 1024
 MAX_EVENTS = 16384
-MAX_NAME = 128
 _LEN = struct.Struct(">I")
 
 
@@ -188,109 +188,65 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
     """
     kind = raw.get("type")
     if kind == "hello":
-        _only(raw, {"type", "version", "job", "rank", "world_size", "flows"})
-        version = _int(raw, "version", 1, 1 << 16)
+        only(raw, {"type", "version", "job", "rank", "world_size", "flows"})
+        version = integer(raw, "version", 1, 1 << 16)
         if version != VERSION:
             raise ProtocolError(
                 "version", f"protocol version {version} unsupported (want {VERSION})"
             )
-        world = _int(raw, "world_size", 1, 1 << 20)
+        world = integer(raw, "world_size", 1, 1 << 20)
         return Hello(
             version=version,
-            job=_name(raw, "job"),
-            rank=_int(raw, "rank", 0, world - 1),
+            job=text(raw, "job"),
+            rank=integer(raw, "rank", 0, world - 1),
             world_size=world,
             flows=_flows(raw, bands),
         )
     if kind == "flows":
-        _only(raw, {"type", "flows"})
+        only(raw, {"type", "flows"})
         return SetFlows(flows=_flows(raw, bands))
     if kind == "chunks":
-        _only(raw, {"type", "iteration", "events"})
-        events = _list(raw, "events", MAX_EVENTS)
+        only(raw, {"type", "iteration", "events"})
+        events = listed(raw, "events", MAX_EVENTS)
         return Chunks(
-            iteration=_int(raw, "iteration", 0, 1 << 62),
+            iteration=integer(raw, "iteration", 0, 1 << 62),
             events=tuple(_event(e, i, bands) for i, e in enumerate(events)),
         )
     if kind == "timing":
-        _only(raw, {"type", "iteration", "compute_s", "comm_s", "samples"})
+        only(raw, {"type", "iteration", "compute_s", "comm_s", "samples"})
         return Timing(
-            iteration=_int(raw, "iteration", 0, 1 << 62),
-            compute_s=_float(raw, "compute_s"),
-            comm_s=_float(raw, "comm_s"),
-            samples=_int(raw, "samples", 0, 1 << 31),
+            iteration=integer(raw, "iteration", 0, 1 << 62),
+            compute_s=number(raw, "compute_s"),
+            comm_s=number(raw, "comm_s"),
+            samples=integer(raw, "samples", 0, 1 << 31),
         )
     if kind == "bye":
-        _only(raw, {"type"})
+        only(raw, {"type"})
         return Bye()
     raise ProtocolError("bad_message", f"unknown message type {kind!r}")
 
 
-def _only(raw: dict[str, Any], allowed: set[str]) -> None:
-    extra = set(raw) - allowed
-    if extra:
-        raise ProtocolError("bad_message", f"{raw['type']}: unknown fields {sorted(extra)}")
-
-
-def _get(raw: dict[str, Any], key: str) -> Any:
-    if key not in raw:
-        raise ProtocolError("bad_message", f"{raw.get('type')}: missing field {key!r}")
-    return raw[key]
-
-
-def _int(raw: dict[str, Any], key: str, low: int, high: int) -> int:
-    value = _get(raw, key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ProtocolError(
-            "bad_message", f"{raw.get('type')}: {key} must be an integer in {low}..{high}"
-        )
-    return value
-
-
-def _float(raw: dict[str, Any], key: str) -> float:
-    value = _get(raw, key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
-        raise ProtocolError("bad_message", f"{raw.get('type')}: {key} must be a number >= 0")
-    return float(value)
-
-
-def _name(raw: dict[str, Any], key: str) -> str:
-    value = _get(raw, key)
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or not value.isprintable():
-        raise ProtocolError(
-            "bad_message", f"{raw.get('type')}: {key} must be printable text of 1..{MAX_NAME} chars"
-        )
-    return value
-
-
-def _list(raw: dict[str, Any], key: str, most: int) -> list[Any]:
-    value = _get(raw, key)
-    if not isinstance(value, list) or len(value) > most:
-        raise ProtocolError("bad_message", f"{raw.get('type')}: {key} must be a list of <= {most}")
-    return value
-
-
 def _flows(raw: dict[str, Any], bands: int) -> tuple[FlowSpec, ...]:
     out = []
-    for i, item in enumerate(_list(raw, "flows", MAX_FLOWS)):
+    for i, item in enumerate(listed(raw, "flows", MAX_FLOWS)):
         if not isinstance(item, dict):
             raise ProtocolError("bad_message", f"{raw['type']}: flows[{i}] must be a map")
         where = {**item, "type": f"{raw['type']}: flows[{i}]"}
-        _only(where, {"type", "band", "src", "sport", "dst", "dport"})
+        only(where, {"type", "band", "src", "sport", "dst", "dport"})
         out.append(
             FlowSpec(
-                band=_int(where, "band", 0, bands - 1),
+                band=integer(where, "band", 0, bands - 1),
                 src=_ipv4(where, "src"),
-                sport=_int(where, "sport", 1, 65535),
+                sport=integer(where, "sport", 1, 65535),
                 dst=_ipv4(where, "dst"),
-                dport=_int(where, "dport", 1, 65535),
+                dport=integer(where, "dport", 1, 65535),
             )
         )
     return tuple(out)
 
 
 def _ipv4(raw: dict[str, Any], key: str) -> str:
-    value = _get(raw, key)
+    value = get(raw, key)
     try:
         return str(ipaddress.IPv4Address(value))
     except (ValueError, TypeError):
