@@ -8,7 +8,9 @@
    When it expires the daemon is told (`on_change`) and goes back to its
    local policy; `status()` says which one is in force.
 3. Any failure (refused, lost, a bad message) closes the connection and
-   retries with backoff up to `MAX_BACKOFF`; training never waits for it.
+   retries with jittered backoff up to `MAX_BACKOFF`; training never waits
+   for it. The cap is short so that plans flow again within a few seconds of
+   a control-plane restart; the jitter spreads a cluster's reconnections.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +35,7 @@ __all__ = ["ControlLink"]
 logger = logging.getLogger(__name__)
 
 REPORT_EVERY = 2.0
-MAX_BACKOFF = 5.0
+MAX_BACKOFF = 2.0
 
 
 class ControlLink:
@@ -117,7 +120,7 @@ class ControlLink:
                     self.last_error = error
                 finally:
                     self.connected = False
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(MAX_BACKOFF, backoff * 2)
 
     async def _session(self, http: aiohttp.ClientSession) -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import tempfile
 import time
 import tomllib
@@ -301,9 +302,31 @@ STRAGGLER_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "
                       "--forward-ms", "60", "--follow-advice"]
 
 
+# Run in a daemon's host: wait for a control plan that arrived after monotonic time
+# argv[1] (the clock is the machine's, shared by every namespace) and print how long
+# after it that was; exit 1 if none came within argv[2] seconds.
+_PLAN_PROBE = """
+import json, sys, time, urllib.request
+since, deadline = float(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:9464/status", timeout=1) as r:
+            link = json.load(r)["control"]
+        now = time.monotonic()
+        if link["plan_age_s"] is not None and now - link["plan_age_s"] > since:
+            print(now - link["plan_age_s"] - since)
+            sys.exit(0)
+    except (OSError, ValueError, KeyError):
+        pass
+    time.sleep(0.05)
+sys.exit(1)
+"""
+
+
 def run_control_straggler(workdir: Path, steps: int = 40,
                           say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """One job on workers at speeds 1, 1, 1, 0.5, without and then with the control plane.
+    """One job on workers at speeds 1, 1, 1, 0.5: without the control plane, with it, and
+    through a control-plane crash.
 
     1. 4 hosts run gradlaned with a ``[control]`` link to a fifth host; the
        control plane is down, so the daemons use their local policy and every
@@ -311,17 +334,22 @@ def run_control_straggler(workdir: Path, steps: int = 40,
     2. The control plane starts on the fifth host; once the 4 daemons have
        registered, the same job runs again and the workers take the batch
        shares it advises.
-    Both runs in one cluster. Returns rank 0's iteration times of each run,
-    every rank's batch per step in the second, and the daemons' exit codes.
+    3. The job runs a third time; a few seconds in, the control plane is
+       killed (SIGKILL) and restarted 2 s later. Every step must complete, and
+       the time from the restart until each daemon holds a plan from the new
+       control plane is measured in the daemons' own ``/status``.
+    All in one cluster. Returns rank 0's iteration times of each run, every
+    rank's batch per step in the second, the plan delays after the restart
+    and the daemons' exit codes.
 
     Raises:
-        TestbedError: the cluster, a daemon or the control plane failed.
+        TestbedError: the cluster, a daemon, a training step or the control plane failed.
     """
     import secrets
     import signal
     import sys
 
-    from gradlane.demo import run_on_cluster
+    from gradlane.demo import collect, launch, run_on_cluster
     from gradlane.errors import TestbedError
     from gradlane.testbed import Cluster, Topology
 
@@ -330,46 +358,56 @@ def run_control_straggler(workdir: Path, steps: int = 40,
     token_file = workdir / "control.token"
     token_file.write_text(token)
     args = ["--steps", str(steps), *STRAGGLER_WORKLOAD]
+    workers = [f"h{i}" for i in range(1, 5)]
     with Cluster(Topology.build("strag", 5, "1gbit")) as c:
         url = f"http://{c.addr('h5')}:7800"
         daemons = [
-            c.start_daemon(f"h{i}", workdir, args=[
+            c.start_daemon(host, workdir, args=[
                 "--control-url", url, "--control-token-file", str(token_file),
-                "--control-host", f"h{i}"])
-            for i in range(1, 5)
+                "--control-host", host])
+            for host in workers
         ]
         sockets = [sock for _, sock in daemons]
+        control_argv = [sys.executable, "-m", "gradlane.cli", "control", "--listen",
+                        f"{c.addr('h5')}:7800", "--token-file", str(token_file),
+                        "--cadence", "0.5"]
         say("without the control plane")
         without, _ = run_on_cluster(c, "gradlane", args, port=29810, out=workdir,
                                     sockets=sockets, speeds=STRAGGLER_SPEEDS, workers=4)
-        c.popen("h5", [sys.executable, "-m", "gradlane.cli", "control", "--listen",
-                       f"{c.addr('h5')}:7800", "--token-file", str(token_file),
-                       "--cadence", "0.5"])
-        # Ask from inside the control plane's host: the root namespace has no route there.
-        probe = ("import sys, urllib.request; r = urllib.request.urlopen(urllib.request.Request("
-                 f"{url + '/api/v1/cluster'!r}, headers={{'Authorization': 'Bearer {token}'}}),"
-                 " timeout=5); sys.stdout.write(r.read().decode())")
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if len(json.loads(c.run("h5", [sys.executable, "-c", probe]).stdout)["hosts"]) == 4:
-                    break
-            except (TestbedError, ValueError, KeyError):
-                pass  # not serving yet
-            if time.monotonic() > deadline:
-                raise TestbedError("the daemons did not register with the control plane in 20 s")
-            time.sleep(0.5)
+        control = c.popen("h5", control_argv)
+        _wait_view(c, "h5", url, token, lambda v: len(v["hosts"]) == len(workers),
+                   "all 4 daemons register")
         say("with the control plane")
         with_control, _ = run_on_cluster(c, "gradlane", args, port=29811, out=workdir,
                                          sockets=sockets, speeds=STRAGGLER_SPEEDS, workers=4)
+        batches = [json.loads((workdir / f"gradlane-rank{r}.json").read_text())["batch"]
+                   for r in range(4)]
+        say("through a control-plane crash (SIGKILL, restart 2 s later)")
+        job = launch(c, "gradlane", args, port=29812, out=workdir / "crash", sockets=sockets,
+                     speeds=STRAGGLER_SPEEDS, hosts=workers, job="crash")
+        # Training is under way once the control plane has throughput (hence shares) for it.
+        _wait_view(c, "h5", url, token, lambda v: len(set(v["plan"]["batch_shares"]["crash"])) > 1,
+                   "job crash's throughput")
+        control.kill()
+        control.wait()
+        time.sleep(2)
+        restarted = time.monotonic()
+        c.popen("h5", control_argv)
+        probes = [c.popen(h, [sys.executable, "-c", _PLAN_PROBE, repr(restarted), "15"],
+                          stdout=subprocess.PIPE, text=True) for h in workers]
+        delays = []
+        for host, probe in zip(workers, probes, strict=True):
+            out, _ = probe.communicate(timeout=30)
+            if probe.returncode:
+                raise TestbedError(f"no plan reached {host} within 15 s of the restart")
+            delays.append(float(out))
+        through_crash = collect(c, job)  # raises if a step failed
         codes = []
         for proc, _ in daemons:  # each restores its qdisc on SIGTERM
             proc.send_signal(signal.SIGTERM)
             codes.append(proc.wait(timeout=20))
             if proc.stderr is not None:
                 proc.stderr.close()
-    batches = [json.loads((workdir / f"gradlane-rank{r}.json").read_text())["batch"]
-               for r in range(4)]
     tail = steps // 2
     before = statistics.median(without.times[tail:])
     after = statistics.median(with_control.times[tail:])
@@ -380,5 +418,38 @@ def run_control_straggler(workdir: Path, steps: int = 40,
         "with_control": {"iteration_s": with_control.times, "median_s": after},
         "speedup": before / after,
         "batches": batches,
+        "control_crash": {
+            "iteration_s": through_crash.times,
+            "steps_completed": len(through_crash.times),
+            "plan_after_restart_s": delays,
+        },
         "daemon_exit_codes": codes,
     }
+
+
+def _wait_view(c: Any, host: str, url: str, token: str, ready: Callable[[dict[str, Any]], bool],
+               what: str, timeout: float = 30) -> None:
+    """Wait until the control plane's ``/api/v1/cluster`` at `url` satisfies `ready`.
+
+    Asked from inside `host` (the control plane's): the root namespace has no route there.
+
+    Raises:
+        TestbedError: not within `timeout` seconds (the message says `what` was awaited).
+    """
+    import sys
+
+    from gradlane.errors import TestbedError
+
+    probe = ("import sys, urllib.request; r = urllib.request.urlopen(urllib.request.Request("
+             f"{url + '/api/v1/cluster'!r}, headers={{'Authorization': 'Bearer {token}'}}),"
+             " timeout=5); sys.stdout.write(r.read().decode())")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if ready(json.loads(c.run(host, [sys.executable, "-c", probe]).stdout)):
+                return
+        except (TestbedError, ValueError, KeyError, TypeError):
+            pass  # not serving yet
+        if time.monotonic() > deadline:
+            raise TestbedError(f"the control plane did not see {what} in {timeout:.0f} s")
+        time.sleep(0.5)

@@ -328,6 +328,79 @@ def _tx_bytes(netns: str) -> int:
         return int(stats["tx_bytes"])
 
 
+@dataclass
+class Launched:
+    """One training job started on an emulated cluster (`launch`); `collect` waits for it."""
+
+    system: str
+    out: Path
+    hosts: list[str]
+    procs: list[subprocess.Popen[str]]
+    tx_before: list[int]
+    started: float
+
+
+def launch(
+    c: Any,
+    system: str,
+    worker_args: list[str],
+    *,
+    port: int,
+    out: Path,
+    sockets: list[Path] | None = None,
+    speeds: list[float] | None = None,
+    hosts: list[str] | None = None,
+    job: str | None = None,
+) -> Launched:
+    """Start `system` with one torchrun worker per host of `hosts` (default: all of `c`).
+
+    `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
+    sockets (gradlane only), `speeds` each rank's `--speed`, `job` the job
+    name the shims give (several jobs at once: give each its own `out`).
+    Rank 0 runs on the first host, which is also torchrun's rendezvous.
+    """
+    names = hosts or [f"h{i}" for i in range(1, c.topology.hosts + 1)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o755)
+    before = [_tx_bytes(c.ns(h)) for h in names]
+    procs = []
+    for rank, host in enumerate(names):
+        extra = list(worker_args)
+        if sockets:
+            extra += ["--daemon-socket", str(sockets[rank])]
+        if speeds:
+            extra += ["--speed", str(speeds[rank])]
+        if job:
+            extra += ["--job", job]
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
+                "--nproc-per-node", "1", "--node-rank", str(rank),
+                "--master-addr", c.addr(names[0]), "--master-port", str(port),
+                *_worker_argv(system, out, extra)]  # fmt: skip
+        procs.append(
+            c.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    return Launched(system, out, names, procs, before, time.monotonic())
+
+
+def collect(c: Any, job: Launched, timeout: float = 300) -> SystemRun:
+    """Wait for `job` (bounded by `timeout`); rank 0's run, with bytes sent by all its
+    hosts and the utilization of their links.
+
+    Raises:
+        TestbedError: a worker failed or did not finish in time (all are stopped).
+    """
+    _finish(job.procs, job.system, timeout=timeout)
+    run = _collect(job.system, job.out, time.monotonic() - job.started)
+    run.wire_bytes = sum(
+        _tx_bytes(c.ns(h)) - b for h, b in zip(job.hosts, job.tx_before, strict=True)
+    )
+    rate = sum(c.topology.rates[c.host_index(h) - 1] for h in job.hosts)
+    busy = sum(run.times)  # training time, without start-up
+    run.utilization = run.wire_bytes * 8 / (rate * busy) if busy else None
+    return run
+
+
 def run_on_cluster(
     c: Any,
     system: str,
@@ -340,51 +413,27 @@ def run_on_cluster(
     speeds: list[float] | None = None,
     workers: int | None = None,
 ) -> tuple[SystemRun, dict[str, Any]]:
-    """Run `system` with one torchrun worker per host of cluster `c`.
+    """Run `system` with one torchrun worker per host of cluster `c` (see `launch`).
 
-    `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
-    sockets (gradlane only); `speeds` gives each rank's `--speed`; `workers`
-    uses only the first hosts (default: all). With
-    `bands`, host 1's band leaves are sampled (see `_BandSampler`). Returns
-    rank 0's run (with bytes sent by all hosts and utilization of their
-    links) and the band usage.
+    `workers` uses only the first hosts (default: all). With `bands`, host
+    1's band leaves are sampled (see `_BandSampler`). Returns rank 0's run
+    and the band usage.
     """
-    names = [f"h{i}" for i in range(1, (workers or c.topology.hosts) + 1)]
-    rate = c.topology.rates[0]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
-    before = [_tx_bytes(c.ns(h)) for h in names]
-    start = time.monotonic()
-    procs = []
-    for rank, host in enumerate(names):
-        extra = list(worker_args)
-        if sockets:
-            extra += ["--daemon-socket", str(sockets[rank])]
-        if speeds:
-            extra += ["--speed", str(speeds[rank])]
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
-                "--nproc-per-node", "1", "--node-rank", str(rank),
-                "--master-addr", c.addr("h1"), "--master-port", str(port),
-                *_worker_argv(system, out, extra)]  # fmt: skip
-        procs.append(
-            c.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
+    hosts = [f"h{i}" for i in range(1, (workers or c.topology.hosts) + 1)]
+    job = launch(c, system, worker_args, port=port, out=out, sockets=sockets, speeds=speeds,
+                 hosts=hosts)
     usage: dict[str, Any] = {}
     if bands:
         sampler = _BandSampler(c.ns("h1"))
         try:
             deadline = time.monotonic() + 300
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            while any(p.poll() is None for p in job.procs) and time.monotonic() < deadline:
                 sampler.sample()
                 time.sleep(SAMPLE_S)
         finally:
             sampler.close()
         usage = sampler.band_usage(4)
-    _finish(procs, system, timeout=300)
-    run = _collect(system, out, time.monotonic() - start)
-    run.wire_bytes = sum(_tx_bytes(c.ns(h)) - b for h, b in zip(names, before, strict=True))
-    busy = sum(run.times)  # training time, without start-up
-    run.utilization = run.wire_bytes * 8 / (rate * len(names) * busy) if busy else None
-    return run, usage
+    return collect(c, job), usage
 
 
 def run_cluster(

@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--model-mb", type=float, default=10.0, help="trace: scaled model size")
     ap.add_argument("--forward-ms", type=float, default=50.0, help="trace: forward time")
     ap.add_argument("--speed", type=float, default=1.0, help="trace: relative compute speed")
+    ap.add_argument("--job", default="bench", help="gradlane systems: the job name shims give")
     ap.add_argument("--follow-advice", action="store_true",
                     help="trace, gradlane: take the local batch size the control plane advises")
     args = ap.parse_args()
@@ -97,7 +98,7 @@ def main() -> None:
     else:
         import gradlane.shim as gl
 
-        options: dict[str, Any] = {"job": "bench", "daemon_socket": "/nonexistent/gradlaned.sock"}
+        options: dict[str, Any] = {"job": args.job, "daemon_socket": "/nonexistent/gradlaned.sock"}
         if args.system == "fifo":
             options.update(dscp=(0,), overlap=False)
         if args.system == "gradlane":

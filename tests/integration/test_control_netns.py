@@ -7,7 +7,8 @@ run their local policy, every worker keeps its batch of 32); then it is
 started, the shims' timings reach it through the daemons, it answers with
 batch shares by throughput, and the workers take them. Both runs in the same
 cluster (`gradlane.benchmark.run_control_straggler`, which
-bench/control_straggler.py also runs to record the figures).
+bench/control_straggler.py also runs to record the figures). A third run
+goes through a SIGKILL of the control plane and its restart.
 """
 
 from __future__ import annotations
@@ -34,3 +35,10 @@ def test_batch_shares_from_the_control_plane_cut_the_straggler(tmp_path: Path) -
           f"{result['with_control']['median_s'] * 1000:.1f} ms with it "
           f"({result['speedup']:.2f}x)")
     assert result["speedup"] >= 1.3
+    # SIGKILL of the control plane mid-training, restart 2 s later: every step completed
+    # (`run_control_straggler` raises otherwise), and each daemon held a plan from the new
+    # control plane within 5 s of the restart, as its own /status tells.
+    crash = result["control_crash"]
+    print(f"plans after the restart: {[round(d, 2) for d in crash['plan_after_restart_s']]} s")
+    assert crash["steps_completed"] == len(result["with_control"]["iteration_s"])
+    assert max(crash["plan_after_restart_s"]) < 5.0
