@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/control_straggler.py [--steps 40] [--json PATH]
 
-Runs `gradlane.benchmark.run_control_straggler`: one VGG-19 trace job on 4
+Runs `gradlane.control_runs.run_control_straggler`: one VGG-19 trace job on 4
 workers at speeds 1, 1, 1, 0.5, without and then with `gradlane control`,
 in one cluster. Writes both runs' iteration times, their medians (second
 half of the steps), the ratio, and every rank's batch per step.
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, write  # noqa: E402
 
-from gradlane.benchmark import run_control_straggler  # noqa: E402
+from gradlane.control_runs import run_control_straggler  # noqa: E402
 
 
 def main() -> None:

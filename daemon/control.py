@@ -65,6 +65,8 @@ class ControlConfig:
     react_s: float = 0.05  # plan this soon after a change, at the earliest
     ttl_s: float = 10.0
     max_daemons: int = 4096
+    # Each leaf switch's uplink to the spine; None: a non-blocking fabric (plan as one switch).
+    uplink_bps: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.token) < 16:
@@ -74,6 +76,8 @@ class ControlConfig:
             raise ConfigError("cadence_s must be in (0, 3600] and react_s in [0, cadence_s]")
         if not self.ttl_s > self.cadence_s:
             raise ConfigError("ttl_s must exceed cadence_s, or plans expire between pushes")
+        if self.uplink_bps is not None and self.uplink_bps <= 0:
+            raise ConfigError("the uplink rate must be positive")
 
 
 def read_token(path: Path) -> str:
@@ -327,8 +331,12 @@ class ControlPlane:
                             for w in job.workers]
         # Daemons see only their own workers: without a stated global batch, it is the sum.
         jobs = {n: replace(j, global_batch=stated[n] or summed[n]) for n, j in jobs.items()}
-        # Uplink capacities are not reported (yet): plan as one switch, leaves kept in the view.
-        topology = Topology(tuple(Host(h.name, 0, h.nic_bps) for h in hosts) or (Host("-"),))
+        if self.config.uplink_bps is None or not hosts:
+            # A non-blocking fabric: plan as one switch, leaves kept in the view.
+            topology = Topology(tuple(Host(h.name, 0, h.nic_bps) for h in hosts) or (Host("-"),))
+        else:
+            leaves = max(h.leaf for h in hosts) + 1
+            topology = Topology(hosts, (self.config.uplink_bps,) * leaves)
         self.version += 1
         return State(
             jobs=tuple(sorted(jobs.values(), key=lambda j: j.name)),
@@ -342,7 +350,7 @@ class ControlPlane:
         plan, state = self.plan, self.state
         if plan is None or state is None or host not in self.hosts():
             return {"type": "plan", "version": 0, "ttl_s": 0.0, "source": None,
-                    "job_classes": {}, "batch_shares": {}, "ownership": {},
+                    "job_classes": {}, "batch_shares": {}, "ownership": {}, "leaf": None,
                     "computed_at": None}
         assert state.topology is not None
         names = [h.name for h in state.topology.hosts]
@@ -357,6 +365,8 @@ class ControlPlane:
             "job_classes": {j: [c.rate_bps, c.ceil_bps, c.prio] for j, c in classes.items()},
             "batch_shares": {j: list(s) for j, s in plan.batch_shares.items() if j in jobs},
             "ownership": {j: list(o) for j, o in plan.ownership.items() if j in jobs},
+            # The host's leaf switch when shims should reduce within leaves first.
+            "leaf": state.topology.hosts[mine].leaf if plan.reduce_in_leaf and mine >= 0 else None,
             "computed_at": self.planned_at,
         }
 
@@ -388,6 +398,7 @@ class ControlPlane:
                 "age_s": round(time.time() - self.planned_at, 3),
                 "batch_shares": {j: list(s) for j, s in plan.batch_shares.items()},
                 "job_level": plan.job_level,
+                "reduce_in_leaf": plan.reduce_in_leaf,
             },
         }
 

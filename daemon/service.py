@@ -420,6 +420,8 @@ class Daemon:
                     "version": protocol.VERSION,
                     "worker": worker.id,
                     "bands": list(self.config.bands),
+                    # Read once at attach: the job's reduction trees never change mid-run.
+                    "leaf": self.link.advised_leaf() if self.link is not None else None,
                 },
             )
             await self._send(writer, self._plan_message(worker))

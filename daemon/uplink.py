@@ -35,7 +35,7 @@ __all__ = ["ControlLink"]
 logger = logging.getLogger(__name__)
 
 REPORT_EVERY = 2.0
-MAX_BACKOFF = 2.0
+MAX_BACKOFF = 1.0
 
 
 class ControlLink:
@@ -83,6 +83,14 @@ class ControlLink:
         shares = self.plan["batch_shares"].get(job)
         share = shares[rank] if shares and 0 <= rank < len(shares) else None
         return share, self.plan["ownership"].get(job)
+
+    def advised_leaf(self) -> int | None:
+        """This host's leaf when a fresh plan says shims should reduce within leaves first."""
+        if not self.fresh():
+            return None
+        assert self.plan is not None
+        leaf = self.plan.get("leaf")
+        return leaf if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf >= 0 else None
 
     def status(self) -> dict[str, Any]:
         if self.fresh():

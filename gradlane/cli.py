@@ -451,7 +451,11 @@ DEFAULT_TOKEN = Path("/etc/gradlane/control.token")
 @click.option("--cadence", default=1.0, show_default=True, help="Seconds between plans.")
 @click.option("--ttl", default=10.0, show_default=True,
               help="Seconds a daemon may keep a plan without hearing from the control plane.")
-def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: float) -> None:
+@click.option("--uplink", default=None,
+              help="Each leaf switch's uplink rate to the spine, e.g. 40gbit; daemons report "
+                   "their leaf. Default: a non-blocking fabric.")
+def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: float,
+            uplink: str | None) -> None:
     """Run the control plane in the foreground until SIGTERM/SIGINT.
 
     Daemons connect to ws://LISTEN/api/v1/daemon; GET /api/v1/cluster shows
@@ -466,7 +470,8 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
         raise click.BadParameter(f"expected host:port, got {listen!r}", param_hint="--listen")
     try:
         config = ControlConfig(token=read_token(token_file), host=host, port=int(port),
-                               policy=policy, cadence_s=cadence, ttl_s=ttl)
+                               policy=policy, cadence_s=cadence, ttl_s=ttl,
+                               uplink_bps=None if uplink is None else parse_rate(uplink))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
 

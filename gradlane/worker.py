@@ -104,6 +104,8 @@ def main() -> None:
         if args.system == "gradlane":
             options["daemon_socket"] = args.daemon_socket
         with gl.attach(model, opt, **options) as sync:
+            # The leaf of every rank when chunks are reduced within leaves first.
+            record["leaves"] = list(sync.leaves) if sync.leaves else None
             train(model, sync)
             sync.flush()
     (args.out / f"{args.system}-rank{rank}.json").write_text(json.dumps(record))

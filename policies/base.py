@@ -262,7 +262,9 @@ class Plan:
     are aligned with `State.flows`; `coflow_order` lists coflow ids, first
     served first, and `job_level` maps each job to the priority level its
     coflow got; `ownership[job][i]` is the rank owning chunk ``i``;
-    `batch_shares[job][rank]` the local batch size of that rank.
+    `batch_shares[job][rank]` the local batch size of that rank;
+    `reduce_in_leaf` tells shims to reduce each chunk within each leaf switch
+    before it crosses the spine (`gradlane.policies.chunks.reduction_parents`).
     """
 
     job_classes: dict[str, JobClassPlan]
@@ -275,6 +277,7 @@ class Plan:
     ownership: dict[str, tuple[int, ...]] = field(default_factory=dict)
     batch_shares: dict[str, tuple[int, ...]] = field(default_factory=dict)
     tuning: dict[str, Tuning] = field(default_factory=dict)
+    reduce_in_leaf: bool = False
     version: int = 0
     ttl_s: float = DEFAULT_TTL_S
 
@@ -297,6 +300,7 @@ class Plan:
             "ownership": {j: list(o) for j, o in sorted(self.ownership.items())},
             "batch_shares": {j: list(s) for j, s in sorted(self.batch_shares.items())},
             "tuning": {j: [t.chunk_bytes, t.credit_bytes] for j, t in sorted(self.tuning.items())},
+            "reduce_in_leaf": self.reduce_in_leaf,
         }
 
 

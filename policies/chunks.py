@@ -14,7 +14,7 @@ import numpy as np
 
 from gradlane.errors import ConfigError
 
-__all__ = ["assign_owners", "band_of"]
+__all__ = ["assign_owners", "band_of", "reduction_parents"]
 
 
 def assign_owners(
@@ -92,3 +92,39 @@ def band_of(order: int, layers: int, bands: int) -> int:
     if layers <= 0:
         return bands - 1
     return min(bands - 1, order * bands // layers)
+
+
+def reduction_parents(owner: int, leaves: Sequence[int]) -> list[int]:
+    """Where each rank sends its part of one chunk: the chunk's reduction tree.
+
+    `leaves[r]` is the leaf switch of rank r. Ranks send to their leaf's
+    *leaf owner*; leaf owners send the leaf's partial sum to `owner`, which
+    sends the average back down the same tree. So one copy of the chunk
+    crosses each leaf's uplink per direction, not one per rank on the other
+    side: with k ranks per leaf, the spine carries k times fewer bytes
+    (hierarchical reduction, as Horovod's and PLink's, per chunk).
+
+    The leaf owner of leaf L is the member of L at the owner's position in its
+    own leaf, modulo L's size (members in rank order): ranks that own equal
+    bytes lead their leaves for equal bytes. With one leaf this is the flat
+    exchange, every rank sending straight to `owner`.
+
+    Returns ``parents[r]``, with ``parents[owner] == -1``.
+    """
+    world = len(leaves)
+    if not 0 <= owner < world:
+        raise ConfigError(f"owner {owner} is not a rank of {world}")
+    members: dict[int, list[int]] = {}
+    for rank, leaf in enumerate(leaves):
+        members.setdefault(leaf, []).append(rank)
+    position = members[leaves[owner]].index(owner)
+    lead = {leaf: ranks[position % len(ranks)] for leaf, ranks in members.items()}
+    parents = []
+    for rank, leaf in enumerate(leaves):
+        if rank == owner:
+            parents.append(-1)
+        elif rank == lead[leaf]:
+            parents.append(owner)
+        else:
+            parents.append(lead[leaf])
+    return parents

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradlane.policies.base import FloatArray, IntArray, JobClassPlan, State
+from gradlane.policies.base import FloatArray, IntArray, JobClassPlan, State, Topology
 
 __all__ = [
     "equal_split",
@@ -17,8 +17,23 @@ __all__ = [
     "link_sum",
     "madd",
     "max_min",
+    "oversubscribed",
     "per_coflow_link_load",
 ]
+
+
+def oversubscribed(topology: Topology | None) -> bool:
+    """Whether some leaf's hosts can send more than its uplink carries.
+
+    Then every byte kept off the spine counts, and shims should reduce each
+    chunk within each leaf first (`Plan.reduce_in_leaf`); on a non-blocking
+    fabric the extra hop would only add latency.
+    """
+    if topology is None or not topology.uplink_bps:
+        return False
+    nic = np.zeros(topology.leaves)
+    np.add.at(nic, topology.host_leaf, [h.nic_bps for h in topology.hosts])
+    return bool(np.any(nic > np.asarray(topology.uplink_bps)))
 
 
 def flow_links(state: State) -> IntArray:

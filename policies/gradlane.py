@@ -4,7 +4,8 @@
    critical flows moved up one band. Every job's band 0 goes before any
    job's band 1: what blocks a forward pass now goes first, whoever owns it.
 2. Rates: per-flow max-min in band order (`priority`).
-3. Chunk ownership: `loadbalance` (owners weighted by link rate).
+3. Chunk ownership: `loadbalance` (owners weighted by link rate; reduction
+   within leaves first when uplinks are oversubscribed).
 4. Batch shares: `straggler` (proportional to measured throughput).
 5. Partition size and credit: `priority`'s compass search.
 6. The coflow order (`coflow`'s BSSI) is computed and reported, but does
@@ -57,5 +58,6 @@ class GradlanePolicy(Policy):
             ownership=balanced_ownership(state),
             batch_shares=throughput_shares(state),
             tuning=tuning,
+            reduce_in_leaf=fabric.oversubscribed(state.topology),
             version=state.version,
         )

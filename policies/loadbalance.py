@@ -15,6 +15,13 @@ its chunks' bytes. Its link finishes at that over its rate, so:
    balanced on its own first (its chunks are exchanged together, so its
    slowest owner sets its time), overall balance breaking ties.
 
+4. When a leaf's hosts can send more than its uplink carries
+   (`fabric.oversubscribed`), the plan asks shims to reduce each chunk
+   within each leaf first (`Plan.reduce_in_leaf`): one copy per leaf
+   crosses the spine instead of one per rank, hierarchical all-reduce as in
+   Horovod and PLink (which finds the locality by probing; here the daemons
+   report their leaf).
+
 Departures from TicTac/BytePS-style balancing: ownership is by measured
 link rate, not only bytes; hosts have one NIC here, so there is no path to
 choose (with several NICs the weight would be their sum and the path the
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from gradlane.policies import fabric
 from gradlane.policies.base import Plan, Policy, State, register
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.priority import PriorityPolicy
@@ -55,4 +63,5 @@ def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
 class LoadBalancePolicy(Policy):
     def plan(self, state: State) -> Plan:
         base = PriorityPolicy().plan(state)
-        return replace(base, source=self.name, ownership=balanced_ownership(state))
+        return replace(base, source=self.name, ownership=balanced_ownership(state),
+                       reduce_in_leaf=fabric.oversubscribed(state.topology))

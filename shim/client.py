@@ -42,6 +42,9 @@ class DaemonClient:
         connected: whether a daemon accepted our hello.
         plan: the last plan message, or None.
         advised_batch_share: the batch share the plan advises (None: keep yours).
+        advised_leaf: this host's leaf switch when, at the welcome, the
+            control plane advised reducing within leaves first (None: the flat
+            exchange). Read once at attach: reduction trees never change mid-run.
     """
 
     def __init__(self, config: ShimConfig, rank: int, world: int, mesh: Mesh) -> None:
@@ -49,6 +52,8 @@ class DaemonClient:
         self.connected = False
         self.plan: dict[str, Any] | None = None
         self.advised_batch_share: float | None = None
+        self.advised_leaf: int | None = None
+        self.welcomed = threading.Event()
         self.daemon_bands: tuple[int, ...] | None = None
         self._events: list[list[float | int]] = []
         self._step = 0
@@ -153,7 +158,9 @@ class DaemonClient:
             if welcome.get("type") != "welcome":
                 raise ProtocolError("order", f"expected welcome, got {welcome.get('type')!r}")
             self._adopt_bands(welcome.get("bands"))
+            self.advised_leaf = _leaf(welcome.get("leaf"))
             self.connected, self._said_absent = True, False
+            self.welcomed.set()
             logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))
             sock.settimeout(0.2)
             while not self._stop.is_set():
@@ -215,3 +222,7 @@ class DaemonClient:
         for flow in flows:
             flow["band"] = self._band(int(flow["band"]))  # type: ignore[call-overload]
         return flows
+
+
+def _leaf(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

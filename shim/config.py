@@ -39,6 +39,12 @@ class ShimConfig:
         daemon_socket: gradlaned's Unix socket; used when it exists.
         job: the job name the daemon and control plane see.
         sndbuf_bytes: SO_SNDBUF of band connections (0 = kernel autotuning).
+        leaf: the leaf switch this worker's host hangs off, when the fabric's
+            uplinks are oversubscribed: when every rank has one, each chunk
+            is reduced within each leaf first and only one copy per leaf
+            crosses the spine (`gradlane.policies.chunks.reduction_parents`).
+            None (the default): the control plane's advice through gradlaned,
+            if any; else the flat exchange.
     """
 
     chunk_bytes: int = 1 << 20
@@ -49,6 +55,7 @@ class ShimConfig:
     daemon_socket: str = "/run/gradlane/gradlaned.sock"
     job: str = "default"
     sndbuf_bytes: int = 0
+    leaf: int | None = None
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 1 << 30:
@@ -65,6 +72,8 @@ class ShimConfig:
             raise ConfigError(f"job must be 1..128 characters, not starting with '_': {self.job!r}")
         if self.sndbuf_bytes < 0:
             raise ConfigError(f"sndbuf_bytes must be >= 0, got {self.sndbuf_bytes}")
+        if self.leaf is not None and not (isinstance(self.leaf, int) and 0 <= self.leaf < 1 << 16):
+            raise ConfigError(f"leaf must be an integer 0..65535 or None, got {self.leaf!r}")
 
     @property
     def bands(self) -> int:

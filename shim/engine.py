@@ -2,17 +2,26 @@
 
 A *group* is a flat gradient buffer that is synchronized as a unit (one
 layer's gradients of one dtype, or one DDP bucket). It is cut into chunks;
-each chunk has one owner rank. For every step:
+each chunk has one owner rank and a reduction tree towards it
+(`gradlane.policies.chunks.reduction_parents`): with every rank on one leaf
+(the default) all ranks send straight to the owner; with the ranks' leaf
+switches known, ranks send to their leaf's leader, which forwards the leaf's
+partial sum, so one copy per leaf crosses the spine. For every step:
 
 1. When a group's local gradient is complete (`Engine.ready`), each chunk goes
-   to its owner (reduce-scatter, RS) through the sender queue of that peer.
-2. The owner, once it holds all `world` contributions of a chunk, computes the
-   sample-weighted mean ``sum(n_r * g_r) / sum(n_r)`` in float32 (float64 for
-   float64 gradients), adding ranks in order, and writes it to the group's
-   output buffer.
-3. The owner sends that result to every peer (all-gather, AG); every replica
-   therefore holds the exact same bytes.
-4. A group is done for the step when all its chunks are; waiters wake and the
+   to its parent in the tree (reduce-scatter, RS) through the sender queue of
+   that peer.
+2. A leaf leader, once it holds its leaf's contributions, sends their
+   sample-weighted sum ``sum(n_r * g_r)`` and ``sum(n_r)`` to the owner
+   (a partial sum, PS).
+3. The owner, once it holds all contributions, computes the sample-weighted
+   mean ``sum(n_r * g_r) / sum(n_r)`` in float32 (float64 for float64
+   gradients), adding its children in rank order, and writes it to the
+   group's output buffer.
+4. The owner sends that result down the tree (all-gather, AG; leaders
+   forward it to their leaf); every replica therefore holds the exact same
+   bytes.
+5. A group is done for the step when all its chunks are; waiters wake and the
    group's callback runs.
 
 Scheduling: a chunk rides its group's band. Every connection (peer, band)
@@ -47,13 +56,14 @@ from dataclasses import dataclass, field
 import torch
 
 from gradlane.errors import PeerLost, TransportError
+from gradlane.policies.chunks import reduction_parents
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
 __all__ = ["Chunk", "Engine", "Group"]
 
 logger = logging.getLogger(__name__)
 
-RS, AG, BYE = 1, 2, 3
+RS, AG, BYE, PS = 1, 2, 3, 4
 _HDR = struct.Struct("<BxxxIQIII")  # kind, group, step, chunk, nbytes, samples
 _LAST = (1 << 62,)
 
@@ -65,11 +75,17 @@ class Chunk:
     start: int
     stop: int
     owner: int
+    parent: int = -1  # where this rank's contribution goes (-1: this rank owns the chunk)
+    children: tuple[int, ...] = ()  # whose contributions come here, and the result goes to
     done_step: int = -1
-    # Owner side only: one receive buffer per peer, and this step's arrivals.
+    # Ranks with children: one receive buffer per child, this step's arrivals, their
+    # sample counts and multipliers (n for a gradient, 1 for a partial sum), and (leaders)
+    # the partial sum sent up.
     inbox: dict[int, torch.Tensor] = field(default_factory=dict)
-    samples: list[int] = field(default_factory=list)
+    samples: dict[int, int] = field(default_factory=dict)
+    mult: dict[int, int] = field(default_factory=dict)
     have: set[int] = field(default_factory=set)
+    partial: torch.Tensor | None = None
     # Byte views made once (sockets read and write tensor memory through them).
     nbytes: int = 0
     grad_bytes: memoryview = field(init=False)
@@ -112,6 +128,8 @@ class Engine:
         timeout_s: see `ShimConfig.timeout_s`.
         on_event: called ``(group, chunk, kind)`` when a chunk is queued
             ("ready") and when it is averaged ("done"); for the daemon client.
+        leaves: each rank's leaf switch, the same on every rank (default: one
+            leaf, the flat exchange); see the module docstring.
     """
 
     def __init__(
@@ -119,9 +137,13 @@ class Engine:
         mesh: Mesh,
         timeout_s: float,
         on_event: Callable[[Group, Chunk, str], None] | None = None,
+        leaves: Sequence[int] | None = None,
     ) -> None:
         self.mesh = mesh
         self.rank, self.world = mesh.rank, mesh.world
+        if leaves is not None and len(leaves) != self.world:
+            raise TransportError(f"need one leaf per rank: {len(leaves)} for {self.world}")
+        self.leaves = tuple(leaves) if leaves is not None else (0,) * self.world
         self.timeout_s = timeout_s
         self.on_event = on_event
         self.on_failure: Callable[[TransportError], None] | None = None
@@ -184,14 +206,28 @@ class Engine:
             step=self.step - 1,
             done_step=self.step - 1,
         )
+        trees: dict[int, list[int]] = {}  # owner -> parents (the tree depends on the owner only)
         for i, ((start, stop), owner) in enumerate(zip(ranges, owners, strict=True)):
-            chunk = Chunk(group, i, start, stop, owner, done_step=self.step - 1)
-            if owner == self.rank:
-                chunk.samples = [0] * self.world
+            if owner not in trees:
+                trees[owner] = reduction_parents(owner, self.leaves)
+            parents = trees[owner]
+            chunk = Chunk(
+                group,
+                i,
+                start,
+                stop,
+                owner,
+                parent=parents[self.rank],
+                children=tuple(r for r, up in enumerate(parents) if up == self.rank),
+                done_step=self.step - 1,
+            )
+            if chunk.children:
                 chunk.inbox = {
-                    p: torch.empty(stop - start, dtype=grad.dtype) for p in self.mesh.peers()
+                    p: torch.empty(stop - start, dtype=grad.dtype) for p in chunk.children
                 }
                 chunk.inbox_bytes = {p: tensor_bytes(t) for p, t in chunk.inbox.items()}
+                if chunk.parent >= 0:
+                    chunk.partial = torch.empty(stop - start, dtype=grad.dtype)
             group.chunks.append(chunk)
         group.remaining = len(group.chunks)
         with self._cond:
@@ -219,14 +255,14 @@ class Engine:
         for chunk in group.chunks:
             if self.on_event:
                 self.on_event(group, chunk, "ready")
-            if chunk.owner == self.rank:
-                self._contribute(chunk, self.rank, self.samples, self.step)
+            if chunk.children or chunk.parent < 0:
+                self._contribute(chunk, self.rank, self.samples, self.samples, self.step)
             else:
                 header = _HDR.pack(
                     RS, group.gid, self.step, chunk.index, chunk.nbytes, self.samples
                 )
                 self._enqueue(
-                    chunk.owner,
+                    chunk.parent,
                     (group.priority, 1, chunk.index),
                     header,
                     chunk.grad_bytes,
@@ -269,10 +305,8 @@ class Engine:
             for chunk in group.chunks:
                 if chunk.done_step >= step:
                     continue
-                if chunk.owner != self.rank:
-                    ranks.append(chunk.owner)
-                else:
-                    ranks.extend(p for p in self.mesh.peers() if p not in chunk.have)
+                waiting = [p for p in chunk.children if p not in chunk.have]
+                ranks.extend(waiting or [chunk.parent])
         return ranks or [p for p in self.mesh.peers()]
 
     def raise_error(self) -> None:
@@ -385,21 +419,28 @@ class Engine:
                         self._peer_left(peer, f"left (closed its shim at step {step})")
                     return
                 chunk = self._chunk(peer, gid, index, nbytes)
-                if kind == RS:
+                if kind in (RS, PS):
                     self._check_step(peer, step, (self.step, self.step + 1), "contribution")
-                    if chunk.owner != self.rank:
+                    if peer not in chunk.children:
                         raise TransportError(
-                            f"rank {peer} sent chunk {index} of {chunk.group.label} to a non-owner"
+                            f"rank {peer} sent chunk {index} of {chunk.group.label} to a rank "
+                            "that does not reduce it for them"
                         )
                     if not _recv_into(sock, chunk.inbox_bytes[peer]):
                         raise ConnectionError("closed mid-chunk")
                     self.last_rx = time.monotonic()
-                    self._contribute(chunk, peer, samples, step)
+                    self._contribute(chunk, peer, samples, samples if kind == RS else 1, step)
                 elif kind == AG:
                     self._check_step(peer, step, (self.step,), "result")
+                    if peer != chunk.parent:
+                        raise TransportError(
+                            f"rank {peer} sent a result of chunk {index} of {chunk.group.label} "
+                            "it does not send"
+                        )
                     if not _recv_into(sock, chunk.out_bytes):
                         raise ConnectionError("closed mid-chunk")
                     self.last_rx = time.monotonic()
+                    self._send_down(chunk, step)
                     self._chunk_done(chunk, step)
                 else:
                     raise TransportError(f"rank {peer} sent an unknown frame kind {kind}")
@@ -434,20 +475,28 @@ class Engine:
 
     # -- reduction and completion ------------------------------------------
 
-    def _contribute(self, chunk: Chunk, rank: int, samples: int, step: int) -> None:
+    def _contribute(self, chunk: Chunk, rank: int, samples: int, mult: int, step: int) -> None:
+        """`rank`'s part arrived: `samples` samples, to be weighted by `mult` (n or 1)."""
         with self._cond:
-            chunk.samples[rank] = samples
+            chunk.samples[rank], chunk.mult[rank] = samples, mult
             chunk.have.add(rank)
-            complete = len(chunk.have) == self.world
+            complete = len(chunk.have) == len(chunk.children) + 1
         if not complete:
             return
         group = chunk.group
-        result = group.out[chunk.start : chunk.stop]
-        total = sum(chunk.samples)
-        weights = [n / total if total else 0.0 for n in chunk.samples]
+        root = chunk.parent < 0
+        result = group.out[chunk.start : chunk.stop] if root else chunk.partial
+        assert result is not None
+        total = sum(chunk.samples.values())
+        ranks = sorted(chunk.have)
+        # The owner averages; a leader sums the weighted gradients of its leaf.
+        if root:
+            weights = [chunk.mult[r] / total if total else 0.0 for r in ranks]
+        else:
+            weights = [float(chunk.mult[r]) for r in ranks]
         parts = [
             group.grad[chunk.start : chunk.stop] if r == self.rank else chunk.inbox[r]
-            for r in range(self.world)
+            for r in ranks
         ]
         if group.grad.dtype in (torch.float32, torch.float64):
             # Accumulate in place in the result: no temporary, one pass per rank.
@@ -461,13 +510,29 @@ class Engine:
             result.copy_(acc)
         with self._cond:
             chunk.have.clear()
-            chunk.samples = [0] * self.world
+            chunk.samples.clear()
+            chunk.mult.clear()
+        if not root:
+            header = _HDR.pack(PS, group.gid, step, chunk.index, chunk.nbytes, total)
+            self._enqueue(
+                chunk.parent,
+                (group.priority, 1, chunk.index),
+                header,
+                tensor_bytes(result),
+                group.band,
+            )
+            return  # done when the result comes back down
+        self._send_down(chunk, step)
+        self._chunk_done(chunk, step)
+
+    def _send_down(self, chunk: Chunk, step: int) -> None:
+        """Send this step's result of `chunk` (in the group's output) to its children."""
+        group = chunk.group
         header = _HDR.pack(AG, group.gid, step, chunk.index, chunk.nbytes, 0)
-        for peer in self.mesh.peers():
+        for peer in chunk.children:
             self._enqueue(
                 peer, (group.priority, 0, chunk.index), header, chunk.out_bytes, group.band
             )
-        self._chunk_done(chunk, step)
 
     def _chunk_done(self, chunk: Chunk, step: int) -> None:
         group = chunk.group

@@ -153,6 +153,9 @@ class _Slot:
     numel: int
 
 
+WELCOME_WAIT_S = 2.0
+
+
 class Sync:
     """The handle `attach` returns. Use as a context manager or call `close`."""
 
@@ -194,7 +197,10 @@ class Sync:
         try:
             self._broadcast_state()
             self.client = DaemonClient(config, rank, world, self.mesh)
-            self.engine = Engine(self.mesh, config.timeout_s, on_event=self.client.chunk_event)
+            self.leaves = self._agree_leaves(store)
+            self.engine = Engine(
+                self.mesh, config.timeout_s, on_event=self.client.chunk_event, leaves=self.leaves
+            )
         except BaseException:
             self.mesh.close()
             raise
@@ -290,6 +296,30 @@ class Sync:
         for verdict in verdicts:
             if verdict != "ok":
                 raise ModelMismatch(verdict)
+
+    def _agree_leaves(self, store: Store) -> tuple[int, ...] | None:
+        """Every rank's leaf switch if all know theirs and there are several, else None.
+
+        A rank's leaf is `ShimConfig.leaf`, or what gradlaned's welcome says
+        the control plane advises (waited for up to `WELCOME_WAIT_S` when a
+        daemon socket exists). One rank without a leaf keeps the whole job on
+        the flat exchange: every rank must build the same reduction trees.
+        """
+        mine = self.config.leaf
+        if mine is None and os.path.exists(self.config.daemon_socket):
+            self.client.welcomed.wait(WELCOME_WAIT_S)
+            mine = self.client.advised_leaf
+        key = f"{self._prefix}/leaf"
+        try:
+            store.set(f"{key}/{self.rank}", str(-1 if mine is None else mine))
+            leaves = tuple(int(store.get(f"{key}/{r}")) for r in range(self.world))
+        except RuntimeError as exc:
+            raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
+        if min(leaves) < 0 or len(set(leaves)) == 1:
+            return None
+        if self.rank == 0:
+            logger.info("gradlane: reducing within leaves first: %s", leaves)
+        return leaves
 
     def _broadcast_state(self) -> None:
         """Copy rank 0's parameters and buffers to every rank (band-0 connections)."""

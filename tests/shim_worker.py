@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--daemon-socket", default="/nonexistent/gradlaned.sock")
     ap.add_argument("--ddp-hook", action="store_true", help="DDP(gloo) + gradlane's comm hook")
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
+    ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
     args = ap.parse_args()
 
     import gradlane.shim as gl
@@ -121,6 +122,7 @@ def main() -> None:
             timeout_s=args.timeout,
             daemon_socket=args.daemon_socket,
             job="test",
+            leaf=args.leaf,
         ) as sync:
             for step in range(args.steps):
                 x, y = batch(step, sum(sizes), dtype)
@@ -135,6 +137,7 @@ def main() -> None:
                 print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
                 time.sleep(args.step_sleep)
             sync.flush()
+            print(f"rank {rank} leaves {sync.leaves}", flush=True)
     except PeerLost as exc:
         print(f"PeerLost: {exc}", file=sys.stderr, flush=True)
         sys.exit(3)

@@ -7,9 +7,11 @@ Model (what is simulated, and what is not):
    gradient exchange is one *collective*: the reduce-scatter and all-gather
    flows of all its chunks, each chunk's owner as the plan says. A
    collective's flows move at one per-flow rate (it is done only when all
-   are), and it loads link ``l`` with ``n_l`` flows, from the ownership:
-   host ``h`` sends ``S + (W - 2) * owned(h)`` bytes of a bucket of ``S``,
-   a leaf's uplink carries the traffic between its workers and the others.
+   are), and it loads link ``l`` with ``n_l`` flows, from the ownership and
+   each chunk's reduction tree (`gradlane.policies.chunks.reduction_parents`,
+   the shim's own): flat, host ``h`` sends ``S + (W - 2) * owned(h)`` bytes
+   of a bucket of ``S``; when the plan says `reduce_in_leaf`, one copy of
+   each chunk per leaf crosses the spine each way.
 2. Sharing, as gradlaned and DSCP switches enforce it: strict priority by
    (the job's coflow level, the band of the bucket), both from the plan;
    collectives at the same priority share by per-flow max-min (TCP-like,
@@ -54,7 +56,7 @@ from gradlane.policies.base import (
     State,
     Worker,
 )
-from gradlane.policies.chunks import assign_owners
+from gradlane.policies.chunks import assign_owners, reduction_parents
 from gradlane.policies.sim.scenario import Scenario, SimJob
 
 __all__ = ["Result", "full_demand_state", "simulate"]
@@ -121,8 +123,9 @@ class _Job:
         self.iteration_shares = self.shares.copy()
         self.band = np.zeros(self.nb, dtype=np.int64)
         self.level = 0
-        self.set_ownership(tuple(assign_owners(self.chunk_bytes, self.w)))
+        self._trees: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
         self.peer_in_leaf, self.peer_next_leaf = self._peers()
+        self.set_ownership(tuple(assign_owners(self.chunk_bytes, self.w)), in_leaf=False)
         self.ready_at = np.zeros(self.nb)  # when each bucket's gradient is (or will be) ready
         # Timeline.
         self.iteration = 0
@@ -142,30 +145,53 @@ class _Job:
         """Per worker, its compute time relative to an even share at speed 1."""
         return np.asarray((self.shares / (self.spec.global_batch / self.w)) / self.speed)
 
-    def set_ownership(self, owners: tuple[int, ...]) -> None:
+    def set_ownership(self, owners: tuple[int, ...], in_leaf: bool) -> None:
         """Per bucket, the links its collective loads and with how many flows."""
-        self.owners = owners
+        self.owners, self.in_leaf = owners, in_leaf
         owned = np.zeros((self.nb, self.w))  # chunks of each bucket owned by each rank
         for b in range(self.nb):
             ranks = owners[self.first_chunk[b]:self.first_chunk[b + 1]]
             owned[b] = np.bincount(ranks, minlength=self.w)
         self.owned_chunks = owned
-        m = np.array(self.n_chunks, dtype=np.float64)[:, None]
-        per_host = m + (self.w - 2) * owned  # flows on each worker's egress (and ingress)
-        links = [self.hosts, self.n_hosts + self.hosts]
-        counts = [per_host, per_host]
-        if self.n_leaves:
-            leaves = np.unique(self.leaf)
-            in_leaf = np.array([(self.leaf == lf).sum() for lf in leaves], dtype=np.float64)
-            owned_leaf = np.stack([owned[:, self.leaf == lf].sum(axis=1) for lf in leaves], axis=1)
-            cross = (self.w - in_leaf) * owned_leaf + in_leaf * (m - owned_leaf)
-            base = 2 * self.n_hosts
-            links += [base + leaves, base + self.n_leaves + leaves]
-            counts += [cross, cross]
-        self.links = np.concatenate(links)
-        self.counts = np.concatenate(counts, axis=1)  # (buckets, links)
-        if self.w == 1:
-            self.counts[:] = 0
+        per_owner, crossing = self._tree_flows(in_leaf)
+        self.counts = owned @ per_owner  # (buckets, links)
+        self.cross_counts = owned @ crossing  # (buckets, workers): flows leaving the leaf
+        leaves = np.unique(self.leaf) if self.n_leaves else np.zeros(0, dtype=np.int64)
+        base = 2 * self.n_hosts
+        self.links = np.concatenate([self.hosts, self.n_hosts + self.hosts, base + leaves,
+                                     base + self.n_leaves + leaves])
+
+    def _tree_flows(self, in_leaf: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Per owner rank, the flows one chunk puts on each link, and per rank its flows
+        that leave its leaf (cached: they depend on the placement only).
+
+        Columns of the first: workers' egress, their ingress, then the job's leaves'
+        uplinks and downlinks. Each tree edge carries one flow up (the contribution)
+        and one down (the result).
+        """
+        if in_leaf in self._trees:
+            return self._trees[in_leaf]
+        w = self.w
+        leaves = np.unique(self.leaf) if self.n_leaves else np.zeros(0, dtype=np.int64)
+        slot = np.searchsorted(leaves, self.leaf)  # each rank's leaf column
+        tree_leaves = self.leaf.tolist() if in_leaf and self.n_leaves else [0] * w
+        per_owner = np.zeros((w, 2 * w + 2 * len(leaves)))
+        crossing = np.zeros((w, w))
+        for owner in range(w):
+            parents = np.array(reduction_parents(owner, tree_leaves))
+            child = np.flatnonzero(parents >= 0)
+            parent = parents[child]
+            row = per_owner[owner]
+            for a, b in ((child, parent), (parent, child)):  # up, then down
+                np.add.at(row, a, 1)  # a's egress
+                np.add.at(row, w + b, 1)  # b's ingress
+                if len(leaves):
+                    cross = self.leaf[a] != self.leaf[b]
+                    np.add.at(row, 2 * w + slot[a[cross]], 1)  # a's leaf up
+                    np.add.at(row, 2 * w + len(leaves) + slot[b[cross]], 1)  # b's leaf down
+                    np.add.at(crossing[owner], a[cross], 1)
+        self._trees[in_leaf] = per_owner, crossing
+        return per_owner, crossing
 
     def _peers(self) -> tuple[IntArray, IntArray]:
         """For the demand flows: the next worker (rank order) in the same leaf, and in the next."""
@@ -179,18 +205,14 @@ class _Job:
             in_leaf[r] = mine[(pos + 1) % len(mine)] if len(mine) > 1 else (r + 1) % self.w
             other = members[leaves[(leaves.index(int(self.leaf[r])) + 1) % len(leaves)]]
             next_leaf[r] = other[pos % len(other)]
-        # Share of a worker's traffic that leaves its leaf (uniform all-to-all through owners).
-        same = np.array([len(members[int(lf)]) for lf in self.leaf], dtype=np.float64)
-        self.across = (self.w - same) / max(1, self.w - 1)
         return in_leaf, next_leaf
 
     def loads(self) -> tuple[np.ndarray, np.ndarray]:
         """Per worker and bucket: bytes to its own leaf and to other leaves."""
         size = np.array(self.chunk_size)[:, None]
         egress = self.counts[:, : self.w] * size  # (buckets, workers)
-        if not self.n_leaves or self.w == 1:
-            return egress, np.zeros_like(egress)
-        return egress * (1 - self.across), egress * self.across
+        remote = self.cross_counts * size
+        return egress - remote, remote
 
 
 @dataclass
@@ -388,8 +410,9 @@ class _Sim:
             job.level = plan.job_level.get(name, 0)
             for b in range(job.nb):
                 job.band[b] = band_of_chunk.get((name, int(job.first_chunk[b])), job.band[b])
-            if name in plan.ownership and plan.ownership[name] != job.owners:
-                job.set_ownership(plan.ownership[name])
+            owners = plan.ownership.get(name, job.owners)
+            if owners != job.owners or plan.reduce_in_leaf != job.in_leaf:
+                job.set_ownership(owners, plan.reduce_in_leaf)
             if name in plan.batch_shares:
                 job.shares = np.array(plan.batch_shares[name], dtype=np.float64)
 

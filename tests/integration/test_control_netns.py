@@ -1,4 +1,4 @@
-"""The control plane end to end: straggler mitigation on an emulated cluster.
+"""The control plane end to end on emulated clusters: stragglers, crashes, shared uplinks.
 
 Four hosts with gradlaned, a fifth running `gradlane control`; one training
 job (a VGG-19 trace whose compute grows with the batch) on workers at
@@ -6,7 +6,7 @@ relative speeds 1, 1, 1, 0.5. First the control plane is down (the daemons
 run their local policy, every worker keeps its batch of 32); then it is
 started, the shims' timings reach it through the daemons, it answers with
 batch shares by throughput, and the workers take them. Both runs in the same
-cluster (`gradlane.benchmark.run_control_straggler`, which
+cluster (`gradlane.control_runs.run_control_straggler`, which
 bench/control_straggler.py also runs to record the figures). A third run
 goes through a SIGKILL of the control plane and its restart.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gradlane.benchmark import run_control_straggler
+from gradlane.control_runs import run_control_straggler, run_two_jobs
 
 pytestmark = pytest.mark.netns
 
@@ -42,3 +42,21 @@ def test_batch_shares_from_the_control_plane_cut_the_straggler(tmp_path: Path) -
     print(f"plans after the restart: {[round(d, 2) for d in crash['plan_after_restart_s']]} s")
     assert crash["steps_completed"] == len(result["with_control"]["iteration_s"])
     assert max(crash["plan_after_restart_s"]) < 5.0
+
+
+@pytest.mark.timeout(420)
+def test_two_jobs_across_an_oversubscribed_uplink_reduce_within_leaves(tmp_path: Path) -> None:
+    """Two 4-worker jobs, two workers of each on each leaf, a 4:1 uplink between the leaves.
+
+    With the control plane (told the uplink rate) the shims reduce within each
+    leaf first, so half as many bytes cross the uplink, and the average
+    iteration time must drop against the same daemons without it.
+    """
+    result = run_two_jobs(tmp_path)
+    assert result["daemon_exit_codes"] == [0] * 8
+    assert result["leaves"]["gradlane"] == {"a": None, "b": None}
+    assert result["leaves"]["gradlane+control"] == {"a": [0, 0, 1, 1], "b": [0, 0, 1, 1]}
+    average = result["average_median_s"]
+    print({k: round(v * 1000, 1) for k, v in average.items()},
+          f"control {result['control_speedup']:.2f}x, vs fifo {result['gradlane_over_fifo']:.2f}x")
+    assert average["gradlane+control"] < average["gradlane"]

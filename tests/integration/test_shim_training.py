@@ -81,7 +81,10 @@ CASES = {
     "sgd-unequal-batches-lr-schedule": ("sgd", "float32", "3,5,2,6", True, False),
     "adamw-fp64-unequal-no-overlap": ("adamw", "float64", "6,2,5,3", True, True),
     "ddp-comm-hook-sgd-unequal": ("sgd", "float32", "3,5,2,6", True, "--ddp-hook"),
+    # Ranks 0, 1 on one leaf and 2, 3 on another: reduced within each leaf first.
+    "sgd-two-leaves-unequal": ("sgd", "float32", "3,5,2,6", True, "leaves"),
 }
+LEAVES = (0, 0, 1, 1)
 
 
 @pytest.mark.timeout(180)
@@ -90,10 +93,15 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
     optimizer, dtype, batches, sched, mode = CASES[case]
     args = ["--optimizer", optimizer, "--dtype", dtype, "--batches", batches, "--steps", "20"]
     args += ["--sched"] if sched else []
-    args += ["--no-overlap"] if mode is True else [mode] if mode else []
-    results = finish(launch(tmp_path, *args))
+    args += ["--no-overlap"] if mode is True else [mode] if mode and mode != "leaves" else []
+    per_rank = None
+    if mode == "leaves":
+        per_rank = {r: ["--leaf", str(leaf)] for r, leaf in enumerate(LEAVES)}
+    results = finish(launch(tmp_path, *args, per_rank=per_rank))
     for rank, (code, log) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
+        if mode == "leaves":
+            assert f"rank {rank} leaves {LEAVES}" in log, log[-3000:]
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for r in range(1, WORLD):
         for name, value in states[0].items():

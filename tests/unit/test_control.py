@@ -31,8 +31,8 @@ def _run(test: Callable[[ControlPlane, TestClient], Awaitable[None]], **kw: Any)
     asyncio.run(main())
 
 
-def _register(host: str) -> dict[str, Any]:
-    return {"type": "register", "version": 1, "host": host, "leaf": 0, "gradlane": "0.1.0",
+def _register(host: str, leaf: int = 0) -> dict[str, Any]:
+    return {"type": "register", "version": 1, "host": host, "leaf": leaf, "gradlane": "0.1.0",
             "interfaces": [{"name": "eth0", "rate_bps": 10_000_000_000}]}
 
 
@@ -132,6 +132,30 @@ def test_daemons_get_their_part_of_the_plan_with_throughput_shares() -> None:
         await fast.close()
 
     _run(test)
+
+
+def test_an_oversubscribed_uplink_makes_shims_reduce_within_leaves() -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        a = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        b = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await a.send_json(_register("a", leaf=0))
+        await b.send_json(_register("b", leaf=1))
+        for ws in (a, b):
+            assert (await ws.receive_json())["type"] == "welcome"
+        # No job needed: the advice is about the host, so shims have it at attach.
+        leaves = []
+        for ws in (a, b):
+            plan = await _next_plan(ws, want_shares=False)
+            while plan["version"] == 0 or plan["leaf"] is None:
+                plan = await _next_plan(ws, want_shares=False)
+            leaves.append(plan["leaf"])
+        assert leaves == [0, 1]
+        view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
+        assert view["plan"]["reduce_in_leaf"]
+        await a.close()
+        await b.close()
+
+    _run(test, uplink_bps=5_000_000_000)  # each leaf: a 10 Gbit/s host over a 5 Gbit/s uplink
 
 
 def test_a_bad_message_closes_only_that_connection() -> None:

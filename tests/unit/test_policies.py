@@ -179,3 +179,16 @@ def test_check_plan_catches_an_oversubscribed_link() -> None:
     plan = get_policy("fair").plan(state)
     plan.flow_rate_bps[:] = G  # two flows at full rate on one 1 Gbit/s link
     assert any("over capacity" in p for p in check_plan(state, plan))
+
+
+def test_reduction_within_leaves_only_when_an_uplink_is_oversubscribed() -> None:
+    hosts = tuple(Host(f"h{i}", i // 2, G) for i in range(4))  # two hosts per leaf
+    state = State(jobs=(JobState("j", 4),), topology=Topology(hosts, (G, G)),
+                  workers=tuple(Worker("j", r, r) for r in range(4)))
+    assert get_policy("gradlane").plan(state).reduce_in_leaf  # 2 Gbit/s of hosts, 1 up
+    assert get_policy("loadbalance").plan(state).reduce_in_leaf
+    assert not get_policy("fifo").plan(state).reduce_in_leaf
+    for fabric in (Topology(hosts, (2 * G, 2 * G)), Topology(tuple(Host(h.name) for h in hosts))):
+        assert not get_policy("gradlane").plan(
+            State(jobs=state.jobs, topology=fabric, workers=state.workers)
+        ).reduce_in_leaf

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
+from gradlane.policies.chunks import reduction_parents
 from gradlane.shim.layout import assign_owners, band_of, split
 
 
@@ -52,3 +53,29 @@ def test_bands_split_layers_by_forward_order() -> None:
     assert [band_of(i, 8, 4) for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [band_of(i, 3, 4) for i in range(3)] == [0, 1, 2]
     assert band_of(0, 1, 4) == 0
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.data())
+def test_reduction_trees_cross_each_uplink_once(leaves: list[int], data: st.DataObject) -> None:
+    owner = data.draw(st.integers(0, len(leaves) - 1))
+    parents = reduction_parents(owner, leaves)
+    assert parents[owner] == -1
+    for rank, parent in enumerate(parents):
+        if rank == owner:
+            continue
+        # At most two hops to the owner, the first one inside the rank's own leaf.
+        hops = [rank, parent] + ([parents[parent]] if parent != owner else [])
+        assert hops[-1] == owner and len(hops) <= 3
+        assert leaves[parent] == leaves[rank] or parent == owner
+    crossing = [r for r, p in enumerate(parents) if p >= 0 and leaves[p] != leaves[r]]
+    # One sender per other leaf: one copy of the chunk per leaf crosses the spine.
+    assert sorted(leaves[r] for r in crossing) == sorted(set(leaves) - {leaves[owner]})
+
+
+def test_reduction_tree_examples() -> None:
+    assert reduction_parents(2, [0, 0, 0, 0]) == [2, 2, -1, 2]  # one leaf: flat
+    # Rank 1 is second on leaf 0, so rank 3 (second on leaf 1) leads leaf 1 for it.
+    assert reduction_parents(1, [0, 0, 1, 1]) == [1, -1, 3, 1]
+    assert reduction_parents(0, [0, 1, 1, 0]) == [-1, 0, 1, 0]
+    with pytest.raises(ConfigError):
+        reduction_parents(4, [0, 0, 1, 1])

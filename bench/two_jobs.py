@@ -1,0 +1,41 @@
+"""Two jobs across an oversubscribed uplink, with and without the control plane (needs root).
+
+    sudo .venv/bin/python bench/two_jobs.py [--steps 30] [--json PATH]
+
+Runs `gradlane.control_runs.run_two_jobs`: 9 hosts on two leaves under a
+4:1 uplink, jobs a and b with two workers on each leaf, both at once under
+`fifo`, under gradlane with the daemons' local policy, and under gradlane
+with `gradlane control --uplink` (reduction within leaves first). Writes
+every iteration time, the medians, their average per run and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, write  # noqa: E402
+
+from gradlane.control_runs import run_two_jobs  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/two_jobs.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gradlane-two-jobs-") as tmp:
+        result = run_two_jobs(Path(tmp), args.steps, say=print)
+    write(args.json, {"benchmark": "two_jobs", **result})
+    average = result["average_median_s"]
+    print(", ".join(f"{k} {v * 1000:.1f} ms" for k, v in average.items())
+          + f": the control plane {result['control_speedup']:.2f}x, gradlane+control vs fifo "
+          f"{result['gradlane_over_fifo']:.2f}x -> {args.json}")
+
+
+if __name__ == "__main__":
+    main()
