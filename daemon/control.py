@@ -53,6 +53,7 @@ SEND_TIMEOUT = 2.0
 HELLO_TIMEOUT = 5.0
 MAX_BODY = 1 << 20
 LOST_AFTER_S = 30.0  # a disconnected daemon's jobs stay "degraded" this long
+POST_SILENT_S = 10.0  # a daemon that reports by POST is lost after this long without one
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,12 @@ class ControlPlane:
 
     def _forget_lost(self) -> None:
         now = time.monotonic()
+        for host, d in self.daemons.items():
+            # A WebSocket says when it closes; a daemon that POSTs only goes quiet.
+            if d.ws is None and d.connected and now - d.seen > POST_SILENT_S:
+                d.connected = False
+                logger.warning("daemon %s has not reported for %.0f s; its jobs are degraded",
+                               host, now - d.seen)
         for host in [h for h, d in self.daemons.items()
                      if not d.connected and now - d.seen > LOST_AFTER_S]:
             del self.daemons[host]

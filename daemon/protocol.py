@@ -38,7 +38,12 @@ import msgpack
 from gradlane.daemon.fields import get, integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
+# EF, AF41, AF31, AF21: band 0 (needed first) to band 3. Shims mark their band
+# connections with these until gradlaned's welcome says otherwise.
+DEFAULT_BAND_DSCP: tuple[int, ...] = (46, 34, 26, 18)
+
 __all__ = [
+    "DEFAULT_BAND_DSCP",
     "MAX_FRAME",
     "VERSION",
     "Bye",

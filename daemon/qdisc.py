@@ -44,6 +44,7 @@ from typing import Any
 from pyroute2 import IPRoute
 from pyroute2.netlink.rtnl import TC_H_ROOT
 
+from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.daemon.tc import (
     ETH_P_IP,
     HtbClass,
@@ -81,8 +82,6 @@ ROOT_CLASS = handle(MARKER, 1)
 OTHER_CLASS = handle(MARKER, 2)
 MAX_BANDS = 15
 MAX_JOBS = 254
-# EF, AF41, AF31, AF21: band 0 (needed first) to band 3.
-DEFAULT_BAND_DSCP: tuple[int, ...] = (46, 34, 26, 18)
 FLOW_PREFS = range(0x100, 0x8000)  # one per registered flow, tried first
 DSCP_PREF_BASE = 0x8000  # + band: the DSCP fallbacks, tried after the flows
 RESTORABLE_KINDS = ("pfifo", "bfifo")

@@ -2,7 +2,9 @@
 
 1. Connect to ``<url>/api/v1/daemon`` with the bearer token, register (host,
    leaf, interfaces, version), then report this host's jobs and workers
-   every `REPORT_EVERY` seconds and whenever the registry changes.
+   every `REPORT_EVERY` seconds, whenever the registry changes, and as soon
+   as a worker's measured throughput moves by more than `THROUGHPUT_CHANGE`
+   (a worker that slows down or recovers is seen within an iteration or two).
 2. Each plan received is kept with the time it arrived; `job_classes()`
    returns its classes only while it is younger than its time-to-live.
    When it expires the daemon is told (`on_change`) and goes back to its
@@ -35,6 +37,7 @@ __all__ = ["ControlLink"]
 logger = logging.getLogger(__name__)
 
 REPORT_EVERY = 2.0
+THROUGHPUT_CHANGE = 0.15  # relative
 MAX_BACKOFF = 1.0
 
 
@@ -177,10 +180,16 @@ class ControlLink:
     async def _report_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         seq, seen = 0, -1
         next_at = 0.0
+        sent: dict[tuple[str, int], float] = {}
         while True:
-            if self.registry.version != seen or self._clock() >= next_at:
-                seen, seq = self.registry.version, seq + 1
-                await ws.send_json(self.report(seq))
+            report = self.report(seq + 1)
+            now = {(j["name"], w["rank"]): w["throughput"] for j in report["jobs"]
+                   for w in j["workers"]}
+            moved = any(abs(thr - sent.get(key, 0.0)) > THROUGHPUT_CHANGE * max(thr, 1e-9)
+                        for key, thr in now.items())
+            if self.registry.version != seen or self._clock() >= next_at or moved:
+                seen, seq, sent = self.registry.version, seq + 1, now
+                await ws.send_json(report)
                 next_at = self._clock() + REPORT_EVERY
             await asyncio.sleep(0.1)
 

@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradlane.benchmark import PAYLOAD_EFFICIENCY, lower_bound, summarize
 from gradlane.demo import collect, launch, run_on_cluster
 from gradlane.errors import TestbedError
+from gradlane.policies.profiles import trace_spec
 from gradlane.testbed import Cluster, Topology
+from gradlane.units import parse_rate
 
 __all__ = ["run_control_straggler", "run_two_jobs"]
 
@@ -42,23 +45,27 @@ STRAGGLER_SPEEDS = [1.0, 1.0, 1.0, 0.5]
 STRAGGLER_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "2",
                       "--forward-ms", "60", "--follow-advice"]
 
-# Run in a daemon's host: wait for a control plan that arrived after monotonic time
-# argv[1] (the clock is the machine's, shared by every namespace) and print how long
-# after it that was; exit 1 if none came within argv[2] seconds.
-_PLAN_PROBE = """
+# Run in a daemon's host, polling its /status; argv: since (monotonic time: the clock is
+# the machine's, shared by every namespace), seconds to wait, and what to wait for:
+# "plan" (a control plan that arrived after `since`) or text in the control link's state.
+# Prints when (monotonic) it happened; exits 1 if it did not within the wait.
+_STATUS_PROBE = """
 import json, sys, time, urllib.request
-since, deadline = float(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+since, deadline, want = float(sys.argv[1]), time.monotonic() + float(sys.argv[2]), sys.argv[3]
 while time.monotonic() < deadline:
     try:
         with urllib.request.urlopen("http://127.0.0.1:9464/status", timeout=1) as r:
             link = json.load(r)["control"]
         now = time.monotonic()
-        if link["plan_age_s"] is not None and now - link["plan_age_s"] > since:
-            print(now - link["plan_age_s"] - since)
+        if want == "plan" and link["plan_age_s"] is not None and now - link["plan_age_s"] > since:
+            print(now - link["plan_age_s"])
+            sys.exit(0)
+        if want != "plan" and want in link["state"]:
+            print(now)
             sys.exit(0)
     except (OSError, ValueError, KeyError):
         pass
-    time.sleep(0.05)
+    time.sleep(0.1)
 sys.exit(1)
 """
 
@@ -110,6 +117,33 @@ class _Controlled:
                 raise TestbedError(f"the control plane did not see {what} in {timeout:.0f} s")
             time.sleep(0.5)
 
+    def probe_daemons(self, hosts: Sequence[str], since: float, want: str,
+                      wait_s: float) -> Callable[[], list[float]]:
+        """Start polling each daemon's /status for `want` after `since` (see `_STATUS_PROBE`);
+        the returned function waits for them and gives the (monotonic) times it showed.
+
+        Start the probes before the event they time: their own start-up then does not
+        compete with it for the CPU.
+
+        Raises (the returned function):
+            TestbedError: some daemon did not within `wait_s`.
+        """
+        probes = [self.cluster.popen(h, [sys.executable, "-c", _STATUS_PROBE, repr(since),
+                                         str(wait_s), want], stdout=subprocess.PIPE, text=True)
+                  for h in hosts]
+
+        def times() -> list[float]:
+            out = []
+            for host, probe in zip(hosts, probes, strict=True):
+                text, _ = probe.communicate(timeout=wait_s + 15)
+                if probe.returncode:
+                    raise TestbedError(f"gradlaned on {host} did not show {want!r} "
+                                       f"in {wait_s:.0f} s")
+                out.append(float(text))
+            return out
+
+        return times
+
     def stop_daemons(self) -> list[int]:
         """SIGTERM every daemon (each restores its qdisc); their exit codes."""
         codes = []
@@ -119,6 +153,14 @@ class _Controlled:
             if proc.stderr is not None:
                 proc.stderr.close()
         return codes
+
+
+def _trace(workload: Sequence[str]) -> tuple[float, int]:
+    """Compute seconds per iteration (batch 32, speed 1) and model bytes of a trace workload."""
+    option = dict(zip(workload[::2], workload[1::2], strict=False))
+    spec = trace_spec(option["--model"], float(option["--model-mb"]),
+                      float(option["--forward-ms"]) / 1000)
+    return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
 
 
 def _controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) -> _Controlled:
@@ -138,7 +180,10 @@ def _controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) 
 
 
 def run_control_straggler(
-    workdir: Path, steps: int = 40, say: Callable[[str], None] = lambda _: None
+    workdir: Path,
+    steps: int = 40,
+    say: Callable[[str], None] = lambda _: None,
+    ddp: bool = False,
 ) -> dict[str, Any]:
     """One job on workers at speeds 1, 1, 1, 0.5: without the control plane, with it, and
     through a control-plane crash.
@@ -154,9 +199,13 @@ def run_control_straggler(
        Every step must complete, and the time from the restart until each
        daemon holds a plan from the new control plane is measured in the
        daemons' own ``/status``.
-    All in one cluster. Returns rank 0's iteration times of each run, every
-    rank's batch per step in the second, the plan delays after the restart
-    and the daemons' exit codes.
+    4. The control plane's host is cut off (its switch port down): each
+       daemon's ``/status`` must say, once the plan's TTL is over, that the
+       local policy is back.
+    All in one cluster. With `ddp`, PyTorch DDP runs the job first (same
+    speeds, batch 32 each). Returns rank 0's iteration times of each run,
+    every rank's batch per step in the second, the plan delays after the
+    restart and the daemons' exit codes.
 
     Raises:
         TestbedError: the cluster, a daemon, a training step or the control plane failed.
@@ -166,6 +215,10 @@ def run_control_straggler(
     with Cluster(Topology.build("strag", 5, "1gbit")) as c:
         ctl = _controlled(c, workdir, workers, "h5")
         sockets = [ctl.sockets[h] for h in workers]
+        if ddp:
+            say("PyTorch DDP")
+            baseline, _ = run_on_cluster(c, "ddp", args, port=29809, out=workdir,
+                                         speeds=STRAGGLER_SPEEDS, workers=4)
         say("without the control plane")
         without, _ = run_on_cluster(c, "gradlane", args, port=29810, out=workdir,
                                     sockets=sockets, speeds=STRAGGLER_SPEEDS, workers=4)
@@ -184,22 +237,38 @@ def run_control_straggler(
                       "job crash's throughput")
         control.kill()
         control.wait()
+        # No plan can come while it is down: any plan after the kill is the new one's.
+        arrivals = ctl.probe_daemons(workers, time.monotonic(), "plan", 20)
         time.sleep(2)
         restarted = time.monotonic()
         ctl.start_control()
-        probes = [c.popen(h, [sys.executable, "-c", _PLAN_PROBE, repr(restarted), "15"],
-                          stdout=subprocess.PIPE, text=True) for h in workers]
-        delays = []
-        for host, probe in zip(workers, probes, strict=True):
-            out, _ = probe.communicate(timeout=30)
-            if probe.returncode:
-                raise TestbedError(f"no plan reached {host} within 15 s of the restart")
-            delays.append(float(out))
+        delays = [t - restarted for t in arrivals()]
         through_crash = collect(c, job)  # raises if a step failed
+        say("network partition: the control plane's host cut off")
+        local = ctl.probe_daemons(workers, time.monotonic(), "expired: local policy", 30)
+        time.sleep(1)  # the probes are up
+        cut = time.monotonic()
+        c.set_port("h5", up=False)
+        expired = [t - cut for t in local()]
         codes = ctl.stop_daemons()
     tail = steps // 2
     before = statistics.median(without.times[tail:])
     after = statistics.median(with_control.times[tail:])
+    extra: dict[str, Any] = {}
+    runs = {"gradlane": without, "gradlane+control": with_control}
+    if ddp:
+        median = statistics.median(baseline.times[tail:])
+        extra = {"ddp": {"iteration_s": baseline.times, "median_s": median},
+                 "speedup_over_ddp": median / after}
+        runs = {"ddp": baseline, **runs}
+    # The bound: batch shares proportional to speed make every worker compute the global
+    # batch over the sum of speeds; and the all-reduce minimum over one 1 Gbit/s link.
+    compute, size = _trace(STRAGGLER_WORKLOAD)
+    bound = lower_bound(4, compute * len(STRAGGLER_SPEEDS) / sum(STRAGGLER_SPEEDS), size,
+                        parse_rate("1gbit"))
+    extra["lower_bound_s"] = bound
+    extra["summary"] = summarize({k: r.times[tail:] for k, r in runs.items()}, bound,
+                                 {k: r.cpu_cores for k, r in runs.items()})
     return {
         "scenario": {"name": "control-straggler", "hosts": 4, "speeds": STRAGGLER_SPEEDS,
                      "steps": steps, "workload": STRAGGLER_WORKLOAD, "link": "1gbit"},
@@ -212,7 +281,11 @@ def run_control_straggler(
             "steps_completed": len(through_crash.times),
             "plan_after_restart_s": delays,
         },
+        # After the control plane's host is cut off: when each daemon's /status said its
+        # plan had expired and the local policy is back (the plan's TTL is 10 s).
+        "partition_local_policy_after_s": expired,
         "daemon_exit_codes": codes,
+        **extra,
     }
 
 
@@ -226,7 +299,10 @@ TWO_JOB_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "1"
 
 
 def run_two_jobs(
-    workdir: Path, steps: int = 30, say: Callable[[str], None] = lambda _: None
+    workdir: Path,
+    steps: int = 30,
+    say: Callable[[str], None] = lambda _: None,
+    fifo: bool = True,
 ) -> dict[str, Any]:
     """Two jobs across an oversubscribed uplink: `fifo`, gradlane, gradlane with the control plane.
 
@@ -235,7 +311,7 @@ def run_two_jobs(
     each leaf, so every exchange crosses the uplink. The same pair of jobs
     runs three times, both jobs at once each time:
 
-    1. ``fifo`` (gradlane's transport, one band, no overlap);
+    1. ``fifo`` (gradlane's transport, one band, no overlap; skipped unless `fifo`);
     2. ``gradlane`` with the daemons on their local policy (the control plane,
        on h5, is not running): flat reduce-scatter/all-gather;
     3. ``gradlane`` with ``gradlane control --uplink``: the control plane sees
@@ -254,6 +330,7 @@ def run_two_jobs(
     topology = Topology.build("twojob", 9, TWO_JOB_HOST_BPS, leaves=2, uplink=TWO_JOB_UPLINK_BPS)
     runs: dict[str, dict[str, list[float]]] = {}
     leaves: dict[str, dict[str, list[int] | None]] = {}
+    cpu: dict[str, list[float]] = {}
     port = 29820
     with Cluster(topology) as c:
         ctl = _controlled(c, workdir, hosts, "h5")
@@ -267,12 +344,15 @@ def run_two_jobs(
                 sockets = [ctl.sockets[h] for h in job_hosts] if system == "gradlane" else None
                 started.append(launch(c, system, args, port=port, out=workdir / label / job,
                                       sockets=sockets, hosts=job_hosts, job=job))
-            runs[label] = {j: collect(c, s).times for j, s in zip(TWO_JOBS, started, strict=True)}
+            done = [collect(c, s) for s in started]
+            runs[label] = {j: r.times for j, r in zip(TWO_JOBS, done, strict=True)}
+            cpu[label] = [core for r in done for core in r.cpu_cores]
             rank0 = {job: json.loads((workdir / label / job / f"{system}-rank0.json").read_text())
                      for job in TWO_JOBS}
             leaves[label] = {job: r.get("leaves") for job, r in rank0.items()}
 
-        both("fifo", "fifo")
+        if fifo:
+            both("fifo", "fifo")
         both("gradlane", "gradlane")
         ctl.start_control("--uplink", TWO_JOB_UPLINK_BPS)
         ctl.wait_view(lambda v: len(v["hosts"]) == len(hosts) and v["plan"]["reduce_in_leaf"],
@@ -284,6 +364,16 @@ def run_two_jobs(
     medians = {label: {job: statistics.median(times[tail:]) for job, times in jobs.items()}
                for label, jobs in runs.items()}
     average = {label: statistics.fmean(m.values()) for label, m in medians.items()}
+    # The bound: each worker computes and sends 2 (W-1)/W models over its link; and each
+    # job must move at least one model per direction across the uplink (each leaf needs
+    # the other leaf's sum of every element), both jobs through one uplink.
+    compute, size = _trace(TWO_JOB_WORKLOAD)
+    uplink = parse_rate(TWO_JOB_UPLINK_BPS) * PAYLOAD_EFFICIENCY
+    bound = max(lower_bound(4, compute, size, parse_rate(TWO_JOB_HOST_BPS)),
+                len(TWO_JOBS) * size * 8 / uplink)
+    # Both jobs' steady iterations pooled: their median is the table's "median iteration".
+    pooled = {label: [t for times in jobs.values() for t in times[tail:]]
+              for label, jobs in runs.items()}
     return {
         "scenario": {"name": "two-jobs-oversubscribed", "hosts": 9, "jobs": TWO_JOBS,
                      "host_link": TWO_JOB_HOST_BPS, "uplink": TWO_JOB_UPLINK_BPS,
@@ -292,7 +382,9 @@ def run_two_jobs(
         "leaves": leaves,  # per run and job: the ranks' leaves if reduced within leaves first
         "median_s": medians,
         "average_median_s": average,
+        "lower_bound_s": bound,
+        "summary": summarize(pooled, bound, cpu),
         "control_speedup": average["gradlane"] / average["gradlane+control"],
-        "gradlane_over_fifo": average["fifo"] / average["gradlane+control"],
+        "gradlane_over_fifo": average["fifo"] / average["gradlane+control"] if fifo else None,
         "daemon_exit_codes": codes,
     }

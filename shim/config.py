@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradlane.daemon.qdisc import DEFAULT_BAND_DSCP
+from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
 
 __all__ = ["DEFAULT_DSCP", "ShimConfig"]

@@ -215,6 +215,21 @@ class Cluster:
                     raise TestbedError(f"gradlaned on {name} did not serve in {timeout}s") from None
                 time.sleep(0.05)
 
+    def set_port(self, host: str | int, up: bool, nic: int = 0) -> None:
+        """Take the switch port of `host`'s NIC `nic` down (a cut cable) or bring it back.
+
+        Raises:
+            TestbedError: no such host, NIC or port.
+        """
+        name = f"p{nic}h{self.host_index(host)}"
+        if not 0 <= nic < self.topology.nics:
+            raise TestbedError(f"hosts have NICs 0..{self.topology.nics - 1}, not {nic}")
+        try:
+            with IPRoute(netns=self.topology.switch_ns, flags=0, groups=0) as sw:
+                sw.link("set", index=_index(sw, name), state="up" if up else "down")
+        except NetlinkError as exc:
+            raise TestbedError(f"setting port {name} {'up' if up else 'down'}: {exc}") from exc
+
     # -- building --------------------------------------------------------
 
     def _build(self) -> None:

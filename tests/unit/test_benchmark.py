@@ -61,6 +61,7 @@ def result(name: str) -> dict[str, object]:
             "ddp": {"median_s": 0.2, "achieved_over_bound": 2.0, "speedup_over_ddp": 1.0},
             "gradlane": {"median_s": 0.1, "achieved_over_bound": 1.0, "speedup_over_ddp": 2.0},
         },
+        "lower_bound_s": 0.1,
         "environment": {
             "commit": "abcdef1234567",
             "date": "2026-11-22T00:00:00Z",
@@ -71,7 +72,8 @@ def result(name: str) -> dict[str, object]:
 
 
 def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
-    table = markdown_table([result("s1")])
+    simulated = {"experiment": "cluster", "results": {}}  # not a testbed result: left out
+    table = markdown_table([result("s1"), simulated])
     assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 | - |" in table
     assert "commit abcdef1234" in table
     res = tmp_path / "s1.json"

@@ -11,6 +11,7 @@ import msgpack
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from gradlane.daemon import control
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
 from gradlane.errors import ConfigError
 
@@ -85,7 +86,9 @@ def test_oversized_body_is_413_and_garbage_is_400() -> None:
     _run(test)
 
 
-def test_post_report_answers_with_the_hosts_plan() -> None:
+def test_post_report_answers_with_the_hosts_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control, "POST_SILENT_S", 0.5)
+
     async def test(plane: ControlPlane, client: TestClient) -> None:
         body = {"register": _register("h1"), "report": _report([0, 1], 10.0, batch=10)}
         for _ in range(50):
@@ -97,6 +100,13 @@ def test_post_report_answers_with_the_hosts_plan() -> None:
             await asyncio.sleep(0.05)
         assert plan["batch_shares"] == {"j": [5, 5]}
         assert set(plan["job_classes"]) == {"j"} and plan["ttl_s"] == 5.0
+        # A daemon that only POSTs and then goes quiet is lost: its job is degraded.
+        for _ in range(100):
+            view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
+            if view["jobs"]["j"]["degraded"]:
+                break
+            await asyncio.sleep(0.05)
+        assert view["jobs"]["j"]["degraded"] and not view["hosts"][0]["connected"]
 
     _run(test)
 

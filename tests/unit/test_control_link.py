@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 
-from gradlane.daemon import protocol
+from gradlane.daemon import protocol, uplink
 from gradlane.daemon.control import ControlConfig, ControlPlane
 from gradlane.daemon.service import Daemon
 from tests.fakes import FakeBackend, fake_config
@@ -63,7 +64,11 @@ async def _until(check: Any, timeout: float = 10.0) -> float:
     return time.monotonic() - started
 
 
-def test_control_plans_reach_daemon_and_shims_expire_and_return(tmp_path: Path) -> None:
+def test_control_plans_reach_daemon_and_shims_expire_and_return(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(uplink, "REPORT_EVERY", 3600.0)
+
     async def main() -> None:
         port = _free_port()
         token_file = tmp_path / "token"
@@ -92,6 +97,14 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(tmp_path: Path) 
             fast, slow = await shims[0].plan_with_share(), await shims[1].plan_with_share()
         await _until(lambda: daemon.status()["control"]["state"].startswith("following"))
         await _until(lambda: daemon._plan is not None and daemon._plan.source == "control")
+        # The slow worker recovers (its next step's timing): the shares follow, and shift
+        # back when it slows down again. Periodic reports are off (REPORT_EVERY is an
+        # hour here): the daemon reports because the throughput moved.
+        for compute_s, want in ((0.1, (16, 16)), (0.3, (24, 8))):
+            await shims[1].send({"type": "timing", "iteration": 2, "compute_s": compute_s,
+                                 "comm_s": 0.0, "samples": 16})
+            while (fast["batch_share"], slow["batch_share"]) != want:
+                fast, slow = await shims[0].plan_with_share(), await shims[1].plan_with_share()
         # 2. The control plane dies: the plan expires after its TTL, the daemon goes local.
         await control.cleanup()
         await _until(lambda: "expired" in daemon.status()["control"]["state"], timeout=5)
