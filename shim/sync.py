@@ -50,6 +50,10 @@ from gradlane.shim.transport import Mesh, Store, local_address, tensor_bytes
 __all__ = ["MIN_CHUNK_BYTES", "PER_PARAMETER_OPTIMIZERS", "Sync", "attach"]
 
 MIN_CHUNK_BYTES = 64 << 10
+# Consecutive layers (forward order, same band and dtype) share one group until it holds
+# this many bytes: a ResNet's batch-norm layers (a few KB each) ride with a convolution
+# instead of costing a message exchange of their own.
+MIN_GROUP_BYTES = 64 << 10
 
 logger = logging.getLogger(__name__)
 
@@ -416,30 +420,29 @@ class Sync:
                 "gradlane: %d layers did not run in the first forward; lowest priority", len(rest)
             )
         chunk_bytes = self._chunk_bytes()
-        specs = []
-        for layer in order:
-            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            for p in layer.params:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for dtype, params in by_dtype.items():
-                numel = sum(p.numel() for p in params)
-                ranges = split(numel, params[0].element_size(), chunk_bytes)
-                specs.append((layer, dtype, params, numel, ranges))
+        specs = self._group_specs(order)
+        ranges_of = [
+            split(numel, torch.empty(0, dtype=dtype).element_size(), chunk_bytes)
+            for _, dtype, _, numel, _ in specs
+        ]
         sizes = [
-            (stop - start) * torch.empty(0, dtype=d).element_size()
-            for _, d, _, _, ranges in specs
+            (stop - start) * torch.empty(0, dtype=dtype).element_size()
+            for (_, dtype, _, _, _), ranges in zip(specs, ranges_of, strict=True)
             for start, stop in ranges
         ]
         owners = iter(assign_owners(sizes, self.world))
-        for gid, (layer, dtype, params, numel, ranges) in enumerate(specs):
-            band = band_of(layer.order, len(order), self.config.bands)
+        for gid, ((layers, dtype, params, numel, band), ranges) in enumerate(
+            zip(specs, ranges_of, strict=True)
+        ):
+            first, last = layers[0], layers[-1]
+            name = first.name if first is last else f"{first.name}..{last.name}"
             group = self.engine.add_group(
                 gid,
-                f"{layer.name}[{str(dtype).removeprefix('torch.')}]",
+                f"{name}[{str(dtype).removeprefix('torch.')}]",
                 torch.zeros(numel, dtype=dtype),
                 ranges,
                 [next(owners) for _ in ranges],
-                priority=layer.order,
+                priority=first.order,
                 band=band,
             )
             offset = 0
@@ -447,11 +450,48 @@ class Sync:
                 self._slots[p] = _Slot(group, offset, p.numel())
                 self._averages[p] = group.out[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-            layer.groups.append(group)
+            for layer in layers:
+                layer.groups.append(group)
             self._groups.append(group)
             self._members[gid] = params
         self._order = order
         self._laid_out = True
+
+    def _group_specs(
+        self, order: list[_Layer]
+    ) -> list[tuple[list[_Layer], torch.dtype, list[nn.Parameter], int, int]]:
+        """(layers, dtype, params, elements, band) of each group, in priority order.
+
+        A group takes one dtype of consecutive layers of one band, until it
+        holds `MIN_GROUP_BYTES`. Its first layer (in forward order) is also the
+        last whose gradient backward produces, so a group is ready when its
+        first layer alone would be: merging delays no layer that runs early.
+        """
+        specs = []
+        open_: dict[torch.dtype, tuple[list[_Layer], list[nn.Parameter], int, int]] = {}
+        for layer in order:
+            band = band_of(layer.order, len(order), self.config.bands)
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in layer.params:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype, params in by_dtype.items():
+                size = sum(p.numel() for p in params) * params[0].element_size()
+                acc = open_.get(dtype)
+                if acc is not None and (acc[3] != band or acc[2] >= MIN_GROUP_BYTES):
+                    specs.append((dtype, *open_.pop(dtype)))
+                    acc = None
+                if acc is None:
+                    open_[dtype] = ([layer], list(params), size, band)
+                else:
+                    acc[0].append(layer)
+                    acc[1].extend(params)
+                    open_[dtype] = (acc[0], acc[1], acc[2] + size, band)
+        specs += [(dtype, *acc) for dtype, acc in open_.items()]
+        specs.sort(key=lambda spec: spec[1][0].order)
+        return [
+            (layers, dtype, params, sum(p.numel() for p in params), band)
+            for dtype, layers, params, _, band in specs
+        ]
 
     # -- hooks ----------------------------------------------------------------
 

@@ -91,6 +91,23 @@ def test_per_layer_steps_match_plain_pytorch_exactly(name: str, overlap: bool) -
     compare(lambda p: getattr(torch.optim, name)(p, **kwargs), overlap=overlap)
 
 
+def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
+    # One band: the model's four small layers (all under MIN_GROUP_BYTES) form one group.
+    compare(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), dscp=(46,))
+    m = model()
+    sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01), dscp=(46,))
+    x, y = data(0)
+    nn.functional.cross_entropy(m(x), y).backward()
+    assert [g.label for g in sync._groups] == ["0..5[float32]"]
+    sync.close()
+    # Four bands: layers of different bands never share a group.
+    m = model()
+    sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01))
+    nn.functional.cross_entropy(m(x), y).backward()
+    assert len({g.band for g in sync._groups}) == len(sync._groups) == 3
+    sync.close()
+
+
 def test_lr_scheduler_sees_the_step_it_scheduled() -> None:
     compare(
         lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
