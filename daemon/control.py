@@ -333,6 +333,8 @@ class ControlPlane:
                     (known.workers if known else 0) + len(job.workers),
                     chunk_bytes=job.chunk_bytes or (known.chunk_bytes if known else ()),
                     layers=job.layers or (known.layers if known else 0),
+                    chunk_layers=(job.chunk_layers if job.chunk_bytes
+                                  else known.chunk_layers if known else ()),
                 )
                 workers += [Worker(job.name, w.rank, index[h], w.throughput, w.batch)
                             for w in job.workers]
@@ -384,9 +386,14 @@ class ControlPlane:
         jobs: dict[str, dict[str, Any]] = {}
         for h in self.hosts():
             for job in self.daemons[h].report.jobs:
-                j = jobs.setdefault(job.name, {"hosts": [], "workers": 0, "degraded": False})
+                j = jobs.setdefault(job.name, {"hosts": [], "workers": 0, "degraded": False,
+                                               "chunks": 0, "band_bps": []})
                 j["hosts"].append(h)
                 j["workers"] += len(job.workers)
+                j["chunks"] = max(j["chunks"], len(job.chunk_bytes))
+                for band, bps in enumerate(job.band_bps):  # summed over the job's hosts
+                    j["band_bps"] += [0.0] * (band + 1 - len(j["band_bps"]))
+                    j["band_bps"][band] += bps
                 j["degraded"] |= h in lost
         plan = self.plan
         return {

@@ -14,7 +14,7 @@ request with ``Authorization: Bearer <token>``.
                                                 every few seconds)
                                            <-  plan {version, ttl_s, source,
                                                 job_classes, batch_shares,
-                                                ownership, computed_at}
+                                                ownership, leaf, computed_at}
 
 - ``POST /api/v1/report``: the same register and report in one body
   (``{"register": {...}, "report": {...}}``, JSON or, with
@@ -22,10 +22,13 @@ request with ``Authorization: Bearer <token>``.
   host's current plan. For daemons that poll instead of holding a socket.
 
 A report lists the jobs with workers on the host: ``{"name", "global_batch",
-"layers", "chunk_bytes": [...], "workers": [{"rank", "throughput",
-"batch"}]}``. A plan gives the host its job classes (``{job: [rate_bps,
-ceil_bps, prio]}``) and, per job, every rank's batch share and every chunk's
-owner (the shims take their own).
+"layers", "chunk_bytes": [...], "chunk_layers": [...], "band_bps": [...],
+"workers": [{"rank", "throughput", "batch"}]}``: the job's demand (one
+iteration's chunks in forward order and each one's layer, as a shim reported
+them) and its class's measured throughput on this host per band. A plan
+gives the host its job classes (``{job: [rate_bps, ceil_bps, prio]}``), per
+job every rank's batch share and every chunk's owner (the shims take their
+own), and the host's leaf when shims should reduce within leaves first.
 
 Every message is validated (`parse_register`, `parse_report`); anything
 else gets ``error {code, message}`` and, on a WebSocket, the connection is
@@ -63,6 +66,7 @@ MAX_MESSAGE = 1 << 20
 MAX_JOBS = 256
 MAX_WORKERS = 4096
 MAX_CHUNKS = 65536
+MAX_BANDS = 16
 MAX_INTERFACES = 16
 
 
@@ -92,8 +96,10 @@ class JobReport:
     name: str
     global_batch: int
     layers: int
-    chunk_bytes: tuple[int, ...]
+    chunk_bytes: tuple[int, ...]  # one iteration's chunks in forward (priority) order
     workers: tuple[WorkerReport, ...]
+    chunk_layers: tuple[int, ...] = ()  # the layer of each chunk (empty: not known)
+    band_bps: tuple[float, ...] = ()  # measured throughput of the job's class, per band
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,8 @@ def parse_report(raw: dict[str, Any]) -> Report:
     jobs, names = [], set()
     for i, item in enumerate(listed(raw, "jobs", MAX_JOBS)):
         where = _map(item, f"report: jobs[{i}]")
-        only(where, {"type", "name", "global_batch", "layers", "chunk_bytes", "workers"})
+        only(where, {"type", "name", "global_batch", "layers", "chunk_bytes", "chunk_layers",
+                     "band_bps", "workers"})
         name = text(where, "name")
         if name in names:
             raise ProtocolError("bad_message", f"report: job {name!r} listed twice")
@@ -180,6 +187,17 @@ def parse_report(raw: dict[str, Any]) -> Report:
         if not all(isinstance(c, int) and not isinstance(c, bool) and 0 < c < 1 << 40
                    for c in chunks):
             raise ProtocolError("bad_message", f"report: jobs[{i}].chunk_bytes must be sizes > 0")
+        layers = integer(where, "layers", 0, 1 << 20)
+        of = listed(where, "chunk_layers", MAX_CHUNKS) if "chunk_layers" in where else []
+        if of and (len(of) != len(chunks) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < max(layers, 1)
+                for v in of)):
+            raise ProtocolError("bad_message", f"report: jobs[{i}].chunk_layers must give each "
+                                               "chunk's layer, below layers")
+        bps = listed(where, "band_bps", MAX_BANDS) if "band_bps" in where else []
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e15
+                   for v in bps):
+            raise ProtocolError("bad_message", f"report: jobs[{i}].band_bps must be rates >= 0")
         workers, ranks = [], set()
         for k, w in enumerate(listed(where, "workers", MAX_WORKERS)):
             wmap = _map(w, f"report: jobs[{i}].workers[{k}]")
@@ -190,9 +208,9 @@ def parse_report(raw: dict[str, Any]) -> Report:
             ranks.add(rank)
             workers.append(WorkerReport(rank, number(wmap, "throughput"),
                                         integer(wmap, "batch", 0, 1 << 24)))
-        jobs.append(JobReport(name, integer(where, "global_batch", 0, 1 << 30),
-                              integer(where, "layers", 0, 1 << 20),
-                              tuple(int(c) for c in chunks), tuple(workers)))
+        jobs.append(JobReport(name, integer(where, "global_batch", 0, 1 << 30), layers,
+                              tuple(int(c) for c in chunks), tuple(workers),
+                              tuple(int(v) for v in of), tuple(float(v) for v in bps)))
     return Report(integer(raw, "seq", 0, 1 << 62), tuple(jobs))
 
 

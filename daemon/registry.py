@@ -43,6 +43,10 @@ class Worker:
     since: float
     chunk_events: int = 0
     chunk_bytes: list[int] = field(default_factory=list)  # per band
+    # The latest iteration's chunks as (layer, bytes, band), in the order they were ready:
+    # the job's demand, which the control plane plans owners and rates with.
+    demand: list[tuple[int, int, int]] = field(default_factory=list)
+    demand_iteration: int = -1
     iteration: int = -1
     timings: deque[Timing] = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
 
@@ -134,6 +138,10 @@ class Registry:
         worker.chunk_events += len(events)
         for event in events:
             worker.chunk_bytes[event.band] += event.nbytes
+        if iteration > worker.demand_iteration:
+            worker.demand, worker.demand_iteration = [], iteration
+        if iteration == worker.demand_iteration:
+            worker.demand += [(e.layer, e.nbytes, e.band) for e in events]
 
     def record_timing(self, worker_id: str, timing: Timing) -> None:
         worker = self._workers[worker_id]

@@ -144,7 +144,19 @@ class Daemon:
                 self.registry,
                 self._control_changed,
                 clock=clock,
+                band_throughput=self._band_throughput,
             )
+
+    def _band_throughput(self) -> dict[str, list[float]]:
+        """Per job, the measured bit/s of each of its band leaves (summed over interfaces)."""
+        out: dict[str, list[float]] = {}
+        for stats in self._stats.values():
+            for c in stats:
+                if c.role == "band" and c.job and c.band is not None and c.throughput_bps:
+                    bands = out.setdefault(c.job, [])
+                    bands += [0.0] * (c.band + 1 - len(bands))
+                    bands[c.band] += c.throughput_bps
+        return out
 
     # -- lifecycle -------------------------------------------------------
 

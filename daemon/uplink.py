@@ -52,12 +52,14 @@ class ControlLink:
         registry: Registry,
         on_change: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        band_throughput: Callable[[], dict[str, list[float]]] = dict,
     ) -> None:
         self.url = url.rstrip("/")
         self._token = token
         self.host, self.leaf, self.interfaces = host, leaf, interfaces
         self.registry = registry
         self.on_change = on_change
+        self.band_throughput = band_throughput  # job -> measured bit/s per band, this host
         self._clock = clock
         self.connected = False
         self.plan: dict[str, Any] | None = None
@@ -194,8 +196,9 @@ class ControlLink:
             await asyncio.sleep(0.1)
 
     def report(self, seq: int) -> dict[str, Any]:
-        """This host's jobs and workers, with their measured throughput."""
+        """This host's jobs and workers, with their measured throughput and the jobs' demand."""
         jobs = []
+        measured = self.band_throughput()
         for name, workers in sorted(self.registry.jobs().items()):
             entries = []
             for w in workers:
@@ -203,6 +206,16 @@ class ControlLink:
                 thr = timing.samples / timing.compute_s if timing and timing.compute_s > 0 else 0.0
                 entries.append({"rank": w.rank, "throughput": round(thr, 3),
                                 "batch": timing.samples if timing else 0})
-            jobs.append({"name": name, "global_batch": 0, "layers": 0, "chunk_bytes": [],
+            # Every worker reports every chunk of the model: one worker's latest iteration
+            # is the job's demand. Forward order (layer), then the order they were ready.
+            demand = next((w.demand for w in sorted(workers, key=lambda w: w.rank) if w.demand),
+                          [])
+            chunks = sorted(range(len(demand)), key=lambda i: (demand[i][0], i))
+            layers = sorted({demand[i][0] for i in chunks})
+            index = {layer: k for k, layer in enumerate(layers)}  # dense: layers that sent
+            jobs.append({"name": name, "global_batch": 0, "layers": len(layers),
+                         "chunk_bytes": [demand[i][1] for i in chunks],
+                         "chunk_layers": [index[demand[i][0]] for i in chunks],
+                         "band_bps": [round(b, 1) for b in measured.get(name, [])],
                          "workers": entries})
         return {"type": "report", "seq": seq, "jobs": jobs}

@@ -157,7 +157,8 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
     for path in sorted(results_dir.glob("*.json")):
         measured = json.loads(path.read_text())
         wl = measured.get("scenario", {}).get("workload", {})
-        if wl.get("kind") != "trace" or "summary" not in measured:
+        # `gradlane bench` scenarios only (the control runs give their workload as argv).
+        if not isinstance(wl, dict) or wl.get("kind") != "trace" or "summary" not in measured:
             continue
         for policy, system in VALIDATED.items():
             if system not in measured["summary"]:

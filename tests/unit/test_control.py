@@ -82,6 +82,18 @@ def test_oversized_body_is_413_and_garbage_is_400() -> None:
         wrong = {"register": {**_register("h1"), "extra": 1}, "report": _report([0], 1.0)}
         r = await client.post("/api/v1/report", json=wrong, headers=AUTH)
         assert r.status == 400 and "unknown fields ['extra']" in await r.text()
+        for demand in ({"chunk_layers": [0]}, {"chunk_layers": [0] * 7 + [4]},
+                       {"band_bps": [-1.0]}):  # 8 chunks need 8 layers below `layers` (4)
+            report = _report([0], 1.0)
+            report["jobs"][0].update(demand)
+            r = await client.post("/api/v1/report", json={"register": _register("h1"),
+                                                          "report": report}, headers=AUTH)
+            assert r.status == 400, demand
+        report = _report([0], 1.0)
+        report["jobs"][0].update(chunk_layers=[0, 0, 1, 1, 2, 2, 3, 3], band_bps=[1e6, 0.0])
+        r = await client.post("/api/v1/report", json={"register": _register("h1"),
+                                                      "report": report}, headers=AUTH)
+        assert r.status == 200
 
     _run(test)
 

@@ -28,12 +28,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _start_control(port: int) -> web.AppRunner:
+async def _start_control(port: int) -> tuple[web.AppRunner, ControlPlane]:
     plane = ControlPlane(ControlConfig(token=TOKEN, cadence_s=0.2, react_s=0.01, ttl_s=1.0))
     runner = web.AppRunner(plane.app(), shutdown_timeout=0.5)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return runner, plane
 
 
 class Shim:
@@ -79,7 +79,7 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         daemon = Daemon(config, backend_factory=FakeBackend)
         backend = daemon._backends[0]
         assert isinstance(backend, FakeBackend)
-        control = await _start_control(port)
+        control, plane = await _start_control(port)
         serving = asyncio.create_task(daemon.serve())
         await asyncio.wait_for(daemon.ready.wait(), 10)
         shims = []
@@ -87,6 +87,9 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
             shim = Shim(*await asyncio.open_unix_connection(str(config.socket_path)))
             await shim.send({"type": "hello", "version": 1, "job": "j", "rank": rank,
                              "world_size": 2, "flows": []})
+            # Iteration 0's chunks, ready in backward order: layer 1 (two chunks), then 0.
+            await shim.send({"type": "chunks", "iteration": 0, "events": [
+                [1, 3000, 1, 0.1], [1, 2000, 1, 0.1], [0, 500, 0, 0.2]]})
             await shim.send({"type": "timing", "iteration": 1, "compute_s": compute_s,
                              "comm_s": 0.0, "samples": 16})
             shims.append(shim)
@@ -97,6 +100,12 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
             fast, slow = await shims[0].plan_with_share(), await shims[1].plan_with_share()
         await _until(lambda: daemon.status()["control"]["state"].startswith("following"))
         await _until(lambda: daemon._plan is not None and daemon._plan.source == "control")
+        # The job's demand reached the control plane, in forward order, and it plans owners.
+        await _until(lambda: plane.state is not None and plane.state.jobs[0].chunk_bytes)
+        assert plane.state is not None and plane.plan is not None
+        job = plane.state.jobs[0]
+        assert (job.chunk_bytes, job.chunk_layers, job.layers) == ((500, 3000, 2000), (0, 1, 1), 2)
+        assert len(plane.plan.ownership["j"]) == 3
         # The slow worker recovers (its next step's timing): the shares follow, and shift
         # back when it slows down again. Periodic reports are off (REPORT_EVERY is an
         # hour here): the daemon reports because the throughput moved.
@@ -112,7 +121,7 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         assert backend.spec is not None and any(j.name == "j" for j in backend.spec.jobs)
         # 3. It comes back: the daemon re-registers and plans flow again within 5 s.
         restarted = time.monotonic()
-        control = await _start_control(port)
+        control, plane = await _start_control(port)
         await _until(lambda: daemon.status()["control"]["state"].startswith("following"),
                      timeout=10)
         assert time.monotonic() - restarted < 5.0
