@@ -29,7 +29,7 @@ import aiohttp
 
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
-from gradlane.daemon.registry import Registry
+from gradlane.daemon.registry import Registry, Worker
 from gradlane.policies import JobClassPlan
 
 __all__ = ["ControlLink"]
@@ -184,14 +184,12 @@ class ControlLink:
         next_at = 0.0
         sent: dict[tuple[str, int], float] = {}
         while True:
-            report = self.report(seq + 1)
-            now = {(j["name"], w["rank"]): w["throughput"] for j in report["jobs"]
-                   for w in j["workers"]}
+            now = {(w.job, w.rank): _throughput(w) for w in self.registry.workers()}
             moved = any(abs(thr - sent.get(key, 0.0)) > THROUGHPUT_CHANGE * max(thr, 1e-9)
                         for key, thr in now.items())
             if self.registry.version != seen or self._clock() >= next_at or moved:
                 seen, seq, sent = self.registry.version, seq + 1, now
-                await ws.send_json(report)
+                await ws.send_json(self.report(seq))
                 next_at = self._clock() + REPORT_EVERY
             await asyncio.sleep(0.1)
 
@@ -202,10 +200,8 @@ class ControlLink:
         for name, workers in sorted(self.registry.jobs().items()):
             entries = []
             for w in workers:
-                timing = w.timings[-1] if w.timings else None
-                thr = timing.samples / timing.compute_s if timing and timing.compute_s > 0 else 0.0
-                entries.append({"rank": w.rank, "throughput": round(thr, 3),
-                                "batch": timing.samples if timing else 0})
+                entries.append({"rank": w.rank, "throughput": round(_throughput(w), 3),
+                                "batch": w.timings[-1].samples if w.timings else 0})
             # Every worker reports every chunk of the model: one worker's latest iteration
             # is the job's demand. Forward order (layer), then the order they were ready.
             demand = next((w.demand for w in sorted(workers, key=lambda w: w.rank) if w.demand),
@@ -219,3 +215,9 @@ class ControlLink:
                          "band_bps": [round(b, 1) for b in measured.get(name, [])],
                          "workers": entries})
         return {"type": "report", "seq": seq, "jobs": jobs}
+
+
+def _throughput(worker: Worker) -> float:
+    """Samples per second of compute in the worker's last reported step (0: none yet)."""
+    timing = worker.timings[-1] if worker.timings else None
+    return timing.samples / timing.compute_s if timing and timing.compute_s > 0 else 0.0

@@ -157,9 +157,11 @@ class _Controlled:
 
 def _trace(workload: Sequence[str]) -> tuple[float, int]:
     """Compute seconds per iteration (batch 32, speed 1) and model bytes of a trace workload."""
-    option = dict(zip(workload[::2], workload[1::2], strict=False))
-    spec = trace_spec(option["--model"], float(option["--model-mb"]),
-                      float(option["--forward-ms"]) / 1000)
+    def option(name: str) -> str:
+        return workload[list(workload).index(name) + 1]
+
+    spec = trace_spec(option("--model"), float(option("--model-mb")),
+                      float(option("--forward-ms")) / 1000)
     return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
 
 
@@ -230,8 +232,10 @@ def run_control_straggler(
         batches = [json.loads((workdir / f"gradlane-rank{r}.json").read_text())["batch"]
                    for r in range(4)]
         say("through a control-plane crash (SIGKILL, restart 2 s later)")
-        job = launch(c, "gradlane", args, port=29812, out=workdir / "crash", sockets=sockets,
-                     speeds=STRAGGLER_SPEEDS, hosts=workers, job="crash")
+        # Twice the steps: training must still run when the control plane comes back.
+        crash_args = ["--steps", str(2 * steps), *STRAGGLER_WORKLOAD]
+        job = launch(c, "gradlane", crash_args, port=29812, out=workdir / "crash",
+                     sockets=sockets, speeds=STRAGGLER_SPEEDS, hosts=workers, job="crash")
         # Training is under way once the control plane has throughput (hence shares) for it.
         ctl.wait_view(lambda v: len(set(v["plan"]["batch_shares"]["crash"])) > 1,
                       "job crash's throughput")
@@ -242,7 +246,9 @@ def run_control_straggler(
         time.sleep(2)
         restarted = time.monotonic()
         ctl.start_control()
+        training = all(p.poll() is None for p in job.procs)
         delays = [t - restarted for t in arrivals()]
+        training = training and all(p.poll() is None for p in job.procs)
         through_crash = collect(c, job)  # raises if a step failed
         say("network partition: the control plane's host cut off")
         local = ctl.probe_daemons(workers, time.monotonic(), "expired: local policy", 30)
@@ -280,6 +286,9 @@ def run_control_straggler(
             "iteration_s": through_crash.times,
             "steps_completed": len(through_crash.times),
             "plan_after_restart_s": delays,
+            # The job was still training when the control plane came back and when every
+            # daemon had its plan again.
+            "training_throughout": training,
         },
         # After the control plane's host is cut off: when each daemon's /status said its
         # plan had expired and the local policy is back (the plan's TTL is 10 s).

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.netns
 
 @pytest.mark.timeout(420)
 def test_batch_shares_from_the_control_plane_cut_the_straggler(tmp_path: Path) -> None:
-    result = run_control_straggler(tmp_path, steps=30)
+    result = run_control_straggler(tmp_path, steps=24)
     assert result["daemon_exit_codes"] == [0, 0, 0, 0]  # each restored its qdisc
     batches = result["batches"]
     # The advice arrived: the slow worker ends with about half a fast one's batch. (Ranks
@@ -41,7 +41,8 @@ def test_batch_shares_from_the_control_plane_cut_the_straggler(tmp_path: Path) -
     # control plane within 5 s of the restart, as its own /status tells.
     crash = result["control_crash"]
     print(f"plans after the restart: {[round(d, 2) for d in crash['plan_after_restart_s']]} s")
-    assert crash["steps_completed"] == len(result["with_control"]["iteration_s"])
+    assert crash["steps_completed"] == 2 * len(result["with_control"]["iteration_s"])
+    assert crash["training_throughout"]
     assert max(crash["plan_after_restart_s"]) < 5.0
     # The control plane's host cut off: each daemon says the local policy is back once the
     # plan's 10 s TTL is over (`run_control_straggler` raises if one does not within 30 s).
@@ -58,7 +59,7 @@ def test_two_jobs_across_an_oversubscribed_uplink_reduce_within_leaves(tmp_path:
     leaf first, so half as many bytes cross the uplink, and the average
     iteration time must drop against the same daemons without it.
     """
-    result = run_two_jobs(tmp_path, steps=20, fifo=False)  # bench/two_jobs.py runs fifo too
+    result = run_two_jobs(tmp_path, steps=14, fifo=False)  # bench/two_jobs.py runs fifo too
     assert result["daemon_exit_codes"] == [0] * 8
     assert result["leaves"]["gradlane"] == {"a": None, "b": None}
     assert result["leaves"]["gradlane+control"] == {"a": [0, 0, 1, 1], "b": [0, 0, 1, 1]}
