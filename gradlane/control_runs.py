@@ -307,6 +307,24 @@ TWO_JOB_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "1"
                     "--forward-ms", "60"]
 
 
+def _overlapping(rank0: dict[str, dict[str, Any]], warmup: int = 2) -> dict[str, list[float]]:
+    """Per job, the iterations (after `warmup`) that ran entirely while every job trained.
+
+    Raises:
+        TestbedError: fewer than 3 such iterations for some job: the jobs hardly overlapped.
+    """
+    spans = {job: [(end - t, end) for t, end in zip(r["times"], r["ends"], strict=True)][warmup:]
+             for job, r in rank0.items()}
+    start = max(s[0][0] for s in spans.values())
+    stop = min(s[-1][1] for s in spans.values())
+    out = {job: [b - a for a, b in s if a >= start and b <= stop] for job, s in spans.items()}
+    short = [job for job, times in out.items() if len(times) < 3]
+    if short:
+        raise TestbedError(f"jobs {short} ran fewer than 3 iterations while all jobs trained; "
+                           "run more steps")
+    return out
+
+
 def run_two_jobs(
     workdir: Path,
     steps: int = 30,
@@ -327,9 +345,11 @@ def run_two_jobs(
        that the uplinks are oversubscribed and advises, through the daemons,
        reducing within each leaf first.
 
-    Returns each job's rank-0 iteration times per run, the medians over the
-    second half of the steps, their average per run, the ratios, and the
-    leaves the shims reduced within (None: the flat exchange).
+    Only iterations during which both jobs were training count (`_overlapping`):
+    the jobs' workers start a few seconds apart. Returns each job's rank-0
+    iteration times per run, the shared ones, their medians, the average of
+    the medians per run, the ratios, and the leaves the shims reduced within
+    (None: the flat exchange).
 
     Raises:
         TestbedError: the cluster, a daemon, a worker or the control plane failed.
@@ -339,6 +359,7 @@ def run_two_jobs(
     topology = Topology.build("twojob", 9, TWO_JOB_HOST_BPS, leaves=2, uplink=TWO_JOB_UPLINK_BPS)
     runs: dict[str, dict[str, list[float]]] = {}
     leaves: dict[str, dict[str, list[int] | None]] = {}
+    shared: dict[str, dict[str, list[float]]] = {}  # iterations while both jobs trained
     cpu: dict[str, list[float]] = {}
     port = 29820
     with Cluster(topology) as c:
@@ -354,10 +375,11 @@ def run_two_jobs(
                 started.append(launch(c, system, args, port=port, out=workdir / label / job,
                                       sockets=sockets, hosts=job_hosts, job=job))
             done = [collect(c, s) for s in started]
-            runs[label] = {j: r.times for j, r in zip(TWO_JOBS, done, strict=True)}
             cpu[label] = [core for r in done for core in r.cpu_cores]
             rank0 = {job: json.loads((workdir / label / job / f"{system}-rank0.json").read_text())
                      for job in TWO_JOBS}
+            runs[label] = {job: r["times"] for job, r in rank0.items()}
+            shared[label] = _overlapping(rank0)
             leaves[label] = {job: r.get("leaves") for job, r in rank0.items()}
 
         if fifo:
@@ -369,9 +391,8 @@ def run_two_jobs(
         time.sleep(1)  # the plan's next push reaches every daemon (cadence 0.5 s)
         both("gradlane+control", "gradlane")
         codes = ctl.stop_daemons()
-    tail = steps // 2
-    medians = {label: {job: statistics.median(times[tail:]) for job, times in jobs.items()}
-               for label, jobs in runs.items()}
+    medians = {label: {job: statistics.median(times) for job, times in jobs.items()}
+               for label, jobs in shared.items()}
     average = {label: statistics.fmean(m.values()) for label, m in medians.items()}
     # The bound: each worker computes and sends 2 (W-1)/W models over its link; and each
     # job must move at least one model per direction across the uplink (each leaf needs
@@ -380,14 +401,15 @@ def run_two_jobs(
     uplink = parse_rate(TWO_JOB_UPLINK_BPS) * PAYLOAD_EFFICIENCY
     bound = max(lower_bound(4, compute, size, parse_rate(TWO_JOB_HOST_BPS)),
                 len(TWO_JOBS) * size * 8 / uplink)
-    # Both jobs' steady iterations pooled: their median is the table's "median iteration".
-    pooled = {label: [t for times in jobs.values() for t in times[tail:]]
-              for label, jobs in runs.items()}
+    # Both jobs' shared iterations pooled: their median is the table's "median iteration".
+    pooled = {label: [t for times in jobs.values() for t in times]
+              for label, jobs in shared.items()}
     return {
         "scenario": {"name": "two-jobs-oversubscribed", "hosts": 9, "jobs": TWO_JOBS,
                      "host_link": TWO_JOB_HOST_BPS, "uplink": TWO_JOB_UPLINK_BPS,
                      "steps": steps, "workload": TWO_JOB_WORKLOAD},
         "iteration_s": runs,
+        "shared_iteration_s": shared,
         "leaves": leaves,  # per run and job: the ranks' leaves if reduced within leaves first
         "median_s": medians,
         "average_median_s": average,

@@ -59,7 +59,9 @@ def main() -> None:
     # lr 0.003: the CNN trains without loss spikes for 100+ steps. At 0.02 it spiked near
     # step 40, and past a spike two runs that differ only in summation order drift apart.
     opt = torch.optim.SGD(model.parameters(), lr=0.003, momentum=0.9)
-    record: dict[str, Any] = {"times": [], "losses": [], "waited": [], "batch": []}
+    # "ends": when each step ended, on the machine-wide monotonic clock (the same in every
+    # namespace), so runs of jobs started side by side can be lined up.
+    record: dict[str, Any] = {"times": [], "ends": [], "losses": [], "waited": [], "batch": []}
 
     def train(net: nn.Module, sync: Any = None) -> None:
         # CPU of this process (all threads) over the training loop: a worker
@@ -81,6 +83,7 @@ def main() -> None:
             opt.zero_grad()
             now = time.perf_counter()
             record["times"].append(now - last)
+            record["ends"].append(time.monotonic())
             record["losses"].append(loss.item())
             record["waited"].append(sync.last_exposed_comm_s if sync is not None else 0.0)
             last = now

@@ -59,7 +59,7 @@ def test_two_jobs_across_an_oversubscribed_uplink_reduce_within_leaves(tmp_path:
     leaf first, so half as many bytes cross the uplink, and the average
     iteration time must drop against the same daemons without it.
     """
-    result = run_two_jobs(tmp_path, steps=14, fifo=False)  # bench/two_jobs.py runs fifo too
+    result = run_two_jobs(tmp_path, steps=24, fifo=False)  # bench/two_jobs.py runs fifo too
     assert result["daemon_exit_codes"] == [0] * 8
     assert result["leaves"]["gradlane"] == {"a": None, "b": None}
     assert result["leaves"]["gradlane+control"] == {"a": [0, 0, 1, 1], "b": [0, 0, 1, 1]}
