@@ -86,6 +86,7 @@ class Chunk:
     mult: dict[int, int] = field(default_factory=dict)
     have: set[int] = field(default_factory=set)
     partial: torch.Tensor | None = None
+    partial_bytes: memoryview | None = None
     # Byte views made once (sockets read and write tensor memory through them).
     nbytes: int = 0
     grad_bytes: memoryview = field(init=False)
@@ -228,6 +229,7 @@ class Engine:
                 chunk.inbox_bytes = {p: tensor_bytes(t) for p, t in chunk.inbox.items()}
                 if chunk.parent >= 0:
                     chunk.partial = torch.empty(stop - start, dtype=grad.dtype)
+                    chunk.partial_bytes = tensor_bytes(chunk.partial)
             group.chunks.append(chunk)
         group.remaining = len(group.chunks)
         with self._cond:
@@ -518,7 +520,7 @@ class Engine:
                 chunk.parent,
                 (group.priority, 1, chunk.index),
                 header,
-                tensor_bytes(result),
+                chunk.partial_bytes,
                 group.band,
             )
             return  # done when the result comes back down
