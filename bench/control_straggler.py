@@ -3,7 +3,8 @@
     sudo .venv/bin/python bench/control_straggler.py [--steps 40] [--json PATH]
 
 Runs `gradlane.control_runs.run_control_straggler`: one VGG-19 trace job on 4
-workers at speeds 1, 1, 1, 0.5 under PyTorch DDP, then gradlane without and
+workers at speeds 1, 1, 1, 0.5 computing alone (the bound's measured compute,
+batches proportional to speed), under PyTorch DDP, then gradlane without and
 with `gradlane control` (then through its crash and a partition), in one
 cluster. Writes both runs' iteration times, their medians (second
 half of the steps), the ratio, and every rank's batch per step.
@@ -29,7 +30,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/control_straggler.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gradlane-straggler-") as tmp:
-        result = run_control_straggler(Path(tmp), args.steps, say=print, ddp=True)
+        result = run_control_straggler(Path(tmp), args.steps, say=print, ddp=True,
+                                       reference=True)
     write(args.json, {"benchmark": "control_straggler", **result})
     print(f"median iteration {result['without_control']['median_s'] * 1000:.1f} ms without "
           f"the control plane, {result['with_control']['median_s'] * 1000:.1f} ms with it: "

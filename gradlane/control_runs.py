@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradlane.benchmark import PAYLOAD_EFFICIENCY, lower_bound, summarize
+from gradlane.benchmark import PAYLOAD_EFFICIENCY, REFERENCE, lower_bound, summarize
 from gradlane.demo import collect, launch, run_on_cluster
 from gradlane.errors import TestbedError
 from gradlane.policies.profiles import trace_spec
+from gradlane.policies.straggler import proportional_shares
 from gradlane.testbed import Cluster, Topology
 from gradlane.units import parse_rate
 
@@ -186,6 +187,7 @@ def run_control_straggler(
     steps: int = 40,
     say: Callable[[str], None] = lambda _: None,
     ddp: bool = False,
+    reference: bool = False,
 ) -> dict[str, Any]:
     """One job on workers at speeds 1, 1, 1, 0.5: without the control plane, with it, and
     through a control-plane crash.
@@ -205,7 +207,10 @@ def run_control_straggler(
        daemon's ``/status`` must say, once the plan's TTL is over, that the
        local policy is back.
     All in one cluster. With `ddp`, PyTorch DDP runs the job first (same
-    speeds, batch 32 each). Returns rank 0's iteration times of each run,
+    speeds, batch 32 each). With `reference`, the bound's compute is measured
+    first (`gradlane.benchmark`): the workers compute alone (``local``, nothing
+    exchanged) with batches proportional to their speeds, as a perfect
+    balancer would split the global batch. Returns rank 0's iteration times of each run,
     every rank's batch per step in the second, the plan delays after the
     restart and the daemons' exit codes.
 
@@ -217,6 +222,14 @@ def run_control_straggler(
     with Cluster(Topology.build("strag", 5, "1gbit")) as c:
         ctl = _controlled(c, workdir, workers, "h5")
         sockets = [ctl.sockets[h] for h in workers]
+        alone = None
+        if reference:
+            say("compute alone (the bound's reference)")
+            from gradlane.workloads import BATCH  # torch: only where it is needed
+
+            shares = list(proportional_shares(4 * BATCH, STRAGGLER_SPEEDS))
+            alone = collect(c, launch(c, REFERENCE, args, port=29808, out=workdir,
+                                      speeds=STRAGGLER_SPEEDS, batches=shares, hosts=workers))
         if ddp:
             say("PyTorch DDP")
             baseline, _ = run_on_cluster(c, "ddp", args, port=29809, out=workdir,
@@ -270,8 +283,13 @@ def run_control_straggler(
     # The bound: batch shares proportional to speed make every worker compute the global
     # batch over the sum of speeds; and the all-reduce minimum over one 1 Gbit/s link.
     compute, size = _trace(STRAGGLER_WORKLOAD)
-    bound = lower_bound(4, compute * len(STRAGGLER_SPEEDS) / sum(STRAGGLER_SPEEDS), size,
-                        parse_rate("1gbit"))
+    nominal = compute * len(STRAGGLER_SPEEDS) / sum(STRAGGLER_SPEEDS)
+    bound = lower_bound(4, nominal, size, parse_rate("1gbit"))
+    extra["nominal_lower_bound_s"] = bound
+    if alone is not None:  # measured: what the balanced compute takes on this machine
+        runs = {REFERENCE: alone, **runs}
+        extra["compute_s"] = statistics.median(alone.times[tail:])
+        bound = lower_bound(4, extra["compute_s"], size, parse_rate("1gbit"))
     extra["lower_bound_s"] = bound
     extra["summary"] = summarize({k: r.times[tail:] for k, r in runs.items()}, bound,
                                  {k: r.cpu_cores for k, r in runs.items()})

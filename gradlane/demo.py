@@ -351,12 +351,14 @@ def launch(
     speeds: list[float] | None = None,
     hosts: list[str] | None = None,
     job: str | None = None,
+    batches: list[int] | None = None,
 ) -> Launched:
     """Start `system` with one torchrun worker per host of `hosts` (default: all of `c`).
 
     `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
-    sockets (gradlane only), `speeds` each rank's `--speed`, `job` the job
-    name the shims give (several jobs at once: give each its own `out`).
+    sockets (gradlane only), `speeds` each rank's `--speed`, `batches` its
+    `--batch`, `job` the job name the shims give (several jobs at once: give
+    each its own `out`).
     Rank 0 runs on the first host, which is also torchrun's rendezvous.
     """
     names = hosts or [f"h{i}" for i in range(1, c.topology.hosts + 1)]
@@ -371,6 +373,8 @@ def launch(
             extra += ["--daemon-socket", str(sockets[rank])]
         if speeds:
             extra += ["--speed", str(speeds[rank])]
+        if batches:
+            extra += ["--batch", str(batches[rank])]
         if job:
             extra += ["--job", job]
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),

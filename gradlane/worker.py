@@ -16,6 +16,9 @@ Systems:
 - ``priority``: P3-like: forward-order priority, chunks and cross-iteration
   overlap in the shim, 4 bands, but no daemon (the kernel does not prioritize).
 - ``gradlane``: everything: the shim as in ``priority`` plus gradlaned.
+- ``local``: no exchange at all, every rank steps on its own gradients: the
+  compute-only reference the bench's lower bound is measured with (the same
+  workload, the same CPU contention, nothing sent).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch import nn
 
 from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace
 
-SYSTEMS = ("ddp", "fifo", "priority", "gradlane")
+SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "local")
 
 
 def main() -> None:
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--model-mb", type=float, default=10.0, help="trace: scaled model size")
     ap.add_argument("--forward-ms", type=float, default=50.0, help="trace: forward time")
     ap.add_argument("--speed", type=float, default=1.0, help="trace: relative compute speed")
+    ap.add_argument("--batch", type=int, default=BATCH, help="trace: this worker's batch size")
     ap.add_argument("--job", default="bench", help="gradlane systems: the job name shims give")
     ap.add_argument("--follow-advice", action="store_true",
                     help="trace, gradlane: take the local batch size the control plane advises")
@@ -73,9 +77,9 @@ def main() -> None:
                 x, y = cnn_batch(step, rank)
                 loss = nn.functional.cross_entropy(net(x), y)
             else:
-                batch = BATCH
+                batch = args.batch
                 if args.follow_advice and sync is not None:
-                    batch = sync.advised_batch_size or BATCH  # the control plane's share
+                    batch = sync.advised_batch_size or batch  # the control plane's share
                 record["batch"].append(batch)
                 loss = net(torch.zeros(batch)).sum()
             loss.backward()  # type: ignore[no-untyped-call]
@@ -89,7 +93,9 @@ def main() -> None:
             last = now
         record["cpu_cores"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
 
-    if args.system == "ddp":
+    if args.system == "local":
+        train(model)
+    elif args.system == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 

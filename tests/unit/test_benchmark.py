@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gradlane.benchmark import compute_and_bytes, load_scenario, lower_bound, markdown_table
+from gradlane.benchmark import (
+    compute_and_bytes,
+    load_scenario,
+    lower_bound,
+    markdown_table,
+    summarize,
+)
 from gradlane.cli import cli
 from gradlane.errors import ConfigError
 
@@ -38,6 +44,13 @@ def test_bad_scenarios_name_the_key(tmp_path: Path, text: str, key: str) -> None
     path.write_text(text)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_scenario(path)
+
+
+def test_summary_speedups_are_over_ddp_and_skip_the_reference() -> None:
+    summary = summarize({"local": [0.1] * 5, "ddp": [0.4] * 5, "gradlane": [0.2] * 5}, 0.1)
+    assert summary["gradlane"]["speedup_over_ddp"] == pytest.approx(2.0)
+    assert summary["gradlane"]["achieved_over_bound"] == pytest.approx(2.0)
+    assert "speedup_over_ddp" not in summary["local"]
 
 
 def test_lower_bound_is_the_larger_of_compute_and_traffic() -> None:
@@ -76,6 +89,12 @@ def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
     table = markdown_table([result("s1"), simulated])
     assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 | - |" in table
     assert "commit abcdef1234" in table
+    assert "no exchange" not in table  # no compute-alone reference in these results
+    with_reference = result("s2")
+    with_reference["summary"]["local"] = {"median_s": 0.1, "achieved_over_bound": 1.0}  # type: ignore[index]
+    table = markdown_table([with_reference])
+    assert "| s2 | local (no exchange) | 100.0 ms | - | 1.00 |" in table
+    assert "its median is the compute of the bound" in table
     res = tmp_path / "s1.json"
     res.write_text(json.dumps(result("s1")))
     readme = tmp_path / "README.md"
