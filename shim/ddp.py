@@ -9,7 +9,9 @@ For users who keep ``DistributedDataParallel``::
 
 What it gives: each bucket is cut into chunks with balanced owners, ordered by
 the forward order of its parameters (first used = first sent) and sent over
-the DSCP-marked band connections that gradlaned schedules. What it cannot
+the DSCP-marked band connections that gradlaned schedules; with
+``leaf=`` given on every rank (`ShimConfig.leaf`), each chunk is reduced
+within each leaf switch first, as the shim does. What it cannot
 give: cross-iteration overlap. DDP's ``backward()`` waits for every bucket and
 the optimizer steps the whole model after it, so the next forward never starts
 before the last bucket is in; use `gradlane.shim.attach` for that.
@@ -34,7 +36,7 @@ from gradlane.errors import ConfigError, PeerLost
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import assign_owners, band_of, split
-from gradlane.shim.transport import Mesh, local_address
+from gradlane.shim.transport import Mesh, agree_leaves, local_address
 
 __all__ = ["HookState", "comm_hook"]
 
@@ -75,7 +77,14 @@ class HookState:
             timeout_s=self.config.timeout_s,
             prefix=f"gradlane/{self.config.job}/ddp",
         )
-        self.engine = Engine(self.mesh, self.config.timeout_s)
+        try:
+            # Reduction within leaves first when every rank's ShimConfig.leaf says where it is.
+            self.leaves = agree_leaves(store, f"gradlane/{self.config.job}/ddp", self.rank,
+                                       self.world, self.config.leaf)
+        except BaseException:
+            self.mesh.close()
+            raise
+        self.engine = Engine(self.mesh, self.config.timeout_s, leaves=self.leaves)
         self.engine.on_failure = self._fail_pending
         self._pending: dict[int, torch.futures.Future[torch.Tensor]] = {}
         self._lock = threading.Lock()

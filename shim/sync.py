@@ -45,7 +45,7 @@ from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import assign_owners, band_of, split
-from gradlane.shim.transport import Mesh, Store, local_address, tensor_bytes
+from gradlane.shim.transport import Mesh, Store, agree_leaves, local_address, tensor_bytes
 
 __all__ = ["MIN_CHUNK_BYTES", "PER_PARAMETER_OPTIMIZERS", "Sync", "attach"]
 
@@ -302,26 +302,18 @@ class Sync:
                 raise ModelMismatch(verdict)
 
     def _agree_leaves(self, store: Store) -> tuple[int, ...] | None:
-        """Every rank's leaf switch if all know theirs and there are several, else None.
+        """Every rank's leaf switch, or None (see `agree_leaves`).
 
         A rank's leaf is `ShimConfig.leaf`, or what gradlaned's welcome says
         the control plane advises (waited for up to `WELCOME_WAIT_S` when a
-        daemon socket exists). One rank without a leaf keeps the whole job on
-        the flat exchange: every rank must build the same reduction trees.
+        daemon socket exists).
         """
         mine = self.config.leaf
         if mine is None and os.path.exists(self.config.daemon_socket):
             self.client.welcomed.wait(WELCOME_WAIT_S)
             mine = self.client.advised_leaf
-        key = f"{self._prefix}/leaf"
-        try:
-            store.set(f"{key}/{self.rank}", str(-1 if mine is None else mine))
-            leaves = tuple(int(store.get(f"{key}/{r}")) for r in range(self.world))
-        except RuntimeError as exc:
-            raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
-        if min(leaves) < 0 or len(set(leaves)) == 1:
-            return None
-        if self.rank == 0:
+        leaves = agree_leaves(store, self._prefix, self.rank, self.world, mine)
+        if leaves and self.rank == 0:
             logger.info("gradlane: reducing within leaves first: %s", leaves)
         return leaves
 

@@ -27,7 +27,7 @@ import torch
 
 from gradlane.errors import TransportError
 
-__all__ = ["Link", "Mesh", "Store", "local_address", "mark", "tensor_bytes"]
+__all__ = ["Link", "Mesh", "Store", "agree_leaves", "local_address", "mark", "tensor_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,26 @@ class Link:
         src, sport = self.sock.getsockname()[:2]
         dst, dport = self.sock.getpeername()[:2]
         return {"band": self.band, "src": src, "sport": sport, "dst": dst, "dport": dport}
+
+
+def agree_leaves(
+    store: Store, prefix: str, rank: int, world: int, mine: int | None
+) -> tuple[int, ...] | None:
+    """Every rank's leaf switch if all know theirs and there are several, else None.
+
+    Each rank posts `mine` (None: unknown) under `prefix` and reads everyone's.
+    One rank without a leaf keeps the whole job on the flat exchange: every
+    rank must build the same reduction trees.
+    """
+    key = f"{prefix}/leaf"
+    try:
+        store.set(f"{key}/{rank}", str(-1 if mine is None else mine))
+        leaves = tuple(int(store.get(f"{key}/{r}")) for r in range(world))
+    except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
+        raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
+    if min(leaves) < 0 or len(set(leaves)) == 1:
+        return None
+    return leaves
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -75,14 +75,17 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+# (optimizer, dtype, per-rank batches, lr schedule, worker flags, ranks on two leaves)
 CASES = {
-    "sgd-momentum-fp32": ("sgd", "float32", "4,4,4,4", False, False),
-    "adamw-fp64": ("adamw", "float64", "4,4,4,4", False, False),
-    "sgd-unequal-batches-lr-schedule": ("sgd", "float32", "3,5,2,6", True, False),
-    "adamw-fp64-unequal-no-overlap": ("adamw", "float64", "6,2,5,3", True, True),
-    "ddp-comm-hook-sgd-unequal": ("sgd", "float32", "3,5,2,6", True, "--ddp-hook"),
+    "sgd-momentum-fp32": ("sgd", "float32", "4,4,4,4", False, (), False),
+    "adamw-fp64": ("adamw", "float64", "4,4,4,4", False, (), False),
+    "sgd-unequal-batches-lr-schedule": ("sgd", "float32", "3,5,2,6", True, (), False),
+    "adamw-fp64-unequal-no-overlap": ("adamw", "float64", "6,2,5,3", True, ("--no-overlap",),
+                                      False),
+    "ddp-comm-hook-sgd-unequal": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), False),
     # Ranks 0, 1 on one leaf and 2, 3 on another: reduced within each leaf first.
-    "sgd-two-leaves-unequal": ("sgd", "float32", "3,5,2,6", True, "leaves"),
+    "sgd-two-leaves-unequal": ("sgd", "float32", "3,5,2,6", True, (), True),
+    "ddp-comm-hook-two-leaves": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), True),
 }
 LEAVES = (0, 0, 1, 1)
 
@@ -90,17 +93,16 @@ LEAVES = (0, 0, 1, 1)
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> None:
-    optimizer, dtype, batches, sched, mode = CASES[case]
+    optimizer, dtype, batches, sched, flags, leaves = CASES[case]
     args = ["--optimizer", optimizer, "--dtype", dtype, "--batches", batches, "--steps", "20"]
-    args += ["--sched"] if sched else []
-    args += ["--no-overlap"] if mode is True else [mode] if mode and mode != "leaves" else []
+    args += ["--sched", *flags] if sched else [*flags]
     per_rank = None
-    if mode == "leaves":
+    if leaves:
         per_rank = {r: ["--leaf", str(leaf)] for r, leaf in enumerate(LEAVES)}
     results = finish(launch(tmp_path, *args, per_rank=per_rank))
     for rank, (code, log) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
-        if mode == "leaves":
+        if leaves:
             assert f"rank {rank} leaves {LEAVES}" in log, log[-3000:]
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for r in range(1, WORLD):
