@@ -7,6 +7,14 @@ Three experiments, each one command:
   vs `fifo` average iteration time and `coflow` vs per-flow `fair` average
   coflow completion time. ``--mixed F`` makes a fraction F of the servers
   an older GPU generation (P100 next to V100).
+- ``coflows``: the same fabric and jobs in open loop: each job's coflows
+  (one iteration's gradient exchange each) arrive as a Poisson process,
+  whatever the network does, at a `load` of the busiest link; `coflow` vs
+  per-flow `fair` average CCT. Why both: in ``cluster`` a job's next
+  coflow waits for its last one, and there no order of coflows can beat
+  the CCTs each job would get alone on the fabric (reported as
+  ``cct_ceiling``), so ordering pays little there; open-loop arrivals are
+  what Varys and Sincronia were built and evaluated for.
 - ``heterogeneous``: 4 workers at relative speeds 1, 1, 1, 0.5; reports each
   policy against the ideal (global batch over the sum of throughputs, plus
   the communication time).
@@ -16,23 +24,37 @@ Three experiments, each one command:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gradlane.benchmark import PAYLOAD_EFFICIENCY
 from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
-from gradlane.policies.sim import Scenario, cluster, heterogeneous, one_switch, simulate
+from gradlane.policies.sim import (
+    Scenario,
+    cluster,
+    coflow_load,
+    heterogeneous,
+    one_switch,
+    simulate,
+)
 
 __all__ = ["EXPERIMENTS", "plot", "run_experiment"]
 
-EXPERIMENTS = ("cluster", "heterogeneous", "validate")
+EXPERIMENTS = ("cluster", "coflows", "heterogeneous", "validate")
 CLUSTER_POLICIES = ("fifo", "fair", "priority", "coflow", "loadbalance", "straggler", "gradlane")
 # The testbed systems a simulated policy stands for: `fifo` is one band and no
 # overlap on the testbed; `gradlane` is the shim plus gradlaned.
 VALIDATED = {"fifo": "fifo", "gradlane": "gradlane"}
+COFLOW_POLICIES = ("fair", "coflow")
+# Open loop: the job whose coflows arrive least often gets about this many.
+COFLOWS_OF_RAREST = 24
+GROWTH = 1.5  # see `growing_jobs`
 
 Say = Callable[[str], None]
 Progress = Callable[[str, float], None]
@@ -77,15 +99,91 @@ def _ratio(results: dict[str, Any], slow: str, fast: str, key: str) -> float | N
     return None
 
 
+def isolated_cct(scenario: Scenario) -> dict[str, float]:
+    """Per job, its mean CCT with the fabric to itself (`fair`; nothing else to share with).
+
+    No order of coflows gives a closed-loop job a shorter CCT than this: ordering only
+    decides who waits. `fair`'s mean CCT over the mean of these is the most any
+    coflow order can gain in the run.
+    """
+    policy = get_policy("fair")
+    out = {}
+    for job in scenario.jobs:
+        alone = simulate(dataclasses.replace(scenario, jobs=(job,)), policy)
+        out[job.name] = float(np.mean(alone.cct_s[job.name]))
+    return out
+
+
 def run_cluster(policies: tuple[str, ...], seed: int, hosts: int, mixed: float = 0.0,
                 progress: Progress | None = None) -> dict[str, Any]:
     scenario = cluster(hosts=hosts, seed=seed, slow_fraction=mixed)
     results = _run_policies(scenario, policies, progress)
-    return {
+    out: dict[str, Any] = {
         "experiment": "cluster",
         "scenario": _scenario_json(scenario),
         "results": results,
         "gradlane_vs_fifo_iteration": _ratio(results, "fifo", "gradlane", "mean_iteration_s"),
+        "coflow_vs_fair_cct": _ratio(results, "fair", "coflow", "mean_cct_s"),
+    }
+    if "fair" in results:
+        alone = isolated_cct(scenario)
+        out["isolated_cct_s"] = alone
+        out["cct_ceiling"] = results["fair"]["mean_cct_s"] / float(np.mean(list(alone.values())))
+    return out
+
+
+def open_loop(base: Scenario, load: float, seed: int) -> Scenario:
+    """`base`'s fabric and jobs with Poisson coflow arrivals instead of training.
+
+    Each job j offers coflows at a rate ``c / T_j``, ``T_j`` its coflow's time alone on
+    the fabric, so every job keeps itself a fraction ``c`` busy; ``c`` makes the busiest
+    link of the fabric `load` busy on average. Arrivals run until the rarest job has
+    had about `COFLOWS_OF_RAREST`.
+    """
+    if not 0 < load < 1:
+        raise ConfigError(f"load must be in (0, 1), got {load}")
+    seconds, alone = coflow_load(base)  # (jobs, links), (jobs,)
+    rate = 1.0 / alone
+    rate *= load / float((seconds * rate[:, None]).sum(axis=0).max())
+    horizon = COFLOWS_OF_RAREST / float(rate.min())
+    rng = np.random.default_rng(seed)
+    arrivals = []
+    for r in rate:
+        gaps = rng.exponential(1.0 / r, size=int(3 * r * horizon) + 10)
+        times = np.cumsum(gaps)
+        arrivals.append(tuple(float(t) for t in times[times < horizon]))
+    notes = {**base.notes, "load": load, "horizon_s": horizon,
+             "arrivals_per_s": {j.name: float(r) for j, r in zip(base.jobs, rate, strict=True)},
+             "coflow_alone_s": {j.name: float(t) for j, t in zip(base.jobs, alone, strict=True)}}
+    return dataclasses.replace(base, name="coflows", arrivals=tuple(arrivals), warmup=2,
+                               notes=notes)
+
+
+def growing_jobs(cct_s: dict[str, list[float]], factor: float = GROWTH) -> list[str]:
+    """Jobs whose later coflows (second half, by arrival) took `factor` x longer on
+    average than their earlier ones: their backlog grew through the run, so the
+    offered load is more than the policy sustains for them, and their mean CCT
+    depends on how long the run is."""
+    out = []
+    for job, ccts in cct_s.items():
+        half = len(ccts) // 2
+        if half and np.mean(ccts[half:]) > factor * np.mean(ccts[:half]):
+            out.append(job)
+    return out
+
+
+def run_coflows(policies: tuple[str, ...], seed: int, hosts: int, load: float,
+                progress: Progress | None = None) -> dict[str, Any]:
+    scenario = open_loop(cluster(hosts=hosts, seed=seed), load, seed)
+    results = _run_policies(scenario, policies, progress)
+    for r in results.values():
+        r["growing"] = growing_jobs(r["cct_s"])
+    return {
+        "experiment": "coflows",
+        "scenario": {**_scenario_json(scenario),
+                     "coflows": {j.name: len(a) for j, a in zip(scenario.jobs, scenario.arrivals,
+                                                                strict=True)}},
+        "results": results,
         "coflow_vs_fair_cct": _ratio(results, "fair", "coflow", "mean_cct_s"),
     }
 
@@ -185,10 +283,13 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
 
 def run_experiment(name: str, policies: tuple[str, ...] | None = None, seed: int = 0,
                    hosts: int = 1024, results_dir: Path = Path("bench/results"),
-                   mixed: float = 0.0, progress: Progress | None = None) -> dict[str, Any]:
+                   mixed: float = 0.0, progress: Progress | None = None,
+                   load: float = 0.8) -> dict[str, Any]:
     """Run experiment `name` (one of `EXPERIMENTS`)."""
     if name == "cluster":
         return run_cluster(policies or CLUSTER_POLICIES, seed, hosts, mixed, progress)
+    if name == "coflows":
+        return run_coflows(policies or COFLOW_POLICIES, seed, hosts, load, progress)
     if name == "heterogeneous":
         return run_heterogeneous(policies or ("fifo", "priority", "straggler", "gradlane"),
                                  progress)
@@ -215,6 +316,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks(list(x), labels, fontsize=7)
         ax.set_ylabel("iteration time (ms)")
         ax.legend()
+    elif result["experiment"] == "coflows":  # nothing iterates: CCTs per job, and their CDF
+        res = result["results"]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        jobs = list(next(iter(res.values()))["cct_s"])
+        width = 0.8 / len(res)
+        for i, (name, r) in enumerate(res.items()):
+            means = [float(np.mean(r["cct_s"][j])) * 1000 if r["cct_s"][j] else 0.0
+                     for j in jobs]
+            axes[0].bar([k + i * width for k in range(len(jobs))], means, width, label=name)
+            ccts = np.sort([x * 1000 for v in r["cct_s"].values() for x in v])
+            axes[1].plot(ccts, np.arange(1, len(ccts) + 1) / max(1, len(ccts)), label=name)
+        axes[0].set_xticks([k + 0.4 - width / 2 for k in range(len(jobs))], jobs, fontsize=7,
+                           rotation=30)
+        axes[0].set_ylabel("mean coflow completion time (ms)")
+        axes[1].set_xscale("log")
+        axes[1].set_xlabel("coflow completion time (ms)")
+        axes[1].set_ylabel("fraction of coflows")
+        for ax in axes:
+            ax.legend()
+        fig.suptitle(f"gradlane sim: coflows, open loop at load {result['scenario']['load']}")
     else:
         res = result["results"]
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))

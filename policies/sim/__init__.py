@@ -4,7 +4,7 @@
 profiles), `engine.simulate` runs it under one policy, deterministically.
 """
 
-from gradlane.policies.sim.engine import Result, full_demand_state, simulate
+from gradlane.policies.sim.engine import Result, coflow_load, full_demand_state, simulate
 from gradlane.policies.sim.scenario import (
     Bucket,
     Scenario,
@@ -23,6 +23,7 @@ __all__ = [
     "SimJob",
     "buckets_of",
     "cluster",
+    "coflow_load",
     "full_demand_state",
     "heterogeneous",
     "one_switch",

@@ -23,7 +23,12 @@ Model (what is simulated, and what is not):
    A bucket's forward in iteration ``k + 1`` waits for that bucket's
    collective of iteration ``k`` (per-layer optimizer steps: cross-iteration
    overlap). A bucket's collective starts when every worker has its gradient.
-4. Planning. The policy plans at time 0, every `replan_s`, and after a
+4. Open loop (`Scenario.arrivals`): no compute; each arrival releases a
+   whole iteration's collectives at once, and a job may have several
+   coflows in flight (its connection serves them in arrival order). This is
+   the setting coflow schedulers were designed and evaluated in; a training
+   job's next coflow, by contrast, waits for its last one (closed loop).
+5. Planning. The policy plans at time 0, every `replan_s`, and after a
    coflow arrives or completes (no sooner than `react_s` after the last
    plan, the control plane's reaction time), from a state
    built like a control plane's: measured worker throughput, each job's
@@ -59,7 +64,7 @@ from gradlane.policies.base import (
 from gradlane.policies.chunks import assign_owners, reduction_parents
 from gradlane.policies.sim.scenario import Scenario, SimJob
 
-__all__ = ["Result", "full_demand_state", "simulate"]
+__all__ = ["Result", "coflow_load", "full_demand_state", "simulate"]
 
 EPS = 1e-9
 
@@ -78,7 +83,9 @@ class Result:
 
     @property
     def mean_iteration_s(self) -> float:
-        return float(np.mean([np.mean(v) for v in self.iteration_s.values()]))
+        """Mean over jobs of their mean iteration; NaN in open loop (nothing iterates)."""
+        means = [np.mean(v) for v in self.iteration_s.values() if v]
+        return float(np.mean(means)) if means else float("nan")
 
     @property
     def mean_cct_s(self) -> float:
@@ -87,7 +94,7 @@ class Result:
     def to_json(self) -> dict[str, object]:
         return {
             "policy": self.policy,
-            "mean_iteration_s": self.mean_iteration_s,
+            "mean_iteration_s": self.mean_iteration_s if self.iteration_s else None,
             "mean_cct_s": self.mean_cct_s,
             "iteration_s": self.iteration_s,
             "cct_s": self.cct_s,
@@ -132,13 +139,13 @@ class _Job:
         self.fwd_pos = 0
         self.clock = np.zeros(self.w)
         self.synced = np.full(self.nb, np.nan)  # last iteration's collectives: done times
-        self.pending = 0  # collectives of the last backward not yet done
+        self.outstanding: dict[int, int] = {}  # per iteration in flight, collectives not done
         self.starts: list[float] = []
         self.busy = np.zeros(self.w)  # compute seconds so far in this iteration, per worker
         self.last_busy = np.zeros(self.w)  # ... in the last full iteration
         self.last_shares = self.shares.copy()  # the batch shares that iteration ran with
         self.first_ready: dict[int, float] = {}
-        self.ccts: list[float] = []
+        self.ccts: dict[int, float] = {}  # per iteration, its coflow's completion time
 
     @property
     def factor(self) -> np.ndarray:
@@ -269,7 +276,7 @@ class _Sim:
             self.seq += 1
             job.ready_at[b] = float(job.clock.max())
             heapq.heappush(self.ready, (job.ready_at[b], self.seq, job.index, job.iteration, b))
-        job.pending = job.nb
+        job.outstanding[job.iteration] = job.nb
         job.last_busy = job.busy.copy()
         job.last_shares = job.iteration_shares
         job.fwd_pos = 0
@@ -291,11 +298,31 @@ class _Sim:
     def collective_done(self, c: _Collective) -> None:
         job = c.job
         job.synced[c.bucket] = self.now
-        job.pending -= 1
-        if job.pending == 0:  # a coflow departs: plan again
-            job.ccts.append(self.now - job.first_ready.pop(c.iteration, self.now))
+        job.outstanding[c.iteration] -= 1
+        if not job.outstanding[c.iteration]:  # a coflow departs: plan again
+            del job.outstanding[c.iteration]
+            job.ccts[c.iteration] = self.now - job.first_ready.pop(c.iteration, self.now)
             self.replan_due = True
-        self.advance(job)
+        if not self.sc.arrivals:
+            self.advance(job)
+
+    def release(self) -> None:
+        """Open loop: every coflow's collectives, ready at its arrival (last bucket first)."""
+        for job, times in zip(self.jobs, self.sc.arrivals, strict=True):
+            for it, t in enumerate(times):
+                job.outstanding[it] = job.nb
+                for b in range(job.nb - 1, -1, -1):
+                    self.seq += 1
+                    heapq.heappush(self.ready, (t, self.seq, job.index, it, b))
+
+    def finished(self) -> float:
+        """How far the run is, 0..1 (1: every job has what `result` measures)."""
+        sc = self.sc
+        if sc.arrivals:
+            total = sum(len(a) for a in sc.arrivals)
+            return sum(len(j.ccts) for j in self.jobs) / max(1, total)
+        need = sc.warmup + sc.iterations + 1  # +1: an iteration's time is start to next start
+        return min(min(len(j.starts) for j in self.jobs) / need, 1.0)
 
     # -- network -----------------------------------------------------------
 
@@ -334,13 +361,16 @@ class _Sim:
     def remaining(self, job: _Job) -> np.ndarray:
         """Per bucket, the fraction of its current collective still to send (0: none)."""
         left = np.zeros(job.nb)
-        if job.pending == 0:
+        if not job.outstanding:
             return left
-        left[np.isnan(job.synced)] = 1.0
+        if not self.sc.arrivals:
+            left[np.isnan(job.synced)] = 1.0  # not computed yet, or queued (set below)
         for (j, _band), queue in self.queues.items():
             if j == job.index:
                 for c in queue:
-                    left[c.bucket] = c.bits / (job.chunk_size[c.bucket] * 8.0)
+                    part = c.bits / (job.chunk_size[c.bucket] * 8.0)
+                    # Open loop: several coflows of the job may hold the same bucket.
+                    left[c.bucket] = left[c.bucket] + part if self.sc.arrivals else part
         return left
 
     def state(self) -> State:
@@ -367,11 +397,14 @@ class _Sim:
                 # iteration processed over how long it computed.
                 thr = float(job.last_shares[r] / busy[r]) if busy[r] > 0 else 0.0
                 workers.append(Worker(spec.name, r, int(job.hosts[r]), thr, int(job.shares[r])))
-            left = self.remaining(job)
-            if job.w < 2 or not left.any():
+            if job.w < 2:
                 continue
+            left = self.remaining(job)
+            idle = not left.any()
+            if idle:  # between coflows: its next one, whole (what its demand report says)
+                left = np.ones(job.nb)
             k = len(coflows)
-            since = min(job.first_ready.values(), default=self.now)
+            since = self.now if idle else min(job.first_ready.values(), default=self.now)
             coflows.append(Coflow(f"{spec.name}/{job.iteration}", spec.name, self.now - since))
             local, remote = job.loads()
             for b in np.flatnonzero(left).tolist():
@@ -421,15 +454,17 @@ class _Sim:
     def run(self) -> Result:
         started = time.perf_counter()
         sc = self.sc
-        need = sc.warmup + sc.iterations + 1  # +1: an iteration's time is start to next start
         self.replan()
         last_plan, next_plan = 0.0, sc.replan_s
-        for job in self.jobs:
-            self.advance(job)
+        if sc.arrivals:
+            self.release()
+        else:
+            for job in self.jobs:
+                self.advance(job)
         dirty = True
         limit = 2_000_000
         for _ in range(limit):
-            if all(len(j.starts) >= need for j in self.jobs):
+            if self.finished() >= 1.0:
                 break
             active = self.active()
             if dirty:
@@ -463,8 +498,7 @@ class _Sim:
                 last_plan, next_plan = self.now, self.now + sc.replan_s
                 dirty = True
                 if self.on_progress:
-                    done = min(len(j.starts) for j in self.jobs) / need
-                    self.on_progress(min(1.0, done))
+                    self.on_progress(self.finished())
         else:
             raise RuntimeError(f"simulation did not finish in {limit} events")
         return self.result(time.perf_counter() - started)
@@ -473,9 +507,13 @@ class _Sim:
         sc = self.sc
         iters, ccts = {}, {}
         for job in self.jobs:
+            done = [job.ccts[i] for i in sorted(job.ccts)]
+            if sc.arrivals:  # every coflow after the warm-up ones
+                ccts[job.spec.name] = done[sc.warmup:]
+                continue
             s = np.array(job.starts[sc.warmup:sc.warmup + sc.iterations + 1])
             iters[job.spec.name] = np.diff(s).tolist()
-            ccts[job.spec.name] = job.ccts[sc.warmup:sc.warmup + sc.iterations]
+            ccts[job.spec.name] = done[sc.warmup:sc.warmup + sc.iterations]
         h = len(sc.topology.hosts)
         used = self.busy_bits / (self.cap * max(self.now, EPS))
         util = {"host": float(used[:h].mean())}
@@ -492,11 +530,27 @@ def full_demand_state(scenario: Scenario, policy: Policy) -> State:
     """
     sim = _Sim(scenario, policy, None)
     for job in sim.jobs:
-        job.pending = job.nb
+        job.outstanding = {0: job.nb}
         job.synced = np.full(job.nb, np.nan)
         job.ready_at = job.forward.sum() + np.cumsum(job.backward[::-1])[::-1]
         job.first_ready[0] = 0.0
     return sim.state()
+
+
+def coflow_load(scenario: Scenario) -> tuple[np.ndarray, np.ndarray]:
+    """One coflow (iteration exchange) of each job alone on the fabric, chunks owned as at
+    the start: a ``(jobs, links)`` matrix of the seconds it keeps each link busy, and per
+    job how long it takes (its collectives one after the other, as its connection sends
+    them, each at the rate of its busiest link)."""
+    cap = scenario.topology.capacity_bps
+    load = np.zeros((len(scenario.jobs), len(cap)))
+    alone = np.zeros(len(scenario.jobs))
+    for i, spec in enumerate(scenario.jobs):
+        job = _Job(i, spec, scenario)
+        busy = job.counts * (np.array(job.chunk_size)[:, None] * 8.0) / cap[job.links][None, :]
+        np.add.at(load[i], job.links, busy.sum(axis=0))
+        alone[i] = busy.max(axis=1).sum()
+    return load, alone
 
 
 def simulate(scenario: Scenario, policy: Policy,

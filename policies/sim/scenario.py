@@ -100,12 +100,21 @@ class Scenario:
     react_s: float = 0.05  # its reaction time to a coflow arriving or completing
     seed: int = 0
     notes: dict[str, object] = field(default_factory=dict)
+    # Open loop: per job, the times its coflows arrive. Each arrival releases one whole
+    # iteration's gradient exchange at once, whatever the network does (no compute, no
+    # feedback: Varys' and Sincronia's setting). Empty: the jobs train (closed loop).
+    arrivals: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.topology.hosts)
         for job in self.jobs:
             if max(job.hosts) >= n or min(job.hosts) < 0:
                 raise ConfigError(f"job {job.name}: a host outside 0..{n - 1}")
+        if self.arrivals and (
+            len(self.arrivals) != len(self.jobs)
+            or any(list(a) != sorted(a) or (a and a[0] < 0) for a in self.arrivals)
+        ):
+            raise ConfigError("arrivals: one sorted list of times >= 0 per job")
         if self.iterations < 1 or self.warmup < 0 or not self.replan_s > 0 or self.react_s < 0:
             raise ConfigError("need iterations >= 1, warmup >= 0, replan_s > 0, react_s >= 0")
 

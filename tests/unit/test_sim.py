@@ -12,6 +12,7 @@ from gradlane.policies.sim import (
     SimJob,
     buckets_of,
     cluster,
+    coflow_load,
     full_demand_state,
     heterogeneous,
     one_switch,
@@ -97,6 +98,42 @@ def test_coflow_order_serves_the_smaller_job_first_on_a_shared_link() -> None:
     coflow = simulate(sc, get_policy("coflow"))
     small = min(sc.jobs, key=lambda j: j.bytes * j.workers).name
     assert sum(coflow.cct_s[small]) < sum(fair.cct_s[small])
+
+
+def test_open_loop_coflow_takes_its_exchange_time_and_waits_for_the_one_before() -> None:
+    # One bucket of S on 2 workers: a coflow alone takes S * 8 / G (each sends S/2 and
+    # receives S/2 of the result... one flow each way per rank: S bits per link).
+    size = 10e6
+    base = _one_job([(size, 0.01, 0.02)])
+    exchange = size * 8 / G
+    # Two coflows 0.1 exchange apart: the second waits for the first; the third is alone.
+    sc = replace(base, arrivals=((0.0, 0.1 * exchange, 10 * exchange),), warmup=0)
+    result = simulate(sc, get_policy("fair"))
+    assert result.iteration_s == {} and result.to_json()["mean_iteration_s"] is None
+    first, second, third = result.cct_s["job0-x"]
+    assert first == pytest.approx(exchange, rel=1e-6)
+    assert second == pytest.approx(1.9 * exchange, rel=1e-6)
+    assert third == pytest.approx(exchange, rel=1e-6)
+
+
+def test_coflow_load_matches_the_simulated_time_alone() -> None:
+    sc = cluster(hosts=64, hosts_per_leaf=32, jobs=2, group=8, nic_bps=G, iterations=1)
+    load, alone = coflow_load(sc)
+    assert load.shape == (2, len(sc.topology.capacity_bps))
+    for i, job in enumerate(sc.jobs):
+        one = replace(sc, jobs=(job,), arrivals=((0.0,),), warmup=0)
+        (cct,) = simulate(one, get_policy("fair")).cct_s[job.name]
+        assert cct == pytest.approx(alone[i], rel=1e-6)
+        # One collective after the other: no faster than its busiest link.
+        assert alone[i] >= load[i].max() - 1e-12
+
+
+def test_open_loop_arrivals_are_checked() -> None:
+    base = _one_job([(1e6, 0.01, 0.02)])
+    with pytest.raises(ConfigError, match="arrivals"):
+        replace(base, arrivals=((0.2, 0.1),))
+    with pytest.raises(ConfigError, match="arrivals"):
+        replace(base, arrivals=((0.1,), (0.2,)))
 
 
 def test_full_demand_state_gives_every_job_a_coflow() -> None:

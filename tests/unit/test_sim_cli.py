@@ -27,8 +27,46 @@ def test_sim_validate_without_results_says_so(tmp_path: Path) -> None:
     assert "no trace-scenario results" in result.output
 
 
+def test_sim_validate_replays_the_shipped_testbed_results(tmp_path: Path) -> None:
+    out = tmp_path / "v.json"
+    results = Path(__file__).resolve().parents[2] / "bench/results"
+    result = CliRunner().invoke(cli, ["sim", "validate", "--results", str(results),
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {(r["scenario"], r["system"]) for r in data["rows"]} >= {
+        ("trace-vgg19", "fifo"), ("trace-vgg19", "gradlane")}
+    assert data["max_abs_error"] == max(abs(r["error"]) for r in data["rows"])
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def test_sim_unknown_policy_is_an_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["sim", "heterogeneous", "--policy", "nope",
                                       "--json", str(tmp_path / "x.json")])
     assert result.exit_code != 0
     assert "unknown policy 'nope'" in result.output
+
+
+def test_sim_coflows_writes_json_and_png(tmp_path: Path) -> None:
+    out = tmp_path / "coflows.json"
+    result = CliRunner().invoke(cli, ["sim", "coflows", "--hosts", "64", "--load", "0.5",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["experiment"] == "coflows" and set(data["results"]) == {"fair", "coflow"}
+    assert data["scenario"]["load"] == 0.5
+    for policy in data["results"].values():
+        measured = sum(len(v) for v in policy["cct_s"].values())
+        # every coflow that arrived completed; each job's first 2 are warm-up
+        assert measured == sum(data["scenario"]["coflows"].values()) - 2 * 8
+        assert policy["mean_iteration_s"] is None
+    assert data["coflow_vs_fair_cct"] == data["results"]["fair"]["mean_cct_s"] / data[
+        "results"]["coflow"]["mean_cct_s"]
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_sim_coflows_refuses_a_load_outside_0_1(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["sim", "coflows", "--hosts", "64", "--load", "1.2",
+                                      "--json", str(tmp_path / "x.json")])
+    assert result.exit_code != 0
+    assert "load must be in (0, 1)" in result.output
