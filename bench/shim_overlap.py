@@ -86,7 +86,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/shim_overlap.json")
-    ap.add_argument("--model", default="vgg19", help="profile: resnet50, vgg19, bert_base")
+    ap.add_argument("--model", default="vgg19", help="profile: resnet50, vgg19, bert_base, gpt2")
     ap.add_argument("--model-mb", type=float, default=10.0, help="scaled model size")
     ap.add_argument("--forward-ms", type=float, default=50.0, help="forward time per iteration")
     ap.add_argument("--iters", type=int, default=25)

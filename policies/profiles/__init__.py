@@ -16,7 +16,7 @@ from gradlane.errors import ConfigError
 
 __all__ = ["NAMES", "Module", "Profile", "load_profile", "trace_spec"]
 
-NAMES = ("resnet50", "vgg19", "bert_base")
+NAMES = ("resnet50", "vgg19", "bert_base", "gpt2")
 BACKWARD_TO_FORWARD = 2.0  # backward costs about twice the forward (two matmuls per one)
 
 

@@ -9,9 +9,11 @@ a few dozen network events, not thousands; each bucket is cut into equal
 chunks of at most `chunk_bytes`, which the plan gives owners.
 
 Compute calibration (`V100_FP32_FLOPS`): a V100 sustaining half its
-15.7 TFLOP/s FP32 peak, 32 samples per worker, backward = 2x forward. That
-puts ResNet-50 at 100 ms per iteration (320 images/s), VGG-19 at 480 ms and
-BERT-base (seq 128) at 340 ms: an assumption stated here, not a measurement.
+15.7 TFLOP/s FP32 peak, 32 samples per worker (GPT-2: 8 sequences of 1,024
+tokens, what fits a V100's memory), backward = 2x forward. That puts
+ResNet-50 at 100 ms per iteration (320 images/s), VGG-19 at 480 ms,
+BERT-base (seq 128) at 340 ms and GPT-2 small at 890 ms: an assumption
+stated here, not a measurement.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from gradlane.policies.straggler import proportional_shares
 
 __all__ = [
     "BATCH_PER_WORKER",
+    "SAMPLES_PER_WORKER",
     "V100_FP32_FLOPS",
     "Bucket",
     "Scenario",
@@ -42,6 +45,8 @@ __all__ = [
 V100_FP32_FLOPS = 0.5 * 15.7e12
 P100_SPEED = 10.6 / 15.7  # a P100's FP32 peak over a V100's
 BATCH_PER_WORKER = 32
+# GPT-2's 1,024-token sequences: 32 of them per V100 would not fit its memory; 8 do.
+SAMPLES_PER_WORKER = {"gpt2": 8}
 DEFAULT_BUCKETS = 16
 MAX_CHUNK = 4 << 20
 
@@ -242,18 +247,20 @@ def cluster(
         at += counts[j]
         placed = tuple(int(h) for g in sorted(mine) for h in np.arange(g * group, (g + 1) * group))
         model = models[j % len(models)]
-        buckets = buckets_of(profile_layers(model, BATCH_PER_WORKER))
+        batch = SAMPLES_PER_WORKER.get(model, BATCH_PER_WORKER)
+        buckets = buckets_of(profile_layers(model, batch))
         total = sum(b.bytes for b in buckets)
         speeds = tuple(slow_speed if h // group in slow else 1.0 for h in placed)
         out.append(SimJob(f"job{j}-{model}", model, placed, buckets,
-                          BATCH_PER_WORKER * len(placed), speeds if slow else (),
+                          batch * len(placed), speeds if slow else (),
                           _chunk_for(total, len(placed))))
     notes: dict[str, object] = {
         "hosts": hosts, "hosts_per_leaf": hosts_per_leaf, "nic_bps": nic_bps,
         "oversubscription": oversubscription, "group": group,
         "slow_fraction": slow_fraction, "slow_speed": slow_speed,
         "calibration": f"V100 FP32 at {V100_FP32_FLOPS / 1e12:.2f} TFLOP/s sustained, "
-                       f"{BATCH_PER_WORKER} samples per worker",
+                       f"{BATCH_PER_WORKER} samples per worker (GPT-2: "
+                       f"{SAMPLES_PER_WORKER['gpt2']} sequences of 1,024 tokens)",
     }
     name = "cluster-mixed" if slow else "cluster"
     return Scenario(name, topo, tuple(out), iterations=iterations, seed=seed, notes=notes)
