@@ -235,6 +235,9 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                         # Time rank 0 waited for gradients (0 for ddp, which cannot say):
                         # iteration - waited is the compute the simulator replays.
                         "waited_s": run.waited,
+                        # The shim's grouping trial: each layout's median iteration, the
+                        # one kept (`ShimConfig.layout`).
+                        "layout_trial": run.layout_trial,
                     }
                 )
     # Each round's warm-up dropped on its own, then all rounds pooled.

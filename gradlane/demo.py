@@ -53,6 +53,7 @@ class SystemRun:
     utilization: float | None = None
     cpu_cores: list[float] = field(default_factory=list)  # per rank, over training
     waited: list[float] = field(default_factory=list)  # rank 0's exposed communication per step
+    layout_trial: dict[str, Any] | None = None  # the shim's layout trial, if it ran one
 
     @property
     def steady(self) -> list[float]:
@@ -190,6 +191,7 @@ def _collect(system: str, out: Path, wall: float) -> SystemRun:
         wall,
         cpu_cores=[round(c, 3) for c in cpu if c is not None],
         waited=raw.get("waited", []),
+        layout_trial=raw.get("layout_trial"),
     )
 
 

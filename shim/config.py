@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
 
-__all__ = ["DEFAULT_DSCP", "ShimConfig"]
+__all__ = ["DEFAULT_DSCP", "LAYOUTS", "ShimConfig"]
 
 # Band 0 first: gradlaned's default table. The daemon's welcome overrides it.
 DEFAULT_DSCP = DEFAULT_BAND_DSCP
+LAYOUTS = ("auto", "fine", "coarse")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,17 @@ class ShimConfig:
             crosses the spine (`gradlane.policies.chunks.reduction_parents`).
             None (the default): the control plane's advice through gradlaned,
             if any; else the flat exchange.
+        layout: how gradients are grouped. "fine": small groups (from 64 KiB)
+            and chunks, so the first layers' gradients go first and the next
+            forward starts layer by layer: what wins when communication is
+            about as long as compute. "coarse": groups of 4 MiB or more and
+            fewer, larger chunks, about as few messages as DDP's buckets: what
+            costs least CPU when communication hides behind backward anyway.
+            "auto" (the default): each runs for a few steps after warm-up
+            (`gradlane.shim.sync.TRIAL_STEPS`), and the job keeps the one
+            whose slowest rank's median iteration was shorter; every rank
+            takes the same decision. (`attach` only: the DDP comm hook
+            reduces DDP's own buckets.)
     """
 
     chunk_bytes: int = 1 << 20
@@ -56,6 +68,7 @@ class ShimConfig:
     job: str = "default"
     sndbuf_bytes: int = 0
     leaf: int | None = None
+    layout: str = "auto"
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 1 << 30:
@@ -74,6 +87,8 @@ class ShimConfig:
             raise ConfigError(f"sndbuf_bytes must be >= 0, got {self.sndbuf_bytes}")
         if self.leaf is not None and not (isinstance(self.leaf, int) and 0 <= self.leaf < 1 << 16):
             raise ConfigError(f"leaf must be an integer 0..65535 or None, got {self.leaf!r}")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     @property
     def bands(self) -> int:
@@ -81,4 +96,5 @@ class ShimConfig:
 
     def signature(self) -> dict[str, object]:
         """The options every worker of a job must share (checked at attach)."""
-        return {"chunk_bytes": self.chunk_bytes, "bands": self.bands, "overlap": self.overlap}
+        return {"chunk_bytes": self.chunk_bytes, "bands": self.bands, "overlap": self.overlap,
+                "layout": self.layout}

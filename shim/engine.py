@@ -237,6 +237,13 @@ class Engine:
             self._cond.notify_all()
         return group
 
+    def retire(self, groups: Sequence[Group]) -> None:
+        """Forget `groups` (every average of theirs is in, nothing of theirs is queued)."""
+        with self._cond:
+            for group in groups:
+                if self.groups.get(group.gid) is group:
+                    del self.groups[group.gid]
+
     # -- the caller's side -------------------------------------------------
 
     def begin(self, step: int, samples: int) -> None:

@@ -20,6 +20,12 @@ What happens to a training loop after ``sync = attach(model, optimizer)``:
    torch.optim except LBFGS and SparseAdam is); `clip_grad_norm_` (global
    norm); and closures (LBFGS).
 
+Layers are grouped before chunking (`ShimConfig.layout`): fine groups by
+default; after a few steps of warm-up the shim tries coarse groups (about as
+few messages as DDP's buckets) and keeps whichever was faster, so a job whose
+communication hides behind backward anyway stops paying per-message CPU for
+an order that gains nothing.
+
 Gradients are weighted by each worker's sample count (the first dimension of
 the model's first tensor input, summed over forwards since the last step, or
 `Sync.samples` set by hand), so unequal batches average exactly.
@@ -47,15 +53,35 @@ from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import assign_owners, band_of, split
 from gradlane.shim.transport import Mesh, Store, agree_leaves, local_address, tensor_bytes
 
-__all__ = ["MIN_CHUNK_BYTES", "PER_PARAMETER_OPTIMIZERS", "Sync", "attach"]
+__all__ = [
+    "MIN_CHUNK_BYTES",
+    "PER_PARAMETER_OPTIMIZERS",
+    "TRIAL_START",
+    "TRIAL_STEPS",
+    "Sync",
+    "attach",
+    "pick_layout",
+]
 
 MIN_CHUNK_BYTES = 64 << 10
 # Consecutive layers (forward order, same band and dtype) share one group until it holds
 # this many bytes: a ResNet's batch-norm layers (a few KB each) ride with a convolution
 # instead of costing a message exchange of their own.
 MIN_GROUP_BYTES = 64 << 10
+# `ShimConfig.layout` "coarse": groups of at least this many bytes, chunks up to it. Some
+# ten messages per worker and step for a 10 MB model instead of some sixty.
+COARSE_GROUP_BYTES = 4 << 20
+# "auto": steps [TRIAL_START, TRIAL_START + TRIAL_STEPS) measure the fine layout, the next
+# step switches to coarse (not measured: it pays the switch), the TRIAL_STEPS after it
+# measure coarse; the step after them decides.
+TRIAL_START, TRIAL_STEPS = 3, 6
 
 logger = logging.getLogger(__name__)
+
+
+def pick_layout(fine_s: float, coarse_s: float) -> str:
+    """The trial's verdict from the job's median iteration under each layout."""
+    return "coarse" if coarse_s < fine_s else "fine"
 
 # torch.optim classes whose update of a parameter reads only that parameter,
 # its gradient and its own state: stepping a subset is exactly the same math.
@@ -212,6 +238,13 @@ class Sync:
         self._slots: dict[nn.Parameter, _Slot] = {}
         self._averages: dict[nn.Parameter, torch.Tensor] = {}  # views of the groups' output
         self._groups: list[Group] = []
+        self._next_gid = 0
+        # The layout in use; "auto" starts fine and tries coarse (`_try_layouts`).
+        self.layout = "coarse" if config.layout == "coarse" else "fine"
+        self._trying = config.layout == "auto"
+        self._began: dict[int, float] = {}  # step -> when its backward began (the trial)
+        # What the trial measured and chose: each layout's slowest-rank median iteration.
+        self.layout_trial: dict[str, Any] | None = None
         self._order: list[_Layer] = []
         self._laid_out = False
         self._state = "idle"  # idle -> backward -> reduced -> (step) idle
@@ -398,7 +431,10 @@ class Sync:
         """
         model = sum(p.numel() * p.element_size() for layer in self._layers for p in layer.params)
         share = model // (4 * self.world)
-        return max(4096, min(self.config.chunk_bytes, max(MIN_CHUNK_BYTES, share)))
+        fine = max(4096, min(self.config.chunk_bytes, max(MIN_CHUNK_BYTES, share)))
+        if self.layout == "coarse":  # fewer messages; owners still get about 2 chunks each
+            return max(fine, min(COARSE_GROUP_BYTES, model // (2 * self.world)))
+        return fine
 
     def _lay_out(self) -> None:
         """Freeze priorities, groups, chunks and owners (at the first backward)."""
@@ -424,7 +460,7 @@ class Sync:
         ]
         owners = iter(assign_owners(sizes, self.world))
         for gid, ((layers, dtype, params, numel, band), ranges) in enumerate(
-            zip(specs, ranges_of, strict=True)
+            zip(specs, ranges_of, strict=True), start=self._next_gid
         ):
             first, last = layers[0], layers[-1]
             name = first.name if first is last else f"{first.name}..{last.name}"
@@ -447,7 +483,70 @@ class Sync:
             self._groups.append(group)
             self._members[gid] = params
         self._order = order
+        self._next_gid += len(specs)
         self._laid_out = True
+
+    def _relayout(self, layout: str) -> None:
+        """Regroup every gradient as `layout` says, between two steps.
+
+        Called once this worker has every average of the previous step. Its
+        queued sends go out first: a peer must read them before any message
+        for the new groups, which it may not have made yet (the engine holds
+        such a message until the group exists; TCP keeps each connection's
+        order). New groups get new ids on every rank alike.
+        """
+        if not self.engine.drain(self.config.timeout_s):
+            self.engine.raise_error()
+            raise TransportError(f"rank {self.rank}: sends did not drain before regrouping")
+        self.engine.retire(self._groups)
+        for layer in self._layers:
+            layer.groups = []
+        self._slots.clear()
+        self._averages.clear()
+        self._groups, self._members = [], {}
+        self.layout = layout
+        self._lay_out()
+        if self.rank == 0:
+            logger.info("gradlane: %s layout from step %d: %d groups", layout, self.step,
+                        len(self._groups))
+
+    def _try_layouts(self) -> None:
+        """`ShimConfig.layout` "auto": measure fine, then coarse, keep the faster.
+
+        An iteration is the time between two backward passes' starts. The
+        ranks post their median of each and take the slowest rank's (the job
+        waits for it); a tie keeps fine, which never costs the overlap.
+        """
+        self._began[self.step] = time.perf_counter()
+        switch = TRIAL_START + TRIAL_STEPS
+        decide = switch + 1 + TRIAL_STEPS
+        if self.step == switch:
+            self._relayout("coarse")
+        if self.step < decide:
+            return
+        self._trying = False
+
+        def median(steps: range) -> float:
+            periods = sorted(self._began[s + 1] - self._began[s] for s in steps
+                             if s in self._began and s + 1 in self._began)
+            return periods[len(periods) // 2] if periods else float("inf")
+
+        mine = (median(range(TRIAL_START, switch)), median(range(switch + 1, decide)))
+        key = f"{self._prefix}/layout-trial"
+        try:
+            self._store.set(f"{key}/{self.rank}", json.dumps(mine))
+            both = [json.loads(self._store.get(f"{key}/{r}")) for r in range(self.world)]
+        except RuntimeError as exc:
+            raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
+        fine, coarse = max(b[0] for b in both), max(b[1] for b in both)
+        chosen = pick_layout(fine, coarse)
+        self.layout_trial = {"fine_s": fine, "coarse_s": coarse, "chosen": chosen,
+                             "step": self.step}
+        if self.rank == 0:
+            logger.info("gradlane: layout trial: fine %.1f ms, coarse %.1f ms per iteration: %s",
+                        fine * 1000, coarse * 1000, chosen)
+        if chosen != self.layout:
+            self._relayout(chosen)
 
     def _group_specs(
         self, order: list[_Layer]
@@ -455,10 +554,12 @@ class Sync:
         """(layers, dtype, params, elements, band) of each group, in priority order.
 
         A group takes one dtype of consecutive layers of one band, until it
-        holds `MIN_GROUP_BYTES`. Its first layer (in forward order) is also the
-        last whose gradient backward produces, so a group is ready when its
-        first layer alone would be: merging delays no layer that runs early.
+        holds `MIN_GROUP_BYTES` (`COARSE_GROUP_BYTES` in the coarse layout).
+        Its first layer (in forward order) is also the last whose gradient
+        backward produces, so a group is ready when its first layer alone
+        would be: merging delays no layer that runs early.
         """
+        least = COARSE_GROUP_BYTES if self.layout == "coarse" else MIN_GROUP_BYTES
         specs = []
         open_: dict[torch.dtype, tuple[list[_Layer], list[nn.Parameter], int, int]] = {}
         for layer in order:
@@ -469,7 +570,7 @@ class Sync:
             for dtype, params in by_dtype.items():
                 size = sum(p.numel() for p in params) * params[0].element_size()
                 acc = open_.get(dtype)
-                if acc is not None and (acc[3] != band or acc[2] >= MIN_GROUP_BYTES):
+                if acc is not None and (acc[3] != band or acc[2] >= least):
                     specs.append((dtype, *open_.pop(dtype)))
                     acc = None
                 if acc is None:
@@ -531,6 +632,8 @@ class Sync:
         if not self._laid_out:
             self._lay_out()
         self.flush()
+        if self._trying:
+            self._try_layouts()
         samples = self.samples if self.samples is not None else (self._counted or 1)
         self._counted, self.samples = 0, None
         self.engine.begin(self.step, samples)

@@ -138,6 +138,8 @@ def main() -> None:
                 time.sleep(args.step_sleep)
             sync.flush()
             print(f"rank {rank} leaves {sync.leaves}", flush=True)
+            trial = sync.layout_trial["chosen"] if sync.layout_trial else None
+            print(f"rank {rank} layout {sync.layout} trial {trial}", flush=True)
     except PeerLost as exc:
         print(f"PeerLost: {exc}", file=sys.stderr, flush=True)
         sys.exit(3)

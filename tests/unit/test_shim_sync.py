@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradlane.shim as gl
+import gradlane.shim.sync as sync_module
 from gradlane.errors import ConfigError
 
 
@@ -106,6 +107,47 @@ def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
     nn.functional.cross_entropy(m(x), y).backward()
     assert len({g.band for g in sync._groups}) == len(sync._groups) == 3
     sync.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("winner", ["coarse", "fine"])
+def test_layout_trial_regroups_between_steps_and_steps_stay_exact(
+    winner: str, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trial switches to coarse groups, then to the winner (forced here: which one wins
+    # depends on timing); neither regrouping may change the math.
+    monkeypatch.setattr(sync_module, "pick_layout", lambda fine, coarse: winner)
+    decide = sync_module.TRIAL_START + 2 * sync_module.TRIAL_STEPS + 1
+    opt = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)  # noqa: E731
+    compare(opt, steps=decide + 3, overlap=overlap)
+    m = model()
+    sync = attach(m, opt(m.parameters()), overlap=overlap)
+    for step in range(decide + 1):
+        plain_step(m, sync.optimizer, None, step)
+        if step == sync_module.TRIAL_START + sync_module.TRIAL_STEPS:
+            assert sync.layout == "coarse"
+    assert sync.layout == winner and sync.layout_trial is not None
+    assert sync.layout_trial["chosen"] == winner and sync.layout_trial["step"] == decide
+    assert sync.layout_trial["fine_s"] > 0 and sync.layout_trial["coarse_s"] > 0
+    # New groups have new ids (a peer must never mistake one for a retired group).
+    first = 2 if winner == "fine" else 1  # layouts made so far, before the current one
+    assert min(g.gid for g in sync._groups) == first * len(sync._groups)
+    assert set(sync.engine.groups) == {g.gid for g in sync._groups}
+    sync.close()
+
+
+def test_fixed_layouts_never_regroup_and_coarse_steps_stay_exact() -> None:
+    compare(lambda p: torch.optim.AdamW(p, lr=0.01), steps=4, layout="coarse")
+    for layout in ("fine", "coarse"):
+        m = model()
+        sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01), layout=layout)
+        for step in range(sync_module.TRIAL_START + 2 * sync_module.TRIAL_STEPS + 2):
+            plain_step(m, sync.optimizer, None, step)
+        assert sync.layout == layout and sync.layout_trial is None
+        assert min(g.gid for g in sync._groups) == 0
+        sync.close()
+    with pytest.raises(ConfigError, match="layout must be one of auto, fine, coarse"):
+        attach(model(), torch.optim.SGD(model().parameters(), lr=0.01), layout="huge")
 
 
 def test_lr_scheduler_sees_the_step_it_scheduled() -> None:
