@@ -44,6 +44,9 @@ def ns_argv(namespace: str, argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "gradlane.testbed.nsexec", namespace, "--", *argv]
 
 
+DOWN_ATTEMPTS = 5  # how many interruptions `Cluster.down` rides out before giving up
+
+
 class Cluster:
     """An emulated cluster; a context manager that builds it and always removes it.
 
@@ -102,9 +105,23 @@ class Cluster:
         """Stop every process in the cluster and remove its namespaces. Idempotent.
 
         Does nothing in a process other than the one that created the cluster.
+        A second Ctrl-C (or SIGTERM) that lands while it runs, as when a
+        supervisor forwards the signal again, does not stop it half-way: it
+        finishes, then the interruption goes on.
         """
         if os.getpid() != self._owner:
             return
+        interrupted: BaseException | None = None
+        for _ in range(DOWN_ATTEMPTS):
+            try:
+                self._down_once()
+                break
+            except (KeyboardInterrupt, SystemExit) as exc:
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
+
+    def _down_once(self) -> None:
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
