@@ -53,9 +53,9 @@ class ShimConfig:
             fewer, larger chunks, about as few messages as DDP's buckets: what
             costs least CPU when communication hides behind backward anyway.
             "auto" (the default): each runs for a few steps after warm-up
-            (`gradlane.shim.sync.TRIAL_STEPS`), and the job keeps the one
-            whose slowest rank's median iteration was shorter; every rank
-            takes the same decision. (`attach` only: the DDP comm hook
+            (`gradlane.shim.sync.trial_schedule`: decided at step 17), and
+            the job keeps the one whose slowest rank's median iteration was
+            shorter; every rank takes the same decision. (`attach` only: the DDP comm hook
             reduces DDP's own buckets.)
     """
 

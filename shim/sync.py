@@ -56,11 +56,13 @@ from gradlane.shim.transport import Mesh, Store, agree_leaves, local_address, te
 __all__ = [
     "MIN_CHUNK_BYTES",
     "PER_PARAMETER_OPTIMIZERS",
+    "TRIAL_ATTEMPTS",
+    "TRIAL_BLOCK",
     "TRIAL_START",
-    "TRIAL_STEPS",
     "Sync",
     "attach",
     "pick_layout",
+    "trial_schedule",
 ]
 
 MIN_CHUNK_BYTES = 64 << 10
@@ -71,10 +73,22 @@ MIN_GROUP_BYTES = 64 << 10
 # `ShimConfig.layout` "coarse": groups of at least this many bytes, chunks up to it. Some
 # ten messages per worker and step for a 10 MB model instead of some sixty.
 COARSE_GROUP_BYTES = 4 << 20
-# "auto": steps [TRIAL_START, TRIAL_START + TRIAL_STEPS) measure the fine layout, the next
-# step switches to coarse (not measured: it pays the switch), the TRIAL_STEPS after it
-# measure coarse; the step after them decides.
-TRIAL_START, TRIAL_STEPS = 3, 6
+# "auto": after TRIAL_START warm-up steps, blocks of TRIAL_BLOCK measured steps, fine,
+# coarse, coarse, fine (see `trial_schedule`); at most TRIAL_ATTEMPTS tries.
+TRIAL_START, TRIAL_BLOCK, TRIAL_ATTEMPTS = 3, 3, 3
+
+
+def trial_schedule(origin: int = 0) -> tuple[range, int, range, int, range, int]:
+    """The layout trial's steps: (fine, to coarse, coarse, to fine, fine, decide).
+
+    Counted from `origin` (0, or where a trial starts over). "to coarse" and
+    "to fine" regroup before their backward and are not measured; "decide"
+    is where the ranks agree.
+    """
+    fine1 = range(origin + TRIAL_START, origin + TRIAL_START + TRIAL_BLOCK)
+    coarse = range(fine1.stop + 1, fine1.stop + 1 + 2 * TRIAL_BLOCK)
+    fine2 = range(coarse.stop + 1, coarse.stop + 1 + TRIAL_BLOCK)
+    return fine1, fine1.stop, coarse, coarse.stop, fine2, fine2.stop
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +256,9 @@ class Sync:
         # The layout in use; "auto" starts fine and tries coarse (`_try_layouts`).
         self.layout = "coarse" if config.layout == "coarse" else "fine"
         self._trying = config.layout == "auto"
-        self._began: dict[int, float] = {}  # step -> when its backward began (the trial)
+        # The trial: step -> (when its backward began, this rank's samples in it).
+        self._began: dict[int, tuple[float, int]] = {}
+        self._trial_from, self._attempt = 0, 0
         # What the trial measured and chose: each layout's slowest-rank median iteration.
         self.layout_trial: dict[str, Any] | None = None
         self._order: list[_Layer] = []
@@ -510,41 +526,54 @@ class Sync:
             logger.info("gradlane: %s layout from step %d: %d groups", layout, self.step,
                         len(self._groups))
 
-    def _try_layouts(self) -> None:
-        """`ShimConfig.layout` "auto": measure fine, then coarse, keep the faster.
+    def _try_layouts(self, samples: int) -> None:
+        """`ShimConfig.layout` "auto": measure fine and coarse groups, keep the faster.
 
         An iteration is the time between two backward passes' starts. The
-        ranks post their median of each and take the slowest rank's (the job
-        waits for it); a tie keeps fine, which never costs the overlap.
+        blocks run fine, coarse, coarse, fine (`trial_schedule`), so a load
+        that drifts steadily weighs on both alike; the steps that pay a
+        regrouping are not measured. The ranks post their median of each and
+        take the slowest rank's (the job waits for it); a tie keeps fine,
+        which never costs the overlap. If a rank's batch changed meanwhile
+        (the control plane's batch shares arrived), the trial starts over, at
+        most `TRIAL_ATTEMPTS` times; then fine stays.
         """
-        self._began[self.step] = time.perf_counter()
-        switch = TRIAL_START + TRIAL_STEPS
-        decide = switch + 1 + TRIAL_STEPS
-        if self.step == switch:
+        now = self.step
+        self._began[now] = (time.perf_counter(), samples)
+        fine1, to_coarse, coarse, to_fine, fine2, decide = trial_schedule(self._trial_from)
+        if now == to_coarse:
             self._relayout("coarse")
-        if self.step < decide:
+        elif now == to_fine:
+            self._relayout("fine")
+        if now < decide:
             return
-        self._trying = False
 
-        def median(steps: range) -> float:
-            periods = sorted(self._began[s + 1] - self._began[s] for s in steps
+        def median(steps: list[int]) -> float:
+            periods = sorted(self._began[s + 1][0] - self._began[s][0] for s in steps
                              if s in self._began and s + 1 in self._began)
             return periods[len(periods) // 2] if periods else float("inf")
 
-        mine = (median(range(TRIAL_START, switch)), median(range(switch + 1, decide)))
-        key = f"{self._prefix}/layout-trial"
+        batches = {self._began[s][1] for s in range(fine1.start, decide + 1) if s in self._began}
+        mine = (median([*fine1, *fine2]), median(list(coarse)), len(batches) == 1)
+        self._attempt += 1
+        key = f"{self._prefix}/layout-trial/{self._attempt}"
         try:
             self._store.set(f"{key}/{self.rank}", json.dumps(mine))
-            both = [json.loads(self._store.get(f"{key}/{r}")) for r in range(self.world)]
+            posts = [json.loads(self._store.get(f"{key}/{r}")) for r in range(self.world)]
         except RuntimeError as exc:
             raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
-        fine, coarse = max(b[0] for b in both), max(b[1] for b in both)
-        chosen = pick_layout(fine, coarse)
-        self.layout_trial = {"fine_s": fine, "coarse_s": coarse, "chosen": chosen,
-                             "step": self.step}
+        if not all(p[2] for p in posts) and self._attempt < TRIAL_ATTEMPTS:
+            self._trial_from = now - TRIAL_START  # fine already: measure from this step
+            return
+        self._trying = False
+        fine, coarse_s = max(p[0] for p in posts), max(p[1] for p in posts)
+        steady = all(p[2] for p in posts)
+        chosen = pick_layout(fine, coarse_s) if steady else "fine"
+        self.layout_trial = {"fine_s": fine, "coarse_s": coarse_s, "chosen": chosen,
+                             "step": now, "attempts": self._attempt, "steady": steady}
         if self.rank == 0:
             logger.info("gradlane: layout trial: fine %.1f ms, coarse %.1f ms per iteration: %s",
-                        fine * 1000, coarse * 1000, chosen)
+                        fine * 1000, coarse_s * 1000, chosen)
         if chosen != self.layout:
             self._relayout(chosen)
 
@@ -632,9 +661,9 @@ class Sync:
         if not self._laid_out:
             self._lay_out()
         self.flush()
-        if self._trying:
-            self._try_layouts()
         samples = self.samples if self.samples is not None else (self._counted or 1)
+        if self._trying:
+            self._try_layouts(samples)
         self._counted, self.samples = 0, None
         self.engine.begin(self.step, samples)
         self.client.begin(self.step, samples)

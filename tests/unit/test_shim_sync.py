@@ -114,25 +114,46 @@ def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
 def test_layout_trial_regroups_between_steps_and_steps_stay_exact(
     winner: str, overlap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The trial switches to coarse groups, then to the winner (forced here: which one wins
-    # depends on timing); neither regrouping may change the math.
+    # The trial runs fine, coarse, fine, then keeps the winner (forced here: which one wins
+    # depends on timing); no regrouping may change the math.
     monkeypatch.setattr(sync_module, "pick_layout", lambda fine, coarse: winner)
-    decide = sync_module.TRIAL_START + 2 * sync_module.TRIAL_STEPS + 1
+    _, to_coarse, coarse, to_fine, _, decide = sync_module.trial_schedule()
+    assert decide == 17  # what the README and ShimConfig say
     opt = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)  # noqa: E731
     compare(opt, steps=decide + 3, overlap=overlap)
     m = model()
     sync = attach(m, opt(m.parameters()), overlap=overlap)
     for step in range(decide + 1):
         plain_step(m, sync.optimizer, None, step)
-        if step == sync_module.TRIAL_START + sync_module.TRIAL_STEPS:
-            assert sync.layout == "coarse"
+        expected = "coarse" if to_coarse <= step < to_fine else "fine"
+        assert step == decide or sync.layout == expected, step
     assert sync.layout == winner and sync.layout_trial is not None
-    assert sync.layout_trial["chosen"] == winner and sync.layout_trial["step"] == decide
-    assert sync.layout_trial["fine_s"] > 0 and sync.layout_trial["coarse_s"] > 0
+    trial = sync.layout_trial
+    assert (trial["chosen"], trial["step"], trial["attempts"]) == (winner, decide, 1)
+    assert trial["fine_s"] > 0 and trial["coarse_s"] > 0 and trial["steady"]
     # New groups have new ids (a peer must never mistake one for a retired group).
-    first = 2 if winner == "fine" else 1  # layouts made so far, before the current one
-    assert min(g.gid for g in sync._groups) == first * len(sync._groups)
+    before = 2 if winner == "fine" else 3  # layouts made before the current one
+    assert min(g.gid for g in sync._groups) == before * len(sync._groups)
     assert set(sync.engine.groups) == {g.gid for g in sync._groups}
+    sync.close()
+
+
+def test_layout_trial_starts_over_when_the_batch_changes() -> None:
+    m = model()
+    sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01))
+    first = sync_module.trial_schedule()
+    again = sync_module.trial_schedule(first[5] - sync_module.TRIAL_START)
+    for step in range(again[5] + 1):
+        x, y = data(step)
+        cut = 4 if step == first[2].start else 6  # one smaller batch amid the first trial
+        nn.functional.cross_entropy(m(x[:cut]), y[:cut]).backward()
+        sync.optimizer.step()
+        sync.optimizer.zero_grad()
+        if step == first[5]:
+            assert sync.layout_trial is None and sync.layout == "fine"  # started over
+    assert sync.layout_trial is not None
+    assert (sync.layout_trial["attempts"], sync.layout_trial["step"]) == (2, again[5])
+    assert sync.layout_trial["steady"]
     sync.close()
 
 
@@ -141,7 +162,7 @@ def test_fixed_layouts_never_regroup_and_coarse_steps_stay_exact() -> None:
     for layout in ("fine", "coarse"):
         m = model()
         sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01), layout=layout)
-        for step in range(sync_module.TRIAL_START + 2 * sync_module.TRIAL_STEPS + 2):
+        for step in range(sync_module.trial_schedule()[5] + 2):
             plain_step(m, sync.optimizer, None, step)
         assert sync.layout == layout and sync.layout_trial is None
         assert min(g.gid for g in sync._groups) == 0
