@@ -56,7 +56,6 @@ from gradlane.shim.transport import Mesh, Store, agree_leaves, local_address, te
 __all__ = [
     "MIN_CHUNK_BYTES",
     "PER_PARAMETER_OPTIMIZERS",
-    "TRIAL_ATTEMPTS",
     "TRIAL_BLOCK",
     "TRIAL_START",
     "Sync",
@@ -74,18 +73,17 @@ MIN_GROUP_BYTES = 64 << 10
 # ten messages per worker and step for a 10 MB model instead of some sixty.
 COARSE_GROUP_BYTES = 4 << 20
 # "auto": after TRIAL_START warm-up steps, blocks of TRIAL_BLOCK measured steps, fine,
-# coarse, coarse, fine (see `trial_schedule`); at most TRIAL_ATTEMPTS tries.
-TRIAL_START, TRIAL_BLOCK, TRIAL_ATTEMPTS = 3, 3, 3
+# coarse, coarse, fine (see `trial_schedule`).
+TRIAL_START, TRIAL_BLOCK = 3, 3
 
 
-def trial_schedule(origin: int = 0) -> tuple[range, int, range, int, range, int]:
+def trial_schedule() -> tuple[range, int, range, int, range, int]:
     """The layout trial's steps: (fine, to coarse, coarse, to fine, fine, decide).
 
-    Counted from `origin` (0, or where a trial starts over). "to coarse" and
-    "to fine" regroup before their backward and are not measured; "decide"
-    is where the ranks agree.
+    "to coarse" and "to fine" regroup before their backward and are not
+    measured; "decide" is where the ranks agree.
     """
-    fine1 = range(origin + TRIAL_START, origin + TRIAL_START + TRIAL_BLOCK)
+    fine1 = range(TRIAL_START, TRIAL_START + TRIAL_BLOCK)
     coarse = range(fine1.stop + 1, fine1.stop + 1 + 2 * TRIAL_BLOCK)
     fine2 = range(coarse.stop + 1, coarse.stop + 1 + TRIAL_BLOCK)
     return fine1, fine1.stop, coarse, coarse.stop, fine2, fine2.stop
@@ -258,7 +256,6 @@ class Sync:
         self._trying = config.layout == "auto"
         # The trial: step -> (when its backward began, this rank's samples in it).
         self._began: dict[int, tuple[float, int]] = {}
-        self._trial_from, self._attempt = 0, 0
         # What the trial measured and chose: each layout's slowest-rank median iteration.
         self.layout_trial: dict[str, Any] | None = None
         self._order: list[_Layer] = []
@@ -535,12 +532,14 @@ class Sync:
         regrouping are not measured. The ranks post their median of each and
         take the slowest rank's (the job waits for it); a tie keeps fine,
         which never costs the overlap. If a rank's batch changed meanwhile
-        (the control plane's batch shares arrived), the trial starts over, at
-        most `TRIAL_ATTEMPTS` times; then fine stays.
+        (the control plane's batch shares arrived), the two timings measured
+        different work: fine stays. The trial does not start over: while a
+        control plane is still balancing batches, regrouping again would
+        disturb the throughput it balances by.
         """
         now = self.step
         self._began[now] = (time.perf_counter(), samples)
-        fine1, to_coarse, coarse, to_fine, fine2, decide = trial_schedule(self._trial_from)
+        fine1, to_coarse, coarse, to_fine, fine2, decide = trial_schedule()
         if now == to_coarse:
             self._relayout("coarse")
         elif now == to_fine:
@@ -555,22 +554,18 @@ class Sync:
 
         batches = {self._began[s][1] for s in range(fine1.start, decide + 1) if s in self._began}
         mine = (median([*fine1, *fine2]), median(list(coarse)), len(batches) == 1)
-        self._attempt += 1
-        key = f"{self._prefix}/layout-trial/{self._attempt}"
+        self._trying = False
+        key = f"{self._prefix}/layout-trial"
         try:
             self._store.set(f"{key}/{self.rank}", json.dumps(mine))
             posts = [json.loads(self._store.get(f"{key}/{r}")) for r in range(self.world)]
         except RuntimeError as exc:
             raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
-        if not all(p[2] for p in posts) and self._attempt < TRIAL_ATTEMPTS:
-            self._trial_from = now - TRIAL_START  # fine already: measure from this step
-            return
-        self._trying = False
         fine, coarse_s = max(p[0] for p in posts), max(p[1] for p in posts)
         steady = all(p[2] for p in posts)
         chosen = pick_layout(fine, coarse_s) if steady else "fine"
         self.layout_trial = {"fine_s": fine, "coarse_s": coarse_s, "chosen": chosen,
-                             "step": now, "attempts": self._attempt, "steady": steady}
+                             "step": now, "steady": steady}
         if self.rank == 0:
             logger.info("gradlane: layout trial: fine %.1f ms, coarse %.1f ms per iteration: %s",
                         fine * 1000, coarse_s * 1000, chosen)
