@@ -55,7 +55,6 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
 	PYTHON=$(BIN)/python scripts/typecheck
 
 clean-testbed: $(STAMP)
