@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -21,6 +22,9 @@ __all__ = ["Credentials", "Registry", "Worker"]
 
 RESERVED_PREFIX = "_"  # job names the daemon uses itself
 TIMINGS_KEPT = 64
+# Throughput is the median rate of this many latest steps: one step slowed by a busy
+# host (a page fault storm, a neighbour's burst) must not move the batch shares.
+RATE_WINDOW = 5
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,17 @@ class Worker:
     demand_iteration: int = -1
     iteration: int = -1
     timings: deque[Timing] = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
+
+    def throughput(self) -> float:
+        """Samples per second of compute: the median of the latest `RATE_WINDOW` steps (0: none).
+
+        The low median: a rate actually measured, and with an even count the lower of
+        the middle two, so a worker counts as faster only once most of its recent
+        steps were.
+        """
+        rates = [t.samples / t.compute_s for t in list(self.timings)[-RATE_WINDOW:]
+                 if t.compute_s > 0]
+        return statistics.median_low(rates) if rates else 0.0
 
 
 def process_alive(pid: int) -> bool:

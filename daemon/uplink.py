@@ -4,7 +4,8 @@
    leaf, interfaces, version), then report this host's jobs and workers
    every `REPORT_EVERY` seconds, whenever the registry changes, and as soon
    as a worker's measured throughput moves by more than `THROUGHPUT_CHANGE`
-   (a worker that slows down or recovers is seen within an iteration or two).
+   (a worker's throughput is the median of its latest steps, so one that slows
+   down or recovers is seen within three iterations and one noisy step moves nothing).
 2. Each plan received is kept with the time it arrived; `job_classes()`
    returns its classes only while it is younger than its time-to-live.
    When it expires the daemon is told (`on_change`) and goes back to its
@@ -29,7 +30,7 @@ import aiohttp
 
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
-from gradlane.daemon.registry import Registry, Worker
+from gradlane.daemon.registry import Registry
 from gradlane.policies import JobClassPlan
 
 __all__ = ["ControlLink"]
@@ -184,7 +185,7 @@ class ControlLink:
         next_at = 0.0
         sent: dict[tuple[str, int], float] = {}
         while True:
-            now = {(w.job, w.rank): _throughput(w) for w in self.registry.workers()}
+            now = {(w.job, w.rank): w.throughput() for w in self.registry.workers()}
             moved = any(abs(thr - sent.get(key, 0.0)) > THROUGHPUT_CHANGE * max(thr, 1e-9)
                         for key, thr in now.items())
             if self.registry.version != seen or self._clock() >= next_at or moved:
@@ -200,7 +201,7 @@ class ControlLink:
         for name, workers in sorted(self.registry.jobs().items()):
             entries = []
             for w in workers:
-                entries.append({"rank": w.rank, "throughput": round(_throughput(w), 3),
+                entries.append({"rank": w.rank, "throughput": round(w.throughput(), 3),
                                 "batch": w.timings[-1].samples if w.timings else 0})
             # Every worker reports every chunk of the model: one worker's latest iteration
             # is the job's demand. Forward order (layer), then the order they were ready.
@@ -215,9 +216,3 @@ class ControlLink:
                          "band_bps": [round(b, 1) for b in measured.get(name, [])],
                          "workers": entries})
         return {"type": "report", "seq": seq, "jobs": jobs}
-
-
-def _throughput(worker: Worker) -> float:
-    """Samples per second of compute in the worker's last reported step (0: none yet)."""
-    timing = worker.timings[-1] if worker.timings else None
-    return timing.samples / timing.compute_s if timing and timing.compute_s > 0 else 0.0

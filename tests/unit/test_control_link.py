@@ -106,12 +106,16 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         job = plane.state.jobs[0]
         assert (job.chunk_bytes, job.chunk_layers, job.layers) == ((500, 3000, 2000), (0, 1, 1), 2)
         assert len(plane.plan.ownership["j"]) == 3
-        # The slow worker recovers (its next step's timing): the shares follow, and shift
-        # back when it slows down again. Periodic reports are off (REPORT_EVERY is an
-        # hour here): the daemon reports because the throughput moved.
+        # The slow worker recovers (its next steps' timings; the daemon takes the median of
+        # the latest five): the shares follow, and shift back when it slows down again.
+        # Periodic reports are off (REPORT_EVERY is an hour here): the daemon reports
+        # because the throughput moved.
+        iteration = 2
         for compute_s, want in ((0.1, (16, 16)), (0.3, (24, 8))):
-            await shims[1].send({"type": "timing", "iteration": 2, "compute_s": compute_s,
-                                 "comm_s": 0.0, "samples": 16})
+            for _ in range(3):
+                await shims[1].send({"type": "timing", "iteration": iteration,
+                                     "compute_s": compute_s, "comm_s": 0.0, "samples": 16})
+                iteration += 1
             while (fast["batch_share"], slow["batch_share"]) != want:
                 fast, slow = await shims[0].plan_with_share(), await shims[1].plan_with_share()
         # 2. The control plane dies: the plan expires after its TTL, the daemon goes local.

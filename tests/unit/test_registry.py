@@ -49,3 +49,20 @@ def test_expire_removes_dead_workers() -> None:
 def test_reserved_job_names() -> None:
     with pytest.raises(ProtocolError, match="reserved"):
         Registry(bands=4).add(hello(job="_dscp"), Credentials(1, 0, 0))
+
+
+def test_throughput_is_the_median_of_the_latest_steps() -> None:
+    reg = Registry(bands=4)
+    w = reg.add(hello(), Credentials(10, 0, 0))
+    assert w.throughput() == 0.0  # nothing measured yet
+    reg.record_timing(w.id, Timing(0, 0.0, 0.0, 32))  # a step without compute is no rate
+    assert w.throughput() == 0.0
+    for i, compute_s in enumerate([0.1, 0.1, 0.1, 0.1]):
+        reg.record_timing(w.id, Timing(i + 1, compute_s, 0.05, 32))
+    reg.record_timing(w.id, Timing(5, 0.4, 0.05, 32))  # one step slowed by a busy host
+    assert w.throughput() == pytest.approx(320.0)
+    for i in range(3):  # the worker really slowed down: seen by the third step
+        reg.record_timing(w.id, Timing(6 + i, 0.2, 0.05, 32))
+    assert w.throughput() == pytest.approx(160.0)
+    reg.record_timing(w.id, Timing(9, 0.1, 0.05, 64))  # a bigger batch, same speed per sample
+    assert w.throughput() == pytest.approx(160.0)
