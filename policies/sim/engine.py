@@ -32,9 +32,9 @@ Model (what is simulated, and what is not):
    coflow arrives or completes (no sooner than `react_s` after the last
    plan, the control plane's reaction time), from a state
    built like a control plane's: measured worker throughput, each job's
-   chunks, and per job one coflow of load-equivalent demand flows (per
-   worker and bucket, one flow to a worker of its own leaf and one to the
-   next leaf, carrying what the ownership puts on its links).
+   chunks, and per iteration in flight one coflow of load-equivalent demand
+   flows (per worker and bucket, one flow to a worker of its own leaf and
+   one to the next leaf, carrying what the ownership puts on its links).
 
 Deterministic: same scenario, same policy, same result (ties break by
 job and bucket index; no randomness inside).
@@ -358,26 +358,26 @@ class _Sim:
 
     # -- planning ----------------------------------------------------------
 
-    def remaining(self, job: _Job) -> np.ndarray:
-        """Per bucket, the fraction of its current collective still to send (0: none)."""
-        left = np.zeros(job.nb)
-        if not job.outstanding:
-            return left
-        if not self.sc.arrivals:
-            left[np.isnan(job.synced)] = 1.0  # not computed yet, or queued (set below)
+    def remaining(self, job: _Job) -> dict[int, np.ndarray]:
+        """Per coflow in flight (by iteration), per bucket the fraction of its collective
+        still to send; coflows with nothing left are left out."""
+        left = {it: np.zeros(job.nb) for it in sorted(job.outstanding)}
+        if not self.sc.arrivals:  # closed loop: one iteration in flight at most
+            for part in left.values():
+                part[np.isnan(job.synced)] = 1.0  # not computed yet, or queued (set below)
         for (j, _band), queue in self.queues.items():
             if j == job.index:
                 for c in queue:
-                    part = c.bits / (job.chunk_size[c.bucket] * 8.0)
-                    # Open loop: several coflows of the job may hold the same bucket.
-                    left[c.bucket] = left[c.bucket] + part if self.sc.arrivals else part
-        return left
+                    left[c.iteration][c.bucket] = c.bits / (job.chunk_size[c.bucket] * 8.0)
+        return {it: part for it, part in left.items() if part.any()}
 
     def state(self) -> State:
         """The cluster as a control plane sees it: workers, chunks and current demands.
 
-        Each job with gradients in flight has one coflow: what is left of its
-        iteration's exchange, as load-equivalent flows per worker and bucket
+        One coflow per iteration in flight (open loop: a job's backlog is several
+        coflows, each with its own age, not one big young one; a job between
+        coflows shows its next one, whole): what is left of that iteration's
+        exchange, as load-equivalent flows per worker and bucket
         (`_Job.loads`), at the bucket's forward-order priority (buckets are
         the job's `layers`), tagged with the bucket's first chunk.
         """
@@ -399,25 +399,24 @@ class _Sim:
                 workers.append(Worker(spec.name, r, int(job.hosts[r]), thr, int(job.shares[r])))
             if job.w < 2:
                 continue
-            left = self.remaining(job)
-            idle = not left.any()
-            if idle:  # between coflows: its next one, whole (what its demand report says)
-                left = np.ones(job.nb)
-            k = len(coflows)
-            since = self.now if idle else min(job.first_ready.values(), default=self.now)
-            coflows.append(Coflow(f"{spec.name}/{job.iteration}", spec.name, self.now - since))
+            # Between coflows: its next one, whole (what its demand report says).
+            in_flight = self.remaining(job) or {job.iteration: np.ones(job.nb)}
             local, remote = job.loads()
-            for b in np.flatnonzero(left).tolist():
-                chunk = int(job.first_chunk[b])
-                ready = max(0.0, job.ready_at[b] - self.now)
-                for r in range(job.w):
-                    src = int(job.hosts[r])
-                    if local[b, r] > 0:
-                        rows.append((src, int(job.hosts[job.peer_in_leaf[r]]),
-                                     float(local[b, r] * left[b]), ready, b, k, chunk))
-                    if remote[b, r] > 0:
-                        rows.append((src, int(job.hosts[job.peer_next_leaf[r]]),
-                                     float(remote[b, r] * left[b]), ready, b, k, chunk))
+            for it, left in in_flight.items():
+                k = len(coflows)
+                age = self.now - job.first_ready.get(it, self.now)
+                coflows.append(Coflow(f"{spec.name}/{it}", spec.name, age))
+                for b in np.flatnonzero(left).tolist():
+                    chunk = int(job.first_chunk[b])
+                    ready = max(0.0, job.ready_at[b] - self.now)
+                    for r in range(job.w):
+                        src = int(job.hosts[r])
+                        if local[b, r] > 0:
+                            rows.append((src, int(job.hosts[job.peer_in_leaf[r]]),
+                                         float(local[b, r] * left[b]), ready, b, k, chunk))
+                        if remote[b, r] > 0:
+                            rows.append((src, int(job.hosts[job.peer_next_leaf[r]]),
+                                         float(remote[b, r] * left[b]), ready, b, k, chunk))
         self.version += 1
         return State(jobs=tuple(jobs), topology=topo, workers=tuple(workers),
                      coflows=tuple(coflows), flows=FlowTable.build(rows), bands=self.sc.bands,

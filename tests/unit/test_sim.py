@@ -116,6 +116,35 @@ def test_open_loop_coflow_takes_its_exchange_time_and_waits_for_the_one_before()
     assert third == pytest.approx(exchange, rel=1e-6)
 
 
+class _Recording:
+    def __init__(self, inner: Policy) -> None:
+        self.inner, self.name = inner, inner.name
+        self.states: list[State] = []
+
+    def plan(self, state: State) -> Plan:
+        self.states.append(state)
+        return self.inner.plan(state)
+
+
+def test_open_loop_backlog_is_one_coflow_per_arrival_each_with_its_age() -> None:
+    # What the planner sees while the second coflow waits behind the first: two coflows,
+    # the older partly sent, the younger whole (not one big coflow as young as the newest).
+    size = 10e6
+    base = _one_job([(size, 0.01, 0.02)])
+    exchange = size * 8 / G
+    policy = _Recording(get_policy("coflow"))
+    simulate(replace(base, arrivals=((0.0, 0.1 * exchange),), warmup=0), policy)
+    both = [s for s in policy.states if len(s.coflows) == 2]
+    assert both, [len(s.coflows) for s in policy.states]
+    state = both[0]
+    older, younger = state.coflows
+    assert (older.id, younger.id) == ("job0-x/0", "job0-x/1")
+    assert older.age_s == pytest.approx(younger.age_s + 0.1 * exchange, rel=1e-6)
+    sent = [float(state.flows.bytes[state.flows.coflow == k].sum()) for k in (0, 1)]
+    assert 0 < sent[0] < sent[1]  # the older one is partly through, the younger whole
+    assert check_plan(state, get_policy("coflow").plan(state)) == []
+
+
 def test_coflow_load_matches_the_simulated_time_alone() -> None:
     sc = cluster(hosts=64, hosts_per_leaf=32, jobs=2, group=8, nic_bps=G, iterations=1)
     load, alone = coflow_load(sc)
