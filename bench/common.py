@@ -1,17 +1,11 @@
-"""What the benchmarks share: the environment record and result files."""
+"""What the benchmarks share: the repository's root and the result writer."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from gradlane.provenance import environment
+from gradlane.provenance import write_result
+
+__all__ = ["REPO", "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def write(path: Path, result: dict[str, Any]) -> None:
-    """Write a result file with the environment it was measured in."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**result, "environment": environment()}, indent=1) + "\n")

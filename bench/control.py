@@ -34,7 +34,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, write  # noqa: E402
+from common import REPO, write_result  # noqa: E402
 
 TARGET_MS = 100.0
 
@@ -160,7 +160,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=10)
             log.close()
-    write(args.json, {"benchmark": "control", **result})
+    write_result(args.json, {"benchmark": "control", **result})
     lat = result["push_latency_ms"]
     print(f"{args.daemons} daemons: push latency median {lat['median']:.1f} ms, "
           f"p90 {lat['p90']:.1f} ms; control plane {result['control_cpu_cores']:.2f} cores, "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, write  # noqa: E402
+from common import REPO, write_result  # noqa: E402
 
 from gradlane.control_runs import run_control_straggler  # noqa: E402
 
@@ -32,7 +32,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gradlane-straggler-") as tmp:
         result = run_control_straggler(Path(tmp), args.steps, say=print, ddp=True,
                                        reference=True)
-    write(args.json, {"benchmark": "control_straggler", **result})
+    write_result(args.json, {"benchmark": "control_straggler", **result})
     print(f"median iteration {result['without_control']['median_s'] * 1000:.1f} ms without "
           f"the control plane, {result['with_control']['median_s'] * 1000:.1f} ms with it: "
           f"{result['speedup']:.2f}x (DDP {result['ddp']['median_s'] * 1000:.1f} ms: "

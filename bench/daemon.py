@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import environment  # noqa: E402
+from common import write_result  # noqa: E402
 
 
 def measure(sock_path: str, daemon_pid: int, samples: int) -> dict[str, Any]:
@@ -204,7 +204,6 @@ def main() -> None:
         daemon.wait(timeout=20)
     result = {
         "benchmark": "gradlaned change-to-kernel latency and CPU per chunk event",
-        "environment": environment(),
         "config": {
             "link": "1gbit",
             "coalesce_ms": 2.0 if args.coalesce_ms is None else args.coalesce_ms,
@@ -217,8 +216,7 @@ def main() -> None:
             "including start-up and registrations, which re-read the kernel's tree."
         ),
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     lat = result["results"]["change_to_kernel_ms"]
     print(
         f"change -> kernel: median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms "

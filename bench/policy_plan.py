@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, write  # noqa: E402
+from common import REPO, write_result  # noqa: E402
 
 from gradlane.policies import check_plan, get_policy, policy_names  # noqa: E402
 from gradlane.policies.sim import cluster, full_demand_state  # noqa: E402
@@ -54,7 +54,7 @@ def main() -> None:
         }
         print(f"{name:12s} median {results[name]['median_ms']:6.1f} ms  "
               f"p90 {results[name]['p90_ms']:6.1f} ms", flush=True)
-    write(args.json, {
+    write_result(args.json, {
         "benchmark": "policy_plan",
         "hosts": len(scenario.topology.hosts),
         "jobs": len(scenario.jobs),

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import write  # noqa: E402
+from common import write_result  # noqa: E402
 
 PAYLOAD_EFFICIENCY = 1448 / 1514
 
@@ -171,7 +171,7 @@ def main() -> None:
                 )
     medians = {k: statistics.median(t for run in v for t in run) for k, v in runs.items()}
     ratio = medians["overlap"] / medians["no_overlap"]
-    write(
+    write_result(
         args.json,
         {
             "benchmark": "cross-iteration overlap: per-layer steps gating the next forward",

@@ -46,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import write  # noqa: E402
+from common import write_result  # noqa: E402
 
 CHUNK_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 PAYLOAD_EFFICIENCY = 1448 / 1514
@@ -229,7 +229,7 @@ def main() -> None:
             f"capacity",
             flush=True,
         )
-    write(args.json, result)
+    write_result(args.json, result)
     print(f"-> {args.json}")
 
 

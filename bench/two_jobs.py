@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, write  # noqa: E402
+from common import REPO, write_result  # noqa: E402
 
 from gradlane.control_runs import run_two_jobs  # noqa: E402
 
@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gradlane-two-jobs-") as tmp:
         result = run_two_jobs(Path(tmp), args.steps, say=print)
-    write(args.json, {"benchmark": "two_jobs", **result})
+    write_result(args.json, {"benchmark": "two_jobs", **result})
     average = result["average_median_s"]
     print(", ".join(f"{k} {v * 1000:.1f} ms" for k, v in average.items())
           + f": the control plane {result['control_speedup']:.2f}x, gradlane+control vs fifo "

@@ -43,7 +43,6 @@ network does.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -259,13 +258,6 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
         "summary": summary,
         "runs": runs,
     }
-
-
-def write_result(result: dict[str, Any], path: Path) -> None:
-    from gradlane.provenance import environment
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**result, "environment": environment()}, indent=1) + "\n")
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:

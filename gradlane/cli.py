@@ -279,14 +279,15 @@ def bench() -> None:
 )
 def bench_run(scenario: Path, json_path: Path | None) -> None:
     """Run SCENARIO (a TOML file) on an emulated cluster (needs root)."""
-    from gradlane.benchmark import load_scenario, run_scenario, write_result
+    from gradlane.benchmark import load_scenario, run_scenario
+    from gradlane.provenance import write_result
 
     _require_root("gradlane bench run")
     spec = load_scenario(scenario)
     out = _stdout_console()
     result = run_scenario(spec, say=lambda text: out.log(text))
     path = json_path or Path("bench/results") / f"{spec.name}.json"
-    write_result(result, path)
+    write_result(path, result)
     table = Table(title=f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms")
     for col in ("system", "median", "p90", "vs DDP", "achieved / bound", "worker CPU"):
         table.add_column(col, justify="left" if col == "system" else "right")
@@ -384,7 +385,7 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gradlane.benchmark import write_result
+    from gradlane.provenance import write_result
     from gradlane.simulation import plot, run_experiment
 
     out = _stdout_console()
@@ -406,7 +407,7 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
     if experiment == "coflows" and load != 0.8:
         suffix = f"-load{load:g}"
     path = json_path or Path("bench/results") / f"sim-{experiment}{suffix}.json"
-    write_result(result, path)
+    write_result(path, result)
     figure = png or path.with_suffix(".png")
     plot(result, figure)
     out.print(_sim_table(result))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment"]
+__all__ = ["environment", "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,3 +48,9 @@ def environment() -> dict[str, Any]:
         "torch": torch_version,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Write a result file (JSON) with the environment it was measured in."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result, "environment": environment()}, indent=1) + "\n")
