@@ -3,10 +3,12 @@
     sudo .venv/bin/python bench/two_jobs.py [--steps 30] [--json PATH]
 
 Runs `gradlane.control_runs.run_two_jobs`: 9 hosts on two leaves under a
-4:1 uplink, jobs a and b with two workers on each leaf, both at once under
-`fifo`, under gradlane with the daemons' local policy, and under gradlane
-with `gradlane control --uplink` (reduction within leaves first). Writes
-every iteration time, the medians, their average per run and the ratios.
+4:1 uplink, jobs a and b with two workers on each leaf, both at once:
+computing alone first (`local`, nothing exchanged: the bound's measured
+compute), then under `fifo`, under gradlane with the daemons' local policy,
+and under gradlane with `gradlane control --uplink` (reduction within leaves
+first). Writes every iteration time, the medians, their average per run, the
+ratios and the bound (measured and nominal).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/two_jobs.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gradlane-two-jobs-") as tmp:
-        result = run_two_jobs(Path(tmp), args.steps, say=print)
+        result = run_two_jobs(Path(tmp), args.steps, say=print, reference=True)
     write_result(args.json, {"benchmark": "two_jobs", **result})
     average = result["average_median_s"]
     print(", ".join(f"{k} {v * 1000:.1f} ms" for k, v in average.items())
