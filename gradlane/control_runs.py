@@ -242,8 +242,8 @@ def run_control_straggler(
         say("with the control plane")
         with_control, _ = run_on_cluster(c, "gradlane", args, port=29811, out=workdir,
                                          sockets=sockets, speeds=STRAGGLER_SPEEDS, workers=4)
-        batches = [json.loads((workdir / f"gradlane-rank{r}.json").read_text())["batch"]
-                   for r in range(4)]
+        ranks = [json.loads((workdir / f"gradlane-rank{r}.json").read_text()) for r in range(4)]
+        batches = [r["batch"] for r in ranks]
         say("through a control-plane crash (SIGKILL, restart 2 s later)")
         # Twice the steps: training must still run when the control plane comes back.
         crash_args = ["--steps", str(2 * steps), *STRAGGLER_WORKLOAD]
@@ -297,7 +297,8 @@ def run_control_straggler(
         "scenario": {"name": "control-straggler", "hosts": 4, "speeds": STRAGGLER_SPEEDS,
                      "steps": steps, "workload": STRAGGLER_WORKLOAD, "link": "1gbit"},
         "without_control": {"iteration_s": without.times, "median_s": before},
-        "with_control": {"iteration_s": with_control.times, "median_s": after},
+        "with_control": {"iteration_s": with_control.times, "median_s": after,
+                         "layout_trial": ranks[0].get("layout_trial")},
         "speedup": before / after,
         "batches": batches,
         "control_crash": {
@@ -382,6 +383,7 @@ def run_two_jobs(
     topology = Topology.build("twojob", 9, TWO_JOB_HOST_BPS, leaves=2, uplink=TWO_JOB_UPLINK_BPS)
     runs: dict[str, dict[str, list[float]]] = {}
     leaves: dict[str, dict[str, list[int] | None]] = {}
+    trials: dict[str, dict[str, Any]] = {}  # the shims' layout trial verdicts
     shared: dict[str, dict[str, list[float]]] = {}  # iterations while both jobs trained
     cpu: dict[str, list[float]] = {}
     port = 29820
@@ -404,6 +406,7 @@ def run_two_jobs(
             runs[label] = {job: r["times"] for job, r in rank0.items()}
             shared[label] = _overlapping(rank0)
             leaves[label] = {job: r.get("leaves") for job, r in rank0.items()}
+            trials[label] = {job: r.get("layout_trial") for job, r in rank0.items()}
 
         if reference:
             both(REFERENCE, REFERENCE)
@@ -443,6 +446,7 @@ def run_two_jobs(
         "iteration_s": runs,
         "shared_iteration_s": shared,
         "leaves": leaves,  # per run and job: the ranks' leaves if reduced within leaves first
+        "layout_trial": trials,  # per run and job: what the shim's layout trial measured, kept
         "median_s": medians,
         "average_median_s": average,
         "lower_bound_s": bound,
