@@ -1,6 +1,6 @@
 """Two jobs across an oversubscribed uplink, with and without the control plane (needs root).
 
-    sudo .venv/bin/python bench/two_jobs.py [--steps 30] [--json PATH]
+    sudo .venv/bin/python bench/two_jobs.py [--steps 30] [--layout auto] [--json PATH]
 
 Runs `gradlane.control_runs.run_two_jobs`: 9 hosts on two leaves under a
 4:1 uplink, jobs a and b with two workers on each leaf, both at once:
@@ -29,9 +29,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/two_jobs.json")
+    ap.add_argument("--layout", choices=("auto", "fine", "coarse"), default="auto",
+                    help="the shims' gradient grouping (auto: the layout trial decides)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gradlane-two-jobs-") as tmp:
-        result = run_two_jobs(Path(tmp), args.steps, say=print, reference=True)
+        result = run_two_jobs(Path(tmp), args.steps, say=print, reference=True,
+                              layout=args.layout)
     write_result(args.json, {"benchmark": "two_jobs", **result})
     average = result["average_median_s"]
     print(", ".join(f"{k} {v * 1000:.1f} ms" for k, v in average.items())

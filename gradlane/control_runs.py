@@ -350,6 +350,7 @@ def run_two_jobs(
     say: Callable[[str], None] = lambda _: None,
     fifo: bool = True,
     reference: bool = False,
+    layout: str = "auto",
 ) -> dict[str, Any]:
     """Two jobs across an oversubscribed uplink: `fifo`, gradlane, gradlane with the control plane.
 
@@ -367,7 +368,8 @@ def run_two_jobs(
 
     With `reference`, both jobs first run ``local`` at once (each worker computes
     alone, nothing exchanged): the bound's compute, measured on this machine
-    under the same load of eight workers.
+    under the same load of eight workers. `layout` is the shims' gradient
+    grouping (`ShimConfig.layout`; "auto" runs the layout trial).
 
     Only iterations during which both jobs were training count (`_overlapping`):
     the jobs' workers start a few seconds apart. Returns each job's rank-0
@@ -378,7 +380,7 @@ def run_two_jobs(
     Raises:
         TestbedError: the cluster, a daemon, a worker or the control plane failed.
     """
-    args = ["--steps", str(steps), *TWO_JOB_WORKLOAD]
+    args = ["--steps", str(steps), *TWO_JOB_WORKLOAD, "--layout", layout]
     hosts = [h for job in TWO_JOBS.values() for h in job]
     topology = Topology.build("twojob", 9, TWO_JOB_HOST_BPS, leaves=2, uplink=TWO_JOB_UPLINK_BPS)
     runs: dict[str, dict[str, list[float]]] = {}
@@ -442,7 +444,7 @@ def run_two_jobs(
     return {
         "scenario": {"name": "two-jobs-oversubscribed", "hosts": 9, "jobs": TWO_JOBS,
                      "host_link": TWO_JOB_HOST_BPS, "uplink": TWO_JOB_UPLINK_BPS,
-                     "steps": steps, "workload": TWO_JOB_WORKLOAD},
+                     "steps": steps, "workload": TWO_JOB_WORKLOAD, "layout": layout},
         "iteration_s": runs,
         "shared_iteration_s": shared,
         "leaves": leaves,  # per run and job: the ranks' leaves if reduced within leaves first

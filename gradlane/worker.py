@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradlane.shim.config import LAYOUTS
 from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace
 
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "local")
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--job", default="bench", help="gradlane systems: the job name shims give")
     ap.add_argument("--follow-advice", action="store_true",
                     help="trace, gradlane: take the local batch size the control plane advises")
+    ap.add_argument("--layout", choices=LAYOUTS, default="auto",
+                    help="fifo, priority, gradlane: the shim's gradient grouping")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -107,7 +110,8 @@ def main() -> None:
     else:
         import gradlane.shim as gl
 
-        options: dict[str, Any] = {"job": args.job, "daemon_socket": "/nonexistent/gradlaned.sock"}
+        options: dict[str, Any] = {"job": args.job, "layout": args.layout,
+                                   "daemon_socket": "/nonexistent/gradlaned.sock"}
         if args.system == "fifo":
             options.update(dscp=(0,), overlap=False)
         if args.system == "gradlane":
