@@ -9,6 +9,7 @@ A scenario is a TOML file (see ``bench/scenarios/``)::
     rounds = 2             # the systems run in turn, this many times each
     systems = ["ddp", "fifo", "priority", "gradlane"]
     comm_to_compute = 1.0  # link rate: one iteration's traffic takes this x compute
+    layout = "auto"        # the shim's gradient grouping: auto, fine or coarse
     [workload]
     kind = "trace"         # or "cnn"
     model = "vgg19"        # a shipped profile (trace)
@@ -28,8 +29,11 @@ Compute is *measured*, in the same run: every round first runs the
 ``local`` reference (`gradlane.worker`: the same workload on every host at
 once, nothing exchanged), and its median iteration is the bound's compute.
 That is the compute this machine delivers, CPU contention of the workers
-and the replay's own costs included: a trace asks for its per-layer sleeps,
-but each of its few hundred sleeps wakes late on a shared 2-core machine.
+and the replay's own costs included (autograd, the optimizer, copies). A
+trace's per-layer sleeps run on an emulated accelerator
+(`gradlane.workloads`): a sleep that wakes late is made up by the next, so
+the lateness of a few hundred sleeps on a busy 2-core machine does not add
+up, in any system.
 The nominal compute (the trace's sleeps; for ``cnn`` a one-thread
 calibration) and the bound made with it are recorded next to it
 (``nominal_compute_s``, ``nominal_lower_bound_s``). Every result reports
@@ -53,8 +57,9 @@ from pathlib import Path
 from typing import Any
 
 from gradlane.errors import ConfigError
+from gradlane.shim.config import LAYOUTS
 
-__all__ = ["Scenario", "load_scenario", "lower_bound", "run_scenario", "summarize"]
+__all__ = ["Scenario", "load_scenario", "lower_bound", "run_scenario", "summarize", "worker_args"]
 
 PAYLOAD_EFFICIENCY = 1448 / 1514
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane")
@@ -71,6 +76,7 @@ class Scenario:
     systems: tuple[str, ...]
     comm_to_compute: float
     workload: dict[str, Any] = field(default_factory=dict)
+    layout: str = "auto"  # `ShimConfig.layout` of the systems on gradlane's transport
 
 
 def load_scenario(path: Path) -> Scenario:
@@ -114,7 +120,10 @@ def load_scenario(path: Path) -> Scenario:
         systems=systems,
         comm_to_compute=float(get("comm_to_compute", int | float, 1.0)),
         workload=dict(workload),
+        layout=get("layout", str, "auto"),
     )
+    if scenario.layout not in LAYOUTS:
+        raise ConfigError(f"{path}: layout must be one of {', '.join(LAYOUTS)}")
     if not 2 <= scenario.hosts <= 8 or scenario.steps < 10 or scenario.rounds < 1:
         raise ConfigError(f"{path}: need hosts 2..8, steps >= 10, rounds >= 1")
     if not scenario.comm_to_compute > 0:
@@ -122,11 +131,14 @@ def load_scenario(path: Path) -> Scenario:
     return scenario
 
 
-def _workload_args(scenario: Scenario) -> list[str]:
+def worker_args(scenario: Scenario) -> list[str]:
+    """`gradlane.worker` options of the scenario's workload and layout (every system)."""
     w = scenario.workload
     if w["kind"] == "cnn":
-        return ["--workload", "cnn"]
+        return ["--workload", "cnn", "--layout", scenario.layout]
     return [
+        "--layout",
+        scenario.layout,
         "--workload",
         "trace",
         "--model",
@@ -214,7 +226,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                 run, _ = run_on_cluster(
                     c,
                     system,
-                    ["--steps", str(scenario.steps), *_workload_args(scenario)],
+                    ["--steps", str(scenario.steps), *worker_args(scenario)],
                     port=port,
                     out=out,
                     sockets=sockets if system == "gradlane" else None,

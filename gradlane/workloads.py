@@ -4,8 +4,10 @@
 - `make_trace`: a trace-driven model: one layer per module of a shipped
   profile (`gradlane.policies.profiles`), each with a parameter of the
   module's bytes (scaled) and forward/backward passes that *sleep* for times
-  proportional to the module's FLOPs. Sleeping keeps the 2-core machine's CPU
-  out of the measurement: what is left is communication.
+  proportional to the module's FLOPs, on an emulated accelerator whose
+  late wake-ups do not add up (`_Accelerator`). Sleeping keeps the 2-core
+  machine's CPU out of the compute: what is left is communication and the
+  CPU the training loop itself takes.
 """
 
 from __future__ import annotations
@@ -42,18 +44,47 @@ def cnn_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+class _Accelerator:
+    """The emulated accelerator: runs a layer for its time, as a GPU would.
+
+    A GPU finishes a layer when its kernels are done, whatever the host's CPU
+    is doing. A sleeping process instead wakes late, and on a busy 2-core
+    machine hosting four workers later still; summed over a few hundred
+    layers per iteration that would stretch the compute with the CPU load of
+    whatever else runs (the exchange, the other workers), which is not what
+    a trace emulates. So each layer gives back its predecessor's oversleep:
+    it ends `seconds` after the moment the previous layer should have woken
+    had it been on time, plus whatever the caller spent in between (waiting
+    for parameters, the optimizer, the exchange's own code: all charged in
+    full). Only the sleeps' own lateness is forgiven, for every system alike.
+    """
+
+    def __init__(self) -> None:
+        self.late = 0.0  # how much later than asked the previous layer ended
+
+    def run(self, seconds: float) -> None:
+        end = time.monotonic() - self.late + seconds
+        delay = end - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        self.late = max(0.0, time.monotonic() - end)
+
+
+_ACCELERATOR = _Accelerator()  # one per process, as a worker has one device
+
+
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fwd: float, bwd: float) -> Any:
         # Compute grows with the samples in the batch: x holds one value per sample.
         scale = x.shape[0] / BATCH
         ctx.bwd, ctx.numel = bwd * scale, w.numel()
-        time.sleep(fwd * scale)
+        _ACCELERATOR.run(fwd * scale)
         return x + w[:1]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        time.sleep(ctx.bwd)
+        _ACCELERATOR.run(ctx.bwd)
         return grad, torch.full((ctx.numel,), 1e-3), None, None
 
 

@@ -14,6 +14,7 @@ from gradlane.benchmark import (
     lower_bound,
     markdown_table,
     summarize,
+    worker_args,
 )
 from gradlane.cli import cli
 from gradlane.errors import ConfigError
@@ -35,6 +36,7 @@ def test_shipped_scenarios_load(path: Path) -> None:
         ('name = "x"\n[workload]\nkind = "trace"\nmodel = "alexnet"\n', "workload.model"),
         ('name = "x"\nsystems = ["ddp", "nccl"]\n[workload]\nkind = "cnn"\n', "systems"),
         ('name = "x"\nhosts = 99\n[workload]\nkind = "cnn"\n', "hosts"),
+        ('name = "x"\nlayout = "tiny"\n[workload]\nkind = "cnn"\n', "layout"),
         ('hosts = 4\n[workload]\nkind = "cnn"\n', "name"),
         ('name = "x"\n[workload\n', "x.toml"),
     ],
@@ -44,6 +46,16 @@ def test_bad_scenarios_name_the_key(tmp_path: Path, text: str, key: str) -> None
     path.write_text(text)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_scenario(path)
+
+
+def test_layout_reaches_every_worker(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\nlayout = "coarse"\n[workload]\nkind = "cnn"\n')
+    args = worker_args(load_scenario(path))
+    assert args[args.index("--layout") + 1] == "coarse"
+    path.write_text('name = "x"\n[workload]\nkind = "cnn"\n')
+    args = worker_args(load_scenario(path))
+    assert args[args.index("--layout") + 1] == "auto"
 
 
 def test_summary_speedups_are_over_ddp_and_skip_the_reference() -> None:
