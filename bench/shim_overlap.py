@@ -48,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import gradlane.shim as gl
-    from gradlane.workloads import BATCH, make_trace
+    from gradlane.workloads import make_trace, trace_batch
 
     torch.set_num_threads(1)
 
@@ -66,9 +66,7 @@ def worker(args: argparse.Namespace) -> None:
         address=args.address,
         **options,
     ) as sync:
-        # One value per sample: a trace layer's sleeps are for BATCH samples and
-        # scale with the batch (a batch of 1 would compute 1/BATCH of the profile).
-        x = torch.zeros(BATCH)
+        x = trace_batch()
         last = time.perf_counter()
         for _ in range(args.iters):
             model(x).sum().backward()

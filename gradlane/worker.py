@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from gradlane.shim.config import LAYOUTS
-from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace
+from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace, trace_batch
 
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "local")
 
@@ -84,7 +84,7 @@ def main() -> None:
                 if args.follow_advice and sync is not None:
                     batch = sync.advised_batch_size or batch  # the control plane's share
                 record["batch"].append(batch)
-                loss = net(torch.zeros(batch)).sum()
+                loss = net(trace_batch(batch)).sum()
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             opt.zero_grad()

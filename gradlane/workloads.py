@@ -20,7 +20,9 @@ from torch import nn
 
 from gradlane.policies.profiles import trace_spec
 
-__all__ = ["BATCH", "TraceLayer", "cnn_batch", "make_cnn", "make_trace", "trace_spec"]
+__all__ = [
+    "BATCH", "TraceLayer", "cnn_batch", "make_cnn", "make_trace", "trace_batch", "trace_spec",
+]
 
 BATCH = 32
 
@@ -86,6 +88,15 @@ class _Sleep(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         _ACCELERATOR.run(ctx.bwd)
         return grad, torch.full((ctx.numel,), 1e-3), None, None
+
+
+def trace_batch(samples: int = BATCH) -> torch.Tensor:
+    """The input of a trace model: one value per sample.
+
+    A trace layer's times are for `BATCH` samples and scale with the count,
+    so a batch of 1 would compute 1/BATCH of the profile.
+    """
+    return torch.zeros(samples)
 
 
 class TraceLayer(nn.Module):

@@ -64,3 +64,14 @@ def test_lateness_longer_than_a_layer_carries_over(clock: FakeClock) -> None:
     gpu.run(0.020)
     assert clock.asked == pytest.approx([0.010, 0.010])
     assert gpu.late == pytest.approx(0.015)
+
+
+def test_a_trace_batch_computes_the_whole_profile(clock: FakeClock) -> None:
+    clock.late = 0.0
+    model = workloads.make_trace("vgg19", 1, forward_s=0.05)
+    model(workloads.trace_batch()).sum().backward()
+    # Forward 50 ms and backward twice that, as the profile asks for BATCH samples.
+    assert sum(clock.asked) == pytest.approx(0.150)
+    clock.asked.clear()
+    model(workloads.trace_batch(workloads.BATCH // 2)).sum().backward()
+    assert sum(clock.asked) == pytest.approx(0.075)
