@@ -23,13 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_result  # noqa: E402
 
 from gradlane.control_runs import run_two_jobs  # noqa: E402
+from gradlane.shim.config import LAYOUTS  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/two_jobs.json")
-    ap.add_argument("--layout", choices=("auto", "fine", "coarse"), default="auto",
+    ap.add_argument("--layout", choices=LAYOUTS, default="auto",
                     help="the shims' gradient grouping (auto: the layout trial decides)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gradlane-two-jobs-") as tmp:

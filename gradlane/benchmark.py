@@ -134,20 +134,11 @@ def load_scenario(path: Path) -> Scenario:
 def worker_args(scenario: Scenario) -> list[str]:
     """`gradlane.worker` options of the scenario's workload and layout (every system)."""
     w = scenario.workload
-    if w["kind"] == "cnn":
-        return ["--workload", "cnn", "--layout", scenario.layout]
-    return [
-        "--layout",
-        scenario.layout,
-        "--workload",
-        "trace",
-        "--model",
-        w["model"],
-        "--model-mb",
-        str(w["model_mb"]),
-        "--forward-ms",
-        str(w["forward_ms"]),
-    ]
+    args = ["--layout", scenario.layout, "--workload", w["kind"]]
+    if w["kind"] == "trace":
+        args += ["--model", w["model"], "--model-mb", str(w["model_mb"]),
+                 "--forward-ms", str(w["forward_ms"])]
+    return args
 
 
 def compute_and_bytes(scenario: Scenario) -> tuple[float, int]:

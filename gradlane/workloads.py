@@ -65,8 +65,9 @@ class _Accelerator:
         self.late = 0.0  # how much later than asked the previous layer ended
 
     def run(self, seconds: float) -> None:
-        end = time.monotonic() - self.late + seconds
-        delay = end - time.monotonic()
+        now = time.monotonic()
+        end = now - self.late + seconds
+        delay = end - now
         if delay > 0:
             time.sleep(delay)
         self.late = max(0.0, time.monotonic() - end)
