@@ -279,7 +279,7 @@ def bench() -> None:
 )
 def bench_run(scenario: Path, json_path: Path | None) -> None:
     """Run SCENARIO (a TOML file) on an emulated cluster (needs root)."""
-    from gradlane.benchmark import load_scenario, run_scenario
+    from gradlane.benchmark import CELL_NAMES, cells, load_scenario, run_scenario
     from gradlane.provenance import write_result
 
     _require_root("gradlane bench run")
@@ -289,17 +289,11 @@ def bench_run(scenario: Path, json_path: Path | None) -> None:
     path = json_path or Path("bench/results") / f"{spec.name}.json"
     write_result(path, result)
     table = Table(title=f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms")
-    for col in ("system", "median", "p90", "vs DDP", "achieved / bound", "worker CPU"):
+    for col in ("system", "median", "p90", *CELL_NAMES):
         table.add_column(col, justify="left" if col == "system" else "right")
     for system, s in result["summary"].items():
-        cpu = s.get("worker_cpu_cores_mean")
         table.add_row(
-            system,
-            f"{s['median_s'] * 1000:.1f} ms",
-            f"{s['p90_s'] * 1000:.1f} ms",
-            f"{s['speedup_over_ddp']:.2f}x" if "speedup_over_ddp" in s else "-",
-            f"{s['achieved_over_bound']:.2f}",
-            f"{cpu:.2f} cores" if cpu is not None else "-",
+            system, f"{s['median_s'] * 1000:.1f} ms", f"{s['p90_s'] * 1000:.1f} ms", *cells(s)
         )
     out.print(table)
     out.print(f"-> {path}")

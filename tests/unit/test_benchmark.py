@@ -7,13 +7,18 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradlane.benchmark import (
+    PAYLOAD_EFFICIENCY,
     compute_and_bytes,
+    dependency_bound,
     load_scenario,
     lower_bound,
     markdown_table,
     summarize,
+    trace_layers,
     worker_args,
 )
 from gradlane.cli import cli
@@ -72,6 +77,55 @@ def test_lower_bound_is_the_larger_of_compute_and_traffic() -> None:
     assert lower_bound(4, 2.0, 8_000_000, 100e6) == 2.0
 
 
+def test_dependency_bound_is_the_simple_bound_when_the_bytes_come_last() -> None:
+    # All bytes in the last layer: no cut puts traffic and compute in series.
+    layers = [(0, 0.1), (0, 0.2), (8_000_000, 0.05)]
+    for compute_s in (0.35, 3.5):
+        scaled = [(b, c * compute_s / 0.35) for b, c in layers]
+        assert dependency_bound(4, scaled, 100e6) == pytest.approx(
+            lower_bound(4, compute_s, 8_000_000, 100e6))
+
+
+def test_dependency_bound_adds_the_compute_past_the_last_bytes() -> None:
+    # BERT's shape: bytes up front, a parameterless layer (the decoder) at the end.
+    comm = 1.5 * 8e6 * 8 / (100e6 * 1448 / 1514)
+    layers = [(8_000_000, 0.1), (0, 0.03)]
+    assert dependency_bound(4, layers, 100e6) == pytest.approx(comm + 0.03)
+    assert lower_bound(4, 0.13, 8_000_000, 100e6) == pytest.approx(comm)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 10**7), st.floats(0, 1)), min_size=1, max_size=30),
+    st.integers(2, 8),
+)
+def test_dependency_bound_lies_between_the_simple_bound_and_no_overlap(
+    layers: list[tuple[int, float]], hosts: int
+) -> None:
+    compute = sum(c for _, c in layers)
+    size = sum(b for b, _ in layers)
+    simple = lower_bound(hosts, compute, size, 1e9)
+    serial = compute + lower_bound(hosts, 0.0, size, 1e9)  # nothing overlapped at all
+    bound = dependency_bound(hosts, layers, 1e9)
+    assert simple - 1e-9 <= bound <= serial + 1e-9
+
+
+def test_trace_layers_sum_to_the_measured_compute() -> None:
+    scenario = load_scenario(next(p for p in SCENARIOS if "bert" in p.name))
+    layers = trace_layers(scenario, 0.2)
+    assert layers is not None
+    assert sum(c for _, c in layers) == pytest.approx(0.2)
+    assert sum(b for b, _ in layers) == compute_and_bytes(scenario)[1]
+    # Traffic takes 1.5x the compute, as in the scenario. BERT-base's decoder (a fifth
+    # of the FLOPs, no bytes of its own) comes last: its compute adds to the traffic.
+    size = compute_and_bytes(scenario)[1]
+    rate = 1.5 * size * 8 / (0.3 * PAYLOAD_EFFICIENCY)
+    assert lower_bound(4, 0.2, size, rate) == pytest.approx(0.3)
+    assert 0.3 + 0.2 * 0.2 < dependency_bound(4, layers, rate) < 0.3 + 0.2 * 0.25
+    cnn = load_scenario(next(p for p in SCENARIOS if p.stem == "cnn"))
+    assert trace_layers(cnn, 0.2) is None
+
+
 def test_trace_compute_is_three_times_the_forward() -> None:
     scenario = load_scenario(next(p for p in SCENARIOS if "vgg19" in p.name))
     compute, size = compute_and_bytes(scenario)
@@ -99,7 +153,8 @@ def result(name: str) -> dict[str, object]:
 def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
     simulated = {"experiment": "cluster", "results": {}}  # not a testbed result: left out
     table = markdown_table([result("s1"), simulated])
-    assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 | - |" in table
+    assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 | - | - |" in table
+    assert "dependency bound:" not in table  # no trace result with it
     assert "commit abcdef1234" in table
     assert "no exchange" not in table  # no compute-alone reference in these results
     with_reference = result("s2")
@@ -107,6 +162,12 @@ def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
     table = markdown_table([with_reference])
     assert "| s2 | local (no exchange) | 100.0 ms | - | 1.00 |" in table
     assert "its median is the compute of the bound" in table
+    ordered = result("s3")
+    ordered["dependency_bound_s"] = 0.125
+    ordered["summary"] = summarize({"gradlane": [0.15] * 5}, 0.1, None, 0.125)
+    table = markdown_table([ordered])
+    assert "| s3 | gradlane | 150.0 ms | - | 1.50 | 1.20 | - |" in table
+    assert "dependency bound: against the bound that also holds the layers' order" in table
     res = tmp_path / "s1.json"
     res.write_text(json.dumps(result("s1")))
     readme = tmp_path / "README.md"
