@@ -54,8 +54,9 @@ class ShimConfig:
             costs least CPU when communication hides behind backward anyway.
             "auto" (the default): each runs for a few steps after warm-up
             (`gradlane.shim.sync.trial_schedule`: decided at step 17), and
-            the job keeps the one whose slowest rank's median iteration was
-            shorter; every rank takes the same decision. (`attach` only: the DDP comm hook
+            the job keeps coarse only if its iterations (each step's slowest
+            rank) were faster beyond chance (`gradlane.shim.sync.pick_layout`),
+            fine otherwise; every rank takes the same decision. (`attach` only: the DDP comm hook
             reduces DDP's own buckets.)
     """
 

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
+import math
 import os
+import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +60,11 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "PER_PARAMETER_OPTIMIZERS",
     "TRIAL_BLOCK",
+    "TRIAL_P",
     "TRIAL_START",
     "Sync",
     "attach",
+    "p_faster",
     "pick_layout",
     "trial_schedule",
 ]
@@ -91,9 +96,58 @@ def trial_schedule() -> tuple[range, int, range, int, range, int]:
 logger = logging.getLogger(__name__)
 
 
-def pick_layout(fine_s: float, coarse_s: float) -> str:
-    """The trial's verdict from the job's median iteration under each layout."""
-    return "coarse" if coarse_s < fine_s else "fine"
+# Coarse replaces fine only when the trial's timings make it faster at this confidence.
+TRIAL_P = 0.05
+
+
+def p_faster(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """How likely timings `xs` would look this much faster than `ys` by chance.
+
+    The one-sided exact Mann-Whitney U test: U counts the pairs in which x
+    is the slower (ties count half), and the result is the chance of a U at
+    most as small were both samples drawn from one distribution. It asks
+    only which sample tends to be faster, so one stalled step (this machine
+    shares two cores among four workers) moves it by one pair, where it can
+    move a median of six.
+    """
+    u = sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in xs for y in ys)
+    n, m = len(xs), len(ys)
+    # ways[k]: orderings of n x's and m y's with U = k, built one element at a time
+    # (`_u_counts`); the U of a random ordering is what chance alone gives.
+    ways = _u_counts(n, m)
+    return sum(ways[: int(u) + 1]) / math.comb(n + m, n)
+
+
+@functools.cache
+def _u_counts(n: int, m: int) -> list[int]:
+    """Number of orderings of n x's and m y's per U (pairs with x after y), U = 0..n*m."""
+    if n == 0 or m == 0:
+        return [1]
+    # The largest element is an x (after all m y's: U gains m) or a y (U gains nothing).
+    counts = [0] * (n * m + 1)
+    for k, c in enumerate(_u_counts(n - 1, m)):
+        counts[k + m] += c
+    for k, c in enumerate(_u_counts(n, m - 1)):
+        counts[k] += c
+    return counts
+
+
+def _slowest(posts: list[list[float | None]]) -> list[float]:
+    """Per step, the slowest rank's period; steps some rank could not time are left out."""
+    return [max(x for x in step if x is not None) for step in zip(*posts, strict=True)
+            if None not in step]
+
+
+def pick_layout(fine: Sequence[float], coarse: Sequence[float]) -> str:
+    """The trial's verdict from the job's iterations under each layout.
+
+    Fine is the default: it never costs the overlap, while coarse groups
+    start exchanging later and can cost far more than the few per-message
+    costs they save. So coarse is kept only when it is faster beyond
+    reasonable doubt (`p_faster` below `TRIAL_P`), not on a median that
+    noise happened to tip.
+    """
+    return "coarse" if coarse and fine and p_faster(coarse, fine) < TRIAL_P else "fine"
 
 # torch.optim classes whose update of a parameter reads only that parameter,
 # its gradient and its own state: stepping a subset is exactly the same math.
@@ -256,7 +310,8 @@ class Sync:
         self._trying = config.layout == "auto"
         # The trial: step -> (when its backward began, this rank's samples in it).
         self._began: dict[int, tuple[float, int]] = {}
-        # What the trial measured and chose: each layout's slowest-rank median iteration.
+        # What the trial measured (each layout's median iteration, the job's slowest rank
+        # per step; how likely coarse looked this much faster by chance) and chose.
         self.layout_trial: dict[str, Any] | None = None
         self._order: list[_Layer] = []
         self._laid_out = False
@@ -529,9 +584,9 @@ class Sync:
         An iteration is the time between two backward passes' starts. The
         blocks run fine, coarse, coarse, fine (`trial_schedule`), so a load
         that drifts steadily weighs on both alike; the steps that pay a
-        regrouping are not measured. The ranks post their median of each and
-        take the slowest rank's (the job waits for it); a tie keeps fine,
-        which never costs the overlap. If a rank's batch changed meanwhile
+        regrouping are not measured. The ranks post their timings, and each
+        step counts as long as its slowest rank's (the job waits for it);
+        `pick_layout` decides. If a rank's batch changed meanwhile
         (the control plane's batch shares arrived), the two timings measured
         different work: fine stays. The trial does not start over: while a
         control plane is still balancing batches, regrouping again would
@@ -547,13 +602,12 @@ class Sync:
         if now < decide:
             return
 
-        def median(steps: list[int]) -> float:
-            periods = sorted(self._began[s + 1][0] - self._began[s][0] for s in steps
-                             if s in self._began and s + 1 in self._began)
-            return periods[len(periods) // 2] if periods else float("inf")
+        def periods(steps: list[int]) -> list[float | None]:
+            return [self._began[s + 1][0] - self._began[s][0]
+                    if s in self._began and s + 1 in self._began else None for s in steps]
 
         batches = {self._began[s][1] for s in range(fine1.start, decide + 1) if s in self._began}
-        mine = (median([*fine1, *fine2]), median(list(coarse)), len(batches) == 1)
+        mine = (periods([*fine1, *fine2]), periods(list(coarse)), len(batches) == 1)
         self._trying = False
         key = f"{self._prefix}/layout-trial"
         try:
@@ -561,14 +615,18 @@ class Sync:
             posts = [json.loads(self._store.get(f"{key}/{r}")) for r in range(self.world)]
         except RuntimeError as exc:
             raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
-        fine, coarse_s = max(p[0] for p in posts), max(p[1] for p in posts)
+        # Each step took as long as its slowest rank's: the job waits for it.
+        fine, coarse_s = (_slowest([p[i] for p in posts]) for i in (0, 1))
         steady = all(p[2] for p in posts)
         chosen = pick_layout(fine, coarse_s) if steady else "fine"
-        self.layout_trial = {"fine_s": fine, "coarse_s": coarse_s, "chosen": chosen,
-                             "step": now, "steady": steady}
+        self.layout_trial = {
+            "fine_s": statistics.median(fine) if fine else None,
+            "coarse_s": statistics.median(coarse_s) if coarse_s else None,
+            "p_coarse_faster": p_faster(coarse_s, fine) if fine and coarse_s else None,
+            "chosen": chosen, "step": now, "steady": steady,
+        }
         if self.rank == 0:
-            logger.info("gradlane: layout trial: fine %.1f ms, coarse %.1f ms per iteration: %s",
-                        fine * 1000, coarse_s * 1000, chosen)
+            logger.info("gradlane: layout trial: %s (%s)", chosen, self.layout_trial)
         if chosen != self.layout:
             self._relayout(chosen)
 

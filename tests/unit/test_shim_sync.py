@@ -9,12 +9,17 @@ same loop without the shim: any difference is the shim changing the math.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import gradlane.shim as gl
@@ -131,11 +136,52 @@ def test_layout_trial_regroups_between_steps_and_steps_stay_exact(
     trial = sync.layout_trial
     assert (trial["chosen"], trial["step"]) == (winner, decide)
     assert trial["fine_s"] > 0 and trial["coarse_s"] > 0 and trial["steady"]
+    assert 0 < trial["p_coarse_faster"] <= 1
     # New groups have new ids (a peer must never mistake one for a retired group).
     before = 2 if winner == "fine" else 3  # layouts made before the current one
     assert min(g.gid for g in sync._groups) == before * len(sync._groups)
     assert set(sync.engine.groups) == {g.gid for g in sync._groups}
     sync.close()
+
+
+def test_p_faster_is_the_exact_one_sided_mann_whitney_test() -> None:
+    fast, slow = [1.0, 2, 3, 4, 5, 6], [7.0, 8, 9, 10, 11, 12]
+    assert sync_module.p_faster(fast, slow) == pytest.approx(1 / math.comb(12, 6))
+    assert sync_module.p_faster(slow, fast) == 1.0
+    # Interleaved: no evidence either way.
+    assert 0.3 < sync_module.p_faster([1.0, 3, 5, 7, 9, 11], [2.0, 4, 6, 8, 10, 12]) < 0.7
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=4),
+       st.lists(st.integers(0, 5), min_size=1, max_size=4))
+def test_p_faster_matches_counting_every_relabeling(xs: list[int], ys: list[int]) -> None:
+    # Under the null hypothesis every split of the pooled values (tie-broken by position,
+    # so all are distinct) into |xs| and |ys| is equally likely.
+    pooled = sorted(range(len(xs) + len(ys)))
+
+    def u(a: Sequence[float], b: Sequence[float]) -> float:
+        return sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in a for y in b)
+
+    observed = u([float(x) for x in xs], [float(y) for y in ys])
+    splits = list(itertools.combinations(pooled, len(xs)))
+    at_most = sum(
+        u([float(i) for i in pick], [float(i) for i in pooled if i not in pick])
+        <= int(observed)
+        for pick in splits
+    )
+    assert sync_module.p_faster([float(x) for x in xs], [float(y) for y in ys]) == (
+        pytest.approx(at_most / len(splits)))
+
+
+def test_pick_layout_keeps_coarse_only_when_it_is_clearly_faster() -> None:
+    fine = [0.20, 0.21, 0.19, 0.20, 0.22, 0.20]
+    assert sync_module.pick_layout(fine, [x * 0.9 for x in fine]) == "coarse"
+    # One stalled fine step made fine's median the slower, not its timings in general.
+    noisy = [0.18, 0.24, 0.19, 0.25, 0.18, 0.24]
+    assert statistics.median([0.20, 0.21, 0.20, 0.19, 0.21, 0.22]) < statistics.median(noisy)
+    assert sync_module.pick_layout(noisy, [0.20, 0.21, 0.20, 0.19, 0.21, 0.22]) == "fine"
+    assert sync_module.pick_layout(fine, []) == "fine"
 
 
 def test_layout_trial_keeps_fine_when_the_batch_changed_during_it(
