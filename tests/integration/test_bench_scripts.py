@@ -1,0 +1,72 @@
+"""The stand-alone benchmarks in bench/, run small: each must finish and write its JSON.
+
+Their figures are for the full-size runs (README); here each runs for a few
+seconds so that a change that breaks a script is caught before the next
+measurement session, and each result must carry the environment and a
+measured figure of the right sign. Those that build an emulated cluster
+need root (``netns``); the long testbed ones (``control_straggler.py``,
+``two_jobs.py``) run their scenarios in ``test_control_netns.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _plan(r: dict[str, Any]) -> bool:
+    return r["hosts"] == 1024 and all(p["median_ms"] > 0 for p in r["policies"].values())
+
+
+def _control(r: dict[str, Any]) -> bool:
+    return r["plans_received"] == 5 and r["push_latency_ms"]["median"] > 0
+
+
+def _transport(r: dict[str, Any]) -> bool:
+    return all(row["median_s"] > 0 for row in r["loopback"])
+
+
+def _overlap(r: dict[str, Any]) -> bool:
+    return all(t > 0 for t in r["median_iteration_s"].values())
+
+
+def _daemon(r: dict[str, Any]) -> bool:
+    return r["results"]["change_to_kernel_ms"]["median"] > 0
+
+
+SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
+    ("policy_plan.py", ["--repeat", "1"], _plan, False),
+    ("control.py", ["--daemons", "5", "--seconds", "1"], _control, False),
+    ("shim_transport.py", ["--size-mb", "1", "--reps", "1"], _transport, False),
+    ("shim_overlap.py", ["--iters", "3", "--warmup", "1", "--rounds", "1", "--forward-ms", "5",
+                         "--model-mb", "1"], _overlap, True),
+    ("daemon.py", ["--samples", "5"], _daemon, True),
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "script, args, measured",
+    [pytest.param(s, a, m, marks=[pytest.mark.netns] if root else [], id=s)
+     for s, a, m, root in SCRIPTS],
+)
+def test_bench_script_runs_small_and_writes_its_result(
+    script: str, args: list[str], measured: Callable[[dict[str, Any]], bool], tmp_path: Path
+) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args, "--json", str(out)],
+        capture_output=True, text=True, timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {"commit", "dirty", "kernel", "cpu", "date"} <= result["environment"].keys()
+    assert measured(result), result
