@@ -106,9 +106,9 @@ def p_faster(xs: Sequence[float], ys: Sequence[float]) -> float:
     The one-sided exact Mann-Whitney U test: U counts the pairs in which x
     is the slower (ties count half), and the result is the chance of a U at
     most as small were both samples drawn from one distribution. It asks
-    only which sample tends to be faster, so one stalled step (this machine
-    shares two cores among four workers) moves it by one pair, where it can
-    move a median of six.
+    only which sample tends to be faster: a step that stalled (on a busy
+    machine) counts as one slow timing however long it stalled, and six
+    against six are enough to tell a steady few percent from noise.
     """
     u = sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in xs for y in ys)
     n, m = len(xs), len(ys)
@@ -616,13 +616,13 @@ class Sync:
         except RuntimeError as exc:
             raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
         # Each step took as long as its slowest rank's: the job waits for it.
-        fine, coarse_s = (_slowest([p[i] for p in posts]) for i in (0, 1))
+        fine_t, coarse_t = (_slowest([p[i] for p in posts]) for i in (0, 1))
         steady = all(p[2] for p in posts)
-        chosen = pick_layout(fine, coarse_s) if steady else "fine"
+        chosen = pick_layout(fine_t, coarse_t) if steady else "fine"
         self.layout_trial = {
-            "fine_s": statistics.median(fine) if fine else None,
-            "coarse_s": statistics.median(coarse_s) if coarse_s else None,
-            "p_coarse_faster": p_faster(coarse_s, fine) if fine and coarse_s else None,
+            "fine_s": statistics.median(fine_t) if fine_t else None,
+            "coarse_s": statistics.median(coarse_t) if coarse_t else None,
+            "p_coarse_faster": p_faster(coarse_t, fine_t) if fine_t and coarse_t else None,
             "chosen": chosen, "step": now, "steady": steady,
         }
         if self.rank == 0:
