@@ -343,7 +343,9 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     ``lower_bound_s``: the simulator's, the daemon's micro-benchmarks) are
     left out, so ``bench/results/*.json`` can be passed as it is.
     """
-    results = [r for r in results if "summary" in r and "lower_bound_s" in r]
+    # In scenario order, whatever order a shell's glob gave the files in.
+    results = sorted((r for r in results if "summary" in r and "lower_bound_s" in r),
+                     key=lambda r: r["scenario"]["name"])
     lines = [
         "| " + " | ".join(["scenario", "system", "median iteration", *CELL_NAMES]) + " |",
         "|---|---|" + "---:|" * (1 + len(CELL_NAMES)),

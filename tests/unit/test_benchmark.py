@@ -195,3 +195,14 @@ def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
         )
     run = _collect("gradlane", tmp_path, 5.0)
     assert run.cpu_cores == [0.9, 0.4]
+
+
+def test_the_readme_table_is_the_one_the_results_make() -> None:
+    # `gradlane bench table bench/results/*.json --readme README.md` after every re-run.
+    repo = Path(__file__).resolve().parents[2]
+    results = sorted((repo / "bench/results").glob("*.json"))
+    table = markdown_table([json.loads(p.read_text()) for p in results])
+    readme = (repo / "README.md").read_text()
+    shown = readme.split("<!-- bench-table:begin -->\n", 1)[1]
+    shown = shown.split("\n<!-- bench-table:end -->", 1)[0]
+    assert shown == table, "README table is stale: run gradlane bench table ... --readme README.md"
