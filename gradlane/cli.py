@@ -288,7 +288,10 @@ def bench_run(scenario: Path, json_path: Path | None) -> None:
     result = run_scenario(spec, say=lambda text: out.log(text))
     path = json_path or Path("bench/results") / f"{spec.name}.json"
     write_result(path, result)
-    table = Table(title=f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms")
+    title = f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms"
+    if result.get("dependency_bound_s"):
+        title += f", with the layers' order {result['dependency_bound_s'] * 1000:.1f} ms"
+    table = Table(title=title)
     for col in ("system", "median", "p90", *CELL_NAMES):
         table.add_column(col, justify="left" if col == "system" else "right")
     for system, s in result["summary"].items():
