@@ -165,10 +165,15 @@ def compute_and_bytes(scenario: Scenario) -> tuple[float, int]:
         from gradlane.demo import calibrate
 
         return calibrate(scenario.hosts)
+    spec = _trace_spec(w)
+    return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
+
+
+def _trace_spec(workload: dict[str, Any]) -> list[tuple[int, float, float]]:
+    """A trace workload's layers: (parameters, forward s, backward s), in forward order."""
     from gradlane.workloads import trace_spec
 
-    spec = trace_spec(w["model"], w["model_mb"], w["forward_ms"] / 1000)
-    return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
+    return trace_spec(workload["model"], workload["model_mb"], workload["forward_ms"] / 1000)
 
 
 def lower_bound(hosts: int, compute_s: float, model_bytes: int, rate_bps: float) -> float:
@@ -202,9 +207,7 @@ def trace_layers(scenario: Scenario, compute_s: float) -> list[tuple[int, float]
     w = scenario.workload
     if w["kind"] != "trace":
         return None
-    from gradlane.workloads import trace_spec
-
-    spec = trace_spec(w["model"], w["model_mb"], w["forward_ms"] / 1000)
+    spec = _trace_spec(w)
     scale = compute_s / sum(f + b for _, f, b in spec)
     return [(4 * n, (f + b) * scale) for n, f, b in spec]
 
