@@ -61,7 +61,8 @@ from gradlane.policies.base import (
     State,
     Worker,
 )
-from gradlane.policies.chunks import assign_owners, reduction_parents
+from gradlane.policies.chunks import assign_owners
+from gradlane.policies.demand import Exchange
 from gradlane.policies.sim.scenario import Scenario, SimJob
 
 __all__ = ["Result", "coflow_load", "full_demand_state", "simulate"]
@@ -130,8 +131,7 @@ class _Job:
         self.iteration_shares = self.shares.copy()
         self.band = np.zeros(self.nb, dtype=np.int64)
         self.level = 0
-        self._trees: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
-        self.peer_in_leaf, self.peer_next_leaf = self._peers()
+        self.exchange = Exchange(self.leaf, uplinks=self.n_leaves > 0)
         self.set_ownership(tuple(assign_owners(self.chunk_bytes, self.w)), in_leaf=False)
         self.ready_at = np.zeros(self.nb)  # when each bucket's gradient is (or will be) ready
         # Timeline.
@@ -155,71 +155,17 @@ class _Job:
     def set_ownership(self, owners: tuple[int, ...], in_leaf: bool) -> None:
         """Per bucket, the links its collective loads and with how many flows."""
         self.owners, self.in_leaf = owners, in_leaf
-        owned = np.zeros((self.nb, self.w))  # chunks of each bucket owned by each rank
-        for b in range(self.nb):
-            ranks = owners[self.first_chunk[b]:self.first_chunk[b + 1]]
-            owned[b] = np.bincount(ranks, minlength=self.w)
-        self.owned_chunks = owned
-        per_owner, crossing = self._tree_flows(in_leaf)
-        self.counts = owned @ per_owner  # (buckets, links)
-        self.cross_counts = owned @ crossing  # (buckets, workers): flows leaving the leaf
-        leaves = np.unique(self.leaf) if self.n_leaves else np.zeros(0, dtype=np.int64)
+        self.owned_chunks = self.exchange.owned(owners, self.first_chunk)
+        per_owner, _ = self.exchange.trees(in_leaf)
+        self.counts = self.owned_chunks @ per_owner  # (buckets, links)
+        leaves = self.exchange.leaves
         base = 2 * self.n_hosts
         self.links = np.concatenate([self.hosts, self.n_hosts + self.hosts, base + leaves,
                                      base + self.n_leaves + leaves])
 
-    def _tree_flows(self, in_leaf: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Per owner rank, the flows one chunk puts on each link, and per rank its flows
-        that leave its leaf (cached: they depend on the placement only).
-
-        Columns of the first: workers' egress, their ingress, then the job's leaves'
-        uplinks and downlinks. Each tree edge carries one flow up (the contribution)
-        and one down (the result).
-        """
-        if in_leaf in self._trees:
-            return self._trees[in_leaf]
-        w = self.w
-        leaves = np.unique(self.leaf) if self.n_leaves else np.zeros(0, dtype=np.int64)
-        slot = np.searchsorted(leaves, self.leaf)  # each rank's leaf column
-        tree_leaves = self.leaf.tolist() if in_leaf and self.n_leaves else [0] * w
-        per_owner = np.zeros((w, 2 * w + 2 * len(leaves)))
-        crossing = np.zeros((w, w))
-        for owner in range(w):
-            parents = np.array(reduction_parents(owner, tree_leaves))
-            child = np.flatnonzero(parents >= 0)
-            parent = parents[child]
-            row = per_owner[owner]
-            for a, b in ((child, parent), (parent, child)):  # up, then down
-                np.add.at(row, a, 1)  # a's egress
-                np.add.at(row, w + b, 1)  # b's ingress
-                if len(leaves):
-                    cross = self.leaf[a] != self.leaf[b]
-                    np.add.at(row, 2 * w + slot[a[cross]], 1)  # a's leaf up
-                    np.add.at(row, 2 * w + len(leaves) + slot[b[cross]], 1)  # b's leaf down
-                    np.add.at(crossing[owner], a[cross], 1)
-        self._trees[in_leaf] = per_owner, crossing
-        return per_owner, crossing
-
-    def _peers(self) -> tuple[IntArray, IntArray]:
-        """For the demand flows: the next worker (rank order) in the same leaf, and in the next."""
-        in_leaf = np.empty(self.w, dtype=np.int64)
-        next_leaf = np.empty(self.w, dtype=np.int64)
-        leaves = sorted(set(self.leaf.tolist()))
-        members = {lf: np.flatnonzero(self.leaf == lf) for lf in leaves}
-        for r in range(self.w):
-            mine = members[int(self.leaf[r])]
-            pos = int(np.searchsorted(mine, r))
-            in_leaf[r] = mine[(pos + 1) % len(mine)] if len(mine) > 1 else (r + 1) % self.w
-            other = members[leaves[(leaves.index(int(self.leaf[r])) + 1) % len(leaves)]]
-            next_leaf[r] = other[pos % len(other)]
-        return in_leaf, next_leaf
-
     def loads(self) -> tuple[np.ndarray, np.ndarray]:
         """Per worker and bucket: bytes to its own leaf and to other leaves."""
-        size = np.array(self.chunk_size)[:, None]
-        egress = self.counts[:, : self.w] * size  # (buckets, workers)
-        remote = self.cross_counts * size
-        return egress - remote, remote
+        return self.exchange.loads(self.owned_chunks, self.in_leaf, self.chunk_size)
 
 
 @dataclass
@@ -402,21 +348,12 @@ class _Sim:
             # Between coflows: its next one, whole (what its demand report says).
             in_flight = self.remaining(job) or {job.iteration: np.ones(job.nb)}
             local, remote = job.loads()
+            ready = np.maximum(0.0, job.ready_at - self.now)
             for it, left in in_flight.items():
-                k = len(coflows)
                 age = self.now - job.first_ready.get(it, self.now)
+                rows += job.exchange.demand_rows(job.hosts, local, remote, len(coflows),
+                                                 job.first_chunk, left=left, ready_s=ready)
                 coflows.append(Coflow(f"{spec.name}/{it}", spec.name, age))
-                for b in np.flatnonzero(left).tolist():
-                    chunk = int(job.first_chunk[b])
-                    ready = max(0.0, job.ready_at[b] - self.now)
-                    for r in range(job.w):
-                        src = int(job.hosts[r])
-                        if local[b, r] > 0:
-                            rows.append((src, int(job.hosts[job.peer_in_leaf[r]]),
-                                         float(local[b, r] * left[b]), ready, b, k, chunk))
-                        if remote[b, r] > 0:
-                            rows.append((src, int(job.hosts[job.peer_next_leaf[r]]),
-                                         float(remote[b, r] * left[b]), ready, b, k, chunk))
         self.version += 1
         return State(jobs=tuple(jobs), topology=topo, workers=tuple(workers),
                      coflows=tuple(coflows), flows=FlowTable.build(rows), bands=self.sc.bands,

@@ -1,0 +1,166 @@
+"""A job's gradient exchange as the demand flows a planner sees.
+
+Each chunk is reduced along its reduction tree
+(`gradlane.policies.chunks.reduction_parents`, the shim's own) to its
+owner, and the result goes back down: one flow up and one down per tree
+edge. Flat (one leaf, or no reduction within leaves), a rank sends
+``S + (W - 2) * owned`` bytes of a bucket of ``S`` bytes of which it owns
+``owned``; with reduction within leaves, one copy of each chunk per leaf
+crosses the spine each way.
+
+A planner needs the load, not every chunk's every edge: per bucket (a layer,
+in forward order) and rank, `Exchange.demand_rows` gives at most two
+*load-equivalent* flows: one to a rank of its own leaf carrying what the
+rank sends within its leaf, and one to a rank of the next leaf carrying what
+it sends across the spine. They put on every host link and uplink what the
+real exchange puts there, with two flows per rank and bucket instead of one
+per chunk and tree edge. The simulator (`gradlane.policies.sim`) and the
+control plane (`gradlane control`) build their states with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from gradlane.policies.base import FloatArray, IntArray
+from gradlane.policies.chunks import reduction_parents
+
+__all__ = ["Exchange", "Row", "bucket_starts"]
+
+Row = tuple[int, int, float, float, int, int, int]  # `FlowTable.build`'s row
+
+
+def bucket_starts(chunk_layers: Sequence[int]) -> IntArray:
+    """Where each bucket starts in a job's chunks, and the end: ``len(buckets) + 1`` indices.
+
+    A bucket is a run of consecutive chunks of one layer.
+    """
+    layers = np.asarray(chunk_layers, dtype=np.int64)
+    starts = np.flatnonzero(np.diff(layers)) + 1 if len(layers) else np.zeros(0, np.int64)
+    return np.concatenate([[0], starts, [len(layers)]]).astype(np.int64)
+
+
+class Exchange:
+    """The reduction trees of one job's ranks, given each rank's host leaf.
+
+    Args:
+        leaf: per rank, the leaf switch of its host.
+        uplinks: whether the fabric has leaf uplinks at all (a one-switch
+            cluster has none: no leaf columns, no spine traffic).
+    """
+
+    def __init__(self, leaf: Sequence[int] | IntArray, uplinks: bool) -> None:
+        self.leaf = np.asarray(leaf, dtype=np.int64)
+        self.w = len(self.leaf)
+        self.uplinks = uplinks
+        self.leaves = np.unique(self.leaf) if uplinks else np.zeros(0, dtype=np.int64)
+        self.peer_in_leaf, self.peer_next_leaf = self._peers()
+        self._trees: dict[bool, tuple[FloatArray, FloatArray]] = {}
+
+    def trees(self, in_leaf: bool) -> tuple[FloatArray, FloatArray]:
+        """Per owner rank, the flows one chunk puts on each link, and per rank its flows
+        that leave its leaf (cached: they depend on the placement only).
+
+        Columns of the first: ranks' egress, their ingress, then the job's leaves'
+        uplinks and downlinks (`leaves` order). Each tree edge carries one flow
+        up (the contribution) and one down (the result).
+        """
+        if in_leaf in self._trees:
+            return self._trees[in_leaf]
+        w, leaves = self.w, self.leaves
+        slot = np.searchsorted(leaves, self.leaf)  # each rank's leaf column
+        tree_leaves = self.leaf.tolist() if in_leaf and self.uplinks else [0] * w
+        per_owner = np.zeros((w, 2 * w + 2 * len(leaves)))
+        crossing = np.zeros((w, w))
+        for owner in range(w):
+            parents = np.array(reduction_parents(owner, tree_leaves))
+            child = np.flatnonzero(parents >= 0)
+            parent = parents[child]
+            row = per_owner[owner]
+            for a, b in ((child, parent), (parent, child)):  # up, then down
+                np.add.at(row, a, 1)  # a's egress
+                np.add.at(row, w + b, 1)  # b's ingress
+                if len(leaves):
+                    cross = self.leaf[a] != self.leaf[b]
+                    np.add.at(row, 2 * w + slot[a[cross]], 1)  # a's leaf up
+                    np.add.at(row, 2 * w + len(leaves) + slot[b[cross]], 1)  # b's leaf down
+                    np.add.at(crossing[owner], a[cross], 1)
+        self._trees[in_leaf] = per_owner, crossing
+        return per_owner, crossing
+
+    def owned(self, owners: Sequence[int], starts: IntArray,
+              weights: Sequence[float] | None = None) -> FloatArray:
+        """Per bucket and rank, the chunks it owns (or their summed `weights`, e.g. bytes)."""
+        out = np.zeros((len(starts) - 1, self.w))
+        ranks = np.asarray(owners, dtype=np.int64)
+        w = None if weights is None else np.asarray(weights, dtype=np.float64)
+        for b in range(len(starts) - 1):
+            lo, hi = int(starts[b]), int(starts[b + 1])
+            out[b] = np.bincount(ranks[lo:hi], None if w is None else w[lo:hi], minlength=self.w)
+        return out
+
+    def loads(self, owned: FloatArray, in_leaf: bool,
+              chunk_size: Sequence[float] | None = None) -> tuple[FloatArray, FloatArray]:
+        """Per bucket and rank, the bytes it sends to its own leaf and to other leaves.
+
+        `owned`: per bucket and rank, the bytes of the bucket's chunks it owns;
+        or the count of them, with `chunk_size` the bytes of each bucket's chunks.
+        """
+        per_owner, crossing = self.trees(in_leaf)
+        size = 1.0 if chunk_size is None else np.asarray(chunk_size, dtype=np.float64)[:, None]
+        egress = (owned @ per_owner[:, : self.w]) * size
+        remote = (owned @ crossing) * size
+        return egress - remote, remote
+
+    def demand_rows(
+        self,
+        hosts: Sequence[int] | IntArray,
+        local: FloatArray,
+        remote: FloatArray,
+        coflow: int,
+        starts: IntArray,
+        *,
+        left: FloatArray | None = None,
+        ready_s: FloatArray | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[Row]:
+        """The load-equivalent flows of one coflow: `FlowTable.build` rows.
+
+        Args:
+            hosts: per rank, its host (an index into the topology's hosts).
+            local, remote: `loads`.
+            coflow: the coflow's index in the state.
+            starts: `bucket_starts`; a flow's chunk is its bucket's first.
+            left: per bucket, the fraction still to send (default: all of it).
+            ready_s: per bucket, seconds until its gradient is ready (default 0).
+            priority: per bucket, its forward-order priority (default: its index).
+        """
+        nb = len(starts) - 1
+        left = np.ones(nb) if left is None else left
+        ready = np.zeros(nb) if ready_s is None else ready_s
+        host = np.asarray(hosts, dtype=np.int64)
+        rows: list[Row] = []
+        for b in np.flatnonzero(left).tolist():
+            chunk, prio = int(starts[b]), b if priority is None else int(priority[b])
+            for r in range(self.w):
+                for sent, peer in ((local, self.peer_in_leaf), (remote, self.peer_next_leaf)):
+                    if sent[b, r] > 0:
+                        rows.append((int(host[r]), int(host[peer[r]]), float(sent[b, r] * left[b]),
+                                     float(ready[b]), prio, coflow, chunk))
+        return rows
+
+    def _peers(self) -> tuple[IntArray, IntArray]:
+        """Per rank, the next rank (rank order) in its own leaf, and one in the next leaf."""
+        in_leaf = np.empty(self.w, dtype=np.int64)
+        next_leaf = np.empty(self.w, dtype=np.int64)
+        leaves = sorted(set(self.leaf.tolist()))
+        members = {lf: np.flatnonzero(self.leaf == lf) for lf in leaves}
+        for r in range(self.w):
+            mine = members[int(self.leaf[r])]
+            pos = int(np.searchsorted(mine, r))
+            in_leaf[r] = mine[(pos + 1) % len(mine)] if len(mine) > 1 else (r + 1) % self.w
+            other = members[leaves[(leaves.index(int(self.leaf[r])) + 1) % len(leaves)]]
+            next_leaf[r] = other[pos % len(other)]
+        return in_leaf, next_leaf
