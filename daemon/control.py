@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aiohttp import WSMsgType, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -36,6 +37,8 @@ from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
 from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import (
+    Coflow,
+    FlowTable,
     Host,
     JobState,
     Plan,
@@ -44,6 +47,8 @@ from gradlane.policies import (
     Worker,
     get_policy,
 )
+from gradlane.policies.chunks import assign_owners
+from gradlane.policies.demand import Exchange, bucket_starts
 
 __all__ = ["ControlConfig", "ControlPlane", "read_token", "serve"]
 
@@ -54,6 +59,9 @@ HELLO_TIMEOUT = 5.0
 MAX_BODY = 1 << 20
 LOST_AFTER_S = 30.0  # a disconnected daemon's jobs stay "degraded" this long
 POST_SILENT_S = 10.0  # a daemon that reports by POST is lost after this long without one
+# A job's demand flows merge consecutive layers into at most this many buckets: enough
+# for the policies' bands (4-8 by forward order), few flows for a 1,024-host plan.
+DEMAND_BUCKETS = 32
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,7 @@ class ControlPlane:
         self.state: State | None = None
         self.version = 0
         self.planned_at = 0.0
+        self._exchanges: dict[tuple[tuple[int, ...], tuple[int, ...], bool], Exchange] = {}
         self._changed = asyncio.Event()
         self.metrics = CollectorRegistry(auto_describe=True)
         self._plans = Counter("gradlane_control_plans", "Plans computed", registry=self.metrics)
@@ -346,13 +355,70 @@ class ControlPlane:
         else:
             leaves = max(h.leaf for h in hosts) + 1
             topology = Topology(hosts, (self.config.uplink_bps,) * leaves)
+        ordered = tuple(sorted(workers, key=lambda w: (w.job, w.rank)))
+        coflows, flows = self._demand(sorted(jobs.values(), key=lambda j: j.name), ordered,
+                                      topology)
         self.version += 1
         return State(
             jobs=tuple(sorted(jobs.values(), key=lambda j: j.name)),
             topology=topology,
-            workers=tuple(sorted(workers, key=lambda w: (w.job, w.rank))),
+            workers=ordered,
+            coflows=coflows,
+            flows=flows,
             version=self.version,
         )
+
+    def _demand(
+        self, jobs: list[JobState], workers: tuple[Worker, ...], topology: Topology
+    ) -> tuple[tuple[Coflow, ...], FlowTable]:
+        """Per job, its next iteration's exchange as one coflow of demand flows.
+
+        Built from what the shims reported (each chunk's bytes and layer) and
+        what they enforce: the current plan's chunk owners and reduction
+        within leaves (`gradlane.policies.demand`). Consecutive layers share a
+        bucket, at most `DEMAND_BUCKETS` per job, so a state holds at most
+        ``2 * DEMAND_BUCKETS`` flows per worker however many layers a model
+        has. A job is left out until its reports give every rank 0..W-1
+        once (W >= 2) and its chunks.
+        """
+        coflows: list[Coflow] = []
+        tables: list[FlowTable] = []
+        plan = self.plan
+        in_leaf = bool(plan is not None and plan.reduce_in_leaf)
+        by_job: dict[str, list[Worker]] = {}
+        for w in workers:
+            by_job.setdefault(w.job, []).append(w)
+        for job in jobs:
+            mine = by_job.get(job.name, [])
+            if len(mine) < 2 or [w.rank for w in mine] != list(range(len(mine))):
+                continue
+            if not job.chunk_bytes:
+                continue
+            hosts = [w.host for w in mine]
+            owners = plan.ownership.get(job.name, ()) if plan is not None else ()
+            if len(owners) != len(job.chunk_bytes) or max(owners, default=0) >= len(mine):
+                owners = tuple(assign_owners(job.chunk_bytes, len(mine)))
+            layer = np.asarray(job.chunk_layers if len(job.chunk_layers) == len(job.chunk_bytes)
+                               else range(len(job.chunk_bytes)), dtype=np.int64)
+            n_layers = max(job.layers, int(layer.max()) + 1)
+            starts = bucket_starts(layer * DEMAND_BUCKETS // n_layers)
+            exchange = self._exchange(topology, hosts)
+            local, remote = exchange.loads(
+                exchange.owned(owners, starts, job.chunk_bytes), in_leaf)
+            tables.append(exchange.demand_flows(hosts, local, remote, len(coflows), starts,
+                                                priority=layer[starts[:-1]]))
+            coflows.append(Coflow(job.name, job.name))
+        return tuple(coflows), FlowTable.concat(tables)
+
+    def _exchange(self, topology: Topology, hosts: list[int]) -> Exchange:
+        """The reduction trees of ranks on `hosts` (cached: placements rarely change)."""
+        leaf = tuple(topology.hosts[h].leaf for h in hosts)
+        key = (tuple(hosts), leaf, bool(topology.uplink_bps))
+        if key not in self._exchanges:
+            if len(self._exchanges) >= 64:
+                self._exchanges.clear()
+            self._exchanges[key] = Exchange(leaf, uplinks=key[2], host=hosts)
+        return self._exchanges[key]
 
     def message_for(self, host: str) -> dict[str, Any]:
         """`host`'s part of the current plan, as a plan message."""
@@ -387,7 +453,7 @@ class ControlPlane:
         for h in self.hosts():
             for job in self.daemons[h].report.jobs:
                 j = jobs.setdefault(job.name, {"hosts": [], "workers": 0, "degraded": False,
-                                               "chunks": 0, "band_bps": []})
+                                               "chunks": 0, "band_bps": [], "demand_bytes": 0})
                 j["hosts"].append(h)
                 j["workers"] += len(job.workers)
                 j["chunks"] = max(j["chunks"], len(job.chunk_bytes))
@@ -395,7 +461,12 @@ class ControlPlane:
                     j["band_bps"] += [0.0] * (band + 1 - len(j["band_bps"]))
                     j["band_bps"][band] += bps
                 j["degraded"] |= h in lost
-        plan = self.plan
+        plan, state = self.plan, self.state
+        if state is not None:  # what each job's next exchange puts on the network
+            sent = np.bincount(state.flows.coflow, state.flows.bytes, len(state.coflows))
+            for coflow, total in zip(state.coflows, sent.tolist(), strict=True):
+                if coflow.job in jobs:
+                    jobs[coflow.job]["demand_bytes"] = int(total)
         return {
             "version": __version__,
             "policy": self.policy.name,
@@ -412,6 +483,7 @@ class ControlPlane:
                 "age_s": round(time.time() - self.planned_at, 3),
                 "batch_shares": {j: list(s) for j, s in plan.batch_shares.items()},
                 "job_level": plan.job_level,
+                "coflow_order": list(plan.coflow_order),
                 "reduce_in_leaf": plan.reduce_in_leaf,
             },
         }

@@ -546,12 +546,16 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
                                 for i in h["interfaces"]))
     out.print(hosts)
     jobs = Table(title="jobs")
-    for column in ("job", "workers", "hosts", "state", "batch shares"):
+    for column in ("job", "workers", "hosts", "state", "demand / iteration", "coflow order",
+                   "batch shares"):
         jobs.add_column(column)
+    order = (plan or {}).get("coflow_order", [])
     for name, j in sorted(data["jobs"].items()):
         shares = (plan or {}).get("batch_shares", {}).get(name)
         jobs.add_row(name, str(j["workers"]), str(len(j["hosts"])),
-                     "DEGRADED" if j["degraded"] else "ok", str(shares or "-"))
+                     "DEGRADED" if j["degraded"] else "ok",
+                     f"{j['demand_bytes'] / 1e6:.2f} MB" if j.get("demand_bytes") else "-",
+                     str(order.index(name) + 1) if name in order else "-", str(shares or "-"))
     out.print(jobs)
 
 

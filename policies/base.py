@@ -185,14 +185,21 @@ class FlowTable:
             np.array(cols[3], f), np.array(cols[4], i), np.array(cols[5], i), np.array(cols[6], i),
         )
 
+    @staticmethod
+    def concat(tables: list[FlowTable]) -> FlowTable:
+        """One table of the flows of `tables`, in order."""
+        if not tables:
+            return FlowTable.empty()
+        return FlowTable(*(np.concatenate([getattr(t, k) for t in tables]) for k in _COLUMNS))
+
     def __len__(self) -> int:
         return len(self.src)
 
     def equals(self, other: FlowTable) -> bool:
-        return all(
-            np.array_equal(getattr(self, k), getattr(other, k))
-            for k in ("src", "dst", "bytes", "ready_s", "priority", "coflow", "chunk")
-        )
+        return all(np.array_equal(getattr(self, k), getattr(other, k)) for k in _COLUMNS)
+
+
+_COLUMNS = ("src", "dst", "bytes", "ready_s", "priority", "coflow", "chunk")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ edge. Flat (one leaf, or no reduction within leaves), a rank sends
 crosses the spine each way.
 
 A planner needs the load, not every chunk's every edge: per bucket (a layer,
-in forward order) and rank, `Exchange.demand_rows` gives at most two
+in forward order) and rank, `Exchange.demand_flows` gives at most two
 *load-equivalent* flows: one to a rank of its own leaf carrying what the
 rank sends within its leaf, and one to a rank of the next leaf carrying what
 it sends across the spine. They put on every host link and uplink what the
@@ -24,15 +24,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gradlane.policies.base import FloatArray, IntArray
+from gradlane.policies.base import FloatArray, FlowTable, IntArray
 from gradlane.policies.chunks import reduction_parents
 
-__all__ = ["Exchange", "Row", "bucket_starts"]
-
-Row = tuple[int, int, float, float, int, int, int]  # `FlowTable.build`'s row
+__all__ = ["Exchange", "bucket_starts"]
 
 
-def bucket_starts(chunk_layers: Sequence[int]) -> IntArray:
+def bucket_starts(chunk_layers: Sequence[int] | IntArray) -> IntArray:
     """Where each bucket starts in a job's chunks, and the end: ``len(buckets) + 1`` indices.
 
     A bucket is a run of consecutive chunks of one layer.
@@ -49,11 +47,15 @@ class Exchange:
         leaf: per rank, the leaf switch of its host.
         uplinks: whether the fabric has leaf uplinks at all (a one-switch
             cluster has none: no leaf columns, no spine traffic).
+        host: per rank, its host (default: one host per rank). What ranks of
+            one host send each other stays off the network (loopback).
     """
 
-    def __init__(self, leaf: Sequence[int] | IntArray, uplinks: bool) -> None:
+    def __init__(self, leaf: Sequence[int] | IntArray, uplinks: bool,
+                 host: Sequence[int] | IntArray | None = None) -> None:
         self.leaf = np.asarray(leaf, dtype=np.int64)
         self.w = len(self.leaf)
+        self.host = np.arange(self.w) if host is None else np.asarray(host, dtype=np.int64)
         self.uplinks = uplinks
         self.leaves = np.unique(self.leaf) if uplinks else np.zeros(0, dtype=np.int64)
         self.peer_in_leaf, self.peer_next_leaf = self._peers()
@@ -79,6 +81,8 @@ class Exchange:
             child = np.flatnonzero(parents >= 0)
             parent = parents[child]
             row = per_owner[owner]
+            apart = self.host[child] != self.host[parent]  # the rest is loopback
+            child, parent = child[apart], parent[apart]
             for a, b in ((child, parent), (parent, child)):  # up, then down
                 np.add.at(row, a, 1)  # a's egress
                 np.add.at(row, w + b, 1)  # b's ingress
@@ -114,7 +118,7 @@ class Exchange:
         remote = (owned @ crossing) * size
         return egress - remote, remote
 
-    def demand_rows(
+    def demand_flows(
         self,
         hosts: Sequence[int] | IntArray,
         local: FloatArray,
@@ -124,9 +128,9 @@ class Exchange:
         *,
         left: FloatArray | None = None,
         ready_s: FloatArray | None = None,
-        priority: Sequence[int] | None = None,
-    ) -> list[Row]:
-        """The load-equivalent flows of one coflow: `FlowTable.build` rows.
+        priority: Sequence[int] | IntArray | None = None,
+    ) -> FlowTable:
+        """The load-equivalent flows of one coflow, bucket by bucket, rank by rank.
 
         Args:
             hosts: per rank, its host (an index into the topology's hosts).
@@ -138,21 +142,23 @@ class Exchange:
             priority: per bucket, its forward-order priority (default: its index).
         """
         nb = len(starts) - 1
-        left = np.ones(nb) if left is None else left
-        ready = np.zeros(nb) if ready_s is None else ready_s
+        left = np.ones(nb) if left is None else np.asarray(left, dtype=np.float64)
+        ready = np.zeros(nb) if ready_s is None else np.asarray(ready_s, dtype=np.float64)
+        prio = np.arange(nb) if priority is None else np.asarray(priority, dtype=np.int64)
         host = np.asarray(hosts, dtype=np.int64)
-        rows: list[Row] = []
-        for b in np.flatnonzero(left).tolist():
-            chunk, prio = int(starts[b]), b if priority is None else int(priority[b])
-            for r in range(self.w):
-                for sent, peer in ((local, self.peer_in_leaf), (remote, self.peer_next_leaf)):
-                    if sent[b, r] > 0:
-                        rows.append((int(host[r]), int(host[peer[r]]), float(sent[b, r] * left[b]),
-                                     float(ready[b]), prio, coflow, chunk))
-        return rows
+        peers = np.stack([self.peer_in_leaf, self.peer_next_leaf], axis=1)  # (ranks, 2)
+        sent = np.stack([local, remote], axis=2)  # (buckets, ranks, 2)
+        sent[left == 0] = 0.0
+        b, r, kind = np.nonzero(sent > 0)
+        n = len(b)
+        return FlowTable(
+            host[r], host[peers[r, kind]], sent[b, r, kind] * left[b], ready[b].copy(),
+            prio[b].astype(np.int64), np.full(n, coflow, np.int64), starts[b].astype(np.int64),
+        )
 
     def _peers(self) -> tuple[IntArray, IntArray]:
-        """Per rank, the next rank (rank order) in its own leaf, and one in the next leaf."""
+        """Per rank, the next rank (rank order) of another host in its own leaf, and a
+        rank in the next leaf."""
         in_leaf = np.empty(self.w, dtype=np.int64)
         next_leaf = np.empty(self.w, dtype=np.int64)
         leaves = sorted(set(self.leaf.tolist()))
@@ -160,7 +166,9 @@ class Exchange:
         for r in range(self.w):
             mine = members[int(self.leaf[r])]
             pos = int(np.searchsorted(mine, r))
-            in_leaf[r] = mine[(pos + 1) % len(mine)] if len(mine) > 1 else (r + 1) % self.w
+            after = [int(mine[(pos + k) % len(mine)]) for k in range(1, len(mine))]
+            elsewhere = [x for x in after if self.host[x] != self.host[r]]
+            in_leaf[r] = (elsewhere or after or [(r + 1) % self.w])[0]
             other = members[leaves[(leaves.index(int(self.leaf[r])) + 1) % len(leaves)]]
             next_leaf[r] = other[pos % len(other)]
         return in_leaf, next_leaf

@@ -328,7 +328,7 @@ class _Sim:
         the job's `layers`), tagged with the bucket's first chunk.
         """
         workers: list[Worker] = []
-        rows: list[tuple[int, int, float, float, int, int, int]] = []
+        tables: list[FlowTable] = []
         coflows: list[Coflow] = []
         jobs: list[JobState] = []
         topo = self.sc.topology
@@ -351,12 +351,12 @@ class _Sim:
             ready = np.maximum(0.0, job.ready_at - self.now)
             for it, left in in_flight.items():
                 age = self.now - job.first_ready.get(it, self.now)
-                rows += job.exchange.demand_rows(job.hosts, local, remote, len(coflows),
-                                                 job.first_chunk, left=left, ready_s=ready)
+                tables.append(job.exchange.demand_flows(job.hosts, local, remote, len(coflows),
+                                                        job.first_chunk, left=left, ready_s=ready))
                 coflows.append(Coflow(f"{spec.name}/{it}", spec.name, age))
         self.version += 1
         return State(jobs=tuple(jobs), topology=topo, workers=tuple(workers),
-                     coflows=tuple(coflows), flows=FlowTable.build(rows), bands=self.sc.bands,
+                     coflows=tuple(coflows), flows=FlowTable.concat(tables), bands=self.sc.bands,
                      version=self.version)
 
     def replan(self) -> None:

@@ -12,8 +12,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gradlane.daemon import control
+from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
 from gradlane.errors import ConfigError
+from gradlane.policies import check_plan
 
 TOKEN = "t0ken-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -241,3 +243,60 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
         read_token(path)
     path.write_text(TOKEN + "\n")
     assert read_token(path) == TOKEN
+
+
+def _reported(plane: ControlPlane, host: str, leaf: int, jobs: list[dict[str, Any]]) -> None:
+    """`host`'s daemon registered and reported `jobs`, as if over its socket."""
+    register = cp.parse_register(_register(host, leaf))
+    plane.daemons[host] = control._Daemon(
+        register, cp.parse_report({"type": "report", "seq": 1, "jobs": jobs}), ws=None)
+
+
+def _job(name: str, ranks: list[int], chunk_bytes: list[int]) -> dict[str, Any]:
+    return {"name": name, "global_batch": 64, "layers": len(chunk_bytes),
+            "chunk_bytes": chunk_bytes, "chunk_layers": list(range(len(chunk_bytes))),
+            "workers": [{"rank": r, "throughput": 100.0, "batch": 16} for r in ranks]}
+
+
+def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs() -> None:
+    # Jobs a (4 MB) and b (32 MB) each have a worker on both leaves: both cross the uplink.
+    plane = ControlPlane(_config(policy="coflow", uplink_bps=5_000_000_000))
+    small, big = [1_000_000] * 4, [8_000_000] * 4
+    _reported(plane, "h0", 0, [_job("a", [0], small), _job("b", [0], big)])
+    _reported(plane, "h1", 1, [_job("a", [1], small), _job("b", [1], big)])
+    state = plane.build_state()
+    assert [c.job for c in state.coflows] == ["a", "b"]
+    # Two workers, flat: each sends every chunk it does not own up, and those it owns down.
+    for k, total in enumerate((sum(small), sum(big))):
+        mine = state.flows.coflow == k
+        assert state.flows.bytes[mine].sum() == 2 * total
+        assert (state.flows.src[mine] != state.flows.dst[mine]).all()
+    plan = plane.policy.plan(state)
+    assert check_plan(state, plan) == []
+    assert plan.coflow_order == ("a", "b") and plan.job_level["a"] < plan.job_level["b"]
+    plane.state, plane.plan = state, plan
+    view = plane.view()
+    assert view["plan"]["coflow_order"] == ["a", "b"]
+    assert view["jobs"]["b"]["demand_bytes"] == 2 * sum(big)
+
+
+def test_ranks_sharing_a_host_put_only_what_crosses_hosts_in_the_demand() -> None:
+    plane = ControlPlane(_config())
+    _reported(plane, "h0", 0, [_job("j", [0, 1], [1000] * 4)])
+    _reported(plane, "h1", 0, [_job("j", [2, 3], [1000] * 4)])
+    _reported(plane, "h2", 0, [_job("lone", [0], [1000])])  # one worker: nothing to exchange
+    state = plane.build_state()
+    assert [c.job for c in state.coflows] == ["j"]
+    # Each chunk's owner gets the two copies of the other host and sends it two results:
+    # 4 chunks x 4 crossings x 1000 bytes, half leaving each host (owners alternate hosts).
+    assert state.flows.bytes.sum() == 16_000
+    assert set(state.flows.src.tolist()) == {0, 1} and (state.flows.src != state.flows.dst).all()
+
+
+def test_a_job_missing_ranks_has_no_demand_yet() -> None:
+    plane = ControlPlane(_config())
+    _reported(plane, "h0", 0, [_job("j", [0], [1000] * 4)])
+    _reported(plane, "h1", 0, [_job("j", [2], [1000] * 4)])  # rank 1 not reported yet
+    state = plane.build_state()
+    assert state.coflows == () and len(state.flows) == 0
+    assert check_plan(state, plane.policy.plan(state)) == []

@@ -1,0 +1,83 @@
+"""`gradlane.policies.demand`: the load-equivalent flows carry what the reduction trees carry."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradlane.policies import FlowTable
+from gradlane.policies.chunks import assign_owners, reduction_parents
+from gradlane.policies.demand import Exchange, bucket_starts
+
+
+def test_bucket_starts() -> None:
+    assert bucket_starts([0, 0, 1, 3, 3, 3]).tolist() == [0, 2, 3, 6]
+    assert bucket_starts([]).tolist() == [0, 0]
+
+
+def test_flat_exchange_sends_a_bucket_plus_w_minus_2_owned() -> None:
+    w, sizes, layers = 4, [100, 200, 300, 400, 500], [0, 0, 1, 1, 2]
+    owners = assign_owners(sizes, w)
+    starts = bucket_starts(layers)
+    ex = Exchange([0] * w, uplinks=False)
+    local, remote = ex.loads(ex.owned(owners, starts, sizes), in_leaf=False)
+    assert not remote.any()
+    for b, (lo, hi) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
+        bucket = sum(sizes[lo:hi])
+        for r in range(w):
+            owned = sum(s for s, o in zip(sizes[lo:hi], owners[lo:hi], strict=True) if o == r)
+            assert local[b, r] == bucket + (w - 2) * owned
+
+
+@st.composite
+def placements(draw: st.DrawFn) -> tuple[list[int], list[int], list[int], list[int], bool]:
+    """Ranks on hosts (some sharing one), hosts under leaves, chunks, owners, in_leaf."""
+    hosts = draw(st.integers(1, 6))
+    host_leaf = [draw(st.integers(0, 2)) for _ in range(hosts)]
+    w = draw(st.integers(2, 9))
+    rank_host = sorted(draw(st.integers(0, hosts - 1)) for _ in range(w))
+    sizes = draw(st.lists(st.integers(1, 10_000), min_size=1, max_size=12))
+    owners = [draw(st.integers(0, w - 1)) for _ in sizes]
+    return rank_host, host_leaf, sizes, owners, draw(st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(placements())
+def test_demand_flows_load_hosts_and_uplinks_as_the_trees_do(case) -> None:  # type: ignore[no-untyped-def]
+    rank_host, host_leaf, sizes, owners, in_leaf = case
+    w = len(rank_host)
+    leaf = [host_leaf[h] for h in rank_host]
+    # What the shim's trees carry, edge by edge; edges within a host are loopback.
+    egress = np.zeros(len(host_leaf))
+    up = np.zeros(max(host_leaf) + 1)
+    for size, owner in zip(sizes, owners, strict=True):
+        parents = reduction_parents(owner, leaf if in_leaf else [0] * w)
+        for child, parent in enumerate(parents):
+            if parent < 0 or rank_host[child] == rank_host[parent]:
+                continue
+            for a, b in ((child, parent), (parent, child)):
+                egress[rank_host[a]] += size
+                if leaf[a] != leaf[b]:
+                    up[leaf[a]] += size
+    ex = Exchange(leaf, uplinks=True, host=rank_host)
+    starts = bucket_starts([0] * len(sizes))
+    local, remote = ex.loads(ex.owned(owners, starts, sizes), in_leaf)
+    flows = ex.demand_flows(rank_host, local, remote, 0, starts)
+    got_egress = np.zeros(len(host_leaf))
+    got_up = np.zeros(len(up))
+    for src, dst, nbytes in zip(flows.src, flows.dst, flows.bytes, strict=True):
+        assert src != dst and nbytes > 0
+        got_egress[src] += nbytes
+        if host_leaf[src] != host_leaf[dst]:
+            got_up[host_leaf[src]] += nbytes
+    np.testing.assert_allclose(got_egress, egress)
+    np.testing.assert_allclose(got_up, up)
+
+
+def test_rows_take_the_buckets_priority_fraction_left_and_readiness() -> None:
+    ex = Exchange([0, 0], uplinks=False)
+    starts = bucket_starts([0, 1])
+    local, remote = ex.loads(ex.owned([0, 1], starts, [10, 20]), in_leaf=False)
+    flows = ex.demand_flows([5, 7], local, remote, 3, starts, left=np.array([0.0, 0.5]),
+                            ready_s=np.array([0.0, 0.25]), priority=[4, 9])
+    # Bucket 0 is done; bucket 1 (chunk 1, owned by rank 1): rank 0 sends its 20, rank 1 the result.
+    assert flows.equals(FlowTable.build([(5, 7, 10.0, 0.25, 9, 3, 1), (7, 5, 10.0, 0.25, 9, 3, 1)]))
