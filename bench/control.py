@@ -9,7 +9,9 @@ reports 4 workers of one of 25 jobs (8 hosts per job, workers of unequal
 throughput) once a second, and receives plans. Push latency is, per plan
 message, the receive time minus the plan's `computed_at` (same clock: one
 machine). Over the measured window the control plane's CPU (user + system,
-from /proc) and its resident memory are recorded. The simulated daemons
+from /proc), its resident memory and its mean time per plan (each job's
+demand flows built from the reports, then the policy: its own
+``gradlane_control_plan_seconds`` histogram) are recorded. The simulated daemons
 share this 2-core machine with the control plane, so the latency includes
 their own event loop's delay: an upper bound.
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -92,6 +95,21 @@ async def _daemon(i: int, url: str, token: str, stop: float, lat: list[float],
                 lat.append((time.time() - data["computed_at"]) * 1000)
 
 
+async def _get(url: str, token: str, path: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{url}{path}", headers={"Authorization": f"Bearer {token}"}) as response:
+        response.raise_for_status()
+        return await response.text()
+
+
+async def _planning(url: str, token: str) -> tuple[float, float]:
+    """The control plane's plan-time histogram so far: (seconds summed, plans)."""
+    text = await _get(url, token, "/metrics")
+    found = {s.name: s.value for family in text_string_to_metric_families(text)
+             for s in family.samples if s.name.startswith("gradlane_control_plan_seconds")}
+    return found["gradlane_control_plan_seconds_sum"], found["gradlane_control_plan_seconds_count"]
+
+
 async def _run(args: argparse.Namespace, url: str, token: str, pid: int) -> dict[str, Any]:
     lat: list[float] = []
     ready, connected = asyncio.Event(), []
@@ -102,9 +120,12 @@ async def _run(args: argparse.Namespace, url: str, token: str, pid: int) -> dict
         await ready.wait()
     lat.clear()
     cpu0, t0 = _cpu_s(pid), time.monotonic()
+    planned0 = await _planning(url, token)
     await asyncio.sleep(args.seconds)
     cpu, wall = _cpu_s(pid) - cpu0, time.monotonic() - t0
+    planned = await _planning(url, token)
     rss = _rss_mb(pid)
+    view = json.loads(await _get(url, token, "/api/v1/cluster"))
     samples = sorted(lat)
     for t in tasks:
         t.cancel()
@@ -124,6 +145,11 @@ async def _run(args: argparse.Namespace, url: str, token: str, pid: int) -> dict
         "target_ms": TARGET_MS,
         "control_cpu_cores": cpu / wall,
         "control_rss_mb": rss,
+        # Planning (from the control plane's own histogram over the window): each
+        # job's demand flows built from the reports, then the policy.
+        "plans_computed": planned[1] - planned0[1],
+        "plan_ms_mean": 1000 * (planned[0] - planned0[0]) / max(1.0, planned[1] - planned0[1]),
+        "jobs_with_demand": sum(1 for j in view["jobs"].values() if j.get("demand_bytes")),
     }
 
 
@@ -163,7 +189,9 @@ def main() -> None:
     write_result(args.json, {"benchmark": "control", **result})
     lat = result["push_latency_ms"]
     print(f"{args.daemons} daemons: push latency median {lat['median']:.1f} ms, "
-          f"p90 {lat['p90']:.1f} ms; control plane {result['control_cpu_cores']:.2f} cores, "
+          f"p90 {lat['p90']:.1f} ms; {result['plans_computed']:.0f} plans "
+          f"({result['jobs_with_demand']} jobs' demand), {result['plan_ms_mean']:.1f} ms each; "
+          f"control plane {result['control_cpu_cores']:.2f} cores, "
           f"{result['control_rss_mb']:.0f} MB -> {args.json}")
 
 

@@ -130,8 +130,10 @@ class ControlPlane:
         self._changed = asyncio.Event()
         self.metrics = CollectorRegistry(auto_describe=True)
         self._plans = Counter("gradlane_control_plans", "Plans computed", registry=self.metrics)
-        self._plan_s = Histogram("gradlane_control_plan_seconds", "Time to compute a plan",
-                                 registry=self.metrics)
+        self._plan_s = Histogram(
+            "gradlane_control_plan_seconds",
+            "Time to compute a plan (state from the reports, then the policy)",
+            registry=self.metrics)
         self._push_s = Histogram("gradlane_control_push_seconds",
                                  "From plan computed to the last daemon's copy sent",
                                  registry=self.metrics)
@@ -277,8 +279,8 @@ class ControlPlane:
             await asyncio.sleep(self.config.react_s)  # let a burst of reports land
             self._changed.clear()
             self._forget_lost()
-            state = self.build_state()
             started = time.perf_counter()
+            state = self.build_state()
             try:
                 plan = await loop.run_in_executor(None, self.policy.plan, state)
             except Exception:  # a policy bug must not stop the control plane
