@@ -277,11 +277,14 @@ class Daemon:
                 for f in w.flows
                 if only_one or f.src in local
             )
+            # No class under the trickle: a control plane's rate of a few bit/s would not
+            # fit HTB's burst arithmetic (its time per burst overflows 32 bits).
+            rate = max(trickle, min(cls.rate_bps, shaped))
             jobs.append(
                 JobSpec(
                     name,
-                    rate_bps=max(1, min(cls.rate_bps, shaped)),
-                    ceil_bps=max(1, min(cls.ceil_bps, shaped)),
+                    rate_bps=rate,
+                    ceil_bps=max(rate, min(cls.ceil_bps, shaped)),
                     prio=cls.prio,
                     flows=tuple(dict.fromkeys(flows)),  # one filter per distinct 5-tuple
                 )
@@ -310,7 +313,7 @@ class Daemon:
             for backend in self._backends:
                 spec = self.spec_for(backend, plan)
                 changes += await self._tc(partial(backend.apply, spec, verify=verify))
-        except GradlaneError:
+        except Exception:  # netlink's own errors included: the daemon must keep running
             self._reconcile_errors += 1
             logger.exception("reconcile failed; retrying on the next change")
             return

@@ -148,10 +148,13 @@ class _Controlled:
     def stop_daemons(self) -> list[int]:
         """SIGTERM every daemon (each restores its qdisc); their exit codes."""
         codes = []
-        for proc in self.daemons.values():
+        for host, proc in self.daemons.items():
             proc.send_signal(signal.SIGTERM)
             codes.append(proc.wait(timeout=20))
             if proc.stderr is not None:
+                if codes[-1]:  # what it said is the only clue
+                    said = proc.stderr.read()[-4000:]
+                    sys.stderr.write(f"gradlaned on {host} exited with {codes[-1]}:\n{said}\n")
                 proc.stderr.close()
         return codes
 

@@ -11,6 +11,7 @@ import numpy as np
 from gradlane.policies.base import FloatArray, IntArray, JobClassPlan, State, Topology
 
 __all__ = [
+    "MIN_CLASS_SHARE",
     "equal_split",
     "flow_links",
     "host_classes",
@@ -20,6 +21,8 @@ __all__ = [
     "oversubscribed",
     "per_coflow_link_load",
 ]
+
+MIN_CLASS_SHARE = 0.001  # of the host's NIC: the least a job class is guaranteed (`host_classes`)
 
 
 def oversubscribed(topology: Topology | None) -> bool:
@@ -151,9 +154,14 @@ def host_classes(
     """Per host, one class per job with workers there: rate = its flows' egress rates.
 
     The ceiling is the host's NIC (a class may borrow what others leave);
-    prio is the job's coflow level. Rates below 1 bit/s round up to 1, the
-    smallest HTB accepts. A state without flows (nothing reported about
-    demand) gives each job an equal share of each host's NIC.
+    prio is the job's coflow level. A job with no flows from the host
+    (nothing known of its demand there, e.g. not all its ranks reported
+    yet) asks for an equal share of the NIC among the host's jobs. Every
+    class is guaranteed `MIN_CLASS_SHARE` of the NIC plus what it asks for,
+    scaled down if need be so that the host's classes fit in its NIC: a
+    flow's fair share at a plan's instant may be nil (higher bands fill a
+    link), but a guarantee of nothing would leave a job only what others
+    lend.
     """
     assert state.topology is not None
     nic = [h.nic_bps for h in state.topology.hosts]
@@ -171,10 +179,14 @@ def host_classes(
     jobs_on: dict[int, set[str]] = {}
     for w in state.workers:
         jobs_on.setdefault(w.host, set()).add(w.job)
-    for w in state.workers:
-        rate = egress.get((w.host, w.job), 0.0) if len(state.flows) else (
-            nic[w.host] / len(jobs_on[w.host]) * 0.999)
-        out.setdefault(w.host, {})[w.job] = JobClassPlan(
-            rate_bps=max(1, int(rate)), ceil_bps=nic[w.host], prio=job_level.get(w.job, 0)
-        )
+    for host, jobs in jobs_on.items():
+        floor = nic[host] * MIN_CLASS_SHARE
+        want = {job: egress.get((host, job), nic[host] / len(jobs) * 0.999) for job in jobs}
+        room = nic[host] - floor * len(jobs)
+        scale = min(1.0, room / sum(want.values())) if sum(want.values()) > 0 else 0.0
+        out[host] = {
+            job: JobClassPlan(rate_bps=max(1, int(floor + want[job] * scale)),
+                              ceil_bps=nic[host], prio=job_level.get(job, 0))
+            for job in sorted(jobs)
+        }
     return out

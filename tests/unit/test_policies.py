@@ -192,3 +192,26 @@ def test_reduction_within_leaves_only_when_an_uplink_is_oversubscribed() -> None
         assert not get_policy("gradlane").plan(
             State(jobs=state.jobs, topology=fabric, workers=state.workers)
         ).reduce_in_leaf
+
+
+def test_host_classes_follow_demand_and_never_guarantee_nothing() -> None:
+    from gradlane.policies.fabric import MIN_CLASS_SHARE, host_classes
+
+    # Host 0 runs jobs a and b, host 1 only a; only a's demand is known (b's other ranks
+    # have not reported): a flow h0 -> h1 of a, at the rate the planner gives it.
+    topo = Topology((Host("h0", 0, G), Host("h1", 0, G)))
+    state = State(
+        jobs=(JobState("a", 2), JobState("b", 1)), topology=topo,
+        workers=(Worker("a", 0, 0), Worker("a", 1, 1), Worker("b", 0, 0)),
+        coflows=(Coflow("a", "a"),), flows=FlowTable.build([(0, 1, 1e6, 0.0, 0, 0, 0)]))
+    floor = MIN_CLASS_SHARE * G
+    for rate in (0.4 * G, 0.0):
+        classes = host_classes(state, np.array([rate]), {})
+        assert classes[0]["a"].rate_bps == int(floor + rate)  # its flows' rate, and the floor
+        assert classes[0]["b"].rate_bps == int(floor + G / 2 * 0.999)  # unknown: equal share
+        assert abs(classes[1]["a"].rate_bps - G) <= 1  # alone on h1, no flow from it: all
+        assert all(c.ceil_bps == G for h in classes.values() for c in h.values())
+    # More asked than the NIC carries: scaled into it, the floors kept.
+    classes = host_classes(state, np.array([0.9 * G]), {})
+    assert sum(c.rate_bps for c in classes[0].values()) <= G
+    assert min(c.rate_bps for c in classes[0].values()) > floor

@@ -1,0 +1,56 @@
+"""gradlaned takes whatever plan it is given without falling over: floors, and tc errors."""
+
+import asyncio
+import os
+import struct
+from pathlib import Path
+
+from gradlane.daemon.protocol import Hello
+from gradlane.daemon.qdisc import QdiscSpec
+from gradlane.daemon.registry import Credentials
+from gradlane.daemon.service import Daemon
+from gradlane.policies import JobClassPlan, Plan
+from tests.fakes import FakeBackend, fake_config
+
+
+def _daemon(tmp_path: Path, backend: type[FakeBackend] = FakeBackend) -> Daemon:
+    daemon = Daemon(fake_config(tmp_path / "gl.sock"), backend_factory=backend)
+    me = Credentials(os.getpid(), os.getuid(), os.getgid())
+    daemon.registry.add(Hello(1, "j", 0, 2, ()), me)
+    return daemon
+
+
+def test_a_control_plane_rate_of_a_few_bits_is_raised_to_the_trickle(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path)
+    backend = daemon._backends[0]
+    plan = Plan(job_classes={"j": JobClassPlan(rate_bps=3, ceil_bps=3, prio=0)}, source="control")
+    job = next(j for j in daemon.spec_for(backend, plan).jobs if j.name == "j")
+    # 1 Gbit/s interface: the trickle is a thousandth of what is shaped, at least 8 kbit/s.
+    assert job.rate_bps == job.ceil_bps == max(daemon._shaped(backend) // 1000, 8_000)
+
+
+class FailingBackend(FakeBackend):
+    """Fails as pyroute2 does when a value does not fit its netlink field."""
+
+    fail = True
+
+    def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]:
+        if self.fail:
+            raise struct.error("'I' format requires 0 <= number <= 4294967295")
+        return super().apply(spec, verify=verify)
+
+
+def test_a_tc_error_of_any_kind_is_counted_and_the_next_change_retried(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path, FailingBackend)
+    backend = daemon._backends[0]
+    assert isinstance(backend, FailingBackend)
+
+    async def main() -> None:
+        await daemon._reconcile()  # must not raise
+        assert daemon._reconcile_errors == 1 and backend.spec is None
+        backend.fail = False
+        await daemon._reconcile()
+        assert backend.spec is not None and any(j.name == "j" for j in backend.spec.jobs)
+        assert daemon._reconcile_errors == 1
+
+    asyncio.run(main())
