@@ -10,6 +10,7 @@ A scenario is a TOML file (see ``bench/scenarios/``)::
     systems = ["ddp", "fifo", "priority", "gradlane"]
     comm_to_compute = 1.0  # link rate: one iteration's traffic takes this x compute
     layout = "auto"        # the shim's gradient grouping: auto, fine or coarse
+    chunk_bytes = 1048576  # optional: `ShimConfig.chunk_bytes` (default: the shim's)
     [workload]
     kind = "trace"         # or "cnn"
     model = "vgg19"        # a shipped profile (trace)
@@ -94,6 +95,7 @@ class Scenario:
     comm_to_compute: float
     workload: dict[str, Any] = field(default_factory=dict)
     layout: str = "auto"  # `ShimConfig.layout` of the systems on gradlane's transport
+    chunk_bytes: int | None = None  # `ShimConfig.chunk_bytes` of those systems; None: default
 
 
 def load_scenario(path: Path) -> Scenario:
@@ -138,6 +140,7 @@ def load_scenario(path: Path) -> Scenario:
         comm_to_compute=float(get("comm_to_compute", int | float, 1.0)),
         workload=dict(workload),
         layout=get("layout", str, "auto"),
+        chunk_bytes=get("chunk_bytes", int) if "chunk_bytes" in raw else None,
     )
     if scenario.layout not in LAYOUTS:
         raise ConfigError(f"{path}: layout must be one of {', '.join(LAYOUTS)}")
@@ -145,13 +148,17 @@ def load_scenario(path: Path) -> Scenario:
         raise ConfigError(f"{path}: need hosts 2..8, steps >= 10, rounds >= 1")
     if not scenario.comm_to_compute > 0:
         raise ConfigError(f"{path}: comm_to_compute must be positive")
+    if scenario.chunk_bytes is not None and not 4096 <= scenario.chunk_bytes <= 1 << 30:
+        raise ConfigError(f"{path}: chunk_bytes must be 4096..{1 << 30}")
     return scenario
 
 
 def worker_args(scenario: Scenario) -> list[str]:
-    """`gradlane.worker` options of the scenario's workload and layout (every system)."""
+    """`gradlane.worker` options of the scenario's workload, layout and chunks (every system)."""
     w = scenario.workload
     args = ["--layout", scenario.layout, "--workload", w["kind"]]
+    if scenario.chunk_bytes is not None:
+        args += ["--chunk-bytes", str(scenario.chunk_bytes)]
     if w["kind"] == "trace":
         args += ["--model", w["model"], "--model-mb", str(w["model_mb"]),
                  "--forward-ms", str(w["forward_ms"])]

@@ -56,6 +56,8 @@ def main() -> None:
                     help="trace, gradlane: take the local batch size the control plane advises")
     ap.add_argument("--layout", choices=LAYOUTS, default="auto",
                     help="fifo, priority, gradlane: the shim's gradient grouping")
+    ap.add_argument("--chunk-bytes", type=int, default=None,
+                    help="fifo, priority, gradlane: the shim's chunk size (default: its own)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -112,6 +114,8 @@ def main() -> None:
 
         options: dict[str, Any] = {"job": args.job, "layout": args.layout,
                                    "daemon_socket": "/nonexistent/gradlaned.sock"}
+        if args.chunk_bytes is not None:
+            options["chunk_bytes"] = args.chunk_bytes
         if args.system == "fifo":
             options.update(dscp=(0,), overlap=False)
         if args.system == "gradlane":

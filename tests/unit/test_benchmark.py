@@ -42,6 +42,8 @@ def test_shipped_scenarios_load(path: Path) -> None:
         ('name = "x"\nsystems = ["ddp", "nccl"]\n[workload]\nkind = "cnn"\n', "systems"),
         ('name = "x"\nhosts = 99\n[workload]\nkind = "cnn"\n', "hosts"),
         ('name = "x"\nlayout = "tiny"\n[workload]\nkind = "cnn"\n', "layout"),
+        ('name = "x"\nchunk_bytes = 100\n[workload]\nkind = "cnn"\n', "chunk_bytes"),
+        ('name = "x"\nchunk_bytes = "1M"\n[workload]\nkind = "cnn"\n', "chunk_bytes"),
         ('hosts = 4\n[workload]\nkind = "cnn"\n', "name"),
         ('name = "x"\n[workload\n', "x.toml"),
     ],
@@ -61,6 +63,14 @@ def test_layout_reaches_every_worker(tmp_path: Path) -> None:
     path.write_text('name = "x"\n[workload]\nkind = "cnn"\n')
     args = worker_args(load_scenario(path))
     assert args[args.index("--layout") + 1] == "auto"
+    assert "--chunk-bytes" not in args  # the shim's own default
+
+
+def test_chunk_bytes_reach_every_worker(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\nchunk_bytes = 262144\n[workload]\nkind = "cnn"\n')
+    args = worker_args(load_scenario(path))
+    assert args[args.index("--chunk-bytes") + 1] == "262144"
 
 
 def test_summary_speedups_are_over_ddp_and_skip_the_reference() -> None:
