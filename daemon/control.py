@@ -357,12 +357,12 @@ class ControlPlane:
         else:
             leaves = max(h.leaf for h in hosts) + 1
             topology = Topology(hosts, (self.config.uplink_bps,) * leaves)
+        by_name = tuple(sorted(jobs.values(), key=lambda j: j.name))
         ordered = tuple(sorted(workers, key=lambda w: (w.job, w.rank)))
-        coflows, flows = self._demand(sorted(jobs.values(), key=lambda j: j.name), ordered,
-                                      topology)
+        coflows, flows = self._demand(by_name, ordered, topology)
         self.version += 1
         return State(
-            jobs=tuple(sorted(jobs.values(), key=lambda j: j.name)),
+            jobs=by_name,
             topology=topology,
             workers=ordered,
             coflows=coflows,
@@ -371,7 +371,7 @@ class ControlPlane:
         )
 
     def _demand(
-        self, jobs: list[JobState], workers: tuple[Worker, ...], topology: Topology
+        self, jobs: tuple[JobState, ...], workers: tuple[Worker, ...], topology: Topology
     ) -> tuple[tuple[Coflow, ...], FlowTable]:
         """Per job, its next iteration's exchange as one coflow of demand flows.
 
@@ -392,9 +392,8 @@ class ControlPlane:
             by_job.setdefault(w.job, []).append(w)
         for job in jobs:
             mine = by_job.get(job.name, [])
-            if len(mine) < 2 or [w.rank for w in mine] != list(range(len(mine))):
-                continue
-            if not job.chunk_bytes:
+            ranks = [w.rank for w in mine]
+            if len(mine) < 2 or ranks != list(range(len(mine))) or not job.chunk_bytes:
                 continue
             hosts = [w.host for w in mine]
             owners = plan.ownership.get(job.name, ()) if plan is not None else ()

@@ -550,12 +550,14 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
                    "batch shares"):
         jobs.add_column(column)
     order = (plan or {}).get("coflow_order", [])
+    level = (plan or {}).get("job_level", {})  # `gradlane` reports an order, keeps one level
     for name, j in sorted(data["jobs"].items()):
         shares = (plan or {}).get("batch_shares", {}).get(name)
         jobs.add_row(name, str(j["workers"]), str(len(j["hosts"])),
                      "DEGRADED" if j["degraded"] else "ok",
                      f"{j['demand_bytes'] / 1e6:.2f} MB" if j.get("demand_bytes") else "-",
-                     str(order.index(name) + 1) if name in order else "-", str(shares or "-"))
+                     f"{order.index(name) + 1} (level {level.get(name, 0)})" if name in order
+                     else "-", str(shares or "-"))
     out.print(jobs)
 
 

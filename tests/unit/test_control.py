@@ -4,13 +4,16 @@ import asyncio
 import io
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgpack
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from click.testing import CliRunner
 
+from gradlane import cli
 from gradlane.daemon import control
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
@@ -258,7 +261,9 @@ def _job(name: str, ranks: list[int], chunk_bytes: list[int]) -> dict[str, Any]:
             "workers": [{"rank": r, "throughput": 100.0, "batch": 16} for r in ranks]}
 
 
-def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs() -> None:
+def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Jobs a (4 MB) and b (32 MB) each have a worker on both leaves: both cross the uplink.
     plane = ControlPlane(_config(policy="coflow", uplink_bps=5_000_000_000))
     small, big = [1_000_000] * 4, [8_000_000] * 4
@@ -278,6 +283,15 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs() -> None
     view = plane.view()
     assert view["plan"]["coflow_order"] == ["a", "b"]
     assert view["jobs"]["b"]["demand_bytes"] == 2 * sum(big)
+    # `gradlane status --cluster` shows them (the view as the control plane would serve it).
+    monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: json.loads(json.dumps(view)))
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    shown = CliRunner().invoke(cli.cli, ["status", "--cluster", "--token-file", str(token)])
+    assert shown.exit_code == 0, shown.output
+    a, b = (line for line in shown.output.splitlines() if "(level" in line)  # jobs a, b
+    assert "8.00 MB" in a and "1 (level 0)" in a
+    assert "64.00 MB" in b and "2 (level 1)" in b
 
 
 def test_ranks_sharing_a_host_put_only_what_crosses_hosts_in_the_demand() -> None:
