@@ -11,10 +11,11 @@ import heapq
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from gradlane.errors import ConfigError
 
-__all__ = ["assign_owners", "band_of", "reduction_parents"]
+__all__ = ["all_reduction_parents", "assign_owners", "band_of", "reduction_parents"]
 
 
 def assign_owners(
@@ -128,3 +129,26 @@ def reduction_parents(owner: int, leaves: Sequence[int]) -> list[int]:
         else:
             parents.append(lead[leaf])
     return parents
+
+
+def all_reduction_parents(leaves: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """`reduction_parents` for every owner at once: row ``o`` is ``reduction_parents(o, leaves)``.
+
+    Vectorized (a planner builds the trees of every rank of every job).
+    """
+    leaf = np.asarray(leaves, dtype=np.int64)
+    world = len(leaf)
+    _, index = np.unique(leaf, return_inverse=True)  # each rank's leaf, 0..L-1
+    order = np.argsort(index, kind="stable")  # ranks grouped by leaf, rank order within
+    sizes = np.bincount(index)
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    position = np.empty(world, dtype=np.int64)
+    position[order] = np.arange(world) - first[index[order]]
+    # lead[o, L]: the member of leaf L at owner o's position in its own leaf, modulo L's size.
+    lead = order[first[None, :] + position[:, None] % sizes[None, :]]
+    parents = lead[:, index]  # (owner, rank): the lead of the rank's leaf
+    ranks = np.arange(world)
+    owners = ranks[:, None]
+    parents = np.where(parents == ranks[None, :], owners, parents)  # leads send to the owner
+    parents[ranks, ranks] = -1
+    return np.asarray(parents, dtype=np.int64)

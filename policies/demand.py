@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gradlane.policies.base import FloatArray, FlowTable, IntArray
-from gradlane.policies.chunks import reduction_parents
+from gradlane.policies.chunks import all_reduction_parents
 
 __all__ = ["Exchange", "bucket_starts"]
 
@@ -71,28 +71,30 @@ class Exchange:
         """
         if in_leaf in self._trees:
             return self._trees[in_leaf]
-        w, leaves = self.w, self.leaves
-        slot = np.searchsorted(leaves, self.leaf)  # each rank's leaf column
-        tree_leaves = self.leaf.tolist() if in_leaf and self.uplinks else [0] * w
-        per_owner = np.zeros((w, 2 * w + 2 * len(leaves)))
-        crossing = np.zeros((w, w))
-        for owner in range(w):
-            parents = np.array(reduction_parents(owner, tree_leaves))
-            child = np.flatnonzero(parents >= 0)
-            parent = parents[child]
-            row = per_owner[owner]
-            apart = self.host[child] != self.host[parent]  # the rest is loopback
-            child, parent = child[apart], parent[apart]
-            for a, b in ((child, parent), (parent, child)):  # up, then down
-                np.add.at(row, a, 1)  # a's egress
-                np.add.at(row, w + b, 1)  # b's ingress
-                if len(leaves):
-                    cross = self.leaf[a] != self.leaf[b]
-                    np.add.at(row, 2 * w + slot[a[cross]], 1)  # a's leaf up
-                    np.add.at(row, 2 * w + len(leaves) + slot[b[cross]], 1)  # b's leaf down
-                    np.add.at(crossing[owner], a[cross], 1)
-        self._trees[in_leaf] = per_owner, crossing
-        return per_owner, crossing
+        w, n_leaves = self.w, len(self.leaves)
+        slot = np.searchsorted(self.leaves, self.leaf)  # each rank's leaf column
+        parents = all_reduction_parents(
+            self.leaf if in_leaf and self.uplinks else np.zeros(w, dtype=np.int64))
+        owner, child = np.nonzero(parents >= 0)  # every tree edge: (owner, child)
+        parent = parents[owner, child]
+        apart = self.host[child] != self.host[parent]  # the rest is loopback
+        owner, child, parent = owner[apart], child[apart], parent[apart]
+        cols = 2 * w + 2 * n_leaves
+        cells: list[IntArray] = []  # flat (owner, column) of each flow on a link
+        crossing: list[IntArray] = []  # flat (owner, rank) of each flow leaving its leaf
+        for a, b in ((child, parent), (parent, child)):  # up, then down
+            cells += [owner * cols + a, owner * cols + w + b]  # a's egress, b's ingress
+            if n_leaves:
+                cross = self.leaf[a] != self.leaf[b]
+                o, ac, bc = owner[cross], a[cross], b[cross]
+                cells += [o * cols + 2 * w + slot[ac],  # a's leaf up
+                          o * cols + 2 * w + n_leaves + slot[bc]]  # b's leaf down
+                crossing.append(o * w + ac)
+        per_owner = np.bincount(np.concatenate(cells), minlength=w * cols).astype(np.float64)
+        crossed = np.bincount(np.concatenate(crossing) if crossing else np.zeros(0, np.int64),
+                              minlength=w * w).astype(np.float64)
+        self._trees[in_leaf] = per_owner.reshape(w, cols), crossed.reshape(w, w)
+        return self._trees[in_leaf]
 
     def owned(self, owners: Sequence[int], starts: IntArray,
               weights: Sequence[float] | None = None) -> FloatArray:

@@ -5,8 +5,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradlane.policies import FlowTable
-from gradlane.policies.chunks import assign_owners, reduction_parents
+from gradlane.policies.chunks import all_reduction_parents, assign_owners, reduction_parents
 from gradlane.policies.demand import Exchange, bucket_starts
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12))
+def test_all_reduction_parents_are_each_owners_tree(leaves: list[int]) -> None:
+    every = all_reduction_parents(leaves)
+    assert [row.tolist() for row in every] == [
+        reduction_parents(owner, leaves) for owner in range(len(leaves))]
 
 
 def test_bucket_starts() -> None:
