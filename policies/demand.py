@@ -99,13 +99,11 @@ class Exchange:
     def owned(self, owners: Sequence[int], starts: IntArray,
               weights: Sequence[float] | None = None) -> FloatArray:
         """Per bucket and rank, the chunks it owns (or their summed `weights`, e.g. bytes)."""
-        out = np.zeros((len(starts) - 1, self.w))
-        ranks = np.asarray(owners, dtype=np.int64)
-        w = None if weights is None else np.asarray(weights, dtype=np.float64)
-        for b in range(len(starts) - 1):
-            lo, hi = int(starts[b]), int(starts[b + 1])
-            out[b] = np.bincount(ranks[lo:hi], None if w is None else w[lo:hi], minlength=self.w)
-        return out
+        nb = len(starts) - 1
+        bucket = np.repeat(np.arange(nb), np.diff(starts))  # each chunk's bucket
+        cell = bucket * self.w + np.asarray(owners, dtype=np.int64)
+        counted = np.bincount(cell, weights, minlength=nb * self.w)
+        return np.asarray(counted, dtype=np.float64).reshape(nb, self.w)
 
     def loads(self, owned: FloatArray, in_leaf: bool,
               chunk_size: Sequence[float] | None = None) -> tuple[FloatArray, FloatArray]:
@@ -146,17 +144,16 @@ class Exchange:
         nb = len(starts) - 1
         left = np.ones(nb) if left is None else np.asarray(left, dtype=np.float64)
         ready = np.zeros(nb) if ready_s is None else np.asarray(ready_s, dtype=np.float64)
-        prio = np.arange(nb) if priority is None else np.asarray(priority, dtype=np.int64)
+        prio = np.arange(nb, dtype=np.int64) if priority is None else np.asarray(
+            priority, dtype=np.int64)
         host = np.asarray(hosts, dtype=np.int64)
         peers = np.stack([self.peer_in_leaf, self.peer_next_leaf], axis=1)  # (ranks, 2)
         sent = np.stack([local, remote], axis=2)  # (buckets, ranks, 2)
         sent[left == 0] = 0.0
         b, r, kind = np.nonzero(sent > 0)
         n = len(b)
-        return FlowTable(
-            host[r], host[peers[r, kind]], sent[b, r, kind] * left[b], ready[b].copy(),
-            prio[b].astype(np.int64), np.full(n, coflow, np.int64), starts[b].astype(np.int64),
-        )
+        return FlowTable(host[r], host[peers[r, kind]], sent[b, r, kind] * left[b], ready[b],
+                         prio[b], np.full(n, coflow, np.int64), starts[b])
 
     def _peers(self) -> tuple[IntArray, IntArray]:
         """Per rank, the next rank (rank order) of another host in its own leaf, and a

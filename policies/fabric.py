@@ -182,8 +182,8 @@ def host_classes(
     for host, jobs in jobs_on.items():
         floor = nic[host] * MIN_CLASS_SHARE
         want = {job: egress.get((host, job), nic[host] / len(jobs) * 0.999) for job in jobs}
-        room = nic[host] - floor * len(jobs)
-        scale = min(1.0, room / sum(want.values())) if sum(want.values()) > 0 else 0.0
+        asked = sum(want.values())
+        scale = min(1.0, (nic[host] - floor * len(jobs)) / asked) if asked > 0 else 0.0
         out[host] = {
             job: JobClassPlan(rate_bps=max(1, int(floor + want[job] * scale)),
                               ceil_bps=nic[host], prio=job_level.get(job, 0))

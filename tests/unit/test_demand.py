@@ -9,7 +9,7 @@ from gradlane.policies.chunks import all_reduction_parents, assign_owners, reduc
 from gradlane.policies.demand import Exchange, bucket_starts
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=12))
 def test_all_reduction_parents_are_each_owners_tree(leaves: list[int]) -> None:
     every = all_reduction_parents(leaves)
@@ -48,7 +48,7 @@ def placements(draw: st.DrawFn) -> tuple[list[int], list[int], list[int], list[i
     return rank_host, host_leaf, sizes, owners, draw(st.booleans())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(placements())
 def test_demand_flows_load_hosts_and_uplinks_as_the_trees_do(case) -> None:  # type: ignore[no-untyped-def]
     rank_host, host_leaf, sizes, owners, in_leaf = case
