@@ -3,7 +3,8 @@
 1. Daemons register (host, leaf, interfaces) and report their jobs and
    workers over a WebSocket (or by POST); see `control_protocol`.
 2. A planner task runs the global policy on a cadence and soon after every
-   change (a register, a report, a lost daemon), off the event loop.
+   change (a register, a report, a lost daemon). It takes a snapshot of the
+   reports on the event loop and builds the state and the plan off it.
 3. Each connected daemon gets only its part of the plan (its job classes,
    and batch shares and chunk owners of its jobs), versioned, with a
    time-to-live. A daemon that does not take it within `SEND_TIMEOUT` is
@@ -102,6 +103,13 @@ def read_token(path: Path) -> str:
     if len(token) < 16:
         raise ConfigError(f"{path}: the token must be at least 16 characters")
     return token
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    daemons: tuple[tuple[str, cp.Register, cp.Report], ...]  # by host name
+    plan: Plan | None
+    version: int
 
 
 @dataclass
@@ -280,10 +288,12 @@ class ControlPlane:
             self._changed.clear()
             self._forget_lost()
             started = time.perf_counter()
-            state = self.build_state()
+            # Only the snapshot is taken on the loop: the state and the plan, which take
+            # tens of ms at 1,024 hosts, are built off it while handlers keep serving.
+            snapshot = self.snapshot()
             try:
-                plan = await loop.run_in_executor(None, self.policy.plan, state)
-            except Exception:  # a policy bug must not stop the control plane
+                state, plan = await loop.run_in_executor(None, self._state_and_plan, snapshot)
+            except Exception:  # a policy (or state) bug must not stop the control plane
                 logger.exception("policy %s failed; keeping the last plan", self.policy.name)
                 continue
             self._plan_s.observe(time.perf_counter() - started)
@@ -321,21 +331,31 @@ class ControlPlane:
     def hosts(self) -> list[str]:
         return sorted(self.daemons)
 
-    def build_state(self) -> State:
-        """The cluster as the daemons reported it (connected or recently lost)."""
-        names = self.hosts()
+    def snapshot(self) -> _Snapshot:
+        """What the next state is built from: the daemons' latest messages (immutable,
+        so the snapshot holds them by reference) and the plan in force."""
+        self.version += 1
+        return _Snapshot(
+            tuple((h, self.daemons[h].register, self.daemons[h].report) for h in self.hosts()),
+            self.plan, self.version)
+
+    def build_state(self, snapshot: _Snapshot | None = None) -> State:
+        """The cluster as the daemons reported it (connected or recently lost).
+
+        Touches nothing the event loop changes, given a `snapshot`: the planner
+        builds it on a worker thread.
+        """
+        seen = self.snapshot() if snapshot is None else snapshot
+        names = [h for h, _, _ in seen.daemons]
         index = {h: i for i, h in enumerate(names)}
-        hosts = tuple(
-            Host(h, self.daemons[h].register.leaf,
-                 min(i.rate_bps for i in self.daemons[h].register.interfaces))
-            for h in names
-        )
+        hosts = tuple(Host(h, reg.leaf, min(i.rate_bps for i in reg.interfaces))
+                      for h, reg, _ in seen.daemons)
         jobs: dict[str, JobState] = {}
         workers: list[Worker] = []
         stated: dict[str, int] = {}  # global batch as a report states it
         summed: dict[str, int] = {}  # ... as the sum of the workers' current batches
-        for h in names:
-            for job in self.daemons[h].report.jobs:
+        for h, _, report in seen.daemons:
+            for job in report.jobs:
                 known = jobs.get(job.name)
                 stated[job.name] = max(stated.get(job.name, 0), job.global_batch)
                 summed[job.name] = summed.get(job.name, 0) + sum(w.batch for w in job.workers)
@@ -359,19 +379,23 @@ class ControlPlane:
             topology = Topology(hosts, (self.config.uplink_bps,) * leaves)
         by_name = tuple(sorted(jobs.values(), key=lambda j: j.name))
         ordered = tuple(sorted(workers, key=lambda w: (w.job, w.rank)))
-        coflows, flows = self._demand(by_name, ordered, topology)
-        self.version += 1
+        coflows, flows = self._demand(by_name, ordered, topology, seen.plan)
         return State(
             jobs=by_name,
             topology=topology,
             workers=ordered,
             coflows=coflows,
             flows=flows,
-            version=self.version,
+            version=seen.version,
         )
 
+    def _state_and_plan(self, snapshot: _Snapshot) -> tuple[State, Plan]:
+        state = self.build_state(snapshot)
+        return state, self.policy.plan(state)
+
     def _demand(
-        self, jobs: tuple[JobState, ...], workers: tuple[Worker, ...], topology: Topology
+        self, jobs: tuple[JobState, ...], workers: tuple[Worker, ...], topology: Topology,
+        plan: Plan | None,
     ) -> tuple[tuple[Coflow, ...], FlowTable]:
         """Per job, its next iteration's exchange as one coflow of demand flows.
 
@@ -385,7 +409,6 @@ class ControlPlane:
         """
         coflows: list[Coflow] = []
         tables: list[FlowTable] = []
-        plan = self.plan
         in_leaf = bool(plan is not None and plan.reduce_in_leaf)
         by_job: dict[str, list[Worker]] = {}
         for w in workers:

@@ -3,6 +3,7 @@
 import asyncio
 import io
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,42 @@ def test_an_oversubscribed_uplink_makes_shims_reduce_within_leaves() -> None:
         await b.close()
 
     _run(test, uplink_bps=5_000_000_000)  # each leaf: a 10 Gbit/s host over a 5 Gbit/s uplink
+
+
+def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planner(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    release = threading.Event()
+    builds: list[str] = []
+
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        demand = plane._demand
+
+        def slow_demand(*args: Any) -> Any:
+            builds.append(threading.current_thread().name)
+            if len(builds) == 1:
+                raise RuntimeError("a state bug")
+            release.wait(10)  # a slow build: held until the view below has answered
+            return demand(*args)
+
+        monkeypatch.setattr(plane, "_demand", slow_demand)
+        ws = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await ws.send_json(_register("h"))
+        assert (await ws.receive_json())["type"] == "welcome"
+        await ws.send_json(_report([0], 5.0, batch=8))
+        async with asyncio.timeout(5):
+            while len(builds) < 2:  # the first build failed, the planner went on
+                await asyncio.sleep(0.01)
+            view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
+        assert view["jobs"]["j"]["workers"] == 1  # served while a state was being built
+        release.set()
+        assert (await _next_plan(ws))["batch_shares"] == {"j": [8]}
+        await ws.close()
+
+    with caplog.at_level("ERROR", logger=control.__name__):
+        _run(test)
+    assert threading.main_thread().name not in builds
+    assert "a state bug" in caplog.text
 
 
 def test_a_bad_message_closes_only_that_connection() -> None:
