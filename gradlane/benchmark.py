@@ -54,10 +54,14 @@ calibration) and the bound made with it are recorded next to it
 (``nominal_compute_s``, ``nominal_lower_bound_s``). Every result reports
 achieved / bound.
 
-Each worker's CPU use over its training loop (cores, all threads) is
-recorded per run and averaged per system: a worker near 1.0, or workers
-summing to more than the machine's cores, are CPU-bound, whatever the
-network does.
+Each worker's CPU use over its training loop (cores, all threads, and how
+much of it in the kernel: sending and receiving) is recorded per run and
+averaged per system: a worker near 1.0, or workers summing to more than the
+machine's cores, are CPU-bound, whatever the network does. So is the whole
+machine's (`gradlane.demo.MachineCpu`) over each run's steady steps:
+``machine_cpu`` per run, ``machine_busy_mean`` per system. Near 1, every
+core was busy (workers, daemons, the kernel's networking in softirq) and
+waiting for a core, not for the network, stretched the iterations.
 """
 
 from __future__ import annotations
@@ -69,10 +73,13 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradlane.errors import ConfigError
 from gradlane.shim.config import LAYOUTS
+
+if TYPE_CHECKING:
+    from gradlane.demo import SystemRun
 
 __all__ = [
     "CELL_NAMES", "Scenario", "cells", "dependency_bound", "load_scenario", "lower_bound",
@@ -220,21 +227,27 @@ def trace_layers(scenario: Scenario, compute_s: float) -> list[tuple[int, float]
 
 
 def summarize(steady: dict[str, list[float]], bound_s: float,
-              cpu: dict[str, list[float]] | None = None,
+              cpu: dict[str, list[SystemRun]] | None = None,
               dependency_bound_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Per system, from its steady-state iteration times (warm-up already dropped): median,
-    p90, achieved / bound (and / the dependency bound when given), mean worker CPU, and
-    the speedup over ``ddp`` when it ran."""
+    p90, achieved / bound (and / the dependency bound when given), the speedup over
+    ``ddp`` when it ran, and from its runs (`cpu`) the mean worker CPU, of it in the
+    kernel, and the machine's mean busy share."""
     summary: dict[str, dict[str, Any]] = {}
     for system, times in steady.items():
         ordered = sorted(times)
         median = statistics.median(ordered)
-        cores = (cpu or {}).get(system) or []
+        runs = (cpu or {}).get(system) or []
+        cores = [c for r in runs for c in r.cpu_cores]
+        kernel = [c for r in runs for c in r.cpu_sys_cores]
+        busy = [r.machine_cpu["busy"] for r in runs if r.machine_cpu]
         summary[system] = {
             "median_s": median,
             "p90_s": ordered[int(0.9 * (len(ordered) - 1))],
             "achieved_over_bound": median / bound_s,
             "worker_cpu_cores_mean": statistics.fmean(cores) if cores else None,
+            "worker_cpu_sys_cores_mean": statistics.fmean(kernel) if kernel else None,
+            "machine_busy_mean": statistics.fmean(busy) if busy else None,
         }
         if dependency_bound_s is not None:
             summary[system]["achieved_over_dependency_bound"] = median / dependency_bound_s
@@ -261,6 +274,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
     )
     systems = (REFERENCE, *scenario.systems)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    done: dict[str, list[SystemRun]] = {s: [] for s in systems}
     port = 29700
     with (
         tempfile.TemporaryDirectory(prefix="gradlane-bench-") as tmp,
@@ -290,6 +304,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                     f"round {r + 1}/{scenario.rounds} {system}: median {median * 1000:.1f} ms "
                     f"({time.monotonic() - started:.0f} s)"
                 )
+                done[system].append(run)
                 runs[system].append(
                     {
                         "iteration_s": run.times,
@@ -297,6 +312,8 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                         "wire_bytes": run.wire_bytes,
                         "utilization": run.utilization,
                         "cpu_cores_per_rank": run.cpu_cores,
+                        "cpu_sys_cores_per_rank": run.cpu_sys_cores,
+                        "machine_cpu": run.machine_cpu,
                         # Time rank 0 waited for gradients (0 for ddp, which cannot say):
                         # iteration - waited is the compute the simulator replays.
                         "waited_s": run.waited,
@@ -308,12 +325,11 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
     # Each round's warm-up dropped on its own, then all rounds pooled.
     steady = {s: [t for run in rs for t in run["iteration_s"][len(run["iteration_s"]) // 5 :]]
               for s, rs in runs.items()}
-    cpu = {s: [c for run in rs for c in run["cpu_cores_per_rank"]] for s, rs in runs.items()}
     measured = statistics.median(steady[REFERENCE])
     bound = lower_bound(scenario.hosts, measured, size, rate)
     layers = trace_layers(scenario, measured)
     ordered = dependency_bound(scenario.hosts, layers, rate) if layers else None
-    summary = summarize(steady, bound, cpu, ordered)
+    summary = summarize(steady, bound, done, ordered)
     say(f"compute alone ({REFERENCE}): {measured * 1000:.1f} ms; bound {bound * 1000:.1f} ms"
         + (f", with the layers' order {ordered * 1000:.1f} ms" if ordered else ""))
     return {
@@ -332,18 +348,23 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
 
 def cells(s: dict[str, Any]) -> list[str]:
     """One system's summary as table cells: vs DDP, achieved / bound, achieved / the
-    dependency bound, worker CPU ("-" where not measured)."""
+    dependency bound, worker CPU (of it in the kernel), the machine's busy share ("-"
+    where not measured)."""
     cpu = s.get("worker_cpu_cores_mean")
+    kernel = s.get("worker_cpu_sys_cores_mean")
+    busy = s.get("machine_busy_mean")
     ordered = s.get("achieved_over_dependency_bound")
     return [
         f"{s['speedup_over_ddp']:.2f}x" if "speedup_over_ddp" in s else "-",
         f"{s['achieved_over_bound']:.2f}",
         f"{ordered:.2f}" if ordered is not None else "-",
-        f"{cpu:.2f} cores" if cpu is not None else "-",
+        "-" if cpu is None else f"{cpu:.2f} cores"
+        + ("" if kernel is None else f" ({kernel:.2f} kernel)"),
+        f"{busy:.0%}" if busy is not None else "-",
     ]
 
 
-CELL_NAMES = ["vs DDP", "achieved / bound", "/ dependency bound", "worker CPU"]
+CELL_NAMES = ["vs DDP", "achieved / bound", "/ dependency bound", "worker CPU", "machine busy"]
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY, REFERENCE, lower_bound, summarize
-from gradlane.demo import collect, launch, run_on_cluster
+from gradlane.demo import SystemRun, collect, launch, run_on_cluster
 from gradlane.errors import TestbedError
 from gradlane.policies.profiles import trace_spec
 from gradlane.policies.straggler import proportional_shares
@@ -295,7 +295,7 @@ def run_control_straggler(
         bound = lower_bound(4, extra["compute_s"], size, parse_rate("1gbit"))
     extra["lower_bound_s"] = bound
     extra["summary"] = summarize({k: r.times[tail:] for k, r in runs.items()}, bound,
-                                 {k: r.cpu_cores for k, r in runs.items()})
+                                 {k: [r] for k, r in runs.items()})
     return {
         "scenario": {"name": "control-straggler", "hosts": 4, "speeds": STRAGGLER_SPEEDS,
                      "steps": steps, "workload": STRAGGLER_WORKLOAD, "link": "1gbit"},
@@ -390,7 +390,7 @@ def run_two_jobs(
     leaves: dict[str, dict[str, list[int] | None]] = {}
     trials: dict[str, dict[str, Any]] = {}  # the shims' layout trial verdicts
     shared: dict[str, dict[str, list[float]]] = {}  # iterations while both jobs trained
-    cpu: dict[str, list[float]] = {}
+    cpu: dict[str, list[SystemRun]] = {}
     port = 29820
     with Cluster(topology) as c:
         ctl = _controlled(c, workdir, hosts, "h5")
@@ -405,7 +405,7 @@ def run_two_jobs(
                 started.append(launch(c, system, args, port=port, out=workdir / label / job,
                                       sockets=sockets, hosts=job_hosts, job=job))
             done = [collect(c, s) for s in started]
-            cpu[label] = [core for r in done for core in r.cpu_cores]
+            cpu[label] = done
             rank0 = {job: json.loads((workdir / label / job / f"{system}-rank0.json").read_text())
                      for job in TWO_JOBS}
             runs[label] = {job: r["times"] for job, r in rank0.items()}

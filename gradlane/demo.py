@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,10 +38,68 @@ from rich.table import Table
 
 from gradlane.errors import TestbedError
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["DemoResult", "MachineCpu", "SystemRun", "run_demo"]
 
 WINDOW_S = 1.0  # the band-usage plot's window
 SAMPLE_S = 0.01
+
+
+class MachineCpu:
+    """Samples the machine's CPU times (/proc/stat, the same in every namespace) on a
+    thread every `every` seconds, for at most `limit` seconds, until `stop`.
+
+    `over` tells what share of all cores went where during a window: whether a
+    run was short of CPU (busy near 1), and how much of it the kernel's
+    networking (softirq) or a noisy neighbour (steal) took.
+    """
+
+    FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+    def __init__(self, every: float = 0.2, limit: float = 900.0,
+                 path: Path = Path("/proc/stat")) -> None:
+        self.samples: list[tuple[float, tuple[int, ...]]] = []
+        self._path, self._every, self._limit = path, every, limit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="machine-cpu", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> tuple[int, ...]:
+        with self._path.open() as f:
+            fields = f.readline().split()  # "cpu  user nice system idle ...": all cores
+        return tuple(int(v) for v in fields[1 : 1 + len(self.FIELDS)])
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self._limit
+        while True:
+            self.samples.append((time.monotonic(), self._read()))
+            if self._stop.wait(self._every) or time.monotonic() > deadline:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def over(self, start: float, end: float) -> dict[str, float] | None:
+        """Shares of all cores' time from the first sample at or after `start` to the
+        last at or before `end` (monotonic clock): ``busy`` (all but idle and iowait),
+        ``user`` (with nice), ``system``, ``softirq`` (with irq) and ``steal``.
+        None when fewer than two samples fall in the window."""
+        inside = [v for t, v in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            return None
+        d = dict(zip(self.FIELDS, (b - a for a, b in zip(inside[0], inside[-1], strict=True)),
+                     strict=True))
+        total = sum(d.values())
+        if total <= 0:
+            return None
+        shares = {
+            "busy": 1 - (d["idle"] + d["iowait"]) / total,
+            "user": (d["user"] + d["nice"]) / total,
+            "system": d["system"] / total,
+            "softirq": (d["softirq"] + d["irq"]) / total,
+            "steal": d["steal"] / total,
+        }
+        return {k: round(v, 4) for k, v in shares.items()}
 
 
 @dataclass
@@ -52,6 +111,9 @@ class SystemRun:
     wire_bytes: int | None = None
     utilization: float | None = None
     cpu_cores: list[float] = field(default_factory=list)  # per rank, over training
+    cpu_sys_cores: list[float] = field(default_factory=list)  # ... of it in the kernel
+    # The whole machine's CPU over rank 0's steady steps (`MachineCpu.over`).
+    machine_cpu: dict[str, float] | None = None
     waited: list[float] = field(default_factory=list)  # rank 0's exposed communication per step
     layout_trial: dict[str, Any] | None = None  # the shim's layout trial, if it ran one
 
@@ -115,6 +177,8 @@ class DemoResult:
                     "wire_bytes": v.wire_bytes,
                     "utilization": v.utilization,
                     "cpu_cores_per_rank": v.cpu_cores,
+                    "cpu_sys_cores_per_rank": v.cpu_sys_cores,
+                    "machine_cpu": v.machine_cpu,
                 }
                 for k, v in self.runs.items()
             },
@@ -181,15 +245,14 @@ def _worker_argv(system: str, out: Path, extra: list[str]) -> list[str]:
 def _collect(system: str, out: Path, wall: float) -> SystemRun:
     """Rank 0's times and losses; every rank's CPU use."""
     raw = json.loads((out / f"{system}-rank0.json").read_text())
-    cpu = [
-        json.loads(f.read_text()).get("cpu_cores") for f in sorted(out.glob(f"{system}-rank*.json"))
-    ]
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob(f"{system}-rank*.json"))]
     return SystemRun(
         system,
         raw["times"],
         raw["losses"],
         wall,
-        cpu_cores=[round(c, 3) for c in cpu if c is not None],
+        cpu_cores=[round(r["cpu_cores"], 3) for r in ranks if "cpu_cores" in r],
+        cpu_sys_cores=[round(r["cpu_sys_cores"], 3) for r in ranks if "cpu_sys_cores" in r],
         waited=raw.get("waited", []),
         layout_trial=raw.get("layout_trial"),
     )
@@ -340,6 +403,7 @@ class Launched:
     procs: list[subprocess.Popen[str]]
     tx_before: list[int]
     started: float
+    cpu: MachineCpu
 
 
 def launch(
@@ -386,7 +450,7 @@ def launch(
         procs.append(
             c.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
-    return Launched(system, out, names, procs, before, time.monotonic())
+    return Launched(system, out, names, procs, before, time.monotonic(), MachineCpu())
 
 
 def collect(c: Any, job: Launched, timeout: float = 300) -> SystemRun:
@@ -396,8 +460,14 @@ def collect(c: Any, job: Launched, timeout: float = 300) -> SystemRun:
     Raises:
         TestbedError: a worker failed or did not finish in time (all are stopped).
     """
-    _finish(job.procs, job.system, timeout=timeout)
+    try:
+        _finish(job.procs, job.system, timeout=timeout)
+    finally:
+        job.cpu.stop()
     run = _collect(job.system, job.out, time.monotonic() - job.started)
+    ends = json.loads((job.out / f"{job.system}-rank0.json").read_text()).get("ends") or []
+    if len(ends) >= 2:  # from the end of the warm-up (see `SystemRun.steady`) to the last step
+        run.machine_cpu = job.cpu.over(ends[max(0, len(ends) // 5 - 1)], ends[-1])
     run.wire_bytes = sum(
         _tx_bytes(c.ns(h)) - b for h, b in zip(job.hosts, job.tx_before, strict=True)
     )
@@ -485,6 +555,7 @@ def report(result: DemoResult, console: Console) -> None:
         "bytes on the wire",
         "link utilization",
         "worker CPU",
+        "machine busy",
         "final loss",
     ):
         table.add_column(col, justify="right" if col != "system" else "left")
@@ -499,6 +570,7 @@ def report(result: DemoResult, console: Console) -> None:
             f"{run.wire_bytes / 1e6:.1f} MB" if run.wire_bytes is not None else "-",
             f"{run.utilization:.0%}" if run.utilization is not None else "-",
             f"{statistics.fmean(run.cpu_cores):.2f} cores" if run.cpu_cores else "-",
+            f"{run.machine_cpu['busy']:.0%}" if run.machine_cpu else "-",
             f"{run.final_loss:.4f}",
         )
     console.print(table)

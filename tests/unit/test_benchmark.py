@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from gradlane.benchmark import (
     PAYLOAD_EFFICIENCY,
+    cells,
     compute_and_bytes,
     dependency_bound,
     load_scenario,
@@ -200,11 +202,58 @@ def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
                     "losses": [1.0] * 10,
                     "waited": [0.0] * 10,
                     "cpu_cores": cores,
+                    "cpu_sys_cores": cores / 4,
                 }
             )
         )
     run = _collect("gradlane", tmp_path, 5.0)
     assert run.cpu_cores == [0.9, 0.4]
+    assert run.cpu_sys_cores == [0.225, 0.1]
+
+
+def _stat(user: int, system: int, idle: int, softirq: int, steal: int = 0) -> tuple[int, ...]:
+    return (user, 0, system, idle, 0, 0, softirq, steal)  # /proc/stat's order
+
+
+def test_machine_cpu_shares_come_from_the_samples_inside_the_window(tmp_path: Path) -> None:
+    from gradlane.demo import MachineCpu
+
+    cpu = MachineCpu(limit=0.0)
+    cpu.stop()
+    cpu.samples = [
+        (0.0, _stat(0, 0, 0, 0)),
+        (1.0, _stat(100, 50, 100, 0)),  # the window: from here ...
+        (2.0, _stat(200, 100, 120, 20, 10)),  # ... to here: 200 ticks
+        (3.0, _stat(900, 900, 900, 900)),
+    ]
+    shares = cpu.over(0.5, 2.5)
+    assert shares == {"busy": 0.9, "user": 0.5, "system": 0.25, "softirq": 0.1, "steal": 0.05}
+    assert cpu.over(1.5, 2.5) is None  # one sample cannot tell
+    # The machine's own counters: a busy loop shows up as busy time.
+    real = MachineCpu(every=0.05)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.4:
+        pass
+    real.stop()
+    measured = real.over(t0, time.monotonic())
+    assert measured is not None and 0 < measured["busy"] <= 1
+    assert measured["user"] + measured["system"] + measured["softirq"] <= measured["busy"] + 1e-3
+
+
+def test_summary_means_worker_and_machine_cpu_over_runs() -> None:
+    from gradlane.demo import SystemRun
+
+    runs = [SystemRun("gradlane", [0.2] * 5, [1.0] * 5, 1.0, cpu_cores=[0.2, 0.4],
+                      cpu_sys_cores=[0.1, 0.1], machine_cpu={"busy": 0.6}),
+            SystemRun("gradlane", [0.2] * 5, [1.0] * 5, 1.0, cpu_cores=[0.3, 0.3],
+                      cpu_sys_cores=[0.0, 0.2], machine_cpu={"busy": 0.8})]
+    s = summarize({"gradlane": [0.2] * 5}, 0.1, {"gradlane": runs})["gradlane"]
+    assert s["worker_cpu_cores_mean"] == pytest.approx(0.3)
+    assert s["worker_cpu_sys_cores_mean"] == pytest.approx(0.1)
+    assert s["machine_busy_mean"] == pytest.approx(0.7)
+    assert cells(s)[-2:] == ["0.30 cores (0.10 kernel)", "70%"]
+    bare = summarize({"gradlane": [0.2] * 5}, 0.1)["gradlane"]  # nothing measured: "-"
+    assert cells(bare)[-2:] == ["-", "-"]
 
 
 def test_the_readme_table_is_the_one_the_results_make() -> None:
