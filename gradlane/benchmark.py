@@ -400,6 +400,12 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         lines.append("")
         lines.append(f"`{REFERENCE}`: every worker computes alone, nothing is exchanged; its "
                      "median is the compute of the bound (achieved / bound) in that run.")
+    if any(s.get("machine_busy_mean") is not None for r in results
+           for s in r["summary"].values()):
+        lines.append("")
+        lines.append("worker CPU: cores per worker over its training loop (of them in the "
+                     "kernel); machine busy: the share of all cores busy over the steady "
+                     "steps (/proc/stat: workers, daemons, the kernel's networking).")
     if any(r.get("dependency_bound_s") for r in results):
         lines.append("")
         lines.append("/ dependency bound: against the bound that also holds the layers' order "
