@@ -156,18 +156,31 @@ class Exchange:
                          prio[b], np.full(n, coflow, np.int64), starts[b])
 
     def _peers(self) -> tuple[IntArray, IntArray]:
-        """Per rank, the next rank (rank order) of another host in its own leaf, and a
-        rank in the next leaf."""
-        in_leaf = np.empty(self.w, dtype=np.int64)
-        next_leaf = np.empty(self.w, dtype=np.int64)
-        leaves = sorted(set(self.leaf.tolist()))
-        members = {lf: np.flatnonzero(self.leaf == lf) for lf in leaves}
-        for r in range(self.w):
-            mine = members[int(self.leaf[r])]
-            pos = int(np.searchsorted(mine, r))
-            after = [int(mine[(pos + k) % len(mine)]) for k in range(1, len(mine))]
-            elsewhere = [x for x in after if self.host[x] != self.host[r]]
-            in_leaf[r] = (elsewhere or after or [(r + 1) % self.w])[0]
-            other = members[leaves[(leaves.index(int(self.leaf[r])) + 1) % len(leaves)]]
-            next_leaf[r] = other[pos % len(other)]
+        """Per rank, the next rank (rank order, cyclic) of another host in its own leaf
+        (else the next rank of its leaf, else the next rank), and the rank at its own
+        position among the next leaf's ranks (cyclic)."""
+        w = self.w
+        by_leaf = np.lexsort((np.arange(w), self.leaf))  # ranks by leaf, then rank
+        _, start, count = np.unique(self.leaf[by_leaf], return_index=True, return_counts=True)
+        group = np.repeat(np.arange(len(start)), count)  # each sorted slot's leaf group
+        pos, leaf_of = np.empty(w, dtype=np.int64), np.empty(w, dtype=np.int64)
+        pos[by_leaf] = np.arange(w) - start[group]  # each rank's place among its leaf's
+        leaf_of[by_leaf] = group
+        in_leaf = np.empty(w, dtype=np.int64)
+        for first, n in zip(start.tolist(), count.tolist(), strict=True):
+            mine = by_leaf[first : first + n]
+            if n == 1:
+                in_leaf[mine] = (mine + 1) % w
+                continue
+            # The first rank after each (cyclic: the leaf's ranks twice) on another host:
+            # the end of the run of equal hosts it starts, plus one.
+            hosts = self.host[np.concatenate([mine, mine])]
+            run = np.concatenate([[0], np.cumsum(hosts[1:] != hosts[:-1])])
+            run_end = np.flatnonzero(np.append(hosts[1:] != hosts[:-1], True))
+            differs = run_end[run[:n]] + 1  # index into the doubled ranks
+            here = np.arange(n)
+            found = differs - here <= n - 1
+            in_leaf[mine] = mine[np.where(found, differs, here + 1) % n]
+        nxt = (leaf_of + 1) % len(start)
+        next_leaf = by_leaf[start[nxt] + pos % count[nxt]]
         return in_leaf, next_leaf

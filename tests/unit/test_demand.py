@@ -17,6 +17,32 @@ def test_all_reduction_parents_are_each_owners_tree(leaves: list[int]) -> None:
         reduction_parents(owner, leaves) for owner in range(len(leaves))]
 
 
+def _peers_by_loop(leaf: list[int], host: list[int]) -> tuple[list[int], list[int]]:
+    """`Exchange._peers` rank by rank, as its docstring says."""
+    w, leaves = len(leaf), sorted(set(leaf))
+    members = {lf: [r for r in range(w) if leaf[r] == lf] for lf in leaves}
+    in_leaf, next_leaf = [], []
+    for r in range(w):
+        mine = members[leaf[r]]
+        pos = mine.index(r)
+        after = [mine[(pos + k) % len(mine)] for k in range(1, len(mine))]
+        elsewhere = [x for x in after if host[x] != host[r]]
+        in_leaf.append((elsewhere or after or [(r + 1) % w])[0])
+        other = members[leaves[(leaves.index(leaf[r]) + 1) % len(leaves)]]
+        next_leaf.append(other[pos % len(other)])
+    return in_leaf, next_leaf
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4)), min_size=1, max_size=14))
+def test_peers_are_the_next_rank_elsewhere_in_the_leaf_and_one_in_the_next_leaf(
+    ranks: list[tuple[int, int]]
+) -> None:
+    leaf, host = [lf for lf, _ in ranks], [h for _, h in ranks]
+    ex = Exchange(leaf, uplinks=True, host=host)
+    assert (ex.peer_in_leaf.tolist(), ex.peer_next_leaf.tolist()) == _peers_by_loop(leaf, host)
+
+
 def test_bucket_starts() -> None:
     assert bucket_starts([0, 0, 1, 3, 3, 3]).tolist() == [0, 2, 3, 6]
     assert bucket_starts([]).tolist() == [0, 0]
