@@ -354,8 +354,11 @@ class ControlPlane:
         workers: list[Worker] = []
         stated: dict[str, int] = {}  # global batch as a report states it
         summed: dict[str, int] = {}  # ... as the sum of the workers' current batches
+        said: dict[str, set[bool]] = {}  # how the shims say each job reduces
         for h, _, report in seen.daemons:
             for job in report.jobs:
+                if job.in_leaf is not None:
+                    said.setdefault(job.name, set()).add(job.in_leaf)
                 known = jobs.get(job.name)
                 stated[job.name] = max(stated.get(job.name, 0), job.global_batch)
                 summed[job.name] = summed.get(job.name, 0) + sum(w.batch for w in job.workers)
@@ -379,7 +382,9 @@ class ControlPlane:
             topology = Topology(hosts, (self.config.uplink_bps,) * leaves)
         by_name = tuple(sorted(jobs.values(), key=lambda j: j.name))
         ordered = tuple(sorted(workers, key=lambda w: (w.job, w.rank)))
-        coflows, flows = self._demand(by_name, ordered, topology, seen.plan)
+        # The ranks of a job agree on one exchange: any host saying "flat" settles it.
+        in_leaf = {name: False not in says for name, says in said.items()}
+        coflows, flows = self._demand(by_name, ordered, topology, seen.plan, in_leaf)
         return State(
             jobs=by_name,
             topology=topology,
@@ -395,13 +400,15 @@ class ControlPlane:
 
     def _demand(
         self, jobs: tuple[JobState, ...], workers: tuple[Worker, ...], topology: Topology,
-        plan: Plan | None,
+        plan: Plan | None, in_leaf: dict[str, bool],
     ) -> tuple[tuple[Coflow, ...], FlowTable]:
         """Per job, its next iteration's exchange as one coflow of demand flows.
 
         Built from what the shims reported (each chunk's bytes and layer) and
-        what they enforce: the current plan's chunk owners and reduction
-        within leaves (`gradlane.policies.demand`). Consecutive layers share a
+        what they enforce: the current plan's chunk owners, and reduction
+        within leaves as the shims say they agreed (`in_leaf`; a job whose
+        shims have not said yet: as the plan advises), see
+        `gradlane.policies.demand`. Consecutive layers share a
         bucket, at most `DEMAND_BUCKETS` per job, so a state holds at most
         ``2 * DEMAND_BUCKETS`` flows per worker however many layers a model
         has. A job is left out until its reports give every rank 0..W-1
@@ -409,7 +416,7 @@ class ControlPlane:
         """
         coflows: list[Coflow] = []
         tables: list[FlowTable] = []
-        in_leaf = bool(plan is not None and plan.reduce_in_leaf)
+        advised = bool(plan is not None and plan.reduce_in_leaf)
         by_job: dict[str, list[Worker]] = {}
         for w in workers:
             by_job.setdefault(w.job, []).append(w)
@@ -428,7 +435,7 @@ class ControlPlane:
             starts = bucket_starts(layer * DEMAND_BUCKETS // n_layers)
             exchange = self._exchange(topology, hosts)
             local, remote = exchange.loads(
-                exchange.owned(owners, starts, job.chunk_bytes), in_leaf)
+                exchange.owned(owners, starts, job.chunk_bytes), in_leaf.get(job.name, advised))
             tables.append(exchange.demand_flows(hosts, local, remote, len(coflows), starts,
                                                 priority=layer[starts[:-1]]))
             coflows.append(Coflow(job.name, job.name))
@@ -477,7 +484,8 @@ class ControlPlane:
         for h in self.hosts():
             for job in self.daemons[h].report.jobs:
                 j = jobs.setdefault(job.name, {"hosts": [], "workers": 0, "degraded": False,
-                                               "chunks": 0, "band_bps": [], "demand_bytes": 0})
+                                               "chunks": 0, "band_bps": [], "demand_bytes": 0,
+                                               "in_leaf": None})
                 j["hosts"].append(h)
                 j["workers"] += len(job.workers)
                 j["chunks"] = max(j["chunks"], len(job.chunk_bytes))
@@ -485,6 +493,8 @@ class ControlPlane:
                     j["band_bps"] += [0.0] * (band + 1 - len(j["band_bps"]))
                     j["band_bps"][band] += bps
                 j["degraded"] |= h in lost
+                if job.in_leaf is not None:  # as the shims agreed; one "flat" settles it
+                    j["in_leaf"] = job.in_leaf and j["in_leaf"] is not False
         plan, state = self.plan, self.state
         if state is not None:  # what each job's next exchange puts on the network
             sent = np.bincount(state.flows.coflow, state.flows.bytes, len(state.coflows))

@@ -23,9 +23,10 @@ request with ``Authorization: Bearer <token>``.
 
 A report lists the jobs with workers on the host: ``{"name", "global_batch",
 "layers", "chunk_bytes": [...], "chunk_layers": [...], "band_bps": [...],
-"workers": [{"rank", "throughput", "batch"}]}``: the job's demand (one
-iteration's chunks in forward order and each one's layer, as a shim reported
-them) and its class's measured throughput on this host per band. A plan
+"in_leaf", "workers": [{"rank", "throughput", "batch"}]}``: the job's demand
+(one iteration's chunks in forward order and each one's layer, as a shim
+reported them), whether its shims reduce within leaves first (absent: not
+known yet) and its class's measured throughput on this host per band. A plan
 gives the host its job classes (``{job: [rate_bps, ceil_bps, prio]}``), per
 job every rank's batch share and every chunk's owner (the shims take their
 own), and the host's leaf when shims should reduce within leaves first.
@@ -44,7 +45,7 @@ from typing import Any
 
 import msgpack
 
-from gradlane.daemon.fields import integer, listed, number, only, text
+from gradlane.daemon.fields import flag, integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
 __all__ = [
@@ -100,6 +101,7 @@ class JobReport:
     workers: tuple[WorkerReport, ...]
     chunk_layers: tuple[int, ...] = ()  # the layer of each chunk (empty: not known)
     band_bps: tuple[float, ...] = ()  # measured throughput of the job's class, per band
+    in_leaf: bool | None = None  # its shims reduce within leaves first; None: not known
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def parse_report(raw: dict[str, Any]) -> Report:
     for i, item in enumerate(listed(raw, "jobs", MAX_JOBS)):
         where = _map(item, f"report: jobs[{i}]")
         only(where, {"type", "name", "global_batch", "layers", "chunk_bytes", "chunk_layers",
-                     "band_bps", "workers"})
+                     "band_bps", "in_leaf", "workers"})
         name = text(where, "name")
         if name in names:
             raise ProtocolError("bad_message", f"report: job {name!r} listed twice")
@@ -210,7 +212,8 @@ def parse_report(raw: dict[str, Any]) -> Report:
                                         integer(wmap, "batch", 0, 1 << 24)))
         jobs.append(JobReport(name, integer(where, "global_batch", 0, 1 << 30), layers,
                               tuple(int(c) for c in chunks), tuple(workers),
-                              tuple(int(v) for v in of), tuple(float(v) for v in bps)))
+                              tuple(int(v) for v in of), tuple(float(v) for v in bps),
+                              flag(where, "in_leaf")))
     return Report(integer(raw, "seq", 0, 1 << 62), tuple(jobs))
 
 

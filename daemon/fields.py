@@ -11,7 +11,7 @@ from typing import Any
 
 from gradlane.errors import ProtocolError
 
-__all__ = ["MAX_NAME", "get", "integer", "listed", "number", "only", "text"]
+__all__ = ["MAX_NAME", "flag", "get", "integer", "listed", "number", "only", "text"]
 
 MAX_NAME = 128
 
@@ -34,6 +34,14 @@ def integer(raw: dict[str, Any], key: str, low: int, high: int) -> int:
         raise ProtocolError(
             "bad_message", f"{raw.get('type')}: {key} must be an integer in {low}..{high}"
         )
+    return value
+
+
+def flag(raw: dict[str, Any], key: str) -> bool | None:
+    """An optional true or false (None: absent)."""
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ProtocolError("bad_message", f"{raw.get('type')}: {key} must be true or false")
     return value
 
 

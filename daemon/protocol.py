@@ -8,9 +8,9 @@ refused before they are buffered.
 Conversation (client = a training process's shim)::
 
     client                                   daemon
-    hello {version, job, rank, world_size,   -> welcome {version, worker, bands}
-           flows}
-    flows {flows}          (replace the band connections, e.g. after a reconnect)
+    hello {version, job, rank, world_size,   -> welcome {version, worker, bands,
+           flows[, in_leaf]}                             leaf}
+    flows {flows[, in_leaf]}  (replace the band connections; say how the job reduces)
     chunks {iteration, events}               (batched, no reply)
     timing {iteration, compute_s, comm_s, samples}
                                              <- plan {version, bands, batch_share, ...}
@@ -18,7 +18,10 @@ Conversation (client = a training process's shim)::
 
 A flow is one band connection: ``{"band", "src", "sport", "dst", "dport"}``
 (IPv4, TCP). A chunk event is ``[layer, nbytes, band, t]`` with t the
-sender's clock in seconds. `hello` must come first and only once. Anything
+sender's clock in seconds. ``in_leaf`` says how the job's ranks agreed to
+reduce: true within leaves first (each rank told its leaf, e.g. by the
+welcome's ``leaf``), false the flat exchange; absent, not agreed yet. The
+control plane's demand of the job follows it. `hello` must come first and only once. Anything
 else (bad framing, a wrong type, an out-of-order message) gets one
 ``error {code, message}`` and the connection is closed.
 
@@ -35,7 +38,7 @@ from typing import Any
 
 import msgpack
 
-from gradlane.daemon.fields import get, integer, listed, number, only, text
+from gradlane.daemon.fields import flag, get, integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
 # EF, AF41, AF31, AF21: band 0 (needed first) to band 3. Shims mark their band
@@ -146,11 +149,13 @@ class Hello:
     rank: int
     world_size: int
     flows: tuple[FlowSpec, ...]
+    in_leaf: bool | None = None  # reduced within leaves first; None: not agreed yet
 
 
 @dataclass(frozen=True)
 class SetFlows:
     flows: tuple[FlowSpec, ...]
+    in_leaf: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +198,7 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
     """
     kind = raw.get("type")
     if kind == "hello":
-        only(raw, {"type", "version", "job", "rank", "world_size", "flows"})
+        only(raw, {"type", "version", "job", "rank", "world_size", "flows", "in_leaf"})
         version = integer(raw, "version", 1, 1 << 16)
         if version != VERSION:
             raise ProtocolError(
@@ -206,10 +211,11 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
             rank=integer(raw, "rank", 0, world - 1),
             world_size=world,
             flows=_flows(raw, bands),
+            in_leaf=flag(raw, "in_leaf"),
         )
     if kind == "flows":
-        only(raw, {"type", "flows"})
-        return SetFlows(flows=_flows(raw, bands))
+        only(raw, {"type", "flows", "in_leaf"})
+        return SetFlows(flows=_flows(raw, bands), in_leaf=flag(raw, "in_leaf"))
     if kind == "chunks":
         only(raw, {"type", "iteration", "events"})
         events = listed(raw, "events", MAX_EVENTS)

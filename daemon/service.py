@@ -444,7 +444,7 @@ class Daemon:
         if worker is None:
             raise ProtocolError("order", f"{type(message).__name__.lower()} before hello")
         if isinstance(message, protocol.SetFlows):
-            self.registry.set_flows(worker.id, message.flows)
+            self.registry.set_flows(worker.id, message.flows, message.in_leaf)
             self._dirty.set()
         elif isinstance(message, protocol.Chunks):
             self.registry.record_chunks(worker.id, message.iteration, message.events)

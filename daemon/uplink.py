@@ -210,9 +210,14 @@ class ControlLink:
             chunks = sorted(range(len(demand)), key=lambda i: (demand[i][0], i))
             layers = sorted({demand[i][0] for i in chunks})
             index = {layer: k for k, layer in enumerate(layers)}  # dense: layers that sent
-            jobs.append({"name": name, "global_batch": 0, "layers": len(layers),
-                         "chunk_bytes": [demand[i][1] for i in chunks],
-                         "chunk_layers": [index[demand[i][0]] for i in chunks],
-                         "band_bps": [round(b, 1) for b in measured.get(name, [])],
-                         "workers": entries})
+            job: dict[str, Any] = {
+                "name": name, "global_batch": 0, "layers": len(layers),
+                "chunk_bytes": [demand[i][1] for i in chunks],
+                "chunk_layers": [index[demand[i][0]] for i in chunks],
+                "band_bps": [round(b, 1) for b in measured.get(name, [])],
+                "workers": entries}
+            agreed = {w.in_leaf for w in workers}
+            if None not in agreed:  # how the job reduces, once its workers here have said
+                job["in_leaf"] = all(agreed)
+            jobs.append(job)
         return {"type": "report", "seq": seq, "jobs": jobs}

@@ -16,6 +16,7 @@ so both figures come from the same machine state. Needs root.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import signal
@@ -391,11 +392,12 @@ def run_two_jobs(
     trials: dict[str, dict[str, Any]] = {}  # the shims' layout trial verdicts
     shared: dict[str, dict[str, list[float]]] = {}  # iterations while both jobs trained
     cpu: dict[str, list[SystemRun]] = {}
+    exchange: dict[str, bool | None] = {}  # how the control plane saw each job reduce
     port = 29820
     with Cluster(topology) as c:
         ctl = _controlled(c, workdir, hosts, "h5")
 
-        def both(label: str, system: str) -> None:
+        def both(label: str, system: str, watch: bool = False) -> None:
             nonlocal port
             say(f"{label}: jobs a and b at once")
             started = []
@@ -404,6 +406,13 @@ def run_two_jobs(
                 sockets = [ctl.sockets[h] for h in job_hosts] if system == "gradlane" else None
                 started.append(launch(c, system, args, port=port, out=workdir / label / job,
                                       sockets=sockets, hosts=job_hosts, job=job))
+            if watch:  # while they train: the shims' agreed exchange, as the plan sees it
+                def told(view: dict[str, Any]) -> bool:
+                    exchange.update({j: view["jobs"].get(j, {}).get("in_leaf") for j in TWO_JOBS})
+                    return None not in exchange.values()
+
+                with contextlib.suppress(TestbedError):  # the jobs' own checks come next
+                    ctl.wait_view(told, "both jobs' exchange reported", timeout=20)
             done = [collect(c, s) for s in started]
             cpu[label] = done
             rank0 = {job: json.loads((workdir / label / job / f"{system}-rank0.json").read_text())
@@ -422,7 +431,7 @@ def run_two_jobs(
         ctl.wait_view(lambda v: len(v["hosts"]) == len(hosts) and v["plan"]["reduce_in_leaf"],
                       "all 8 daemons and an oversubscribed uplink")
         time.sleep(1)  # the plan's next push reaches every daemon (cadence 0.5 s)
-        both("gradlane+control", "gradlane")
+        both("gradlane+control", "gradlane", watch=True)
         codes = ctl.stop_daemons()
     medians = {label: {job: statistics.median(times) for job, times in jobs.items()}
                for label, jobs in shared.items()}
@@ -451,6 +460,8 @@ def run_two_jobs(
         "iteration_s": runs,
         "shared_iteration_s": shared,
         "leaves": leaves,  # per run and job: the ranks' leaves if reduced within leaves first
+        # per job, whether the control plane's view said it reduces within leaves first
+        "control_saw_in_leaf": exchange,
         "layout_trial": trials,  # per run and job: what the shim's layout trial measured, kept
         "median_s": medians,
         "average_median_s": average,

@@ -45,6 +45,8 @@ class DaemonClient:
         advised_leaf: this host's leaf switch when, at the welcome, the
             control plane advised reducing within leaves first (None: the flat
             exchange). Read once at attach: reduction trees never change mid-run.
+        in_leaf: how the job's ranks agreed to reduce (`exchange_agreed`),
+            which gradlaned passes on to the control plane; None: not yet.
     """
 
     def __init__(self, config: ShimConfig, rank: int, world: int, mesh: Mesh) -> None:
@@ -53,6 +55,7 @@ class DaemonClient:
         self.plan: dict[str, Any] | None = None
         self.advised_batch_share: float | None = None
         self.advised_leaf: int | None = None
+        self.in_leaf: bool | None = None
         self.welcomed = threading.Event()
         self.daemon_bands: tuple[int, ...] | None = None
         self._events: list[list[float | int]] = []
@@ -96,6 +99,14 @@ class DaemonClient:
                 "samples": self._samples,
             }
         )
+
+    def exchange_agreed(self, in_leaf: bool) -> None:
+        """The job's ranks agreed to reduce within leaves first (or not): tell gradlaned."""
+        self.in_leaf = in_leaf  # before the post: a session starting now sends it itself
+        self._post(self._flows_message())
+
+    def _flows_message(self) -> dict[str, Any]:
+        return {"type": "flows", "flows": self._flows(), "in_leaf": self.in_leaf}
 
     def _post(self, message: dict[str, Any]) -> None:
         if not self.connected:
@@ -160,6 +171,8 @@ class DaemonClient:
             self._adopt_bands(welcome.get("bands"))
             self.advised_leaf = _leaf(welcome.get("leaf"))
             self.connected, self._said_absent = True, False
+            if self.in_leaf is not None:  # agreed before this session (or while it began)
+                sock.sendall(protocol.encode(self._flows_message()))
             self.welcomed.set()
             logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))
             sock.settimeout(0.2)

@@ -294,6 +294,7 @@ class Sync:
             self._broadcast_state()
             self.client = DaemonClient(config, rank, world, self.mesh)
             self.leaves = self._agree_leaves(store)
+            self.client.exchange_agreed(self.leaves is not None)
             self.engine = Engine(
                 self.mesh, config.timeout_s, on_event=self.client.chunk_event, leaves=self.leaves
             )

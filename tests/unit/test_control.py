@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import msgpack
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from click.testing import CliRunner
@@ -342,6 +343,28 @@ def test_ranks_sharing_a_host_put_only_what_crosses_hosts_in_the_demand() -> Non
     # 4 chunks x 4 crossings x 1000 bytes, half leaving each host (owners alternate hosts).
     assert state.flows.bytes.sum() == 16_000
     assert set(state.flows.src.tolist()) == {0, 1} and (state.flows.src != state.flows.dst).all()
+
+
+def test_demand_follows_how_the_shims_say_they_reduce() -> None:
+    # Ranks 0, 1 on leaf 0 and 2, 3 on leaf 1; the plan advises reduction within leaves.
+    def uplink_bytes(said: bool | None) -> float:
+        plane = ControlPlane(_config(uplink_bps=5_000_000_000))
+        for host, leaf, ranks in (("h0", 0, [0]), ("h1", 0, [1]), ("h2", 1, [2]),
+                                  ("h3", 1, [3])):
+            job = {**_job("j", ranks, [1000] * 8), **({} if said is None else {"in_leaf": said})}
+            _reported(plane, host, leaf, [job])
+        plane.plan = plane.policy.plan(plane.build_state())
+        assert plane.plan.reduce_in_leaf
+        state = plane.build_state()
+        assert plane.view()["jobs"]["j"]["in_leaf"] is said
+        leaf = np.array([h.leaf for h in state.topology.hosts])
+        crossing = leaf[state.flows.src] != leaf[state.flows.dst]
+        return float(state.flows.bytes[crossing].sum())
+
+    # Flat, each chunk crosses the spine from the other leaf's two ranks to its owner and
+    # back to both; within leaves first, once each way: half as much.
+    assert uplink_bytes(False) == 2 * uplink_bytes(True)
+    assert uplink_bytes(None) == uplink_bytes(True)  # not said yet: as the plan advises
 
 
 def test_a_job_missing_ranks_has_no_demand_yet() -> None:

@@ -106,6 +106,11 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         job = plane.state.jobs[0]
         assert (job.chunk_bytes, job.chunk_layers, job.layers) == ((500, 3000, 2000), (0, 1, 1), 2)
         assert len(plane.plan.ownership["j"]) == 3
+        # How the job reduces reaches the control plane once every rank here has said.
+        assert plane.view()["jobs"]["j"]["in_leaf"] is None
+        for shim in shims:
+            await shim.send({"type": "flows", "flows": [], "in_leaf": False})
+        await _until(lambda: plane.view()["jobs"]["j"]["in_leaf"] is False)
         # The slow worker recovers (its next steps' timings; the daemon takes the median of
         # the latest five): the shares follow, and shift back when it slows down again.
         # Periodic reports are off (REPORT_EVERY is an hour here): the daemon reports

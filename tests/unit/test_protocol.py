@@ -26,6 +26,14 @@ def test_roundtrip_in_pieces() -> None:
     assert hello.flows == (protocol.FlowSpec(1, "10.0.0.1", 40000, "10.0.0.2", 5201),)
 
 
+def test_in_leaf_says_how_the_job_reduces_or_nothing_yet() -> None:
+    assert protocol.parse(HELLO, 4).in_leaf is None  # type: ignore[union-attr]
+    assert protocol.parse({**HELLO, "in_leaf": True}, 4).in_leaf is True  # type: ignore[union-attr]
+    flows = protocol.parse({"type": "flows", "flows": [FLOW], "in_leaf": False}, 4)
+    assert flows == protocol.SetFlows((protocol.FlowSpec(1, "10.0.0.1", 40000, "10.0.0.2", 5201),),
+                                      in_leaf=False)
+
+
 def test_chunks_and_timing() -> None:
     chunks = protocol.parse({"type": "chunks", "iteration": 3, "events": [[0, 4096, 0, 1.5]]}, 4)
     assert chunks == protocol.Chunks(3, (protocol.ChunkEvent(0, 4096, 0, 1.5),))
@@ -46,6 +54,7 @@ def test_chunks_and_timing() -> None:
         ({**HELLO, "flows": [{**FLOW, "src": "nowhere"}]}, "bad_message", "IPv4"),
         ({**HELLO, "flows": [{**FLOW, "dport": 0}]}, "bad_message", "dport"),
         ({**HELLO, "rank": True}, "bad_message", "rank"),
+        ({**HELLO, "in_leaf": 1}, "bad_message", "in_leaf must be true or false"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1, 9, 0.0]]}, "bad_message",
          r"events\[0\]"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1]]}, "bad_message", r"events\[0\]"),
