@@ -409,10 +409,11 @@ def run_two_jobs(
             if watch:  # while they train: the shims' agreed exchange, as the plan sees it
                 def told(view: dict[str, Any]) -> bool:
                     exchange.update({j: view["jobs"].get(j, {}).get("in_leaf") for j in TWO_JOBS})
-                    return None not in exchange.values()
+                    ended = all(p.poll() is not None for job in started for p in job.procs)
+                    return None not in exchange.values() or ended
 
                 with contextlib.suppress(TestbedError):  # the jobs' own checks come next
-                    ctl.wait_view(told, "both jobs' exchange reported", timeout=20)
+                    ctl.wait_view(told, "both jobs' exchange reported", timeout=300)
             done = [collect(c, s) for s in started]
             cpu[label] = done
             rank0 = {job: json.loads((workdir / label / job / f"{system}-rank0.json").read_text())
