@@ -61,7 +61,11 @@ machine's cores, are CPU-bound, whatever the network does. So is the whole
 machine's (`gradlane.demo.MachineCpu`) over each run's steady steps:
 ``machine_cpu`` per run, ``machine_busy_mean`` per system. Near 1, every
 core was busy (workers, daemons, the kernel's networking in softirq) and
-waiting for a core, not for the network, stretched the iterations.
+waiting for a core, not for the network, stretched the iterations. The
+machine can be half idle on average and still be short of cores at the
+moments that matter; so each worker also records how long per step its
+training thread was ready to run but had no core (``run_queue_s_per_step``,
+from Linux schedstats): the CPU bottleneck on the critical path.
 """
 
 from __future__ import annotations
@@ -232,7 +236,7 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
     """Per system, from its steady-state iteration times (warm-up already dropped): median,
     p90, achieved / bound (and / the dependency bound when given), the speedup over
     ``ddp`` when it ran, and from its runs (`cpu`) the mean worker CPU, of it in the
-    kernel, and the machine's mean busy share."""
+    kernel, the machine's mean busy share and the training threads' mean wait for a core."""
     summary: dict[str, dict[str, Any]] = {}
     for system, times in steady.items():
         ordered = sorted(times)
@@ -241,6 +245,7 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
         cores = [c for r in runs for c in r.cpu_cores]
         kernel = [c for r in runs for c in r.cpu_sys_cores]
         busy = [r.machine_cpu["busy"] for r in runs if r.machine_cpu]
+        queued = [q for r in runs for q in r.run_queue_s]
         summary[system] = {
             "median_s": median,
             "p90_s": ordered[int(0.9 * (len(ordered) - 1))],
@@ -248,6 +253,7 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
             "worker_cpu_cores_mean": statistics.fmean(cores) if cores else None,
             "worker_cpu_sys_cores_mean": statistics.fmean(kernel) if kernel else None,
             "machine_busy_mean": statistics.fmean(busy) if busy else None,
+            "run_queue_s_mean": statistics.fmean(queued) if queued else None,
         }
         if dependency_bound_s is not None:
             summary[system]["achieved_over_dependency_bound"] = median / dependency_bound_s
@@ -313,6 +319,8 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                         "utilization": run.utilization,
                         "cpu_cores_per_rank": run.cpu_cores,
                         "cpu_sys_cores_per_rank": run.cpu_sys_cores,
+                        # Per rank: the training thread's wait for a core, per step.
+                        "run_queue_s_per_step": run.run_queue_s,
                         "machine_cpu": run.machine_cpu,
                         # Time rank 0 waited for gradients (0 for ddp, which cannot say):
                         # iteration - waited is the compute the simulator replays.
@@ -348,9 +356,10 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
 
 def cells(s: dict[str, Any]) -> list[str]:
     """One system's summary as table cells: vs DDP, achieved / bound, achieved / the
-    dependency bound, worker CPU (of it in the kernel), the machine's busy share ("-"
-    where not measured)."""
+    dependency bound, worker CPU (of it in the kernel), the machine's busy share, the
+    training thread's wait for a core per step ("-" where not measured)."""
     cpu = s.get("worker_cpu_cores_mean")
+    queued = s.get("run_queue_s_mean")
     kernel = s.get("worker_cpu_sys_cores_mean")
     busy = s.get("machine_busy_mean")
     ordered = s.get("achieved_over_dependency_bound")
@@ -361,10 +370,12 @@ def cells(s: dict[str, Any]) -> list[str]:
         "-" if cpu is None else f"{cpu:.2f} cores"
         + ("" if kernel is None else f" ({kernel:.2f} kernel)"),
         f"{busy:.0%}" if busy is not None else "-",
+        f"{queued * 1000:.1f} ms" if queued is not None else "-",
     ]
 
 
-CELL_NAMES = ["vs DDP", "achieved / bound", "/ dependency bound", "worker CPU", "machine busy"]
+CELL_NAMES = ["vs DDP", "achieved / bound", "/ dependency bound", "worker CPU", "machine busy",
+              "waiting for a core"]
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
@@ -405,7 +416,10 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         lines.append("")
         lines.append("worker CPU: cores per worker over its training loop (of them in the "
                      "kernel); machine busy: the share of all cores busy over the steady "
-                     "steps (/proc/stat: workers, daemons, the kernel's networking).")
+                     "steps (/proc/stat: workers, daemons, the kernel's networking); waiting "
+                     "for a core: per step, how long a worker's training thread was ready "
+                     "to run but had no core (schedstat), the CPU bottleneck on the "
+                     "critical path.")
     if any(r.get("dependency_bound_s") for r in results):
         lines.append("")
         lines.append("/ dependency bound: against the bound that also holds the layers' order "

@@ -112,6 +112,8 @@ class SystemRun:
     utilization: float | None = None
     cpu_cores: list[float] = field(default_factory=list)  # per rank, over training
     cpu_sys_cores: list[float] = field(default_factory=list)  # ... of it in the kernel
+    # Per rank: seconds per step its training thread was ready but had no core.
+    run_queue_s: list[float] = field(default_factory=list)
     # The whole machine's CPU over rank 0's steady steps (`MachineCpu.over`).
     machine_cpu: dict[str, float] | None = None
     waited: list[float] = field(default_factory=list)  # rank 0's exposed communication per step
@@ -178,6 +180,7 @@ class DemoResult:
                     "utilization": v.utilization,
                     "cpu_cores_per_rank": v.cpu_cores,
                     "cpu_sys_cores_per_rank": v.cpu_sys_cores,
+                    "run_queue_s_per_step": v.run_queue_s,
                     "machine_cpu": v.machine_cpu,
                 }
                 for k, v in self.runs.items()
@@ -253,6 +256,8 @@ def _collect(system: str, out: Path, wall: float) -> SystemRun:
         wall,
         cpu_cores=[round(r["cpu_cores"], 3) for r in ranks if "cpu_cores" in r],
         cpu_sys_cores=[round(r["cpu_sys_cores"], 3) for r in ranks if "cpu_sys_cores" in r],
+        run_queue_s=[round(r["run_queue_s_per_step"], 5) for r in ranks
+                     if "run_queue_s_per_step" in r],
         waited=raw.get("waited", []),
         layout_trial=raw.get("layout_trial"),
     )

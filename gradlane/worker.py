@@ -7,8 +7,9 @@ the same seed in every system) or ``trace`` (per-layer sleeps and parameter
 bytes from a model profile; ``--speed`` slows this worker's compute).
 SGD with momentum, one CPU thread. Every rank writes
 ``DIR/<system>-rank<R>.json`` with its iteration times, losses, the time it
-waited on communication (gradlane systems) and the CPU cores it used over
-the training loop.
+waited on communication (gradlane systems), the CPU cores it used over
+the training loop and how long per step its training thread waited for a
+core (`run_queue_s`).
 
 Systems:
 - ``ddp``: PyTorch DistributedDataParallel over gloo, default buckets.
@@ -37,6 +38,16 @@ from gradlane.shim.config import LAYOUTS
 from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace, trace_batch
 
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "local")
+
+
+def run_queue_s() -> float | None:
+    """Seconds the calling thread has spent ready to run but waiting for a core
+    (Linux schedstats: /proc/thread-self/schedstat); None where not available."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def main() -> None:
@@ -76,6 +87,7 @@ def main() -> None:
         # CPU of this process (all threads) over the training loop: a worker
         # near 1.0 core is CPU-bound, whatever the network does.
         cpu0, sys0, wall0 = time.process_time(), os.times().system, time.perf_counter()
+        queued0 = run_queue_s()
         last = wall0
         for step in range(args.steps):
             if args.workload == "cnn":
@@ -100,6 +112,11 @@ def main() -> None:
         record["cpu_cores"] = (time.process_time() - cpu0) / wall
         # ... of which in the kernel (sending, receiving: TCP), in clock ticks (10 ms).
         record["cpu_sys_cores"] = (os.times().system - sys0) / wall
+        # How long this (the training) thread was ready to run but had no core: the
+        # CPU bottleneck on the critical path, per step.
+        queued = run_queue_s()
+        if queued is not None and queued0 is not None:
+            record["run_queue_s_per_step"] = (queued - queued0) / args.steps
 
     if args.system == "local":
         train(model)

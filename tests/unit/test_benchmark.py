@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -203,12 +206,38 @@ def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
                     "waited": [0.0] * 10,
                     "cpu_cores": cores,
                     "cpu_sys_cores": cores / 4,
+                    "run_queue_s_per_step": cores / 100,
                 }
             )
         )
     run = _collect("gradlane", tmp_path, 5.0)
     assert run.cpu_cores == [0.9, 0.4]
     assert run.cpu_sys_cores == [0.225, 0.1]
+    assert run.run_queue_s == [0.009, 0.004]
+
+
+def test_run_queue_wait_grows_when_the_cores_are_taken() -> None:
+    from gradlane.worker import run_queue_s
+
+    before = run_queue_s()
+    if before is None:
+        pytest.skip("no /proc/thread-self/schedstat (not Linux, or schedstats off)")
+    spin = "import time\nend = time.monotonic() + 1\nwhile time.monotonic() < end: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin])
+            for _ in range((os.cpu_count() or 1) + 1)]
+    try:
+        _spin(0.6)  # this thread wants a core all along, more processes than cores do too
+    finally:
+        for hog in hogs:
+            hog.wait(10)
+    after = run_queue_s()
+    assert after is not None and after > before
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
 
 
 def _stat(user: int, system: int, idle: int, softirq: int, steal: int = 0) -> tuple[int, ...]:
@@ -244,16 +273,19 @@ def test_summary_means_worker_and_machine_cpu_over_runs() -> None:
     from gradlane.demo import SystemRun
 
     runs = [SystemRun("gradlane", [0.2] * 5, [1.0] * 5, 1.0, cpu_cores=[0.2, 0.4],
-                      cpu_sys_cores=[0.1, 0.1], machine_cpu={"busy": 0.6}),
+                      cpu_sys_cores=[0.1, 0.1], machine_cpu={"busy": 0.6},
+                      run_queue_s=[0.002, 0.004]),
             SystemRun("gradlane", [0.2] * 5, [1.0] * 5, 1.0, cpu_cores=[0.3, 0.3],
-                      cpu_sys_cores=[0.0, 0.2], machine_cpu={"busy": 0.8})]
+                      cpu_sys_cores=[0.0, 0.2], machine_cpu={"busy": 0.8},
+                      run_queue_s=[0.006, 0.008])]
     s = summarize({"gradlane": [0.2] * 5}, 0.1, {"gradlane": runs})["gradlane"]
     assert s["worker_cpu_cores_mean"] == pytest.approx(0.3)
     assert s["worker_cpu_sys_cores_mean"] == pytest.approx(0.1)
     assert s["machine_busy_mean"] == pytest.approx(0.7)
-    assert cells(s)[-2:] == ["0.30 cores (0.10 kernel)", "70%"]
+    assert s["run_queue_s_mean"] == pytest.approx(0.005)
+    assert cells(s)[-3:] == ["0.30 cores (0.10 kernel)", "70%", "5.0 ms"]
     bare = summarize({"gradlane": [0.2] * 5}, 0.1)["gradlane"]  # nothing measured: "-"
-    assert cells(bare)[-2:] == ["-", "-"]
+    assert cells(bare)[-3:] == ["-", "-", "-"]
 
 
 def test_the_readme_table_is_the_one_the_results_make() -> None:
