@@ -330,17 +330,27 @@ TWO_JOB_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "1"
                     "--forward-ms", "60"]
 
 
+def _spans(rank0: dict[str, dict[str, Any]], warmup: int) -> dict[str, list[tuple[float, float]]]:
+    """Per job, each iteration's (start, end) after `warmup`, on the monotonic clock."""
+    return {job: [(end - t, end) for t, end in zip(r["times"], r["ends"], strict=True)][warmup:]
+            for job, r in rank0.items()}
+
+
+def _shared_window(rank0: dict[str, dict[str, Any]], warmup: int = 2) -> tuple[float, float]:
+    """From when every job is past its `warmup` to when the first job ends."""
+    spans = _spans(rank0, warmup)
+    return max(s[0][0] for s in spans.values()), min(s[-1][1] for s in spans.values())
+
+
 def _overlapping(rank0: dict[str, dict[str, Any]], warmup: int = 2) -> dict[str, list[float]]:
     """Per job, the iterations (after `warmup`) that ran entirely while every job trained.
 
     Raises:
         TestbedError: fewer than 3 such iterations for some job: the jobs hardly overlapped.
     """
-    spans = {job: [(end - t, end) for t, end in zip(r["times"], r["ends"], strict=True)][warmup:]
-             for job, r in rank0.items()}
-    start = max(s[0][0] for s in spans.values())
-    stop = min(s[-1][1] for s in spans.values())
-    out = {job: [b - a for a, b in s if a >= start and b <= stop] for job, s in spans.items()}
+    start, stop = _shared_window(rank0, warmup)
+    out = {job: [b - a for a, b in s if a >= start and b <= stop]
+           for job, s in _spans(rank0, warmup).items()}
     short = [job for job, times in out.items() if len(times) < 3]
     if short:
         raise TestbedError(f"jobs {short} ran fewer than 3 iterations while all jobs trained; "
@@ -420,6 +430,11 @@ def run_two_jobs(
                      for job in TWO_JOBS}
             runs[label] = {job: r["times"] for job, r in rank0.items()}
             shared[label] = _overlapping(rank0)
+            # The machine's CPU over the same window (each job's own would take in the
+            # other's start-up or end).
+            window = _shared_window(rank0)
+            for launched, run in zip(started, done, strict=True):
+                run.machine_cpu = launched.cpu.over(*window)
             leaves[label] = {job: r.get("leaves") for job, r in rank0.items()}
             trials[label] = {job: r.get("layout_trial") for job, r in rank0.items()}
 
