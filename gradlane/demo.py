@@ -531,8 +531,10 @@ def run_cluster(
     )
     with Cluster(Topology.build("demo", hosts, rate)) as c:
         say(f"ddp: {hosts} workers under torchrun, {steps} steps")
+        # Sampled too, though DDP has no bands to show: the sampler's own CPU (a netlink
+        # dump every SAMPLE_S) then weighs on both runs alike.
         result.runs["ddp"], _ = run_on_cluster(
-            c, "ddp", ["--steps", str(steps)], port=29500, out=out
+            c, "ddp", ["--steps", str(steps)], port=29500, out=out, bands=True
         )
         say("starting gradlaned on every host")
         sockets = [c.start_daemon(f"h{i}", out)[1] for i in range(1, hosts + 1)]
