@@ -26,6 +26,7 @@ import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -354,11 +355,8 @@ class ControlPlane:
         workers: list[Worker] = []
         stated: dict[str, int] = {}  # global batch as a report states it
         summed: dict[str, int] = {}  # ... as the sum of the workers' current batches
-        said: dict[str, set[bool]] = {}  # how the shims say each job reduces
         for h, _, report in seen.daemons:
             for job in report.jobs:
-                if job.in_leaf is not None:
-                    said.setdefault(job.name, set()).add(job.in_leaf)
                 known = jobs.get(job.name)
                 stated[job.name] = max(stated.get(job.name, 0), job.global_batch)
                 summed[job.name] = summed.get(job.name, 0) + sum(w.batch for w in job.workers)
@@ -382,8 +380,7 @@ class ControlPlane:
             topology = Topology(hosts, (self.config.uplink_bps,) * leaves)
         by_name = tuple(sorted(jobs.values(), key=lambda j: j.name))
         ordered = tuple(sorted(workers, key=lambda w: (w.job, w.rank)))
-        # The ranks of a job agree on one exchange: any host saying "flat" settles it.
-        in_leaf = {name: False not in says for name, says in said.items()}
+        in_leaf = _reduced_in_leaf(report for _, _, report in seen.daemons)
         coflows, flows = self._demand(by_name, ordered, topology, seen.plan, in_leaf)
         return State(
             jobs=by_name,
@@ -480,12 +477,13 @@ class ControlPlane:
         """What ``/api/v1/cluster`` and ``gradlane status --cluster`` show."""
         now = time.monotonic()
         lost = {h for h, d in self.daemons.items() if not d.connected}
+        in_leaf = _reduced_in_leaf(self.daemons[h].report for h in self.hosts())
         jobs: dict[str, dict[str, Any]] = {}
         for h in self.hosts():
             for job in self.daemons[h].report.jobs:
                 j = jobs.setdefault(job.name, {"hosts": [], "workers": 0, "degraded": False,
                                                "chunks": 0, "band_bps": [], "demand_bytes": 0,
-                                               "in_leaf": None})
+                                               "in_leaf": in_leaf.get(job.name)})
                 j["hosts"].append(h)
                 j["workers"] += len(job.workers)
                 j["chunks"] = max(j["chunks"], len(job.chunk_bytes))
@@ -493,8 +491,6 @@ class ControlPlane:
                     j["band_bps"] += [0.0] * (band + 1 - len(j["band_bps"]))
                     j["band_bps"][band] += bps
                 j["degraded"] |= h in lost
-                if job.in_leaf is not None:  # as the shims agreed; one "flat" settles it
-                    j["in_leaf"] = job.in_leaf and j["in_leaf"] is not False
         plan, state = self.plan, self.state
         if state is not None:  # what each job's next exchange puts on the network
             sent = np.bincount(state.flows.coflow, state.flows.bytes, len(state.coflows))
@@ -521,6 +517,17 @@ class ControlPlane:
                 "reduce_in_leaf": plan.reduce_in_leaf,
             },
         }
+
+
+def _reduced_in_leaf(reports: Iterable[cp.Report]) -> dict[str, bool]:
+    """Per job whose shims have said: whether it reduces within leaves first. Its ranks
+    agree on one exchange, so a host saying "flat" settles it."""
+    said: dict[str, bool] = {}
+    for report in reports:
+        for job in report.jobs:
+            if job.in_leaf is not None:
+                said[job.name] = job.in_leaf and said.get(job.name, True)
+    return said
 
 
 def _payload(msg: Any) -> str | bytes:

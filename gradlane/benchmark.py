@@ -231,21 +231,21 @@ def trace_layers(scenario: Scenario, compute_s: float) -> list[tuple[int, float]
 
 
 def summarize(steady: dict[str, list[float]], bound_s: float,
-              cpu: dict[str, list[SystemRun]] | None = None,
+              runs: dict[str, list[SystemRun]] | None = None,
               dependency_bound_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Per system, from its steady-state iteration times (warm-up already dropped): median,
     p90, achieved / bound (and / the dependency bound when given), the speedup over
-    ``ddp`` when it ran, and from its runs (`cpu`) the mean worker CPU, of it in the
-    kernel, the machine's mean busy share and the training threads' mean wait for a core."""
+    ``ddp`` when it ran, and from its `runs` the mean worker CPU, of it in the kernel,
+    the machine's mean busy share and the training threads' mean wait for a core."""
     summary: dict[str, dict[str, Any]] = {}
     for system, times in steady.items():
         ordered = sorted(times)
         median = statistics.median(ordered)
-        runs = (cpu or {}).get(system) or []
-        cores = [c for r in runs for c in r.cpu_cores]
-        kernel = [c for r in runs for c in r.cpu_sys_cores]
-        busy = [r.machine_cpu["busy"] for r in runs if r.machine_cpu]
-        queued = [q for r in runs for q in r.run_queue_s]
+        mine = (runs or {}).get(system) or []
+        cores = [c for r in mine for c in r.cpu_cores]
+        kernel = [c for r in mine for c in r.cpu_sys_cores]
+        busy = [r.machine_cpu["busy"] for r in mine if r.machine_cpu]
+        queued = [q for r in mine for q in r.run_queue_s]
         summary[system] = {
             "median_s": median,
             "p90_s": ordered[int(0.9 * (len(ordered) - 1))],

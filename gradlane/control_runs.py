@@ -401,7 +401,7 @@ def run_two_jobs(
     leaves: dict[str, dict[str, list[int] | None]] = {}
     trials: dict[str, dict[str, Any]] = {}  # the shims' layout trial verdicts
     shared: dict[str, dict[str, list[float]]] = {}  # iterations while both jobs trained
-    cpu: dict[str, list[SystemRun]] = {}
+    done_runs: dict[str, list[SystemRun]] = {}
     exchange: dict[str, bool | None] = {}  # how the control plane saw each job reduce
     port = 29820
     with Cluster(topology) as c:
@@ -425,7 +425,7 @@ def run_two_jobs(
                 with contextlib.suppress(TestbedError):  # the jobs' own checks come next
                     ctl.wait_view(told, "both jobs' exchange reported", timeout=300)
             done = [collect(c, s) for s in started]
-            cpu[label] = done
+            done_runs[label] = done
             rank0 = {job: json.loads((workdir / label / job / f"{system}-rank0.json").read_text())
                      for job in TWO_JOBS}
             runs[label] = {job: r["times"] for job, r in rank0.items()}
@@ -482,7 +482,7 @@ def run_two_jobs(
         "median_s": medians,
         "average_median_s": average,
         "lower_bound_s": bound,
-        "summary": summarize(pooled, bound, cpu),
+        "summary": summarize(pooled, bound, done_runs),
         "control_speedup": average["gradlane"] / average["gradlane+control"],
         "gradlane_over_fifo": average["fifo"] / average["gradlane+control"] if fifo else None,
         "daemon_exit_codes": codes,
