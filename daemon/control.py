@@ -213,7 +213,8 @@ class ControlPlane:
                 first = await ws.receive()
             daemon = self._register(first, ws)
             await self._send(daemon, {"type": "welcome", "version": cp.VERSION,
-                                      "host": daemon.register.host})
+                                      "host": daemon.register.host,
+                                      "features": list(cp.FEATURES)})
             if self.plan is not None:
                 await self._send(daemon, self.message_for(daemon.register.host))
             async for msg in ws:

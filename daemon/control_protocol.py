@@ -8,7 +8,7 @@ request with ``Authorization: Bearer <token>``.
   message. Conversation::
 
       daemon                                   control
-      register {version, host, leaf,       ->  welcome {version, host}
+      register {version, host, leaf,       ->  welcome {version, host, features}
                 interfaces, gradlane}
       report {seq, jobs}                       (whenever its jobs change, and
                                                 every few seconds)
@@ -31,6 +31,10 @@ gives the host its job classes (``{job: [rate_bps, ceil_bps, prio]}``), per
 job every rank's batch share and every chunk's owner (the shims take their
 own), and the host's leaf when shims should reduce within leaves first.
 
+A control plane refuses fields it does not know, so a daemon sends an
+optional field (``in_leaf``) only when the welcome's ``features`` lists it
+(`FEATURES`; an older control plane's welcome has none).
+
 Every message is validated (`parse_register`, `parse_report`); anything
 else gets ``error {code, message}`` and, on a WebSocket, the connection is
 closed. Sizes are capped (`MAX_MESSAGE`, `MAX_JOBS`, `MAX_WORKERS`,
@@ -49,6 +53,7 @@ from gradlane.daemon.fields import flag, integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
 __all__ = [
+    "FEATURES",
     "MAX_MESSAGE",
     "VERSION",
     "InterfaceReport",
@@ -63,6 +68,8 @@ __all__ = [
 ]
 
 VERSION = 1
+# Optional report fields this control plane accepts beyond VERSION's (its welcome lists them).
+FEATURES: tuple[str, ...] = ("in_leaf",)
 MAX_MESSAGE = 1 << 20
 MAX_JOBS = 256
 MAX_WORKERS = 4096

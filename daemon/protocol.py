@@ -9,7 +9,7 @@ Conversation (client = a training process's shim)::
 
     client                                   daemon
     hello {version, job, rank, world_size,   -> welcome {version, worker, bands,
-           flows[, in_leaf]}                             leaf}
+           flows[, in_leaf]}                             leaf, features}
     flows {flows[, in_leaf]}  (replace the band connections; say how the job reduces)
     chunks {iteration, events}               (batched, no reply)
     timing {iteration, compute_s, comm_s, samples}
@@ -21,9 +21,12 @@ A flow is one band connection: ``{"band", "src", "sport", "dst", "dport"}``
 sender's clock in seconds. ``in_leaf`` says how the job's ranks agreed to
 reduce: true within leaves first (each rank told its leaf, e.g. by the
 welcome's ``leaf``), false the flat exchange; absent, not agreed yet. The
-control plane's demand of the job follows it. `hello` must come first and only once. Anything
-else (bad framing, a wrong type, an out-of-order message) gets one
-``error {code, message}`` and the connection is closed.
+control plane's demand of the job follows it. A daemon refuses fields it
+does not know, so a shim sends an optional field only when the welcome's
+``features`` lists it (`FEATURES`; an older daemon's welcome has none).
+`hello` must come first and only once. Anything else (bad framing, a wrong
+type, an out-of-order message) gets one ``error {code, message}`` and the
+connection is closed.
 
 The `pid` of a worker is taken from SO_PEERCRED, not from the message.
 """
@@ -47,6 +50,7 @@ DEFAULT_BAND_DSCP: tuple[int, ...] = (46, 34, 26, 18)
 
 __all__ = [
     "DEFAULT_BAND_DSCP",
+    "FEATURES",
     "MAX_FRAME",
     "VERSION",
     "Bye",
@@ -63,6 +67,8 @@ __all__ = [
 ]
 
 VERSION = 1
+# Optional fields this daemon accepts beyond those of VERSION (its welcome lists them).
+FEATURES: tuple[str, ...] = ("in_leaf",)
 MAX_FRAME = 1 << 20
 MAX_FLOWS = 1024
 MAX_EVENTS = 16384

@@ -437,6 +437,7 @@ class Daemon:
                     "bands": list(self.config.bands),
                     # Read once at attach: the job's reduction trees never change mid-run.
                     "leaf": self.link.advised_leaf() if self.link is not None else None,
+                    "features": list(protocol.FEATURES),
                 },
             )
             await self._send(writer, self._plan_message(worker))

@@ -67,6 +67,9 @@ class ControlLink:
         self.plan_at = 0.0
         self.last_error: str | None = None
         self.sessions = 0
+        # Optional report fields the control plane accepts (its welcome's "features"):
+        # an older one refuses fields it does not know.
+        self.features: frozenset[str] = frozenset()
 
     # -- what the daemon asks ------------------------------------------------
 
@@ -151,6 +154,9 @@ class ControlLink:
                 welcome = await ws.receive_json()
             if welcome.get("type") != "welcome":
                 raise ValueError(f"expected welcome, got {welcome!r:.200}")
+            features = welcome.get("features")
+            self.features = frozenset(f for f in features if isinstance(f, str)) \
+                if isinstance(features, list) else frozenset()
             self.connected, self.last_error = True, None
             self.sessions += 1
             logger.info("control plane %s: registered as %s", self.url, self.host)
@@ -217,7 +223,8 @@ class ControlLink:
                 "band_bps": [round(b, 1) for b in measured.get(name, [])],
                 "workers": entries}
             agreed = {w.in_leaf for w in workers}
-            if None not in agreed:  # how the job reduces, once its workers here have said
+            # How the job reduces, once its workers here have said (and if understood).
+            if None not in agreed and "in_leaf" in self.features:
                 job["in_leaf"] = all(agreed)
             jobs.append(job)
         return {"type": "report", "seq": seq, "jobs": jobs}

@@ -57,6 +57,7 @@ class DaemonClient:
         self.advised_leaf: int | None = None
         self.in_leaf: bool | None = None
         self.welcomed = threading.Event()
+        self._features: frozenset[str] = frozenset()  # the daemon's optional fields
         self.daemon_bands: tuple[int, ...] | None = None
         self._events: list[list[float | int]] = []
         self._step = 0
@@ -103,7 +104,8 @@ class DaemonClient:
     def exchange_agreed(self, in_leaf: bool) -> None:
         """The job's ranks agreed to reduce within leaves first (or not): tell gradlaned."""
         self.in_leaf = in_leaf  # before the post: a session starting now sends it itself
-        self._post(self._flows_message())
+        if "in_leaf" in self._features:
+            self._post(self._flows_message())
 
     def _flows_message(self) -> dict[str, Any]:
         return {"type": "flows", "flows": self._flows(), "in_leaf": self.in_leaf}
@@ -170,8 +172,12 @@ class DaemonClient:
                 raise ProtocolError("order", f"expected welcome, got {welcome.get('type')!r}")
             self._adopt_bands(welcome.get("bands"))
             self.advised_leaf = _leaf(welcome.get("leaf"))
+            features = welcome.get("features")  # an older daemon refuses fields it lacks
+            self._features = frozenset(f for f in features if isinstance(f, str)) \
+                if isinstance(features, list) else frozenset()
             self.connected, self._said_absent = True, False
-            if self.in_leaf is not None:  # agreed before this session (or while it began)
+            # Agreed before this session (or while it began): say it now.
+            if self.in_leaf is not None and "in_leaf" in self._features:
                 sock.sendall(protocol.encode(self._flows_message()))
             self.welcomed.set()
             logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))

@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from gradlane.daemon import control_protocol as cp
 from gradlane.daemon import protocol, uplink
 from gradlane.daemon.control import ControlConfig, ControlPlane
+from gradlane.daemon.registry import Credentials, Registry
 from gradlane.daemon.service import Daemon
 from tests.fakes import FakeBackend, fake_config
 
@@ -142,3 +144,17 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         assert backend.restored
 
     asyncio.run(main())
+
+
+def test_the_exchange_is_reported_only_to_a_control_plane_that_lists_it() -> None:
+    registry = Registry(bands=4)
+    for rank in (0, 1):
+        hello = protocol.Hello(version=1, job="j", rank=rank, world_size=2, flows=(),
+                               in_leaf=True)
+        registry.add(hello, Credentials(100 + rank, 0, 0))
+    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                              registry, on_change=lambda: None)
+    # An older control plane (no "features" in its welcome) would refuse the field.
+    assert "in_leaf" not in link.report(1)["jobs"][0]
+    link.features = frozenset(cp.FEATURES)
+    assert link.report(2)["jobs"][0]["in_leaf"] is True

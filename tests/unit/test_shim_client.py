@@ -1,0 +1,113 @@
+"""The shim's gradlaned client: it tells the daemon how its job reduces, if the daemon can hear it.
+
+A fake daemon on a Unix socket plays both a current gradlaned (its welcome
+lists ``features``) and an older one (no ``features``: it would refuse the
+unknown ``in_leaf`` field and close the connection).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradlane.daemon import protocol
+from gradlane.shim.client import DaemonClient
+from gradlane.shim.config import ShimConfig
+
+
+class _Mesh:
+    dscp = (46,)
+
+    def flows(self) -> list[dict[str, object]]:
+        return []
+
+    def remark(self, dscp: tuple[int, ...]) -> None:
+        pass
+
+
+class _Daemon:
+    """Accepts one shim, welcomes it, and keeps what it says until a timing message."""
+
+    def __init__(self, path: Path, features: list[str] | None) -> None:
+        self.got: list[dict[str, Any]] = []
+        self.timed = threading.Event()
+        self._server = socket.socket(socket.AF_UNIX)
+        self._server.bind(str(path))
+        self._server.listen()
+        self._server.settimeout(10)
+        self._features = features
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._server.accept()
+        conn.settimeout(10)
+        decoder = protocol.FrameDecoder()
+        welcomed = False
+        with conn:
+            while not self.timed.is_set():
+                data = conn.recv(65536)
+                if not data:
+                    return
+                for message in decoder.feed(data):
+                    self.got.append(message)
+                    if message["type"] == "hello" and not welcomed:
+                        welcome = {"type": "welcome", "version": protocol.VERSION,
+                                   "worker": "w1", "bands": [46], "leaf": None}
+                        if self._features is not None:
+                            welcome["features"] = self._features
+                        conn.sendall(protocol.encode(welcome))
+                        welcomed = True
+                    if message["type"] == "timing":
+                        self.timed.set()
+
+    def close(self) -> None:
+        self._thread.join(10)
+        self._server.close()
+
+
+def _said(daemon: _Daemon) -> list[bool | None]:
+    return [m.get("in_leaf") for m in daemon.got if m["type"] == "flows"]
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["agreed-after", "agreed-before"])
+def test_the_job_s_exchange_reaches_a_daemon_that_lists_the_feature(
+    tmp_path: Path, before: bool
+) -> None:
+    path = tmp_path / "gl.sock"
+    if before:  # agreed before the daemon is up: said right after its welcome
+        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+        client.exchange_agreed(True)
+    daemon = _Daemon(path, features=list(protocol.FEATURES))
+    if not before:
+        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.welcomed.wait(10)
+        if not before:
+            client.exchange_agreed(True)
+        client.timing(0.1, 0.0)  # queued after the flows message: the daemon's cue to stop
+        assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        daemon.close()
+    assert _said(daemon) == [True]
+
+
+def test_an_older_daemon_is_not_sent_a_field_it_would_refuse(tmp_path: Path) -> None:
+    path = tmp_path / "gl.sock"
+    daemon = _Daemon(path, features=None)
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.welcomed.wait(10)
+        client.exchange_agreed(True)
+        client.timing(0.1, 0.0)
+        assert daemon.timed.wait(10)
+        assert client.connected  # still the first session: nothing was refused
+    finally:
+        client.close()
+        daemon.close()
+    assert _said(daemon) == []
