@@ -597,6 +597,7 @@ def _worker_status(worker: Worker) -> dict[str, Any]:
         "pid": worker.cred.pid,
         "uid": worker.cred.uid,
         "flows": len(worker.flows),
+        "in_leaf": worker.in_leaf,  # how its job reduces, as its shim said (None: not yet)
         "iteration": worker.iteration,
         "chunk_events": worker.chunk_events,
         "chunk_bytes": worker.chunk_bytes,

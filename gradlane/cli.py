@@ -517,6 +517,10 @@ def _get_json(url: str, who: str, headers: dict[str, str] | None = None) -> Any:
         raise click.ClickException(f"no {who} answers at {url}: {exc}") from None
 
 
+# How a job reduces, as its shims said ("in_leaf"; None: not said yet).
+_EXCHANGE = {True: "in leaves first", False: "flat"}
+
+
 def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
     import json
 
@@ -555,7 +559,7 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
         shares = (plan or {}).get("batch_shares", {}).get(name)
         jobs.add_row(name, str(j["workers"]), str(len(j["hosts"])),
                      "DEGRADED" if j["degraded"] else "ok",
-                     {True: "in leaves first", False: "flat"}.get(j.get("in_leaf"), "-"),
+                     _EXCHANGE.get(j.get("in_leaf"), "-"),
                      f"{j['demand_bytes'] / 1e6:.2f} MB" if j.get("demand_bytes") else "-",
                      f"{order.index(name) + 1} (level {level.get(name, 0)})" if name in order
                      else "-", str(shares or "-"))
@@ -703,7 +707,8 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
         f"{data['clients']} clients, API errors {data['api_errors'] or 'none'}"
     )
     jobs = Table(title="jobs")
-    for column in ("job", "rank", "pid", "flows", "iteration", "chunk events", "bytes by band"):
+    for column in ("job", "rank", "pid", "flows", "exchange", "iteration", "chunk events",
+                   "bytes by band"):
         jobs.add_column(column)
     for job in data["jobs"]:
         for w in job["workers"]:
@@ -712,6 +717,7 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
                 str(w["rank"]),
                 str(w["pid"]),
                 str(w["flows"]),
+                _EXCHANGE.get(w.get("in_leaf"), "-"),
                 str(w["iteration"]),
                 str(w["chunk_events"]),
                 str(w["chunk_bytes"]),

@@ -113,6 +113,7 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         for shim in shims:
             await shim.send({"type": "flows", "flows": [], "in_leaf": False})
         await _until(lambda: plane.view()["jobs"]["j"]["in_leaf"] is False)
+        assert [w["in_leaf"] for j in daemon.status()["jobs"] for w in j["workers"]] == [False] * 2
         # The slow worker recovers (its next steps' timings; the daemon takes the median of
         # the latest five): the shares follow, and shift back when it slows down again.
         # Periodic reports are off (REPORT_EVERY is an hour here): the daemon reports
