@@ -245,10 +245,12 @@ def _worker_argv(system: str, out: Path, extra: list[str]) -> list[str]:
     return ["-m", "gradlane.worker", "--system", system, "--out", str(out), *extra]
 
 
-def _collect(system: str, out: Path, wall: float) -> SystemRun:
-    """Rank 0's times and losses; every rank's CPU use."""
+def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None) -> SystemRun:
+    """Rank 0's times and losses; every rank's CPU use; with `cpu`, the machine's over
+    rank 0's steady steps."""
     raw = json.loads((out / f"{system}-rank0.json").read_text())
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob(f"{system}-rank*.json"))]
+    ends = raw.get("ends") or []
     return SystemRun(
         system,
         raw["times"],
@@ -260,6 +262,9 @@ def _collect(system: str, out: Path, wall: float) -> SystemRun:
                      if "run_queue_s_per_step" in r],
         waited=raw.get("waited", []),
         layout_trial=raw.get("layout_trial"),
+        # From the end of the warm-up (see `SystemRun.steady`) to the last step.
+        machine_cpu=cpu.over(ends[max(0, len(ends) // 5 - 1)], ends[-1])
+        if cpu is not None and len(ends) >= 2 else None,
     )
 
 
@@ -316,8 +321,12 @@ def run_loopback(hosts: int, steps: int, out: Path, say: Callable[[str], None]) 
             stderr=subprocess.PIPE,
             text=True,
         )
-        _finish([proc], system, timeout=300)
-        result.runs[system] = _collect(system, out, time.monotonic() - start)
+        cpu = MachineCpu()
+        try:
+            _finish([proc], system, timeout=300)
+        finally:
+            cpu.stop()
+        result.runs[system] = _collect(system, out, time.monotonic() - start, cpu)
     return result
 
 
@@ -469,10 +478,7 @@ def collect(c: Any, job: Launched, timeout: float = 300) -> SystemRun:
         _finish(job.procs, job.system, timeout=timeout)
     finally:
         job.cpu.stop()
-    run = _collect(job.system, job.out, time.monotonic() - job.started)
-    ends = json.loads((job.out / f"{job.system}-rank0.json").read_text()).get("ends") or []
-    if len(ends) >= 2:  # from the end of the warm-up (see `SystemRun.steady`) to the last step
-        run.machine_cpu = job.cpu.over(ends[max(0, len(ends) // 5 - 1)], ends[-1])
+    run = _collect(job.system, job.out, time.monotonic() - job.started, job.cpu)
     run.wire_bytes = sum(
         _tx_bytes(c.ns(h)) - b for h, b in zip(job.hosts, job.tx_before, strict=True)
     )
