@@ -550,16 +550,18 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
                                 for i in h["interfaces"]))
     out.print(hosts)
     jobs = Table(title="jobs")
-    for column in ("job", "workers", "hosts", "state", "exchange", "demand / iteration",
-                   "coflow order", "batch shares"):
+    for column in ("job", "workers", "hosts", "state", "exchange", "sending",
+                   "demand / iteration", "coflow order", "batch shares"):
         jobs.add_column(column)
     order = (plan or {}).get("coflow_order", [])
     level = (plan or {}).get("job_level", {})  # `gradlane` reports an order, keeps one level
     for name, j in sorted(data["jobs"].items()):
         shares = (plan or {}).get("batch_shares", {}).get(name)
+        sending = sum(j.get("band_bps", []))  # what its classes carry now (gradlaned measures)
         jobs.add_row(name, str(j["workers"]), str(len(j["hosts"])),
                      "DEGRADED" if j["degraded"] else "ok",
                      _EXCHANGE.get(j.get("in_leaf"), "-"),
+                     format_rate(round(sending)) if sending else "-",
                      f"{j['demand_bytes'] / 1e6:.2f} MB" if j.get("demand_bytes") else "-",
                      f"{order.index(name) + 1} (level {level.get(name, 0)})" if name in order
                      else "-", str(shares or "-"))

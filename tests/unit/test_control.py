@@ -305,7 +305,8 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     # Jobs a (4 MB) and b (32 MB) each have a worker on both leaves: both cross the uplink.
     plane = ControlPlane(_config(policy="coflow", uplink_bps=5_000_000_000))
     small, big = [1_000_000] * 4, [8_000_000] * 4
-    _reported(plane, "h0", 0, [_job("a", [0], small), _job("b", [0], big)])
+    _reported(plane, "h0", 0, [{**_job("a", [0], small), "band_bps": [2e6, 1.5e6]},
+                               _job("b", [0], big)])
     _reported(plane, "h1", 1, [_job("a", [1], small), _job("b", [1], big)])
     state = plane.build_state()
     assert [c.job for c in state.coflows] == ["a", "b"]
@@ -328,7 +329,7 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     shown = CliRunner().invoke(cli.cli, ["status", "--cluster", "--token-file", str(token)])
     assert shown.exit_code == 0, shown.output
     a, b = (line for line in shown.output.splitlines() if "(level" in line)  # jobs a, b
-    assert "8.00 MB" in a and "1 (level 0)" in a
+    assert "8.00 MB" in a and "1 (level 0)" in a and "3.5Mbit" in a  # sending now
     assert "64.00 MB" in b and "2 (level 1)" in b
 
 
