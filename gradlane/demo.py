@@ -40,7 +40,7 @@ from gradlane.errors import TestbedError
 
 __all__ = ["DemoResult", "MachineCpu", "SystemRun", "run_demo"]
 
-WINDOW_S = 1.0  # the band-usage plot's window
+WINDOW_S = 1.0  # the band-usage plot's window when no iteration can be picked
 SAMPLE_S = 0.01
 
 
@@ -117,6 +117,7 @@ class SystemRun:
     # The whole machine's CPU over rank 0's steady steps (`MachineCpu.over`).
     machine_cpu: dict[str, float] | None = None
     waited: list[float] = field(default_factory=list)  # rank 0's exposed communication per step
+    ends: list[float] = field(default_factory=list)  # when rank 0's steps ended (monotonic)
     layout_trial: dict[str, Any] | None = None  # the shim's layout trial, if it ran one
 
     @property
@@ -261,6 +262,7 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
         run_queue_s=[round(r["run_queue_s_per_step"], 5) for r in ranks
                      if "run_queue_s_per_step" in r],
         waited=raw.get("waited", []),
+        ends=ends,
         layout_trial=raw.get("layout_trial"),
         # From the end of the warm-up (see `SystemRun.steady`) to the last step.
         machine_cpu=cpu.over(ends[max(0, len(ends) // 5 - 1)], ends[-1])
@@ -356,17 +358,21 @@ class _BandSampler:
         from gradlane.daemon.tc import parse_htb_class
 
         counts = {}
+        asked = time.monotonic()
         for msg in self._ipr.get_classes(self._index):
             if msg.get_attr("TCA_KIND") == "htb" and msg["handle"] >> 16 == MARKER:
                 cls = parse_htb_class(msg)
                 counts[cls.params.classid & 0xFFFF] = cls.bytes
-        self.samples.append((time.monotonic(), counts))
+        # The counters were read somewhere during the dump (through the namespace's
+        # helper process): stamp them with its middle, not its end.
+        self.samples.append(((asked + time.monotonic()) / 2, counts))
 
-    def band_usage(self, bands: int) -> dict[str, Any]:
-        """bit/s per band over the busiest `WINDOW_S` of the run.
+    def band_usage(self, bands: int, span: tuple[float, float] | None = None) -> dict[str, Any]:
+        """bit/s per band between consecutive samples over `span` (monotonic seconds: one
+        iteration), or over `WINDOW_S` from the middle of the run.
 
         Leaves are minor ``S0(b+1)`` of job slot S; the slot carrying the most
-        bytes is the demo job's.
+        bytes is the demo job's. ``t`` counts from the span's start.
         """
         if len(self.samples) < 3:
             return {}
@@ -384,9 +390,13 @@ class _BandSampler:
             return {}
         slot = max(slots, key=lambda s: slots[s])
         live = [x for x in self.samples if (slot << 8) + 1 in x[1]]
-        middle = live[len(live) // 2][0]
-        window = [x for x in live if middle <= x[0] <= middle + WINDOW_S]
-        t0 = window[0][0]
+        if span is None:
+            span = (live[len(live) // 2][0], live[len(live) // 2][0] + WINDOW_S)
+        # From the last sample at or before the span's start to the first at or after its end.
+        first = max([i for i, x in enumerate(live) if x[0] <= span[0]], default=0)
+        last = min([i for i, x in enumerate(live) if x[0] >= span[1]], default=len(live) - 1)
+        window = live[first : last + 1]
+        t0 = span[0]
         series: dict[str, list[float]] = {"t": []}
         for b in range(bands):
             series[f"band{b}"] = []
@@ -519,8 +529,24 @@ def run_on_cluster(
                 time.sleep(SAMPLE_S)
         finally:
             sampler.close()
-        usage = sampler.band_usage(4)
-    return collect(c, job), usage
+    run = collect(c, job)
+    if bands:
+        span = typical_iteration(run.ends)
+        usage = {**sampler.band_usage(4, span), "span_s": span and span[1] - span[0]}
+    return run, usage
+
+
+def typical_iteration(ends: list[float]) -> tuple[float, float] | None:
+    """One steady iteration (start, end) of median length from the middle of a run whose
+    steps ended at `ends` (the first fifth warms up); None for too short a run."""
+    if len(ends) < 6:
+        return None
+    steady = range(max(1, len(ends) // 5), len(ends))
+    middle = list(steady)[len(steady) // 4 : 3 * len(steady) // 4] or list(steady)
+    lengths = sorted(ends[k] - ends[k - 1] for k in middle)
+    median = lengths[len(lengths) // 2]
+    k = min(middle, key=lambda k: abs(ends[k] - ends[k - 1] - median))
+    return ends[k - 1], ends[k]
 
 
 def run_cluster(
@@ -611,10 +637,17 @@ def plot(result: DemoResult, path: Path) -> None:
         )
         if result.rate_bps:
             ax1.axhline(result.rate_bps / 1e6, color="grey", ls="--", lw=0.8, label="link rate")
-        ax1.set_xlabel("seconds (a 1 s window of the gradlane run)")
+        span = bands.get("span_s")
+        if span:
+            ax1.set_xlim(0, span)
+        ax1.set_xlabel(f"seconds into one iteration of the gradlane run ({span * 1000:.0f} ms)"
+                       if span else f"seconds (a {WINDOW_S:.0f} s window of the gradlane run)")
         ax1.set_ylabel("Mbit/s sent by host 1")
         ax1.set_title("host 1 egress per priority band (gradlaned's HTB leaves)")
-        ax1.legend(loc="upper right", fontsize=8)
+        top = max([sum(v) for v in zip(*(bands[f"band{b}"] for b in range(4)), strict=True)]
+                  + [result.rate_bps or 0])
+        ax1.set_ylim(0, top / 1e6 * 1.3)  # room for the legend above the bars
+        ax1.legend(loc="upper center", ncol=5, fontsize=8)
     else:
         ax1.text(
             0.5,

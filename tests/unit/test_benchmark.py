@@ -297,3 +297,22 @@ def test_the_readme_table_is_the_one_the_results_make() -> None:
     shown = readme.split("<!-- bench-table:begin -->\n", 1)[1]
     shown = shown.split("\n<!-- bench-table:end -->", 1)[0]
     assert shown == table, "README table is stale: run gradlane bench table ... --readme README.md"
+
+
+def test_the_demo_plots_one_typical_iteration_of_band_usage() -> None:
+    from gradlane.demo import _BandSampler, typical_iteration
+
+    # 20 steps of 0.1 s, except a slow one in the middle: a typical one is picked.
+    lengths = [0.3] + [0.1] * 9 + [0.5] + [0.1] * 9
+    ends = [sum(lengths[: k + 1]) for k in range(len(lengths))]
+    start, end = typical_iteration(ends) or (0.0, 0.0)
+    assert end - start == pytest.approx(0.1) and ends.index(end) >= 4  # past the warm-up
+    assert typical_iteration(ends[:5]) is None
+    # Band leaves 1:101 (band 0) and 1:102 (band 1) of job slot 1, sampled every 10 ms:
+    # band 0 sends 1,250 bytes per 10 ms (1 Mbit/s), band 1 twice that.
+    sampler = _BandSampler.__new__(_BandSampler)
+    sampler.samples = [(t / 100, {0x101: 1250 * t, 0x102: 2500 * t}) for t in range(100)]
+    usage = sampler.band_usage(2, (0.2, 0.3))
+    assert usage["t"][0] == pytest.approx(0.01) and usage["t"][-1] == pytest.approx(0.1)
+    assert usage["band0"] == pytest.approx([1e6] * 10)
+    assert usage["band1"] == pytest.approx([2e6] * 10)
