@@ -11,7 +11,7 @@ from typing import Any
 
 from gradlane.errors import ProtocolError
 
-__all__ = ["MAX_NAME", "flag", "get", "integer", "listed", "number", "only", "text"]
+__all__ = ["MAX_NAME", "features", "flag", "get", "integer", "listed", "number", "only", "text"]
 
 MAX_NAME = 128
 
@@ -43,6 +43,14 @@ def flag(raw: dict[str, Any], key: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise ProtocolError("bad_message", f"{raw.get('type')}: {key} must be true or false")
     return value
+
+
+def features(welcome: dict[str, Any]) -> frozenset[str]:
+    """The optional fields a welcome says its side accepts (none from an older one)."""
+    listed = welcome.get("features")
+    if not isinstance(listed, list):
+        return frozenset()
+    return frozenset(f for f in listed if isinstance(f, str))
 
 
 def number(raw: dict[str, Any], key: str) -> float:

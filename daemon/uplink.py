@@ -30,6 +30,7 @@ import aiohttp
 
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
+from gradlane.daemon.fields import features
 from gradlane.daemon.registry import Registry
 from gradlane.policies import JobClassPlan
 
@@ -154,9 +155,7 @@ class ControlLink:
                 welcome = await ws.receive_json()
             if welcome.get("type") != "welcome":
                 raise ValueError(f"expected welcome, got {welcome!r:.200}")
-            features = welcome.get("features")
-            self.features = frozenset(f for f in features if isinstance(f, str)) \
-                if isinstance(features, list) else frozenset()
+            self.features = features(welcome)
             self.connected, self.last_error = True, None
             self.sessions += 1
             logger.info("control plane %s: registered as %s", self.url, self.host)

@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gradlane.daemon import protocol
+from gradlane.daemon.fields import features
 from gradlane.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -172,9 +173,7 @@ class DaemonClient:
                 raise ProtocolError("order", f"expected welcome, got {welcome.get('type')!r}")
             self._adopt_bands(welcome.get("bands"))
             self.advised_leaf = _leaf(welcome.get("leaf"))
-            features = welcome.get("features")  # an older daemon refuses fields it lacks
-            self._features = frozenset(f for f in features if isinstance(f, str)) \
-                if isinstance(features, list) else frozenset()
+            self._features = features(welcome)  # an older daemon refuses fields it lacks
             self.connected, self._said_absent = True, False
             # Agreed before this session (or while it began): say it now.
             if self.in_leaf is not None and "in_leaf" in self._features:
