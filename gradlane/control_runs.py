@@ -338,7 +338,10 @@ def _spans(rank0: dict[str, dict[str, Any]], warmup: int) -> dict[str, list[tupl
 
 def _shared_window(rank0: dict[str, dict[str, Any]], warmup: int = 2) -> tuple[float, float]:
     """From when every job is past its `warmup` to when the first job ends."""
-    spans = _spans(rank0, warmup)
+    return _window(_spans(rank0, warmup))
+
+
+def _window(spans: dict[str, list[tuple[float, float]]]) -> tuple[float, float]:
     return max(s[0][0] for s in spans.values()), min(s[-1][1] for s in spans.values())
 
 
@@ -348,9 +351,9 @@ def _overlapping(rank0: dict[str, dict[str, Any]], warmup: int = 2) -> dict[str,
     Raises:
         TestbedError: fewer than 3 such iterations for some job: the jobs hardly overlapped.
     """
-    start, stop = _shared_window(rank0, warmup)
-    out = {job: [b - a for a, b in s if a >= start and b <= stop]
-           for job, s in _spans(rank0, warmup).items()}
+    spans = _spans(rank0, warmup)
+    start, stop = _window(spans)
+    out = {job: [b - a for a, b in s if a >= start and b <= stop] for job, s in spans.items()}
     short = [job for job, times in out.items() if len(times) < 3]
     if short:
         raise TestbedError(f"jobs {short} ran fewer than 3 iterations while all jobs trained; "
