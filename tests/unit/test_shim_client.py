@@ -35,6 +35,7 @@ class _Daemon:
     def __init__(self, path: Path, features: list[str] | None) -> None:
         self.got: list[dict[str, Any]] = []
         self.timed = threading.Event()
+        self._release = threading.Event()  # hold the connection open until `close`
         self._server = socket.socket(socket.AF_UNIX)
         self._server.bind(str(path))
         self._server.listen()
@@ -64,8 +65,10 @@ class _Daemon:
                         welcomed = True
                     if message["type"] == "timing":
                         self.timed.set()
+            self._release.wait(10)
 
     def close(self) -> None:
+        self._release.set()
         self._thread.join(10)
         self._server.close()
 
