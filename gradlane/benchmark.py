@@ -66,6 +66,15 @@ machine can be half idle on average and still be short of cores at the
 moments that matter; so each worker also records how long per step its
 training thread was ready to run but had no core (``run_queue_s_per_step``,
 from Linux schedstats): the CPU bottleneck on the critical path.
+
+A wait for averages in the next forward (the shim's exposed communication)
+is not all the network's either: no average exists before the slowest
+worker's backward has ended. Each worker records when its backwards ended,
+on the clock all namespaces share, and the bench splits the wait at the
+slowest worker's end (``exposed_s``, ``slowest_worker_s`` per run,
+`gradlane.demo.waits_for_slowest`): the part before it is skew between the
+workers (whose compute, or wait for a core, ran longer), the rest the
+exchange's.
 """
 
 from __future__ import annotations
@@ -236,7 +245,9 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
     """Per system, from its steady-state iteration times (warm-up already dropped): median,
     p90, achieved / bound (and / the dependency bound when given), the speedup over
     ``ddp`` when it ran, and from its `runs` the mean worker CPU, of it in the kernel,
-    the machine's mean busy share and the training threads' mean wait for a core."""
+    the machine's mean busy share, the training threads' mean wait for a core and, on
+    the shim, the mean wait for averages per step and how much of it was for the
+    slowest worker (`gradlane.demo.waits_for_slowest`), over each run's steady steps."""
     summary: dict[str, dict[str, Any]] = {}
     for system, times in steady.items():
         ordered = sorted(times)
@@ -246,6 +257,8 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
         kernel = [c for r in mine for c in r.cpu_sys_cores]
         busy = [r.machine_cpu["busy"] for r in mine if r.machine_cpu]
         queued = [q for r in mine for q in r.run_queue_s]
+        exposed = [w for r in mine for w in r.exposed[len(r.exposed) // 5 :]]
+        slowest = [w for r in mine for w in r.slowest[len(r.slowest) // 5 :]]
         summary[system] = {
             "median_s": median,
             "p90_s": ordered[int(0.9 * (len(ordered) - 1))],
@@ -254,6 +267,8 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
             "worker_cpu_sys_cores_mean": statistics.fmean(kernel) if kernel else None,
             "machine_busy_mean": statistics.fmean(busy) if busy else None,
             "run_queue_s_mean": statistics.fmean(queued) if queued else None,
+            "exposed_s_mean": statistics.fmean(exposed) if exposed else None,
+            "slowest_worker_s_mean": statistics.fmean(slowest) if slowest else None,
         }
         if dependency_bound_s is not None:
             summary[system]["achieved_over_dependency_bound"] = median / dependency_bound_s
@@ -325,6 +340,10 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                         # Time rank 0 waited for gradients (0 for ddp, which cannot say):
                         # iteration - waited is the compute the simulator replays.
                         "waited_s": run.waited,
+                        # Per step, the ranks' mean wait for averages and, of it, the wait
+                        # for the slowest rank's backward to end (shim systems).
+                        "exposed_s": run.exposed,
+                        "slowest_worker_s": run.slowest,
                         # The shim's grouping trial: each layout's median iteration, the
                         # one kept (`ShimConfig.layout`).
                         "layout_trial": run.layout_trial,
@@ -357,12 +376,15 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
 def cells(s: dict[str, Any]) -> list[str]:
     """One system's summary as table cells: vs DDP, achieved / bound, achieved / the
     dependency bound, worker CPU (of it in the kernel), the machine's busy share, the
-    training thread's wait for a core per step ("-" where not measured)."""
+    training thread's wait for a core per step, the wait for averages per step (of it
+    for the slowest worker) ("-" where not measured)."""
     cpu = s.get("worker_cpu_cores_mean")
     queued = s.get("run_queue_s_mean")
     kernel = s.get("worker_cpu_sys_cores_mean")
     busy = s.get("machine_busy_mean")
     ordered = s.get("achieved_over_dependency_bound")
+    exposed = s.get("exposed_s_mean")
+    slowest = s.get("slowest_worker_s_mean")
     return [
         f"{s['speedup_over_ddp']:.2f}x" if "speedup_over_ddp" in s else "-",
         f"{s['achieved_over_bound']:.2f}",
@@ -371,11 +393,13 @@ def cells(s: dict[str, Any]) -> list[str]:
         + ("" if kernel is None else f" ({kernel:.2f} kernel)"),
         f"{busy:.0%}" if busy is not None else "-",
         f"{queued * 1000:.1f} ms" if queued is not None else "-",
+        "-" if exposed is None else f"{exposed * 1000:.1f} ms"
+        + ("" if slowest is None else f" ({slowest * 1000:.1f} slowest)"),
     ]
 
 
 CELL_NAMES = ["vs DDP", "achieved / bound", "/ dependency bound", "worker CPU", "machine busy",
-              "waiting for a core"]
+              "waiting for a core", "waiting for averages"]
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
@@ -420,6 +444,13 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
                      "for a core: per step, how long a worker's training thread was ready "
                      "to run but had no core (schedstat), the CPU bottleneck on the "
                      "critical path.")
+    if any(s.get("exposed_s_mean") is not None for r in results
+           for s in r["summary"].values()):
+        lines.append("")
+        lines.append("waiting for averages: per step, how long a worker's next forward waited "
+                     "for averages (systems on the shim; DDP waits inside its backward), and "
+                     "of it how long for the slowest worker's backward to end (the clock all "
+                     "namespaces share): skew between workers' compute, not the network.")
     if any(r.get("dependency_bound_s") for r in results):
         lines.append("")
         lines.append("/ dependency bound: against the bound that also holds the layers' order "

@@ -118,6 +118,10 @@ class SystemRun:
     machine_cpu: dict[str, float] | None = None
     waited: list[float] = field(default_factory=list)  # rank 0's exposed communication per step
     ends: list[float] = field(default_factory=list)  # when rank 0's steps ended (monotonic)
+    # Systems on the shim, per step, the ranks' mean: the next forward's wait for averages,
+    # and of it the wait for the slowest rank's backward (`waits_for_slowest`).
+    exposed: list[float] = field(default_factory=list)
+    slowest: list[float] = field(default_factory=list)
     layout_trial: dict[str, Any] | None = None  # the shim's layout trial, if it ran one
 
     @property
@@ -246,12 +250,44 @@ def _worker_argv(system: str, out: Path, extra: list[str]) -> list[str]:
     return ["-m", "gradlane.worker", "--system", system, "--out", str(out), *extra]
 
 
+# Systems whose workers wait for averages in the next forward, where the wait can be timed
+# (DDP's is inside its backward; "local" exchanges nothing).
+_SHIM_SYSTEMS = ("fifo", "priority", "gradlane")
+
+
+def waits_for_slowest(ranks: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Per step, the ranks' mean wait for averages, and how much of it was for the slowest rank.
+
+    Each rank's step k waits (``waited[k]``, the shim's exposed communication)
+    for step k-1's averages, and none of them exists before the last rank's
+    backward of step k-1 has ended (``backward_ends[k-1]``, on the clock
+    every namespace of one machine shares). So of rank r's wait,
+    ``min(waited, last end - r's end)`` is the slowest worker's doing (skew:
+    its compute, or its wait for a core, ran longer), the rest the
+    exchange's. Empty if a rank did not record both.
+    """
+    if not ranks or any(not r.get("backward_ends") or not r.get("waited") for r in ranks):
+        return [], []
+    steps = min(min(len(r["backward_ends"]), len(r["waited"])) for r in ranks)
+    exposed, slowest = [], []
+    for k in range(1, steps):
+        last = max(r["backward_ends"][k - 1] for r in ranks)
+        waits = [r["waited"][k] for r in ranks]
+        skews = [min(w, max(0.0, last - r["backward_ends"][k - 1]))
+                 for w, r in zip(waits, ranks, strict=True)]
+        exposed.append(statistics.fmean(waits))
+        slowest.append(statistics.fmean(skews))
+    # Step 0 waited for nothing; keep the lists aligned with the iteration times.
+    return [0.0, *exposed], [0.0, *slowest]
+
+
 def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None) -> SystemRun:
     """Rank 0's times and losses; every rank's CPU use; with `cpu`, the machine's over
     rank 0's steady steps."""
     raw = json.loads((out / f"{system}-rank0.json").read_text())
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob(f"{system}-rank*.json"))]
     ends = raw.get("ends") or []
+    exposed, slowest = waits_for_slowest(ranks) if system in _SHIM_SYSTEMS else ([], [])
     return SystemRun(
         system,
         raw["times"],
@@ -263,6 +299,8 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
                      if "run_queue_s_per_step" in r],
         waited=raw.get("waited", []),
         ends=ends,
+        exposed=exposed,
+        slowest=slowest,
         layout_trial=raw.get("layout_trial"),
         # From the end of the warm-up (see `SystemRun.steady`) to the last step.
         machine_cpu=cpu.over(ends[max(0, len(ends) // 5 - 1)], ends[-1])

@@ -7,7 +7,8 @@ the same seed in every system) or ``trace`` (per-layer sleeps and parameter
 bytes from a model profile; ``--speed`` slows this worker's compute).
 SGD with momentum, one CPU thread. Every rank writes
 ``DIR/<system>-rank<R>.json`` with its iteration times, losses, the time it
-waited on communication (gradlane systems), the CPU cores it used over
+waited on communication (gradlane systems), when each backward ended (on the
+machine-wide monotonic clock), the CPU cores it used over
 the training loop and how long per step its training thread waited for a
 core (`run_queue_s`).
 
@@ -81,7 +82,11 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.003, momentum=0.9)
     # "ends": when each step ended, on the machine-wide monotonic clock (the same in every
     # namespace), so runs of jobs started side by side can be lined up.
-    record: dict[str, Any] = {"times": [], "ends": [], "losses": [], "waited": [], "batch": []}
+    # "backward_ends": when each backward returned (the same clock): with the shim, once this
+    # worker's gradients are all handed to the exchange, so lined up across ranks they show
+    # how long the fastest worker waited for the slowest.
+    record: dict[str, Any] = {"times": [], "ends": [], "losses": [], "waited": [], "batch": [],
+                              "backward_ends": []}
 
     def train(net: nn.Module, sync: Any = None) -> None:
         # CPU of this process (all threads) over the training loop: a worker
@@ -100,6 +105,7 @@ def main() -> None:
                 record["batch"].append(batch)
                 loss = net(trace_batch(batch)).sum()
             loss.backward()  # type: ignore[no-untyped-call]
+            record["backward_ends"].append(time.monotonic())
             opt.step()
             opt.zero_grad()
             now = time.perf_counter()

@@ -283,9 +283,47 @@ def test_summary_means_worker_and_machine_cpu_over_runs() -> None:
     assert s["worker_cpu_sys_cores_mean"] == pytest.approx(0.1)
     assert s["machine_busy_mean"] == pytest.approx(0.7)
     assert s["run_queue_s_mean"] == pytest.approx(0.005)
-    assert cells(s)[-3:] == ["0.30 cores (0.10 kernel)", "70%", "5.0 ms"]
+    assert cells(s)[-4:-1] == ["0.30 cores (0.10 kernel)", "70%", "5.0 ms"]
     bare = summarize({"gradlane": [0.2] * 5}, 0.1)["gradlane"]  # nothing measured: "-"
-    assert cells(bare)[-3:] == ["-", "-", "-"]
+    assert cells(bare)[-4:] == ["-", "-", "-", "-"]
+
+
+def _rank(ends: list[float], waited: list[float]) -> dict[str, list[float]]:
+    return {"backward_ends": ends, "waited": waited}
+
+
+def test_the_wait_for_averages_is_split_at_the_slowest_workers_backward() -> None:
+    from gradlane.demo import waits_for_slowest
+
+    # Step 0's backward ends at 1.00 (rank 0) and 1.03 (rank 1); step 1's forward then
+    # waits 0.05 on rank 0 (0.03 of it for rank 1) and 0.01 on rank 1 (none for anyone).
+    # Step 1's backwards end together; rank 0 waits 0.02 in step 2, all of it the network.
+    # Step 2's: rank 1 is 0.05 late but rank 0 waits only 0.01, all of it for rank 1.
+    ranks = [_rank([1.00, 2.00, 3.00, 4.0], [0.0, 0.05, 0.02, 0.01]),
+             _rank([1.03, 2.00, 3.05, 4.0], [0.0, 0.01, 0.00, 0.00])]
+    exposed, slowest = waits_for_slowest(ranks)
+    assert exposed == pytest.approx([0.0, 0.03, 0.01, 0.005])
+    assert slowest == pytest.approx([0.0, 0.015, 0.0, 0.005])
+    # A rank that did not record its backwards (an older worker): nothing to say.
+    assert waits_for_slowest([ranks[0], {"waited": [0.0] * 4}]) == ([], [])
+
+
+def test_waits_for_averages_are_collected_for_shim_systems_only(tmp_path: Path) -> None:
+    from gradlane.demo import _collect
+
+    for system in ("gradlane", "ddp"):
+        for rank, late in enumerate((0.0, 0.004)):
+            (tmp_path / f"{system}-rank{rank}.json").write_text(json.dumps({
+                "times": [0.1] * 5, "losses": [1.0] * 5, "waited": [0.0] + [0.005] * 4,
+                "backward_ends": [step + late for step in range(5)]}))
+    run = _collect("gradlane", tmp_path, 1.0)
+    assert run.exposed == pytest.approx([0.0] + [0.005] * 4)
+    assert run.slowest == pytest.approx([0.0] + [0.002] * 4)  # rank 0 waits 4 ms for rank 1
+    ddp = _collect("ddp", tmp_path, 1.0)  # DDP's wait is inside its backward
+    assert ddp.exposed == [] and ddp.slowest == []
+    s = summarize({"gradlane": [0.1] * 4}, 0.1, {"gradlane": [run]})["gradlane"]
+    assert s["exposed_s_mean"] == pytest.approx(0.005)  # the steady steps: step 0 warms up
+    assert cells(s)[-1] == "5.0 ms (2.0 slowest)"
 
 
 def test_the_readme_table_is_the_one_the_results_make() -> None:
