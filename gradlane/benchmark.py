@@ -431,30 +431,32 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         )
         for r in results
     }
-    if any(REFERENCE in r["summary"] for r in results):
-        lines.append("")
-        lines.append(f"`{REFERENCE}`: every worker computes alone, nothing is exchanged; its "
-                     "median is the compute of the bound (achieved / bound) in that run.")
-    if any(s.get("machine_busy_mean") is not None for r in results
-           for s in r["summary"].values()):
-        lines.append("")
-        lines.append("worker CPU: cores per worker over its training loop (of them in the "
-                     "kernel); machine busy: the share of all cores busy over the steady "
-                     "steps (/proc/stat: workers, daemons, the kernel's networking); waiting "
-                     "for a core: per step, how long a worker's training thread was ready "
-                     "to run but had no core (schedstat), the CPU bottleneck on the "
-                     "critical path.")
-    if any(s.get("exposed_s_mean") is not None for r in results
-           for s in r["summary"].values()):
-        lines.append("")
-        lines.append("waiting for averages: per step, how long a worker's next forward waited "
-                     "for averages (systems on the shim; DDP waits inside its backward), and "
-                     "of it how long for the slowest worker's backward to end (the clock all "
-                     "namespaces share): skew between workers' compute, not the network.")
-    if any(r.get("dependency_bound_s") for r in results):
-        lines.append("")
-        lines.append("/ dependency bound: against the bound that also holds the layers' order "
-                     "(`gradlane.benchmark`), for traces.")
+    def measured(key: str) -> bool:
+        return any(s.get(key) is not None for r in results for s in r["summary"].values())
+
+    notes = [
+        (any(REFERENCE in r["summary"] for r in results),
+         f"`{REFERENCE}`: every worker computes alone, nothing is exchanged; its "
+         "median is the compute of the bound (achieved / bound) in that run."),
+        (measured("machine_busy_mean"),
+         "worker CPU: cores per worker over its training loop (of them in the "
+         "kernel); machine busy: the share of all cores busy over the steady "
+         "steps (/proc/stat: workers, daemons, the kernel's networking); waiting "
+         "for a core: per step, how long a worker's training thread was ready "
+         "to run but had no core (schedstat), the CPU bottleneck on the "
+         "critical path."),
+        (measured("exposed_s_mean"),
+         "waiting for averages: per step, how long a worker's next forward waited "
+         "for averages (systems on the shim; DDP waits inside its backward), and "
+         "of it how long for the slowest worker's backward to end (the clock all "
+         "namespaces share): skew between workers' compute, not the network."),
+        (any(r.get("dependency_bound_s") for r in results),
+         "/ dependency bound: against the bound that also holds the layers' order "
+         "(`gradlane.benchmark`), for traces."),
+    ]
+    for shown, note in notes:
+        if shown:
+            lines += ["", note]
     for commit, date, cpu, cores in sorted(envs):
         lines.append("")
         lines.append(f"Measured {date} at commit {commit} on {cpu} ({cores} cores).")
