@@ -96,7 +96,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CELL_NAMES", "Scenario", "cells", "dependency_bound", "load_scenario", "lower_bound",
-    "run_scenario", "summarize", "trace_layers", "worker_args",
+    "run_scenario", "summarize", "trace_layers", "waits_cell", "worker_args",
 ]
 
 PAYLOAD_EFFICIENCY = 1448 / 1514
@@ -257,8 +257,8 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
         kernel = [c for r in mine for c in r.cpu_sys_cores]
         busy = [r.machine_cpu["busy"] for r in mine if r.machine_cpu]
         queued = [q for r in mine for q in r.run_queue_s]
-        exposed = [w for r in mine for w in r.exposed[len(r.exposed) // 5 :]]
-        slowest = [w for r in mine for w in r.slowest[len(r.slowest) // 5 :]]
+        exposed = [w for r in mine for w in r.steady_waits[0]]
+        slowest = [w for r in mine for w in r.steady_waits[1]]
         summary[system] = {
             "median_s": median,
             "p90_s": ordered[int(0.9 * (len(ordered) - 1))],
@@ -393,9 +393,16 @@ def cells(s: dict[str, Any]) -> list[str]:
         + ("" if kernel is None else f" ({kernel:.2f} kernel)"),
         f"{busy:.0%}" if busy is not None else "-",
         f"{queued * 1000:.1f} ms" if queued is not None else "-",
-        "-" if exposed is None else f"{exposed * 1000:.1f} ms"
-        + ("" if slowest is None else f" ({slowest * 1000:.1f} slowest)"),
+        waits_cell(exposed, slowest),
     ]
+
+
+def waits_cell(exposed_s: float | None, slowest_s: float | None) -> str:
+    """The mean wait for averages per step, and of it the wait for the slowest worker."""
+    if exposed_s is None:
+        return "-"
+    return f"{exposed_s * 1000:.1f} ms" + (
+        "" if slowest_s is None else f" ({slowest_s * 1000:.1f} slowest)")
 
 
 CELL_NAMES = ["vs DDP", "achieved / bound", "/ dependency bound", "worker CPU", "machine busy",

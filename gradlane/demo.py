@@ -128,6 +128,11 @@ class SystemRun:
     def steady(self) -> list[float]:
         return self.times[len(self.times) // 5 :]  # the first fifth warms up
 
+    @property
+    def steady_waits(self) -> tuple[list[float], list[float]]:
+        """`exposed` and `slowest` over the steady steps (empty where not measured)."""
+        return self.exposed[len(self.exposed) // 5 :], self.slowest[len(self.slowest) // 5 :]
+
     def p(self, q: float) -> float:
         data = sorted(self.steady)
         return data[min(len(data) - 1, int(q * len(data)))]
@@ -187,6 +192,8 @@ class DemoResult:
                     "cpu_sys_cores_per_rank": v.cpu_sys_cores,
                     "run_queue_s_per_step": v.run_queue_s,
                     "machine_cpu": v.machine_cpu,
+                    "exposed_s": v.exposed,
+                    "slowest_worker_s": v.slowest,
                 }
                 for k, v in self.runs.items()
             },
@@ -616,6 +623,8 @@ def run_cluster(
 
 
 def report(result: DemoResult, console: Console) -> None:
+    from gradlane.benchmark import waits_cell  # imports the shim (torch); only the table needs it
+
     table = Table(
         title=f"gradlane demo: {result.hosts} workers"
         + (
@@ -633,6 +642,7 @@ def report(result: DemoResult, console: Console) -> None:
         "link utilization",
         "worker CPU",
         "machine busy",
+        "waiting for averages",
         "final loss",
     ):
         table.add_column(col, justify="right" if col != "system" else "left")
@@ -648,9 +658,15 @@ def report(result: DemoResult, console: Console) -> None:
             f"{run.utilization:.0%}" if run.utilization is not None else "-",
             f"{statistics.fmean(run.cpu_cores):.2f} cores" if run.cpu_cores else "-",
             f"{run.machine_cpu['busy']:.0%}" if run.machine_cpu else "-",
+            waits_cell(*(statistics.fmean(w) if w else None for w in run.steady_waits)),
             f"{run.final_loss:.4f}",
         )
     console.print(table)
+    console.print(
+        "waiting for averages: per step, how long gradlane's next forward waited for the "
+        "previous step's averages, and of it how long for the slowest worker's backward "
+        "to end (skew between the workers, not the network); DDP waits inside its backward"
+    )
     console.print(
         f"final losses differ by {result.loss_gap:.2%} (mean of the last 10 steps, rank 0); "
         f"the loss curves by at most {result.loss_curve_gap:.2%} at any of the "

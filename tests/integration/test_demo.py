@@ -72,4 +72,10 @@ def test_demo_without_root_runs_both_systems_on_loopback(tmp_path: Path) -> None
         run = result["systems"][system]
         assert len(run["iteration_s"]) == 10
         assert run["machine_cpu"] is None or 0 < run["machine_cpu"]["busy"] <= 1
+    # gradlane's wait for averages, split at the slowest worker; DDP's cannot be timed.
+    waits = result["systems"]["gradlane"]
+    assert len(waits["exposed_s"]) == 10 and result["systems"]["ddp"]["exposed_s"] == []
+    assert all(0 <= s <= e for s, e in zip(waits["slowest_worker_s"], waits["exposed_s"],
+                                            strict=True))
+    assert "waiting for averages:" in out.stdout
     assert png.stat().st_size > 10_000
