@@ -42,6 +42,7 @@ __all__ = ["DemoResult", "MachineCpu", "SystemRun", "run_demo"]
 
 WINDOW_S = 1.0  # the band-usage plot's window when no iteration can be picked
 SAMPLE_S = 0.01
+GSO_BYTES = 64 << 10  # TCP's largest segment on the veths (GSO): the counters' step
 
 
 class MachineCpu:
@@ -694,8 +695,15 @@ def plot(result: DemoResult, path: Path) -> None:
         span = bands.get("span_s")
         if span:
             ax1.set_xlim(0, span)
-        ax1.set_xlabel(f"seconds into one iteration of the gradlane run ({span * 1000:.0f} ms)"
-                       if span else f"seconds (a {WINDOW_S:.0f} s window of the gradlane run)")
+        label = (f"seconds into one iteration of the gradlane run ({span * 1000:.0f} ms)"
+                 if span else f"seconds (a {WINDOW_S:.0f} s window of the gradlane run)")
+        if result.rate_bps:
+            # A bar is one counter sample (~10 ms); TCP hands the qdisc whole GSO segments.
+            segment_ms = GSO_BYTES * 8 / result.rate_bps * 1000
+            label += ("\none bar per counter sample; bytes leave in segments of up to\n"
+                      f"64 KB ({segment_ms:.1f} ms at the link rate): a short bar can read "
+                      "above the rate")
+        ax1.set_xlabel(label, fontsize=9)
         ax1.set_ylabel("Mbit/s sent by host 1")
         ax1.set_title("host 1 egress per priority band (gradlaned's HTB leaves)")
         top = max([sum(v) for v in zip(*(bands[f"band{b}"] for b in range(4)), strict=True)]
