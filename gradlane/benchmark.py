@@ -257,8 +257,12 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
         kernel = [c for r in mine for c in r.cpu_sys_cores]
         busy = [r.machine_cpu["busy"] for r in mine if r.machine_cpu]
         queued = [q for r in mine for q in r.run_queue_s]
-        exposed = [w for r in mine for w in r.steady_waits[0]]
-        slowest = [w for r in mine for w in r.steady_waits[1]]
+        exposed: list[float] = []
+        slowest: list[float] = []
+        for r in mine:
+            steady_exposed, steady_slowest = r.steady_waits
+            exposed += steady_exposed
+            slowest += steady_slowest
         summary[system] = {
             "median_s": median,
             "p90_s": ordered[int(0.9 * (len(ordered) - 1))],

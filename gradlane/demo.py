@@ -125,14 +125,18 @@ class SystemRun:
     slowest: list[float] = field(default_factory=list)
     layout_trial: dict[str, Any] | None = None  # the shim's layout trial, if it ran one
 
+    @staticmethod
+    def _past_warm_up(per_step: list[float]) -> list[float]:
+        return per_step[len(per_step) // 5 :]  # the first fifth warms up
+
     @property
     def steady(self) -> list[float]:
-        return self.times[len(self.times) // 5 :]  # the first fifth warms up
+        return self._past_warm_up(self.times)
 
     @property
     def steady_waits(self) -> tuple[list[float], list[float]]:
         """`exposed` and `slowest` over the steady steps (empty where not measured)."""
-        return self.exposed[len(self.exposed) // 5 :], self.slowest[len(self.slowest) // 5 :]
+        return self._past_warm_up(self.exposed), self._past_warm_up(self.slowest)
 
     def p(self, q: float) -> float:
         data = sorted(self.steady)
