@@ -69,12 +69,13 @@ from Linux schedstats): the CPU bottleneck on the critical path.
 
 A wait for averages in the next forward (the shim's exposed communication)
 is not all the network's either: no average exists before the slowest
-worker's backward has ended. Each worker records when its backwards ended,
-on the clock all namespaces share, and the bench splits the wait at the
-slowest worker's end (``exposed_s``, ``slowest_worker_s`` per run,
-`gradlane.demo.waits_for_slowest`): the part before it is skew between the
-workers (whose compute, or wait for a core, ran longer), the rest the
-exchange's.
+worker's backward has ended. Each worker records when its steps and its
+backwards ended, on the clock all namespaces share, and how long each
+forward waited (``rank_steps`` per run). The bench takes from the wait the
+part the slowest worker's own work held back: its compute, or its wait for
+a core, ran longer (``exposed_s``, ``slowest_compute_s`` per run,
+`gradlane.demo.waits_for_slowest`). The rest is the exchange's, including
+a worker's lateness from its own longer wait for the step before's averages.
 """
 
 from __future__ import annotations
@@ -246,8 +247,9 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
     p90, achieved / bound (and / the dependency bound when given), the speedup over
     ``ddp`` when it ran, and from its `runs` the mean worker CPU, of it in the kernel,
     the machine's mean busy share, the training threads' mean wait for a core and, on
-    the shim, the mean wait for averages per step and how much of it was for the
-    slowest worker (`gradlane.demo.waits_for_slowest`), over each run's steady steps."""
+    the shim, the mean wait for averages per step and how much of it the slowest
+    worker's own work held back (`gradlane.demo.waits_for_slowest`), over each run's
+    steady steps."""
     summary: dict[str, dict[str, Any]] = {}
     for system, times in steady.items():
         ordered = sorted(times)
@@ -272,7 +274,7 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
             "machine_busy_mean": statistics.fmean(busy) if busy else None,
             "run_queue_s_mean": statistics.fmean(queued) if queued else None,
             "exposed_s_mean": statistics.fmean(exposed) if exposed else None,
-            "slowest_worker_s_mean": statistics.fmean(slowest) if slowest else None,
+            "slowest_compute_s_mean": statistics.fmean(slowest) if slowest else None,
         }
         if dependency_bound_s is not None:
             summary[system]["achieved_over_dependency_bound"] = median / dependency_bound_s
@@ -344,10 +346,12 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                         # Time rank 0 waited for gradients (0 for ddp, which cannot say):
                         # iteration - waited is the compute the simulator replays.
                         "waited_s": run.waited,
-                        # Per step, the ranks' mean wait for averages and, of it, the wait
-                        # for the slowest rank's backward to end (shim systems).
+                        # Per step, the ranks' mean wait for averages and, of it, what the
+                        # slowest rank's own work held back (shim systems), and per rank
+                        # the series they come from (`gradlane.demo.waits_for_slowest`).
                         "exposed_s": run.exposed,
-                        "slowest_worker_s": run.slowest,
+                        "slowest_compute_s": run.slowest,
+                        "rank_steps": run.rank_steps,
                         # The shim's grouping trial: each layout's median iteration, the
                         # one kept (`ShimConfig.layout`).
                         "layout_trial": run.layout_trial,
@@ -381,14 +385,14 @@ def cells(s: dict[str, Any]) -> list[str]:
     """One system's summary as table cells: vs DDP, achieved / bound, achieved / the
     dependency bound, worker CPU (of it in the kernel), the machine's busy share, the
     training thread's wait for a core per step, the wait for averages per step (of it
-    for the slowest worker) ("-" where not measured)."""
+    what the slowest worker's own work held back) ("-" where not measured)."""
     cpu = s.get("worker_cpu_cores_mean")
     queued = s.get("run_queue_s_mean")
     kernel = s.get("worker_cpu_sys_cores_mean")
     busy = s.get("machine_busy_mean")
     ordered = s.get("achieved_over_dependency_bound")
     exposed = s.get("exposed_s_mean")
-    slowest = s.get("slowest_worker_s_mean")
+    slowest = s.get("slowest_compute_s_mean")
     return [
         f"{s['speedup_over_ddp']:.2f}x" if "speedup_over_ddp" in s else "-",
         f"{s['achieved_over_bound']:.2f}",
@@ -402,7 +406,7 @@ def cells(s: dict[str, Any]) -> list[str]:
 
 
 def waits_cell(exposed_s: float | None, slowest_s: float | None) -> str:
-    """The mean wait for averages per step, and of it the wait for the slowest worker."""
+    """The mean wait for averages per step, and of it what the slowest worker held back."""
     if exposed_s is None:
         return "-"
     return f"{exposed_s * 1000:.1f} ms" + (
@@ -459,8 +463,10 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         (measured("exposed_s_mean"),
          "waiting for averages: per step, how long a worker's next forward waited "
          "for averages (systems on the shim; DDP waits inside its backward), and "
-         "of it how long for the slowest worker's backward to end (the clock all "
-         "namespaces share): skew between workers' compute, not the network."),
+         "of it how long the slowest worker's own compute (or its wait for a core) "
+         "held them back; the rest is the exchange's, including a worker's lateness "
+         "from its own longer wait the step before (`gradlane.demo.waits_for_slowest`). "
+         "No brackets: a result from before this split."),
         (any(r.get("dependency_bound_s") for r in results),
          "/ dependency bound: against the bound that also holds the layers' order "
          "(`gradlane.benchmark`), for traces."),

@@ -120,9 +120,12 @@ class SystemRun:
     waited: list[float] = field(default_factory=list)  # rank 0's exposed communication per step
     ends: list[float] = field(default_factory=list)  # when rank 0's steps ended (monotonic)
     # Systems on the shim, per step, the ranks' mean: the next forward's wait for averages,
-    # and of it the wait for the slowest rank's backward (`waits_for_slowest`).
+    # and of it what the slowest rank's own work held back (`waits_for_slowest`).
     exposed: list[float] = field(default_factory=list)
     slowest: list[float] = field(default_factory=list)
+    # Per rank, the raw series those come from: when each step and each backward ended
+    # (monotonic) and how long each step's forward waited for averages.
+    rank_steps: list[dict[str, list[float]]] = field(default_factory=list)
     layout_trial: dict[str, Any] | None = None  # the shim's layout trial, if it ran one
 
     @staticmethod
@@ -198,7 +201,8 @@ class DemoResult:
                     "run_queue_s_per_step": v.run_queue_s,
                     "machine_cpu": v.machine_cpu,
                     "exposed_s": v.exposed,
-                    "slowest_worker_s": v.slowest,
+                    "slowest_compute_s": v.slowest,
+                    "rank_steps": v.rank_steps,
                 }
                 for k, v in self.runs.items()
             },
@@ -268,29 +272,43 @@ _SHIM_SYSTEMS = ("fifo", "priority", "gradlane")
 
 
 def waits_for_slowest(ranks: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    """Per step, the ranks' mean wait for averages, and how much of it was for the slowest rank.
+    """Per step, the ranks' mean wait for averages, and how much of it the slowest worker's
+    own work caused.
 
     Each rank's step k waits (``waited[k]``, the shim's exposed communication)
-    for step k-1's averages, and none of them exists before the last rank's
-    backward of step k-1 has ended (``backward_ends[k-1]``, on the clock
-    every namespace of one machine shares). So of rank r's wait,
-    ``min(waited, last end - r's end)`` is the slowest worker's doing (skew:
-    its compute, or its wait for a core, ran longer), the rest the
-    exchange's. Empty if a rank did not record both.
+    for step k-1's averages, and none of them exists before the last rank L's
+    backward of step k-1 has ended (``backward_ends[k-1]``, on the clock every
+    namespace of one machine shares). L ended later than rank r because it
+    started step k-1 later (``ends[k-2]``), because it waited longer for
+    averages in that step's forward (the exchange's doing: an owner holds its
+    chunks' averages before the others do), or because its own work took
+    longer: its compute, the training loop's CPU, its wait for a core
+    (``work = backward end - step start - waited``). Only the last is the
+    slowest worker's: of r's wait, ``min(waited, L's lateness, L's work -
+    r's work)``; the rest is the exchange's. Steps 0 and 1 have no step
+    before them to compare and count 0. Empty if a rank did not record all
+    three series.
     """
-    if not ranks or any(not r.get("backward_ends") or not r.get("waited") for r in ranks):
+    series = ("backward_ends", "waited", "ends")
+    if not ranks or any(not r.get(key) for r in ranks for key in series):
         return [], []
-    steps = min(min(len(r["backward_ends"]), len(r["waited"])) for r in ranks)
-    exposed, slowest = [], []
+    steps = min(len(r[key]) for r in ranks for key in series)
+    exposed, slowest = [0.0], [0.0]
     for k in range(1, steps):
-        last = max(r["backward_ends"][k - 1] for r in ranks)
         waits = [r["waited"][k] for r in ranks]
-        skews = [min(w, max(0.0, last - r["backward_ends"][k - 1]))
-                 for w, r in zip(waits, ranks, strict=True)]
         exposed.append(statistics.fmean(waits))
-        slowest.append(statistics.fmean(skews))
-    # Step 0 waited for nothing; keep the lists aligned with the iteration times.
-    return [0.0, *exposed], [0.0, *slowest]
+        if k < 2:
+            slowest.append(0.0)
+            continue
+        ends = [r["backward_ends"][k - 1] for r in ranks]
+        work = [end - r["ends"][k - 2] - r["waited"][k - 1]
+                for end, r in zip(ends, ranks, strict=True)]
+        last = max(range(len(ranks)), key=ends.__getitem__)
+        slowest.append(statistics.fmean(
+            min(w, max(0.0, min(ends[last] - end, work[last] - mine)))
+            for w, end, mine in zip(waits, ends, work, strict=True)))
+    # Step 0 waited for nothing; the lists are aligned with the iteration times.
+    return exposed, slowest
 
 
 def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None) -> SystemRun:
@@ -313,6 +331,8 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
         ends=ends,
         exposed=exposed,
         slowest=slowest,
+        rank_steps=[{key: r.get(key, []) for key in ("ends", "backward_ends", "waited")}
+                    for r in ranks],
         layout_trial=raw.get("layout_trial"),
         # From the end of the warm-up (see `SystemRun.steady`) to the last step.
         machine_cpu=cpu.over(ends[max(0, len(ends) // 5 - 1)], ends[-1])
@@ -669,8 +689,8 @@ def report(result: DemoResult, console: Console) -> None:
     console.print(table)
     console.print(
         "waiting for averages: per step, how long gradlane's next forward waited for the "
-        "previous step's averages, and of it how long for the slowest worker's backward "
-        "to end (skew between the workers, not the network); DDP waits inside its backward"
+        "previous step's averages, and of it how long the slowest worker's own compute "
+        "held them back (the rest is the exchange's); DDP waits inside its backward"
     )
     console.print(
         f"final losses differ by {result.loss_gap:.2%} (mean of the last 10 steps, rank 0); "

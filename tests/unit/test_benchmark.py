@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -288,42 +289,59 @@ def test_summary_means_worker_and_machine_cpu_over_runs() -> None:
     assert cells(bare)[-4:] == ["-", "-", "-", "-"]
 
 
-def _rank(ends: list[float], waited: list[float]) -> dict[str, list[float]]:
-    return {"backward_ends": ends, "waited": waited}
+def _rank(computes: list[float], waited: list[float]) -> dict[str, Any]:
+    """A rank's record: each step starts when the last ended (step 0 at 0), its forward
+    waits waited[k], it computes computes[k]; the optimizer then takes 1 ms."""
+    record: dict[str, Any] = {"backward_ends": [], "waited": waited, "ends": []}
+    start = 0.0
+    for compute, wait in zip(computes, waited, strict=True):
+        record["backward_ends"].append(start + wait + compute)
+        start = record["backward_ends"][-1] + 0.001
+        record["ends"].append(start)
+    return record
 
 
-def test_the_wait_for_averages_is_split_at_the_slowest_workers_backward() -> None:
+def test_the_wait_for_averages_is_split_by_what_held_the_slowest_worker_back() -> None:
     from gradlane.demo import waits_for_slowest
 
-    # Step 0's backward ends at 1.00 (rank 0) and 1.03 (rank 1); step 1's forward then
-    # waits 0.05 on rank 0 (0.03 of it for rank 1) and 0.01 on rank 1 (none for anyone).
-    # Step 1's backwards end together; rank 0 waits 0.02 in step 2, all of it the network.
-    # Step 2's: rank 1 is 0.05 late but rank 0 waits only 0.01, all of it for rank 1.
-    ranks = [_rank([1.00, 2.00, 3.00, 4.0], [0.0, 0.05, 0.02, 0.01]),
-             _rank([1.03, 2.00, 3.05, 4.0], [0.0, 0.01, 0.00, 0.00])]
+    # Step 1: both compute 0.1 s, but rank 1 waited 0.03 longer for step 0's averages
+    # (the exchange's doing), so its backward ends 0.03 late: of rank 0's wait in step
+    # 2 (0.04), none is the slowest worker's.
+    # Step 2: rank 1 computes 0.02 longer and ends 0.02 late: of rank 0's 0.05 in step 3,
+    # 0.02 is the slowest worker's; rank 1 was the last itself (none of its 0.01).
+    # Step 3: rank 1 computes 0.03 longer but, having waited less, ends only 0.01 late:
+    # rank 0's 0.01 in step 4 is all the slowest worker's.
+    ranks = [_rank([0.1, 0.1, 0.10, 0.10, 0.1], [0.0, 0.00, 0.04, 0.05, 0.01]),
+             _rank([0.1, 0.1, 0.12, 0.13, 0.1], [0.0, 0.03, 0.01, 0.01, 0.00])]
     exposed, slowest = waits_for_slowest(ranks)
-    assert exposed == pytest.approx([0.0, 0.03, 0.01, 0.005])
-    assert slowest == pytest.approx([0.0, 0.015, 0.0, 0.005])
-    # A rank that did not record its backwards (an older worker): nothing to say.
-    assert waits_for_slowest([ranks[0], {"waited": [0.0] * 4}]) == ([], [])
+    assert exposed == pytest.approx([0.0, 0.015, 0.025, 0.03, 0.005])
+    # Steps 0 and 1 have no step before theirs to compare: 0.
+    assert slowest == pytest.approx([0.0, 0.0, 0.0, 0.01, 0.005])
+    # A rank that did not record every series (an older worker): nothing to say.
+    assert waits_for_slowest([ranks[0], {"waited": [0.0] * 5}]) == ([], [])
 
 
 def test_waits_for_averages_are_collected_for_shim_systems_only(tmp_path: Path) -> None:
     from gradlane.demo import _collect
 
     for system in ("gradlane", "ddp"):
-        for rank, late in enumerate((0.0, 0.004)):
-            (tmp_path / f"{system}-rank{rank}.json").write_text(json.dumps({
-                "times": [0.1] * 5, "losses": [1.0] * 5, "waited": [0.0] + [0.005] * 4,
-                "backward_ends": [step + late for step in range(5)]}))
+        for rank, slower in enumerate((0.0, 0.004)):  # rank 1 computes 4 ms longer
+            record = _rank([0.1 + slower] * 10, [0.0] + [0.005] * 9)
+            record.update(times=[0.1] * 10, losses=[1.0] * 10)
+            (tmp_path / f"{system}-rank{rank}.json").write_text(json.dumps(record))
     run = _collect("gradlane", tmp_path, 1.0)
-    assert run.exposed == pytest.approx([0.0] + [0.005] * 4)
-    assert run.slowest == pytest.approx([0.0] + [0.002] * 4)  # rank 0 waits 4 ms for rank 1
+    assert run.exposed == pytest.approx([0.0] + [0.005] * 9)
+    # Rank 0 waits 4 ms for rank 1's compute; the first two steps cannot tell.
+    assert run.slowest == pytest.approx([0.0, 0.0] + [0.002] * 8)
+    assert [r["waited"] for r in run.rank_steps] == [[0.0] + [0.005] * 9] * 2  # kept raw
     ddp = _collect("ddp", tmp_path, 1.0)  # DDP's wait is inside its backward
     assert ddp.exposed == [] and ddp.slowest == []
-    s = summarize({"gradlane": [0.1] * 4}, 0.1, {"gradlane": [run]})["gradlane"]
-    assert s["exposed_s_mean"] == pytest.approx(0.005)  # the steady steps: step 0 warms up
+    s = summarize({"gradlane": [0.1] * 8}, 0.1, {"gradlane": [run]})["gradlane"]
+    assert s["exposed_s_mean"] == pytest.approx(0.005)  # the steady steps: 2 warm up
     assert cells(s)[-1] == "5.0 ms (2.0 slowest)"
+    # A result from before the split shows the wait alone.
+    old = {k: v for k, v in s.items() if k != "slowest_compute_s_mean"}
+    assert cells({**old, "slowest_worker_s_mean": 0.002})[-1] == "5.0 ms"
 
 
 def test_the_readme_table_is_the_one_the_results_make() -> None:
