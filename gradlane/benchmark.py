@@ -465,8 +465,10 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
          "for averages (systems on the shim; DDP waits inside its backward), and "
          "of it how long the slowest worker's own compute (or its wait for a core) "
          "held them back; the rest is the exchange's, including a worker's lateness "
-         "from its own longer wait the step before (`gradlane.demo.waits_for_slowest`). "
-         "No brackets: a result from before this split."),
+         "from its own longer wait the step before (`gradlane.demo.waits_for_slowest`)."),
+        (any(s.get("exposed_s_mean") is not None and s.get("slowest_compute_s_mean") is None
+             for r in results for s in r["summary"].values()),
+         "A wait for averages without brackets: a result from before that split."),
         (any(r.get("dependency_bound_s") for r in results),
          "/ dependency bound: against the bound that also holds the layers' order "
          "(`gradlane.benchmark`), for traces."),

@@ -339,9 +339,16 @@ def test_waits_for_averages_are_collected_for_shim_systems_only(tmp_path: Path) 
     s = summarize({"gradlane": [0.1] * 8}, 0.1, {"gradlane": [run]})["gradlane"]
     assert s["exposed_s_mean"] == pytest.approx(0.005)  # the steady steps: 2 warm up
     assert cells(s)[-1] == "5.0 ms (2.0 slowest)"
-    # A result from before the split shows the wait alone.
+    # A result from before the split shows the wait alone, and the table says why.
     old = {k: v for k, v in s.items() if k != "slowest_compute_s_mean"}
     assert cells({**old, "slowest_worker_s_mean": 0.002})[-1] == "5.0 ms"
+    env = {"commit": "0" * 40, "date": "2026-11-23", "cpu": "x", "cores": 2}
+    result = {"scenario": {"name": "a"}, "lower_bound_s": 0.1, "environment": env}
+    new_only = markdown_table([{**result, "summary": {"gradlane": s}}])
+    assert "5.0 ms (2.0 slowest)" in new_only and "without brackets" not in new_only
+    mixed = markdown_table([{**result, "summary": {"gradlane": s}},
+                            {**result, "scenario": {"name": "b"}, "summary": {"gradlane": old}}])
+    assert "without brackets: a result from before that split" in mixed
 
 
 def test_the_readme_table_is_the_one_the_results_make() -> None:
