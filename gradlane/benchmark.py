@@ -11,6 +11,7 @@ A scenario is a TOML file (see ``bench/scenarios/``)::
     comm_to_compute = 1.0  # link rate: one iteration's traffic takes this x compute
     layout = "auto"        # the shim's gradient grouping: auto, fine or coarse
     chunk_bytes = 1048576  # optional: `ShimConfig.chunk_bytes` (default: the shim's)
+    exchange = "flat"      # gradlane's chunk paths: flat or ring (`ShimConfig.exchange`)
     [workload]
     kind = "trace"         # or "cnn"
     model = "vgg19"        # a shipped profile (trace)
@@ -90,7 +91,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradlane.errors import ConfigError
-from gradlane.shim.config import LAYOUTS
+from gradlane.shim.config import EXCHANGES, LAYOUTS
 
 if TYPE_CHECKING:
     from gradlane.demo import SystemRun
@@ -117,6 +118,7 @@ class Scenario:
     workload: dict[str, Any] = field(default_factory=dict)
     layout: str = "auto"  # `ShimConfig.layout` of the systems on gradlane's transport
     chunk_bytes: int | None = None  # `ShimConfig.chunk_bytes` of those systems; None: default
+    exchange: str = "flat"  # `ShimConfig.exchange` of the gradlane system
 
 
 def load_scenario(path: Path) -> Scenario:
@@ -162,9 +164,12 @@ def load_scenario(path: Path) -> Scenario:
         workload=dict(workload),
         layout=get("layout", str, "auto"),
         chunk_bytes=get("chunk_bytes", int) if "chunk_bytes" in raw else None,
+        exchange=get("exchange", str, "flat"),
     )
     if scenario.layout not in LAYOUTS:
         raise ConfigError(f"{path}: layout must be one of {', '.join(LAYOUTS)}")
+    if scenario.exchange not in EXCHANGES:
+        raise ConfigError(f"{path}: exchange must be one of {', '.join(EXCHANGES)}")
     if not 2 <= scenario.hosts <= 8 or scenario.steps < 10 or scenario.rounds < 1:
         raise ConfigError(f"{path}: need hosts 2..8, steps >= 10, rounds >= 1")
     if not scenario.comm_to_compute > 0:
@@ -177,7 +182,7 @@ def load_scenario(path: Path) -> Scenario:
 def worker_args(scenario: Scenario) -> list[str]:
     """`gradlane.worker` options of the scenario's workload, layout and chunks (every system)."""
     w = scenario.workload
-    args = ["--layout", scenario.layout, "--workload", w["kind"]]
+    args = ["--layout", scenario.layout, "--exchange", scenario.exchange, "--workload", w["kind"]]
     if scenario.chunk_bytes is not None:
         args += ["--chunk-bytes", str(scenario.chunk_bytes)]
     if w["kind"] == "trace":

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradlane.shim.config import LAYOUTS
+from gradlane.shim.config import EXCHANGES, LAYOUTS
 from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace, trace_batch
 
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "local")
@@ -68,6 +68,8 @@ def main() -> None:
                     help="trace, gradlane: take the local batch size the control plane advises")
     ap.add_argument("--layout", choices=LAYOUTS, default="auto",
                     help="fifo, priority, gradlane: the shim's gradient grouping")
+    ap.add_argument("--exchange", choices=EXCHANGES, default="flat",
+                    help="gradlane: each chunk's path (`ShimConfig.exchange`)")
     ap.add_argument("--chunk-bytes", type=int, default=None,
                     help="fifo, priority, gradlane: the shim's chunk size (default: its own)")
     args = ap.parse_args()
@@ -145,7 +147,7 @@ def main() -> None:
         if args.system == "fifo":
             options.update(dscp=(0,), overlap=False)
         if args.system == "gradlane":
-            options["daemon_socket"] = args.daemon_socket
+            options.update(daemon_socket=args.daemon_socket, exchange=args.exchange)
         with gl.attach(model, opt, **options) as sync:
             # The leaf of every rank when chunks are reduced within leaves first.
             record["leaves"] = list(sync.leaves) if sync.leaves else None

@@ -15,7 +15,9 @@ import numpy.typing as npt
 
 from gradlane.errors import ConfigError
 
-__all__ = ["all_reduction_parents", "assign_owners", "band_of", "reduction_parents"]
+__all__ = [
+    "all_reduction_parents", "assign_owners", "band_of", "reduction_parents", "ring_routes",
+]
 
 
 def assign_owners(
@@ -129,6 +131,30 @@ def reduction_parents(owner: int, leaves: Sequence[int]) -> list[int]:
         else:
             parents.append(lead[leaf])
     return parents
+
+
+def ring_routes(owner: int, world: int) -> tuple[list[int], list[int]]:
+    """One chunk's exchange around the ring of ranks: (reduce parents, result parents).
+
+    The chunk's partial sum travels ``owner+1 -> owner+2 -> ... -> owner``, each
+    rank adding its own part, and the average travels on ``owner -> owner+1
+    -> ... -> owner-1``: every rank sends only to its successor and receives
+    only from its predecessor, whoever owns the chunk. Each link carries one
+    copy each way, as in the flat exchange (`reduction_parents`, one leaf),
+    and no rank ever receives from several senders at once: no incast at a
+    switch port, so the only queue is the sender's own, where its priority
+    order holds. The price is latency: W-1 hops each way instead of one.
+    (This is ring all-reduce's communication pattern, per chunk.)
+
+    Returns ``(reduce, result)``: ``reduce[r]`` is where rank r sends its
+    (partial) sum, ``result[r]`` the rank r receives the average from;
+    both -1 for the owner.
+    """
+    if not 0 <= owner < world:
+        raise ConfigError(f"owner {owner} is not a rank of {world}")
+    reduce = [-1 if r == owner else (r + 1) % world for r in range(world)]
+    result = [-1 if r == owner else (r - 1) % world for r in range(world)]
+    return reduce, result
 
 
 def all_reduction_parents(leaves: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

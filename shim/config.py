@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
 
-__all__ = ["DEFAULT_DSCP", "LAYOUTS", "ShimConfig"]
+__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig"]
 
 # Band 0 first: gradlaned's default table. The daemon's welcome overrides it.
 DEFAULT_DSCP = DEFAULT_BAND_DSCP
 LAYOUTS = ("auto", "fine", "coarse")
+EXCHANGES = ("flat", "ring")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,15 @@ class ShimConfig:
             rank) were faster beyond chance (`gradlane.shim.sync.pick_layout`),
             fine otherwise; every rank takes the same decision. (`attach` only: the DDP comm hook
             reduces DDP's own buckets.)
+        exchange: the path of each chunk when every rank hangs off one leaf.
+            "flat": every rank sends its part straight to the chunk's owner,
+            which sends the average straight back (two hops). "ring": the
+            part travels around the ring of ranks to the owner, summed on
+            the way, and the average on around the ring
+            (`gradlane.policies.chunks.ring_routes`): the same bytes per
+            link, but no rank ever receives from several at once, so no
+            switch port queues (incast) and only the senders' own queues,
+            where the priority order holds; W-1 hops each way instead.
     """
 
     chunk_bytes: int = 1 << 20
@@ -70,6 +80,7 @@ class ShimConfig:
     sndbuf_bytes: int = 0
     leaf: int | None = None
     layout: str = "auto"
+    exchange: str = "flat"
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 1 << 30:
@@ -90,6 +101,10 @@ class ShimConfig:
             raise ConfigError(f"leaf must be an integer 0..65535 or None, got {self.leaf!r}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.exchange not in EXCHANGES:
+            raise ConfigError(
+                f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}"
+            )
 
     @property
     def bands(self) -> int:
@@ -98,4 +113,4 @@ class ShimConfig:
     def signature(self) -> dict[str, object]:
         """The options every worker of a job must share (checked at attach)."""
         return {"chunk_bytes": self.chunk_bytes, "bands": self.bands, "overlap": self.overlap,
-                "layout": self.layout}
+                "layout": self.layout, "exchange": self.exchange}

@@ -84,7 +84,10 @@ class HookState:
         except BaseException:
             self.mesh.close()
             raise
-        self.engine = Engine(self.mesh, self.config.timeout_s, leaves=self.leaves)
+        self.engine = Engine(
+            self.mesh, self.config.timeout_s, leaves=self.leaves,
+            ring=self.config.exchange == "ring",
+        )
         self.engine.on_failure = self._fail_pending
         self._pending: dict[int, torch.futures.Future[torch.Tensor]] = {}
         self._lock = threading.Lock()

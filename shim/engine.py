@@ -6,7 +6,11 @@ each chunk has one owner rank and a reduction tree towards it
 (`gradlane.policies.chunks.reduction_parents`): with every rank on one leaf
 (the default) all ranks send straight to the owner; with the ranks' leaf
 switches known, ranks send to their leaf's leader, which forwards the leaf's
-partial sum, so one copy per leaf crosses the spine. For every step:
+partial sum, so one copy per leaf crosses the spine. With the ring exchange
+(`Engine` ``ring``, one leaf) the tree is a path around the ring of ranks,
+starting at the owner's successor, and the result goes on around the ring
+(`gradlane.policies.chunks.ring_routes`): every rank sends only to its
+successor. For every step:
 
 1. When a group's local gradient is complete (`Engine.ready`), each chunk goes
    to its parent in the tree (reduce-scatter, RS) through the sender queue of
@@ -19,8 +23,8 @@ partial sum, so one copy per leaf crosses the spine. For every step:
    gradients), adding its children in rank order, and writes it to the
    group's output buffer.
 4. The owner sends that result down the tree (all-gather, AG; leaders
-   forward it to their leaf); every replica therefore holds the exact same
-   bytes.
+   forward it to their leaf; on the ring, each rank to its successor); every
+   replica therefore holds the exact same bytes.
 5. A group is done for the step when all its chunks are; waiters wake and the
    group's callback runs.
 
@@ -56,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradlane.errors import PeerLost, TransportError
-from gradlane.policies.chunks import reduction_parents
+from gradlane.policies.chunks import reduction_parents, ring_routes
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
 __all__ = ["Chunk", "Engine", "Group"]
@@ -76,7 +80,9 @@ class Chunk:
     stop: int
     owner: int
     parent: int = -1  # where this rank's contribution goes (-1: this rank owns the chunk)
-    children: tuple[int, ...] = ()  # whose contributions come here, and the result goes to
+    children: tuple[int, ...] = ()  # whose contributions come here
+    source: int = -1  # who sends this rank the result (-1: this rank owns the chunk)
+    sinks: tuple[int, ...] = ()  # whom this rank sends the result to
     done_step: int = -1
     # Ranks with children: one receive buffer per child, this step's arrivals, their
     # sample counts and multipliers (n for a gradient, 1 for a partial sum), and (leaders)
@@ -131,6 +137,8 @@ class Engine:
             ("ready") and when it is averaged ("done"); for the daemon client.
         leaves: each rank's leaf switch, the same on every rank (default: one
             leaf, the flat exchange); see the module docstring.
+        ring: with one leaf and three ranks or more, every chunk goes around
+            the ring of ranks instead (`gradlane.policies.chunks.ring_routes`).
     """
 
     def __init__(
@@ -139,12 +147,15 @@ class Engine:
         timeout_s: float,
         on_event: Callable[[Group, Chunk, str], None] | None = None,
         leaves: Sequence[int] | None = None,
+        ring: bool = False,
     ) -> None:
         self.mesh = mesh
         self.rank, self.world = mesh.rank, mesh.world
         if leaves is not None and len(leaves) != self.world:
             raise TransportError(f"need one leaf per rank: {len(leaves)} for {self.world}")
         self.leaves = tuple(leaves) if leaves is not None else (0,) * self.world
+        self.ring = ring and self.world >= 3 and len(set(self.leaves)) == 1
+        self._route_cache: dict[int, tuple[list[int], list[int]]] = {}
         self.timeout_s = timeout_s
         self.on_event = on_event
         self.on_failure: Callable[[TransportError], None] | None = None
@@ -207,11 +218,8 @@ class Engine:
             step=self.step - 1,
             done_step=self.step - 1,
         )
-        trees: dict[int, list[int]] = {}  # owner -> parents (the tree depends on the owner only)
         for i, ((start, stop), owner) in enumerate(zip(ranges, owners, strict=True)):
-            if owner not in trees:
-                trees[owner] = reduction_parents(owner, self.leaves)
-            parents = trees[owner]
+            parents, sources = self._routes(owner)
             chunk = Chunk(
                 group,
                 i,
@@ -220,6 +228,8 @@ class Engine:
                 owner,
                 parent=parents[self.rank],
                 children=tuple(r for r, up in enumerate(parents) if up == self.rank),
+                source=sources[self.rank],
+                sinks=tuple(r for r, up in enumerate(sources) if up == self.rank),
                 done_step=self.step - 1,
             )
             if chunk.children:
@@ -236,6 +246,16 @@ class Engine:
             self.groups[gid] = group
             self._cond.notify_all()
         return group
+
+    def _routes(self, owner: int) -> tuple[list[int], list[int]]:
+        """(reduce parents, result parents) of the chunks `owner` owns (they depend on it only)."""
+        if owner not in self._route_cache:
+            if self.ring:
+                self._route_cache[owner] = ring_routes(owner, self.world)
+            else:
+                parents = reduction_parents(owner, self.leaves)
+                self._route_cache[owner] = parents, parents  # the result comes back down the tree
+        return self._route_cache[owner]
 
     def retire(self, groups: Sequence[Group]) -> None:
         """Forget `groups` (every average of theirs is in, nothing of theirs is queued)."""
@@ -315,7 +335,7 @@ class Engine:
                 if chunk.done_step >= step:
                     continue
                 waiting = [p for p in chunk.children if p not in chunk.have]
-                ranks.extend(waiting or [chunk.parent])
+                ranks.extend(waiting or [chunk.source])
         return ranks or [p for p in self.mesh.peers()]
 
     def raise_error(self) -> None:
@@ -441,7 +461,7 @@ class Engine:
                     self._contribute(chunk, peer, samples, samples if kind == RS else 1, step)
                 elif kind == AG:
                     self._check_step(peer, step, (self.step,), "result")
-                    if peer != chunk.parent:
+                    if peer != chunk.source:
                         raise TransportError(
                             f"rank {peer} sent a result of chunk {index} of {chunk.group.label} "
                             "it does not send"
@@ -535,10 +555,10 @@ class Engine:
         self._chunk_done(chunk, step)
 
     def _send_down(self, chunk: Chunk, step: int) -> None:
-        """Send this step's result of `chunk` (in the group's output) to its children."""
+        """Send this step's result of `chunk` (in the group's output) to its sinks."""
         group = chunk.group
         header = _HDR.pack(AG, group.gid, step, chunk.index, chunk.nbytes, 0)
-        for peer in chunk.children:
+        for peer in chunk.sinks:
             self._enqueue(
                 peer, (group.priority, 0, chunk.index), header, chunk.out_bytes, group.band
             )

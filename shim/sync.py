@@ -296,7 +296,11 @@ class Sync:
             self.leaves = self._agree_leaves(store)
             self.client.exchange_agreed(self.leaves is not None)
             self.engine = Engine(
-                self.mesh, config.timeout_s, on_event=self.client.chunk_event, leaves=self.leaves
+                self.mesh,
+                config.timeout_s,
+                on_event=self.client.chunk_event,
+                leaves=self.leaves,
+                ring=config.exchange == "ring",
             )
         except BaseException:
             self.mesh.close()

@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--ddp-hook", action="store_true", help="DDP(gloo) + gradlane's comm hook")
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
+    ap.add_argument("--exchange", default="flat", help="ShimConfig.exchange")
     args = ap.parse_args()
 
     import gradlane.shim as gl
@@ -123,6 +124,7 @@ def main() -> None:
             daemon_socket=args.daemon_socket,
             job="test",
             leaf=args.leaf,
+            exchange=args.exchange,
         ) as sync:
             for step in range(args.steps):
                 x, y = batch(step, sum(sizes), dtype)
@@ -168,7 +170,7 @@ def run_ddp_hook(
     dist.init_process_group("gloo", rank=rank, world_size=len(sizes))
     ddp = DistributedDataParallel(model)
     state = gl.HookState(ddp, chunk_bytes=args.chunk_bytes, timeout_s=args.timeout, job="test",
-                         leaf=args.leaf)
+                         leaf=args.leaf, exchange=args.exchange)
     ddp.register_comm_hook(state, gl.comm_hook)
     start = sum(sizes[:rank])
     for step in range(args.steps):

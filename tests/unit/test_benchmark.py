@@ -48,6 +48,7 @@ def test_shipped_scenarios_load(path: Path) -> None:
         ('name = "x"\nsystems = ["ddp", "nccl"]\n[workload]\nkind = "cnn"\n', "systems"),
         ('name = "x"\nhosts = 99\n[workload]\nkind = "cnn"\n', "hosts"),
         ('name = "x"\nlayout = "tiny"\n[workload]\nkind = "cnn"\n', "layout"),
+        ('name = "x"\nexchange = "tree"\n[workload]\nkind = "cnn"\n', "exchange"),
         ('name = "x"\nchunk_bytes = 100\n[workload]\nkind = "cnn"\n', "chunk_bytes"),
         ('name = "x"\nchunk_bytes = "1M"\n[workload]\nkind = "cnn"\n', "chunk_bytes"),
         ('hosts = 4\n[workload]\nkind = "cnn"\n', "name"),
@@ -70,6 +71,9 @@ def test_layout_reaches_every_worker(tmp_path: Path) -> None:
     args = worker_args(load_scenario(path))
     assert args[args.index("--layout") + 1] == "auto"
     assert "--chunk-bytes" not in args  # the shim's own default
+    assert args[args.index("--exchange") + 1] == "flat"
+    path.write_text('name = "x"\nexchange = "ring"\n[workload]\nkind = "cnn"\n')
+    assert worker_args(load_scenario(path))[args.index("--exchange") + 1] == "ring"
 
 
 def test_chunk_bytes_reach_every_worker(tmp_path: Path) -> None:

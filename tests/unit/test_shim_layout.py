@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
-from gradlane.policies.chunks import reduction_parents
+from gradlane.policies.chunks import reduction_parents, ring_routes
 from gradlane.shim.layout import assign_owners, band_of, split
 
 
@@ -79,3 +79,28 @@ def test_reduction_tree_examples() -> None:
     assert reduction_parents(0, [0, 1, 1, 0]) == [-1, 0, 1, 0]
     with pytest.raises(ConfigError):
         reduction_parents(4, [0, 0, 1, 1])
+
+
+@given(st.integers(1, 24), st.data())
+def test_ring_routes_reach_the_owner_and_everyone_once(world: int, data: st.DataObject) -> None:
+    owner = data.draw(st.integers(0, world - 1))
+    reduce, result = ring_routes(owner, world)
+    assert reduce[owner] == result[owner] == -1
+    for rank in range(world):
+        if rank != owner:  # every rank sends only to its successor, receives from its predecessor
+            assert reduce[rank] == (rank + 1) % world and result[rank] == (rank - 1) % world
+    # Following the partial sum from the owner's successor visits every rank once, then the owner.
+    path, rank = [], (owner + 1) % world
+    for _ in range(world):
+        path.append(rank)
+        if rank == owner:
+            break
+        rank = reduce[rank]
+    assert sorted(path) == list(range(world)) and path[-1] == owner
+
+
+def test_ring_route_examples() -> None:
+    assert ring_routes(2, 4) == ([1, 2, -1, 0], [3, 0, -1, 2])
+    assert ring_routes(0, 3) == ([-1, 2, 0], [-1, 0, 1])
+    with pytest.raises(ConfigError):
+        ring_routes(3, 3)
