@@ -11,7 +11,7 @@ A scenario is a TOML file (see ``bench/scenarios/``)::
     comm_to_compute = 1.0  # link rate: one iteration's traffic takes this x compute
     layout = "auto"        # the shim's gradient grouping: auto, fine or coarse
     chunk_bytes = 1048576  # optional: `ShimConfig.chunk_bytes` (default: the shim's)
-    exchange = "flat"      # gradlane's chunk paths: flat or ring (`ShimConfig.exchange`)
+    exchange = "auto"      # gradlane's chunk paths: auto, flat or ring (`ShimConfig.exchange`)
     [workload]
     kind = "trace"         # or "cnn"
     model = "vgg19"        # a shipped profile (trace)
@@ -118,7 +118,7 @@ class Scenario:
     workload: dict[str, Any] = field(default_factory=dict)
     layout: str = "auto"  # `ShimConfig.layout` of the systems on gradlane's transport
     chunk_bytes: int | None = None  # `ShimConfig.chunk_bytes` of those systems; None: default
-    exchange: str = "flat"  # `ShimConfig.exchange` of the gradlane system
+    exchange: str = "auto"  # `ShimConfig.exchange` of the gradlane system
 
 
 def load_scenario(path: Path) -> Scenario:
@@ -164,7 +164,7 @@ def load_scenario(path: Path) -> Scenario:
         workload=dict(workload),
         layout=get("layout", str, "auto"),
         chunk_bytes=get("chunk_bytes", int) if "chunk_bytes" in raw else None,
-        exchange=get("exchange", str, "flat"),
+        exchange=get("exchange", str, "auto"),
     )
     if scenario.layout not in LAYOUTS:
         raise ConfigError(f"{path}: layout must be one of {', '.join(LAYOUTS)}")

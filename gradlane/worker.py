@@ -68,7 +68,7 @@ def main() -> None:
                     help="trace, gradlane: take the local batch size the control plane advises")
     ap.add_argument("--layout", choices=LAYOUTS, default="auto",
                     help="fifo, priority, gradlane: the shim's gradient grouping")
-    ap.add_argument("--exchange", choices=EXCHANGES, default="flat",
+    ap.add_argument("--exchange", choices=EXCHANGES, default="auto",
                     help="gradlane: each chunk's path (`ShimConfig.exchange`)")
     ap.add_argument("--chunk-bytes", type=int, default=None,
                     help="fifo, priority, gradlane: the shim's chunk size (default: its own)")

@@ -6,7 +6,13 @@ owner, and the result goes back down: one flow up and one down per tree
 edge. Flat (one leaf, or no reduction within leaves), a rank sends
 ``S + (W - 2) * owned`` bytes of a bucket of ``S`` bytes of which it owns
 ``owned``; with reduction within leaves, one copy of each chunk per leaf
-crosses the spine each way.
+crosses the spine each way. The shim's ring exchange (one leaf,
+`gradlane.shim.config.uses_ring`) sends every chunk around the ring of ranks
+instead, so a rank sends ``2 * S - owned(r) - owned(r + 1)`` bytes of a
+bucket, all to its successor: the same as flat over an iteration whose owners
+are balanced (`gradlane.shim.layout.assign_owners`), though not bucket by
+bucket. Planners model it as flat; the flow within a leaf already goes to
+the next rank.
 
 A planner needs the load, not every chunk's every edge: per bucket (a layer,
 in forward order) and rank, `Exchange.demand_flows` gives at most two

@@ -86,7 +86,7 @@ class HookState:
             raise
         self.engine = Engine(
             self.mesh, self.config.timeout_s, leaves=self.leaves,
-            ring=self.config.exchange == "ring",
+            exchange=self.config.exchange,
         )
         self.engine.on_failure = self._fail_pending
         self._pending: dict[int, torch.futures.Future[torch.Tensor]] = {}

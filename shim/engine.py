@@ -7,10 +7,10 @@ each chunk has one owner rank and a reduction tree towards it
 (the default) all ranks send straight to the owner; with the ranks' leaf
 switches known, ranks send to their leaf's leader, which forwards the leaf's
 partial sum, so one copy per leaf crosses the spine. With the ring exchange
-(`Engine` ``ring``, one leaf) the tree is a path around the ring of ranks,
-starting at the owner's successor, and the result goes on around the ring
-(`gradlane.policies.chunks.ring_routes`): every rank sends only to its
-successor. For every step:
+(`Engine` ``exchange``, one leaf, `gradlane.shim.config.uses_ring`) the tree
+is a path around the ring of ranks, starting at the owner's successor, and the
+result goes on around the ring (`gradlane.policies.chunks.ring_routes`): every
+rank sends only to its successor. For every step:
 
 1. When a group's local gradient is complete (`Engine.ready`), each chunk goes
    to its parent in the tree (reduce-scatter, RS) through the sender queue of
@@ -61,6 +61,7 @@ import torch
 
 from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import reduction_parents, ring_routes
+from gradlane.shim.config import uses_ring
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
 __all__ = ["Chunk", "Engine", "Group"]
@@ -137,8 +138,9 @@ class Engine:
             ("ready") and when it is averaged ("done"); for the daemon client.
         leaves: each rank's leaf switch, the same on every rank (default: one
             leaf, the flat exchange); see the module docstring.
-        ring: with one leaf and three ranks or more, every chunk goes around
-            the ring of ranks instead (`gradlane.policies.chunks.ring_routes`).
+        exchange: `ShimConfig.exchange`; where `uses_ring` says so, every
+            chunk goes around the ring of ranks
+            (`gradlane.policies.chunks.ring_routes`).
     """
 
     def __init__(
@@ -147,14 +149,14 @@ class Engine:
         timeout_s: float,
         on_event: Callable[[Group, Chunk, str], None] | None = None,
         leaves: Sequence[int] | None = None,
-        ring: bool = False,
+        exchange: str = "flat",
     ) -> None:
         self.mesh = mesh
         self.rank, self.world = mesh.rank, mesh.world
         if leaves is not None and len(leaves) != self.world:
             raise TransportError(f"need one leaf per rank: {len(leaves)} for {self.world}")
         self.leaves = tuple(leaves) if leaves is not None else (0,) * self.world
-        self.ring = ring and self.world >= 3 and len(set(self.leaves)) == 1
+        self.ring = uses_ring(exchange, self.world, len(set(self.leaves)))
         self._route_cache: dict[int, tuple[list[int], list[int]]] = {}
         self.timeout_s = timeout_s
         self.on_event = on_event

@@ -300,7 +300,7 @@ class Sync:
                 config.timeout_s,
                 on_event=self.client.chunk_event,
                 leaves=self.leaves,
-                ring=config.exchange == "ring",
+                exchange=config.exchange,
             )
         except BaseException:
             self.mesh.close()

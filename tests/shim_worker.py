@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--ddp-hook", action="store_true", help="DDP(gloo) + gradlane's comm hook")
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
-    ap.add_argument("--exchange", default="flat", help="ShimConfig.exchange")
+    ap.add_argument("--exchange", default="auto", help="ShimConfig.exchange")
     args = ap.parse_args()
 
     import gradlane.shim as gl

@@ -11,7 +11,10 @@ Model (what is simulated, and what is not):
    each chunk's reduction tree (`gradlane.policies.chunks.reduction_parents`,
    the shim's own): flat, host ``h`` sends ``S + (W - 2) * owned(h)`` bytes
    of a bucket of ``S``; when the plan says `reduce_in_leaf`, one copy of
-   each chunk per leaf crosses the spine each way.
+   each chunk per leaf crosses the spine each way. The shim's ring exchange
+   (one leaf, `gradlane.shim.config.uses_ring`) is simulated as flat: the
+   same bytes per host link over an iteration, but not its W-1
+   store-and-forward hops per chunk each way (`gradlane.policies.demand`).
 2. Sharing, as gradlaned and DSCP switches enforce it: strict priority by
    (the job's coflow level, the band of the bucket), both from the plan;
    collectives at the same priority share by per-flow max-min (TCP-like,

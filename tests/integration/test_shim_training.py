@@ -87,10 +87,11 @@ CASES = {
     # Ranks 0, 1 on one leaf and 2, 3 on another: reduced within each leaf first.
     "sgd-two-leaves-unequal": ("sgd", "float32", "3,5,2,6", True, (), True),
     "ddp-comm-hook-two-leaves": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), True),
-    # Every chunk around the ring of ranks (partial sums three hops deep).
-    "adamw-fp64-unequal-ring": ("adamw", "float64", "6,2,5,3", True, ("--exchange", "ring"),
+    # The default ("auto") sends every chunk around the ring of four ranks (partial sums
+    # three hops deep); these send each part straight to the chunk's owner.
+    "adamw-fp64-unequal-flat": ("adamw", "float64", "6,2,5,3", True, ("--exchange", "flat"),
                                 False),
-    "ddp-comm-hook-ring": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook", "--exchange", "ring"),
+    "ddp-comm-hook-flat": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook", "--exchange", "flat"),
                            False),
 }
 LEAVES = (0, 0, 1, 1)

@@ -71,7 +71,7 @@ def test_layout_reaches_every_worker(tmp_path: Path) -> None:
     args = worker_args(load_scenario(path))
     assert args[args.index("--layout") + 1] == "auto"
     assert "--chunk-bytes" not in args  # the shim's own default
-    assert args[args.index("--exchange") + 1] == "flat"
+    assert args[args.index("--exchange") + 1] == "auto"
     path.write_text('name = "x"\nexchange = "ring"\n[workload]\nkind = "cnn"\n')
     assert worker_args(load_scenario(path))[args.index("--exchange") + 1] == "ring"
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import reduction_parents, ring_routes
+from gradlane.shim.config import RING_AUTO_MAX_WORLD, uses_ring
 from gradlane.shim.layout import assign_owners, band_of, split
 
 
@@ -104,3 +105,11 @@ def test_ring_route_examples() -> None:
     assert ring_routes(0, 3) == ([-1, 2, 0], [-1, 0, 1])
     with pytest.raises(ConfigError):
         ring_routes(3, 3)
+
+
+def test_auto_takes_the_ring_only_where_it_was_measured_under_one_leaf() -> None:
+    top = RING_AUTO_MAX_WORLD
+    assert [w for w in range(1, top + 3) if uses_ring("auto", w, 1)] == list(range(3, top + 1))
+    assert [w for w in range(1, top + 3) if uses_ring("ring", w, 1)] == list(range(3, top + 3))
+    assert not any(uses_ring("flat", w, 1) for w in range(1, top + 3))
+    assert not uses_ring("auto", 4, 2) and not uses_ring("ring", 4, 2)  # two leaves: the tree

@@ -214,7 +214,7 @@ def test_fixed_layouts_never_regroup_and_coarse_steps_stay_exact() -> None:
         sync.close()
     with pytest.raises(ConfigError, match="layout must be one of auto, fine, coarse"):
         attach(model(), torch.optim.SGD(model().parameters(), lr=0.01), layout="huge")
-    with pytest.raises(ConfigError, match="exchange must be one of flat, ring"):
+    with pytest.raises(ConfigError, match="exchange must be one of auto, flat, ring"):
         attach(model(), torch.optim.SGD(model().parameters(), lr=0.01), exchange="tree")
 
 
