@@ -16,7 +16,8 @@ import numpy.typing as npt
 from gradlane.errors import ConfigError
 
 __all__ = [
-    "all_reduction_parents", "assign_owners", "band_of", "reduction_parents", "ring_routes",
+    "RING_AUTO_MAX_WORLD", "all_reduction_parents", "assign_owners", "band_of",
+    "reduction_parents", "ring_routes", "uses_ring",
 ]
 
 
@@ -155,6 +156,24 @@ def ring_routes(owner: int, world: int) -> tuple[list[int], list[int]]:
     reduce = [-1 if r == owner else (r + 1) % world for r in range(world)]
     result = [-1 if r == owner else (r - 1) % world for r in range(world)]
     return reduce, result
+
+
+# The largest job "auto" sends around the ring: measured on the testbed up to 8
+# hosts (README). A chunk's W-1 store-and-forward hops each way grow with W.
+RING_AUTO_MAX_WORLD = 8
+
+
+def uses_ring(exchange: str, world: int, leaves: int) -> bool:
+    """Whether a job of `world` ranks under `leaves` leaf switches takes the ring.
+
+    `exchange` is `gradlane.shim.ShimConfig.exchange`: "auto", "flat" or
+    "ring". Below three ranks the ring and the flat exchange are the same
+    path; across leaves the reduction tree (`reduction_parents`) keeps one
+    copy per leaf on the spine, which a ring of ranks would not.
+    """
+    if world < 3 or leaves != 1:
+        return False
+    return exchange == "ring" or (exchange == "auto" and world <= RING_AUTO_MAX_WORLD)
 
 
 def all_reduction_parents(leaves: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

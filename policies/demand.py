@@ -6,13 +6,13 @@ owner, and the result goes back down: one flow up and one down per tree
 edge. Flat (one leaf, or no reduction within leaves), a rank sends
 ``S + (W - 2) * owned`` bytes of a bucket of ``S`` bytes of which it owns
 ``owned``; with reduction within leaves, one copy of each chunk per leaf
-crosses the spine each way. The shim's ring exchange (one leaf,
-`gradlane.shim.config.uses_ring`) sends every chunk around the ring of ranks
-instead, so a rank sends ``2 * S - owned(r) - owned(r + 1)`` bytes of a
-bucket, all to its successor: the same as flat over an iteration whose owners
-are balanced (`gradlane.shim.layout.assign_owners`), though not bucket by
-bucket. Planners model it as flat; the flow within a leaf already goes to
-the next rank.
+crosses the spine each way. With ``ring`` (the shim's ring exchange,
+`gradlane.policies.chunks.uses_ring`: one leaf), every chunk goes around the
+ring of ranks instead (`gradlane.policies.chunks.ring_routes`), and a rank
+sends ``2 * S - owned(r) - owned(r + 1)`` bytes of a bucket, all to its
+successor: the same as flat over an iteration whose owners are balanced, but
+not bucket by bucket (a one-chunk bucket: 2 S from every rank but the owner
+and its predecessor, where flat has the owner send (W - 1) S).
 
 A planner needs the load, not every chunk's every edge: per bucket (a layer,
 in forward order) and rank, `Exchange.demand_flows` gives at most two
@@ -55,14 +55,18 @@ class Exchange:
             cluster has none: no leaf columns, no spine traffic).
         host: per rank, its host (default: one host per rank). What ranks of
             one host send each other stays off the network (loopback).
+        ring: every chunk around the ring of ranks (`ring_routes`) instead of
+            its reduction tree; the caller decides
+            (`gradlane.policies.chunks.uses_ring`).
     """
 
     def __init__(self, leaf: Sequence[int] | IntArray, uplinks: bool,
-                 host: Sequence[int] | IntArray | None = None) -> None:
+                 host: Sequence[int] | IntArray | None = None, ring: bool = False) -> None:
         self.leaf = np.asarray(leaf, dtype=np.int64)
         self.w = len(self.leaf)
         self.host = np.arange(self.w) if host is None else np.asarray(host, dtype=np.int64)
         self.uplinks = uplinks
+        self.ring = ring
         self.leaves = np.unique(self.leaf) if uplinks else np.zeros(0, dtype=np.int64)
         self.peer_in_leaf, self.peer_next_leaf = self._peers()
         self._trees: dict[bool, tuple[FloatArray, FloatArray]] = {}
@@ -73,26 +77,35 @@ class Exchange:
 
         Columns of the first: ranks' egress, their ingress, then the job's leaves'
         uplinks and downlinks (`leaves` order). Each tree edge carries one flow
-        up (the contribution) and one down (the result).
+        up (the contribution) and one down (the result); on the ring, every rank
+        but the owner sends the partial sum to its successor, and every rank but
+        the owner's predecessor the average (`ring_routes`). `in_leaf` does not
+        apply to the ring.
         """
         if in_leaf in self._trees:
             return self._trees[in_leaf]
         w, n_leaves = self.w, len(self.leaves)
         slot = np.searchsorted(self.leaves, self.leaf)  # each rank's leaf column
-        parents = all_reduction_parents(
-            self.leaf if in_leaf and self.uplinks else np.zeros(w, dtype=np.int64))
-        owner, child = np.nonzero(parents >= 0)  # every tree edge: (owner, child)
-        parent = parents[owner, child]
-        apart = self.host[child] != self.host[parent]  # the rest is loopback
-        owner, child, parent = owner[apart], child[apart], parent[apart]
+        edges: list[tuple[IntArray, IntArray, IntArray]] = []  # (owner, sender, receiver)
+        if self.ring:
+            owner, rank = np.nonzero(~np.eye(w, dtype=bool))  # every rank but the owner
+            edges += [(owner, rank, (rank + 1) % w), (owner, (rank - 1) % w, rank)]
+        else:
+            parents = all_reduction_parents(
+                self.leaf if in_leaf and self.uplinks else np.zeros(w, dtype=np.int64))
+            owner, child = np.nonzero(parents >= 0)  # every tree edge: (owner, child)
+            parent = parents[owner, child]
+            edges += [(owner, child, parent), (owner, parent, child)]  # up, then down
         cols = 2 * w + 2 * n_leaves
         cells: list[IntArray] = []  # flat (owner, column) of each flow on a link
         crossing: list[IntArray] = []  # flat (owner, rank) of each flow leaving its leaf
-        for a, b in ((child, parent), (parent, child)):  # up, then down
-            cells += [owner * cols + a, owner * cols + w + b]  # a's egress, b's ingress
+        for of, a, b in edges:
+            apart = self.host[a] != self.host[b]  # the rest is loopback
+            of, a, b = of[apart], a[apart], b[apart]
+            cells += [of * cols + a, of * cols + w + b]  # a's egress, b's ingress
             if n_leaves:
                 cross = self.leaf[a] != self.leaf[b]
-                o, ac, bc = owner[cross], a[cross], b[cross]
+                o, ac, bc = of[cross], a[cross], b[cross]
                 cells += [o * cols + 2 * w + slot[ac],  # a's leaf up
                           o * cols + 2 * w + n_leaves + slot[bc]]  # b's leaf down
                 crossing.append(o * w + ac)

@@ -7,27 +7,12 @@ from dataclasses import dataclass
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
 
-__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "RING_AUTO_MAX_WORLD", "ShimConfig", "uses_ring"]
+__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig"]
 
 # Band 0 first: gradlaned's default table. The daemon's welcome overrides it.
 DEFAULT_DSCP = DEFAULT_BAND_DSCP
 LAYOUTS = ("auto", "fine", "coarse")
-EXCHANGES = ("auto", "flat", "ring")
-# The largest job "auto" sends around the ring: measured on the testbed up to 8
-# hosts (README). A chunk's W-1 store-and-forward hops each way grow with W.
-RING_AUTO_MAX_WORLD = 8
-
-
-def uses_ring(exchange: str, world: int, leaves: int) -> bool:
-    """Whether a job of `world` ranks under `leaves` leaf switches takes the ring.
-
-    Below three ranks the ring and the flat exchange are the same path; across
-    leaves the reduction tree (`gradlane.policies.chunks.reduction_parents`)
-    keeps one copy per leaf on the spine, which a ring of ranks would not.
-    """
-    if world < 3 or leaves != 1:
-        return False
-    return exchange == "ring" or (exchange == "auto" and world <= RING_AUTO_MAX_WORLD)
+EXCHANGES = ("auto", "flat", "ring")  # `gradlane.policies.chunks.uses_ring`
 
 
 @dataclass(frozen=True)
@@ -83,8 +68,8 @@ class ShimConfig:
             link, but no rank ever receives from several at once, so no
             switch port queues (incast) and only the senders' own queues,
             where the priority order holds; W-1 hops each way instead.
-            "auto" (the default): the ring for 3..`RING_AUTO_MAX_WORLD`
-            ranks under one leaf, flat otherwise (`uses_ring`). On the
+            "auto" (the default): the ring for 3..8 ranks under one leaf,
+            flat otherwise (`gradlane.policies.chunks.uses_ring`). On the
             4-host testbed the ring was 0-12% faster than flat on every
             trace and the CNN, and as fast on ResNet-50 (compute-bound).
     """

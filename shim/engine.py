@@ -7,7 +7,7 @@ each chunk has one owner rank and a reduction tree towards it
 (the default) all ranks send straight to the owner; with the ranks' leaf
 switches known, ranks send to their leaf's leader, which forwards the leaf's
 partial sum, so one copy per leaf crosses the spine. With the ring exchange
-(`Engine` ``exchange``, one leaf, `gradlane.shim.config.uses_ring`) the tree
+(`Engine` ``exchange``, one leaf, `gradlane.policies.chunks.uses_ring`) the tree
 is a path around the ring of ranks, starting at the owner's successor, and the
 result goes on around the ring (`gradlane.policies.chunks.ring_routes`): every
 rank sends only to its successor. For every step:
@@ -60,8 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradlane.errors import PeerLost, TransportError
-from gradlane.policies.chunks import reduction_parents, ring_routes
-from gradlane.shim.config import uses_ring
+from gradlane.policies.chunks import reduction_parents, ring_routes, uses_ring
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
 __all__ = ["Chunk", "Engine", "Group"]

@@ -67,6 +67,7 @@ class SimJob:
     global_batch: int
     speeds: tuple[float, ...] = ()  # relative compute speed per worker (default all 1)
     chunk_bytes: int = MAX_CHUNK
+    ring: bool = False  # each chunk around the ring of ranks (`gradlane.policies.demand`)
 
     def __post_init__(self) -> None:
         if not self.hosts or len(set(self.hosts)) != len(self.hosts):

@@ -62,6 +62,29 @@ def test_flat_exchange_sends_a_bucket_plus_w_minus_2_owned() -> None:
             assert local[b, r] == bucket + (w - 2) * owned
 
 
+@settings(max_examples=150)
+@given(st.integers(1, 9), st.lists(st.tuples(st.integers(1, 10_000), st.integers(0, 99)),
+                                   min_size=1, max_size=12))
+def test_ring_exchange_sends_every_chunk_to_the_successor_once_each_way(
+    w: int, chunks: list[tuple[int, int]]
+) -> None:
+    sizes, owners = [s for s, _ in chunks], [o % w for _, o in chunks]
+    layers = sorted(o % 3 for _, o in chunks)  # up to three buckets
+    starts = bucket_starts(layers)
+    ex = Exchange([0] * w, uplinks=False, ring=True)
+    local, remote = ex.loads(ex.owned(owners, starts, sizes), in_leaf=False)
+    assert not remote.any()
+    for b, (lo, hi) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
+        for r in range(w):
+            # ring_routes: every rank but the owner sends the sum on, all but the owner's
+            # predecessor the average.
+            sent = sum((r != o) * s + (r != (o - 1) % w) * s
+                       for s, o in zip(sizes[lo:hi], owners[lo:hi], strict=True))
+            assert local[b, r] == sent
+    flows = ex.demand_flows(list(range(w)), local, remote, 0, starts)
+    assert all(dst == (src + 1) % w for src, dst in zip(flows.src, flows.dst, strict=True))
+
+
 @st.composite
 def placements(draw: st.DrawFn) -> tuple[list[int], list[int], list[int], list[int], bool]:
     """Ranks on hosts (some sharing one), hosts under leaves, chunks, owners, in_leaf."""

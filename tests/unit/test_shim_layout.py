@@ -7,8 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
-from gradlane.policies.chunks import reduction_parents, ring_routes
-from gradlane.shim.config import RING_AUTO_MAX_WORLD, uses_ring
+from gradlane.policies.chunks import RING_AUTO_MAX_WORLD, reduction_parents, ring_routes, uses_ring
 from gradlane.shim.layout import assign_owners, band_of, split
 
 

@@ -70,3 +70,17 @@ def test_sim_coflows_refuses_a_load_outside_0_1(tmp_path: Path) -> None:
                                       "--json", str(tmp_path / "x.json")])
     assert result.exit_code != 0
     assert "load must be in (0, 1)" in result.output
+
+
+def test_validate_replays_the_exchange_the_testbed_ran() -> None:
+    from gradlane.simulation import testbed_scenario
+
+    def ring(hosts: int, **exchange: str) -> bool:
+        workload = {"kind": "trace", "model": "vgg19", "model_mb": 10, "forward_ms": 50}
+        result = {"scenario": {"name": "x", "hosts": hosts, "workload": workload, **exchange},
+                  "link_bps": 1e8}
+        return testbed_scenario(result, None).jobs[0].ring
+
+    assert ring(4, exchange="auto") and ring(4, exchange="ring")
+    assert not ring(4, exchange="flat") and not ring(2, exchange="auto")
+    assert not ring(4)  # results from before the ring recorded no exchange: flat
