@@ -18,12 +18,14 @@ Model (what is simulated, and what is not):
 2. Sharing, as gradlaned and DSCP switches enforce it: strict priority by
    (the job's coflow level, the band of the bucket), both from the plan;
    collectives at the same priority share by per-flow max-min (TCP-like,
-   exact progressive filling). Within one (job, band) the collectives of
-   one iteration all move at once: the shim keeps a connection per peer and
-   band, each sending its own queue's chunks, so several buckets' chunks
-   share every link (a job's coflows go in arrival order). Per-flow rate
-   caps in the plan are not enforced (priority and work conservation
-   decide the rates).
+   exact progressive filling); within one (job, band) one connection serves
+   buckets first come, first served. Per-flow rate caps in the plan are not
+   enforced (priority and work conservation decide the rates). One rate
+   per collective and one collective per (job, band) at a time are coarser
+   than the shim, whose connection per peer and band lets several buckets'
+   chunks share the links at once: the README ("Policies and the
+   simulator") says what that costs the validation, and why letting a
+   band's collectives share alone is no better.
 3. Compute. Each worker runs forward bucket by bucket, then backward in
    reverse; its time per bucket scales with its batch share over its speed.
    A bucket's forward in iteration ``k + 1`` waits for that bucket's
@@ -31,7 +33,7 @@ Model (what is simulated, and what is not):
    overlap). A bucket's collective starts when every worker has its gradient.
 4. Open loop (`Scenario.arrivals`): no compute; each arrival releases a
    whole iteration's collectives at once, and a job may have several
-   coflows in flight (its connections serve them in arrival order). This is
+   coflows in flight (its connection serves them in arrival order). This is
    the setting coflow schedulers were designed and evaluated in; a training
    job's next coflow, by contrast, waits for its last one (closed loop).
 5. Planning. The policy plans at time 0, every `replan_s`, and after a
@@ -52,7 +54,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -279,14 +281,7 @@ class _Sim:
     # -- network -----------------------------------------------------------
 
     def active(self) -> list[_Collective]:
-        """Per (job, band), every collective of the oldest iteration in its queue."""
-        out: list[_Collective] = []
-        for q in self.queues.values():
-            for c in q:  # in arrival order: iterations never go back
-                if c.iteration != q[0].iteration:
-                    break
-                out.append(c)
-        return out
+        return [q[0] for q in self.queues.values() if q]
 
     def solve(self, active: list[_Collective]) -> None:
         """Per-flow rates: strict priority by (level, band), max-min within a priority."""
@@ -432,7 +427,7 @@ class _Sim:
             self.now = t_next
             for c in active:
                 if c.bits <= EPS * max(1.0, c.job.chunk_size[c.bucket] * 8):
-                    self.queues[c.job.index, c.band].remove(c)
+                    self.queues[c.job.index, c.band].popleft()
                     dirty = True
                     self.collective_done(c)
             while self.ready and self.ready[0][0] <= self.now:
@@ -489,9 +484,8 @@ def full_demand_state(scenario: Scenario, policy: Policy) -> State:
 def coflow_load(scenario: Scenario) -> tuple[np.ndarray, np.ndarray]:
     """One coflow (iteration exchange) of each job alone on the fabric, chunks owned as at
     the start: a ``(jobs, links)`` matrix of the seconds it keeps each link busy, and per
-    job how long it takes, simulated (its collectives share the links, per-flow fair)."""
-    from gradlane.policies.base import get_policy  # the registry imports no simulator
-
+    job how long it takes (its collectives one after the other, as its connection sends
+    them, each at the rate of its busiest link)."""
     cap = scenario.topology.capacity_bps
     load = np.zeros((len(scenario.jobs), len(cap)))
     alone = np.zeros(len(scenario.jobs))
@@ -499,8 +493,7 @@ def coflow_load(scenario: Scenario) -> tuple[np.ndarray, np.ndarray]:
         job = _Job(i, spec, scenario)
         busy = job.counts * (np.array(job.chunk_size)[:, None] * 8.0) / cap[job.links][None, :]
         np.add.at(load[i], job.links, busy.sum(axis=0))
-        one = replace(scenario, jobs=(spec,), arrivals=((0.0,),), warmup=0)
-        (alone[i],) = simulate(one, get_policy("fair")).cct_s[spec.name]
+        alone[i] = busy.max(axis=1).sum()
     return load, alone
 
 
