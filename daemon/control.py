@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
+from gradlane.daemon.fields import agreed_exchange
 from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import (
     Coflow,
@@ -49,7 +50,7 @@ from gradlane.policies import (
     Worker,
     get_policy,
 )
-from gradlane.policies.chunks import assign_owners
+from gradlane.policies.chunks import assign_owners, exchange_kind
 from gradlane.policies.demand import Exchange, bucket_starts
 
 __all__ = ["ControlConfig", "ControlPlane", "read_token", "serve"]
@@ -135,7 +136,7 @@ class ControlPlane:
         self.state: State | None = None
         self.version = 0
         self.planned_at = 0.0
-        self._exchanges: dict[tuple[tuple[int, ...], tuple[int, ...], bool], Exchange] = {}
+        self._exchanges: dict[tuple[tuple[int, ...], tuple[int, ...], bool, bool], Exchange] = {}
         self._changed = asyncio.Event()
         self.metrics = CollectorRegistry(auto_describe=True)
         self._plans = Counter("gradlane_control_plans", "Plans computed", registry=self.metrics)
@@ -381,8 +382,8 @@ class ControlPlane:
             topology = Topology(hosts, (self.config.uplink_bps,) * leaves)
         by_name = tuple(sorted(jobs.values(), key=lambda j: j.name))
         ordered = tuple(sorted(workers, key=lambda w: (w.job, w.rank)))
-        in_leaf = _reduced_in_leaf(report for _, _, report in seen.daemons)
-        coflows, flows = self._demand(by_name, ordered, topology, seen.plan, in_leaf)
+        agreed = _agreed_exchanges(report for _, _, report in seen.daemons)
+        coflows, flows = self._demand(by_name, ordered, topology, seen.plan, agreed)
         return State(
             jobs=by_name,
             topology=topology,
@@ -398,14 +399,15 @@ class ControlPlane:
 
     def _demand(
         self, jobs: tuple[JobState, ...], workers: tuple[Worker, ...], topology: Topology,
-        plan: Plan | None, in_leaf: dict[str, bool],
+        plan: Plan | None, agreed: dict[str, str],
     ) -> tuple[tuple[Coflow, ...], FlowTable]:
         """Per job, its next iteration's exchange as one coflow of demand flows.
 
         Built from what the shims reported (each chunk's bytes and layer) and
-        what they enforce: the current plan's chunk owners, and reduction
-        within leaves as the shims say they agreed (`in_leaf`; a job whose
-        shims have not said yet: as the plan advises), see
+        what they enforce: the current plan's chunk owners, and the exchange
+        the shims say they agreed (`agreed`: flat, within leaves first or the
+        ring; a job whose shims have not said yet: what shims left at their
+        default agree on, `_expected_exchange`), see
         `gradlane.policies.demand`. Consecutive layers share a
         bucket, at most `DEMAND_BUCKETS` per job, so a state holds at most
         ``2 * DEMAND_BUCKETS`` flows per worker however many layers a model
@@ -431,22 +433,25 @@ class ControlPlane:
                                else range(len(job.chunk_bytes)), dtype=np.int64)
             n_layers = max(job.layers, int(layer.max()) + 1)
             starts = bucket_starts(layer * DEMAND_BUCKETS // n_layers)
-            exchange = self._exchange(topology, hosts)
+            kind = agreed.get(job.name) or _expected_exchange(
+                len(mine), len({topology.hosts[h].leaf for h in hosts}), advised)
+            exchange = self._exchange(topology, hosts, ring=kind == "ring")
             local, remote = exchange.loads(
-                exchange.owned(owners, starts, job.chunk_bytes), in_leaf.get(job.name, advised))
+                exchange.owned(owners, starts, job.chunk_bytes), kind == "leaf")
             tables.append(exchange.demand_flows(hosts, local, remote, len(coflows), starts,
                                                 priority=layer[starts[:-1]]))
             coflows.append(Coflow(job.name, job.name))
         return tuple(coflows), FlowTable.concat(tables)
 
-    def _exchange(self, topology: Topology, hosts: list[int]) -> Exchange:
-        """The reduction trees of ranks on `hosts` (cached: placements rarely change)."""
+    def _exchange(self, topology: Topology, hosts: list[int], ring: bool) -> Exchange:
+        """The reduction trees (or the ring) of ranks on `hosts` (cached: placements
+        rarely change)."""
         leaf = tuple(topology.hosts[h].leaf for h in hosts)
-        key = (tuple(hosts), leaf, bool(topology.uplink_bps))
+        key = (tuple(hosts), leaf, bool(topology.uplink_bps), ring)
         if key not in self._exchanges:
             if len(self._exchanges) >= 64:
                 self._exchanges.clear()
-            self._exchanges[key] = Exchange(leaf, uplinks=key[2], host=hosts)
+            self._exchanges[key] = Exchange(leaf, uplinks=key[2], host=hosts, ring=ring)
         return self._exchanges[key]
 
     def message_for(self, host: str) -> dict[str, Any]:
@@ -478,13 +483,13 @@ class ControlPlane:
         """What ``/api/v1/cluster`` and ``gradlane status --cluster`` show."""
         now = time.monotonic()
         lost = {h for h, d in self.daemons.items() if not d.connected}
-        in_leaf = _reduced_in_leaf(self.daemons[h].report for h in self.hosts())
+        agreed = _agreed_exchanges(self.daemons[h].report for h in self.hosts())
         jobs: dict[str, dict[str, Any]] = {}
         for h in self.hosts():
             for job in self.daemons[h].report.jobs:
                 j = jobs.setdefault(job.name, {"hosts": [], "workers": 0, "degraded": False,
                                                "chunks": 0, "band_bps": [], "demand_bytes": 0,
-                                               "in_leaf": in_leaf.get(job.name)})
+                                               "exchange": agreed.get(job.name)})
                 j["hosts"].append(h)
                 j["workers"] += len(job.workers)
                 j["chunks"] = max(j["chunks"], len(job.chunk_bytes))
@@ -520,15 +525,24 @@ class ControlPlane:
         }
 
 
-def _reduced_in_leaf(reports: Iterable[cp.Report]) -> dict[str, bool]:
-    """Per job whose shims have said: whether it reduces within leaves first. Its ranks
-    agree on one exchange, so a host saying "flat" settles it."""
-    said: dict[str, bool] = {}
+def _agreed_exchanges(reports: Iterable[cp.Report]) -> dict[str, str]:
+    """Per job whose shims have said on some host: how it reduces (`agreed_exchange` of
+    what its hosts said; hosts not heard from yet are left out)."""
+    said: dict[str, set[str]] = {}
     for report in reports:
         for job in report.jobs:
-            if job.in_leaf is not None:
-                said[job.name] = job.in_leaf and said.get(job.name, True)
-    return said
+            if job.exchange is not None:
+                said.setdefault(job.name, set()).add(job.exchange)
+    return {name: agreed_exchange(kinds) or "flat" for name, kinds in said.items()}
+
+
+def _expected_exchange(world: int, leaves: int, advised: bool) -> str:
+    """What a job's shims agree on by default (``exchange="auto"``) before they say it.
+
+    They learn their leaves only from a plan advising reduction within
+    leaves (`advised`); until then they count as under one leaf.
+    """
+    return exchange_kind("auto", world, leaves if advised else 1)
 
 
 def _payload(msg: Any) -> str | bytes:

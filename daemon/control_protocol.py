@@ -23,16 +23,18 @@ request with ``Authorization: Bearer <token>``.
 
 A report lists the jobs with workers on the host: ``{"name", "global_batch",
 "layers", "chunk_bytes": [...], "chunk_layers": [...], "band_bps": [...],
-"in_leaf", "workers": [{"rank", "throughput", "batch"}]}``: the job's demand
+"exchange", "workers": [{"rank", "throughput", "batch"}]}``: the job's demand
 (one iteration's chunks in forward order and each one's layer, as a shim
-reported them), whether its shims reduce within leaves first (absent: not
-known yet) and its class's measured throughput on this host per band. A plan
+reported them), how its shims agreed to reduce (``"flat"``, ``"leaf"``:
+within leaves first, ``"ring"``; absent: not known yet; older daemons say
+``in_leaf``, true or false, which is still accepted) and its class's
+measured throughput on this host per band. A plan
 gives the host its job classes (``{job: [rate_bps, ceil_bps, prio]}``), per
 job every rank's batch share and every chunk's owner (the shims take their
 own), and the host's leaf when shims should reduce within leaves first.
 
 A control plane refuses fields it does not know, so a daemon sends an
-optional field (``in_leaf``) only when the welcome's ``features`` lists it
+optional field (``exchange``) only when the welcome's ``features`` lists it
 (`FEATURES`; an older control plane's welcome has none).
 
 Every message is validated (`parse_register`, `parse_report`); anything
@@ -49,7 +51,7 @@ from typing import Any
 
 import msgpack
 
-from gradlane.daemon.fields import flag, integer, listed, number, only, text
+from gradlane.daemon.fields import exchange, integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
 __all__ = [
@@ -69,7 +71,7 @@ __all__ = [
 
 VERSION = 1
 # Optional report fields this control plane accepts beyond VERSION's (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf",)
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange")
 MAX_MESSAGE = 1 << 20
 MAX_JOBS = 256
 MAX_WORKERS = 4096
@@ -108,7 +110,7 @@ class JobReport:
     workers: tuple[WorkerReport, ...]
     chunk_layers: tuple[int, ...] = ()  # the layer of each chunk (empty: not known)
     band_bps: tuple[float, ...] = ()  # measured throughput of the job's class, per band
-    in_leaf: bool | None = None  # its shims reduce within leaves first; None: not known
+    exchange: str | None = None  # how its shims reduce (`fields.EXCHANGES`); None: not known
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ def parse_report(raw: dict[str, Any]) -> Report:
     for i, item in enumerate(listed(raw, "jobs", MAX_JOBS)):
         where = _map(item, f"report: jobs[{i}]")
         only(where, {"type", "name", "global_batch", "layers", "chunk_bytes", "chunk_layers",
-                     "band_bps", "in_leaf", "workers"})
+                     "band_bps", "in_leaf", "exchange", "workers"})
         name = text(where, "name")
         if name in names:
             raise ProtocolError("bad_message", f"report: job {name!r} listed twice")
@@ -220,7 +222,7 @@ def parse_report(raw: dict[str, Any]) -> Report:
         jobs.append(JobReport(name, integer(where, "global_batch", 0, 1 << 30), layers,
                               tuple(int(c) for c in chunks), tuple(workers),
                               tuple(int(v) for v in of), tuple(float(v) for v in bps),
-                              flag(where, "in_leaf")))
+                              exchange(where)))
     return Report(integer(raw, "seq", 0, 1 << 62), tuple(jobs))
 
 

@@ -7,13 +7,31 @@ naming the message and the field.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from gradlane.errors import ProtocolError
 
-__all__ = ["MAX_NAME", "features", "flag", "get", "integer", "listed", "number", "only", "text"]
+__all__ = [
+    "EXCHANGES",
+    "MAX_NAME",
+    "agreed_exchange",
+    "exchange",
+    "exchange_fields",
+    "features",
+    "flag",
+    "get",
+    "integer",
+    "listed",
+    "number",
+    "only",
+    "text",
+]
 
 MAX_NAME = 128
+# How a job's ranks agreed to exchange gradients (`gradlane.policies.demand.Exchange`):
+# the flat reduction tree, within leaves first, or around the ring of ranks.
+EXCHANGES: tuple[str, ...] = ("flat", "leaf", "ring")
 
 
 def only(raw: dict[str, Any], allowed: set[str]) -> None:
@@ -43,6 +61,49 @@ def flag(raw: dict[str, Any], key: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise ProtocolError("bad_message", f"{raw.get('type')}: {key} must be true or false")
     return value
+
+
+def exchange(raw: dict[str, Any]) -> str | None:
+    """The optional agreed exchange, one of `EXCHANGES` (None: not said yet).
+
+    Read from ``exchange``, or from an older peer's ``in_leaf`` flag (true:
+    "leaf", false: "flat").
+    """
+    value = raw.get("exchange")
+    if value is None:
+        in_leaf = flag(raw, "in_leaf")
+        return None if in_leaf is None else "leaf" if in_leaf else "flat"
+    if value not in EXCHANGES:
+        raise ProtocolError(
+            "bad_message", f"{raw.get('type')}: exchange must be one of {', '.join(EXCHANGES)}"
+        )
+    return str(value)
+
+
+def agreed_exchange(said: Iterable[str | None]) -> str | None:
+    """What several ranks (or hosts) of one job said together: None while one has not
+    said; their exchange, or "flat" if they differ (a job's ranks build the same trees,
+    and flat is what a rank falls back to)."""
+    kinds = set(said)
+    if None in kinds or not kinds:
+        return None
+    return kinds.pop() if len(kinds) == 1 else "flat"
+
+
+def exchange_fields(kind: str | None, accepted: frozenset[str]) -> dict[str, Any]:
+    """The fields that say `kind` to a peer accepting the optional fields `accepted`.
+
+    ``exchange`` when the peer lists it; to an older one that knows only
+    ``in_leaf``, the ring is said as flat (the nearest exchange it can plan
+    for); nothing when `kind` is None or the peer knows neither.
+    """
+    if kind is None:
+        return {}
+    if "exchange" in accepted:
+        return {"exchange": kind}
+    if "in_leaf" in accepted:
+        return {"in_leaf": kind == "leaf"}
+    return {}
 
 
 def features(welcome: dict[str, Any]) -> frozenset[str]:

@@ -9,8 +9,8 @@ Conversation (client = a training process's shim)::
 
     client                                   daemon
     hello {version, job, rank, world_size,   -> welcome {version, worker, bands,
-           flows[, in_leaf]}                             leaf, features}
-    flows {flows[, in_leaf]}  (replace the band connections; say how the job reduces)
+           flows[, exchange]}                            leaf, features}
+    flows {flows[, exchange]} (replace the band connections; say how the job reduces)
     chunks {iteration, events}               (batched, no reply)
     timing {iteration, compute_s, comm_s, samples}
                                              <- plan {version, bands, batch_share, ...}
@@ -18,12 +18,14 @@ Conversation (client = a training process's shim)::
 
 A flow is one band connection: ``{"band", "src", "sport", "dst", "dport"}``
 (IPv4, TCP). A chunk event is ``[layer, nbytes, band, t]`` with t the
-sender's clock in seconds. ``in_leaf`` says how the job's ranks agreed to
-reduce: true within leaves first (each rank told its leaf, e.g. by the
-welcome's ``leaf``), false the flat exchange; absent, not agreed yet. The
-control plane's demand of the job follows it. A daemon refuses fields it
-does not know, so a shim sends an optional field only when the welcome's
-``features`` lists it (`FEATURES`; an older daemon's welcome has none).
+sender's clock in seconds. ``exchange`` says how the job's ranks agreed to
+reduce: ``"leaf"`` within leaves first (each rank told its leaf, e.g. by the
+welcome's ``leaf``), ``"ring"`` around the ring of ranks, ``"flat"`` the
+flat exchange; absent, not agreed yet. The control plane's demand of the
+job follows it. Older shims say ``in_leaf`` (true or false) instead, which
+is still accepted. A daemon refuses fields it does not know, so a shim
+sends an optional field only when the welcome's ``features`` lists it
+(`FEATURES`; an older daemon's welcome has none).
 `hello` must come first and only once. Anything else (bad framing, a wrong
 type, an out-of-order message) gets one ``error {code, message}`` and the
 connection is closed.
@@ -41,7 +43,7 @@ from typing import Any
 
 import msgpack
 
-from gradlane.daemon.fields import flag, get, integer, listed, number, only, text
+from gradlane.daemon.fields import exchange, get, integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
 # EF, AF41, AF31, AF21: band 0 (needed first) to band 3. Shims mark their band
@@ -68,7 +70,7 @@ __all__ = [
 
 VERSION = 1
 # Optional fields this daemon accepts beyond those of VERSION (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf",)
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange")
 MAX_FRAME = 1 << 20
 MAX_FLOWS = 1024
 MAX_EVENTS = 16384
@@ -155,13 +157,13 @@ class Hello:
     rank: int
     world_size: int
     flows: tuple[FlowSpec, ...]
-    in_leaf: bool | None = None  # reduced within leaves first; None: not agreed yet
+    exchange: str | None = None  # one of `fields.EXCHANGES`; None: not agreed yet
 
 
 @dataclass(frozen=True)
 class SetFlows:
     flows: tuple[FlowSpec, ...]
-    in_leaf: bool | None = None
+    exchange: str | None = None
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,8 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
     """
     kind = raw.get("type")
     if kind == "hello":
-        only(raw, {"type", "version", "job", "rank", "world_size", "flows", "in_leaf"})
+        only(raw, {"type", "version", "job", "rank", "world_size", "flows", "in_leaf",
+                   "exchange"})
         version = integer(raw, "version", 1, 1 << 16)
         if version != VERSION:
             raise ProtocolError(
@@ -217,11 +220,11 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
             rank=integer(raw, "rank", 0, world - 1),
             world_size=world,
             flows=_flows(raw, bands),
-            in_leaf=flag(raw, "in_leaf"),
+            exchange=exchange(raw),
         )
     if kind == "flows":
-        only(raw, {"type", "flows", "in_leaf"})
-        return SetFlows(flows=_flows(raw, bands), in_leaf=flag(raw, "in_leaf"))
+        only(raw, {"type", "flows", "in_leaf", "exchange"})
+        return SetFlows(flows=_flows(raw, bands), exchange=exchange(raw))
     if kind == "chunks":
         only(raw, {"type", "iteration", "events"})
         events = listed(raw, "events", MAX_EVENTS)

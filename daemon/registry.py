@@ -45,7 +45,7 @@ class Worker:
     cred: Credentials
     flows: tuple[FlowSpec, ...]
     since: float
-    in_leaf: bool | None = None  # how its job reduces (`protocol`); None: not agreed yet
+    exchange: str | None = None  # how its job reduces (`protocol`); None: not agreed yet
     chunk_events: int = 0
     chunk_bytes: list[int] = field(default_factory=list)  # per band
     # The latest iteration's chunks as (layer, bytes, band), in the order they were ready:
@@ -135,7 +135,7 @@ class Registry:
             cred=cred,
             flows=hello.flows,
             since=self._clock(),
-            in_leaf=hello.in_leaf,
+            exchange=hello.exchange,
             chunk_bytes=[0] * self.bands,
         )
         self._workers[worker.id] = worker
@@ -144,14 +144,14 @@ class Registry:
         return worker
 
     def set_flows(self, worker_id: str, flows: tuple[FlowSpec, ...],
-                  in_leaf: bool | None = None) -> None:
-        """Replace a worker's band connections; `in_leaf`, when given, how its job reduces."""
+                  exchange: str | None = None) -> None:
+        """Replace a worker's band connections; `exchange`, when given, how its job reduces."""
         worker = self._workers[worker_id]
         if worker.flows != flows:
             worker.flows = flows
             self.version += 1
-        if in_leaf is not None and worker.in_leaf != in_leaf:
-            worker.in_leaf = in_leaf
+        if exchange is not None and worker.exchange != exchange:
+            worker.exchange = exchange
             self.version += 1
 
     def record_chunks(self, worker_id: str, iteration: int, events: tuple[ChunkEvent, ...]) -> None:

@@ -445,7 +445,7 @@ class Daemon:
         if worker is None:
             raise ProtocolError("order", f"{type(message).__name__.lower()} before hello")
         if isinstance(message, protocol.SetFlows):
-            self.registry.set_flows(worker.id, message.flows, message.in_leaf)
+            self.registry.set_flows(worker.id, message.flows, message.exchange)
             self._dirty.set()
         elif isinstance(message, protocol.Chunks):
             self.registry.record_chunks(worker.id, message.iteration, message.events)
@@ -597,7 +597,7 @@ def _worker_status(worker: Worker) -> dict[str, Any]:
         "pid": worker.cred.pid,
         "uid": worker.cred.uid,
         "flows": len(worker.flows),
-        "in_leaf": worker.in_leaf,  # how its job reduces, as its shim said (None: not yet)
+        "exchange": worker.exchange,  # how its job reduces, as its shim said (None: not yet)
         "iteration": worker.iteration,
         "chunk_events": worker.chunk_events,
         "chunk_bytes": worker.chunk_bytes,

@@ -30,7 +30,7 @@ import aiohttp
 
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
-from gradlane.daemon.fields import features
+from gradlane.daemon.fields import agreed_exchange, exchange_fields, features
 from gradlane.daemon.registry import Registry
 from gradlane.policies import JobClassPlan
 
@@ -221,9 +221,8 @@ class ControlLink:
                 "chunk_layers": [index[demand[i][0]] for i in chunks],
                 "band_bps": [round(b, 1) for b in measured.get(name, [])],
                 "workers": entries}
-            agreed = {w.in_leaf for w in workers}
             # How the job reduces, once its workers here have said (and if understood).
-            if None not in agreed and "in_leaf" in self.features:
-                job["in_leaf"] = all(agreed)
+            job.update(exchange_fields(agreed_exchange(w.exchange for w in workers),
+                                       self.features))
             jobs.append(job)
         return {"type": "report", "seq": seq, "jobs": jobs}

@@ -517,8 +517,8 @@ def _get_json(url: str, who: str, headers: dict[str, str] | None = None) -> Any:
         raise click.ClickException(f"no {who} answers at {url}: {exc}") from None
 
 
-# How a job reduces, as its shims said ("in_leaf"; None: not said yet).
-_EXCHANGE = {True: "in leaves first", False: "flat"}
+# How a job reduces, as its shims said ("exchange"; None: not said yet).
+_EXCHANGE = {"leaf": "in leaves first", "flat": "flat", "ring": "ring"}
 
 
 def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
@@ -560,7 +560,7 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
         sending = sum(j.get("band_bps", []))  # what its classes carry now (gradlaned measures)
         jobs.add_row(name, str(j["workers"]), str(len(j["hosts"])),
                      "DEGRADED" if j["degraded"] else "ok",
-                     _EXCHANGE.get(j.get("in_leaf"), "-"),
+                     _EXCHANGE.get(j.get("exchange"), "-"),
                      format_rate(round(sending)) if sending else "-",
                      f"{j['demand_bytes'] / 1e6:.2f} MB" if j.get("demand_bytes") else "-",
                      f"{order.index(name) + 1} (level {level.get(name, 0)})" if name in order
@@ -719,7 +719,7 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
                 str(w["rank"]),
                 str(w["pid"]),
                 str(w["flows"]),
-                _EXCHANGE.get(w.get("in_leaf"), "-"),
+                _EXCHANGE.get(w.get("exchange"), "-"),
                 str(w["iteration"]),
                 str(w["chunk_events"]),
                 str(w["chunk_bytes"]),

@@ -405,7 +405,7 @@ def run_two_jobs(
     trials: dict[str, dict[str, Any]] = {}  # the shims' layout trial verdicts
     shared: dict[str, dict[str, list[float]]] = {}  # iterations while both jobs trained
     done_runs: dict[str, list[SystemRun]] = {}
-    exchange: dict[str, bool | None] = {}  # how the control plane saw each job reduce
+    exchange: dict[str, str | None] = {}  # how the control plane saw each job reduce
     port = 29820
     with Cluster(topology) as c:
         ctl = _controlled(c, workdir, hosts, "h5")
@@ -421,7 +421,7 @@ def run_two_jobs(
                                       sockets=sockets, hosts=job_hosts, job=job))
             if watch:  # while they train: the shims' agreed exchange, as the plan sees it
                 def told(view: dict[str, Any]) -> bool:
-                    exchange.update({j: view["jobs"].get(j, {}).get("in_leaf") for j in TWO_JOBS})
+                    exchange.update({j: view["jobs"].get(j, {}).get("exchange") for j in TWO_JOBS})
                     ended = all(p.poll() is not None for job in started for p in job.procs)
                     return None not in exchange.values() or ended
 
@@ -480,7 +480,7 @@ def run_two_jobs(
         "shared_iteration_s": shared,
         "leaves": leaves,  # per run and job: the ranks' leaves if reduced within leaves first
         # per job, whether the control plane's view said it reduces within leaves first
-        "control_saw_in_leaf": exchange,
+        "control_saw_exchange": exchange,
         "layout_trial": trials,  # per run and job: what the shim's layout trial measured, kept
         "median_s": medians,
         "average_median_s": average,

@@ -17,7 +17,7 @@ from gradlane.errors import ConfigError
 
 __all__ = [
     "RING_AUTO_MAX_WORLD", "all_reduction_parents", "assign_owners", "band_of",
-    "reduction_parents", "ring_routes", "uses_ring",
+    "exchange_kind", "reduction_parents", "ring_routes", "uses_ring",
 ]
 
 
@@ -174,6 +174,16 @@ def uses_ring(exchange: str, world: int, leaves: int) -> bool:
     if world < 3 or leaves != 1:
         return False
     return exchange == "ring" or (exchange == "auto" and world <= RING_AUTO_MAX_WORLD)
+
+
+def exchange_kind(exchange: str, world: int, leaves: int) -> str:
+    """What a job's ranks on `exchange` do, as they tell gradlaned
+    (`gradlane.daemon.fields.EXCHANGES`): "ring" where `uses_ring` says so,
+    "leaf" across several leaf switches (reduction trees within leaves
+    first), else "flat"."""
+    if uses_ring(exchange, world, leaves):
+        return "ring"
+    return "leaf" if leaves > 1 else "flat"
 
 
 def all_reduction_parents(leaves: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gradlane.daemon import protocol
-from gradlane.daemon.fields import features
+from gradlane.daemon.fields import exchange_fields, features
 from gradlane.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class DaemonClient:
         advised_leaf: this host's leaf switch when, at the welcome, the
             control plane advised reducing within leaves first (None: the flat
             exchange). Read once at attach: reduction trees never change mid-run.
-        in_leaf: how the job's ranks agreed to reduce (`exchange_agreed`),
+        exchange: how the job's ranks agreed to reduce (`exchange_agreed`),
             which gradlaned passes on to the control plane; None: not yet.
     """
 
@@ -56,7 +56,7 @@ class DaemonClient:
         self.plan: dict[str, Any] | None = None
         self.advised_batch_share: float | None = None
         self.advised_leaf: int | None = None
-        self.in_leaf: bool | None = None
+        self.exchange: str | None = None
         self.welcomed = threading.Event()
         self._features: frozenset[str] = frozenset()  # the daemon's optional fields
         self.daemon_bands: tuple[int, ...] | None = None
@@ -102,14 +102,16 @@ class DaemonClient:
             }
         )
 
-    def exchange_agreed(self, in_leaf: bool) -> None:
-        """The job's ranks agreed to reduce within leaves first (or not): tell gradlaned."""
-        self.in_leaf = in_leaf  # before the post: a session starting now sends it itself
-        if "in_leaf" in self._features:
+    def exchange_agreed(self, kind: str) -> None:
+        """The job's ranks agreed how to reduce (`gradlane.daemon.fields.EXCHANGES`): tell
+        gradlaned."""
+        self.exchange = kind  # before the post: a session starting now sends it itself
+        if exchange_fields(kind, self._features):
             self._post(self._flows_message())
 
     def _flows_message(self) -> dict[str, Any]:
-        return {"type": "flows", "flows": self._flows(), "in_leaf": self.in_leaf}
+        return {"type": "flows", "flows": self._flows(),
+                **exchange_fields(self.exchange, self._features)}
 
     def _post(self, message: dict[str, Any]) -> None:
         if not self.connected:
@@ -176,7 +178,7 @@ class DaemonClient:
             self._features = features(welcome)  # an older daemon refuses fields it lacks
             self.connected, self._said_absent = True, False
             # Agreed before this session (or while it began): say it now.
-            if self.in_leaf is not None and "in_leaf" in self._features:
+            if exchange_fields(self.exchange, self._features):
                 sock.sendall(protocol.encode(self._flows_message()))
             self.welcomed.set()
             logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))

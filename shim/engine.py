@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradlane.errors import PeerLost, TransportError
-from gradlane.policies.chunks import reduction_parents, ring_routes, uses_ring
+from gradlane.policies.chunks import exchange_kind, reduction_parents, ring_routes
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
 __all__ = ["Chunk", "Engine", "Group"]
@@ -137,9 +137,9 @@ class Engine:
             ("ready") and when it is averaged ("done"); for the daemon client.
         leaves: each rank's leaf switch, the same on every rank (default: one
             leaf, the flat exchange); see the module docstring.
-        exchange: `ShimConfig.exchange`; where `uses_ring` says so, every
-            chunk goes around the ring of ranks
-            (`gradlane.policies.chunks.ring_routes`).
+        exchange: `ShimConfig.exchange`; where
+            `gradlane.policies.chunks.uses_ring` says so, every chunk goes
+            around the ring of ranks (`gradlane.policies.chunks.ring_routes`).
     """
 
     def __init__(
@@ -155,7 +155,9 @@ class Engine:
         if leaves is not None and len(leaves) != self.world:
             raise TransportError(f"need one leaf per rank: {len(leaves)} for {self.world}")
         self.leaves = tuple(leaves) if leaves is not None else (0,) * self.world
-        self.ring = uses_ring(exchange, self.world, len(set(self.leaves)))
+        # What gradlaned and the control plane are told.
+        self.kind = exchange_kind(exchange, self.world, len(set(self.leaves)))
+        self.ring = self.kind == "ring"
         self._route_cache: dict[int, tuple[list[int], list[int]]] = {}
         self.timeout_s = timeout_s
         self.on_event = on_event

@@ -294,7 +294,6 @@ class Sync:
             self._broadcast_state()
             self.client = DaemonClient(config, rank, world, self.mesh)
             self.leaves = self._agree_leaves(store)
-            self.client.exchange_agreed(self.leaves is not None)
             self.engine = Engine(
                 self.mesh,
                 config.timeout_s,
@@ -302,6 +301,7 @@ class Sync:
                 leaves=self.leaves,
                 exchange=config.exchange,
             )
+            self.client.exchange_agreed(self.engine.kind)
         except BaseException:
             self.mesh.close()
             raise

@@ -175,6 +175,8 @@ def test_workers_register_with_the_daemon_and_survive_its_death(
             time.sleep(0.2)
         # One peer, 4 bands: 4 band connections per worker, each a registered flow.
         assert [w["flows"] for w in workers] == [4, 4]
+        # How they reduce, said right after the welcome: two ranks are flat (no ring).
+        assert [w["exchange"] for w in workers] == ["flat", "flat"]
         daemon.proc.kill()
         daemon.proc.wait()
         # A new daemon on the same socket: the shims find it again by themselves.

@@ -109,11 +109,12 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         assert (job.chunk_bytes, job.chunk_layers, job.layers) == ((500, 3000, 2000), (0, 1, 1), 2)
         assert len(plane.plan.ownership["j"]) == 3
         # How the job reduces reaches the control plane once every rank here has said.
-        assert plane.view()["jobs"]["j"]["in_leaf"] is None
+        assert plane.view()["jobs"]["j"]["exchange"] is None
         for shim in shims:
-            await shim.send({"type": "flows", "flows": [], "in_leaf": False})
-        await _until(lambda: plane.view()["jobs"]["j"]["in_leaf"] is False)
-        assert [w["in_leaf"] for j in daemon.status()["jobs"] for w in j["workers"]] == [False] * 2
+            await shim.send({"type": "flows", "flows": [], "exchange": "ring"})
+        await _until(lambda: plane.view()["jobs"]["j"]["exchange"] == "ring")
+        said = [w["exchange"] for j in daemon.status()["jobs"] for w in j["workers"]]
+        assert said == ["ring"] * 2
         # The slow worker recovers (its next steps' timings; the daemon takes the median of
         # the latest five): the shares follow, and shift back when it slows down again.
         # Periodic reports are off (REPORT_EVERY is an hour here): the daemon reports
@@ -147,15 +148,29 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
     asyncio.run(main())
 
 
-def test_the_exchange_is_reported_only_to_a_control_plane_that_lists_it() -> None:
+@pytest.mark.parametrize(
+    ("said", "features", "reported"),
+    [
+        (("leaf", "leaf"), cp.FEATURES, {"exchange": "leaf"}),
+        (("ring", "ring"), cp.FEATURES, {"exchange": "ring"}),
+        (("ring", None), cp.FEATURES, {}),  # not every rank here has said
+        (("ring", "leaf"), cp.FEATURES, {"exchange": "flat"}),  # ranks disagree: flat
+        # A control plane of the last version knows only the flag; the oldest, neither.
+        (("leaf", "leaf"), ("in_leaf",), {"in_leaf": True}),
+        (("ring", "ring"), ("in_leaf",), {"in_leaf": False}),
+        (("leaf", "leaf"), (), {}),
+    ],
+)
+def test_the_exchange_is_reported_as_the_control_plane_understands_it(
+    said: tuple[str | None, ...], features: tuple[str, ...], reported: dict[str, object]
+) -> None:
     registry = Registry(bands=4)
-    for rank in (0, 1):
+    for rank, kind in enumerate(said):
         hello = protocol.Hello(version=1, job="j", rank=rank, world_size=2, flows=(),
-                               in_leaf=True)
+                               exchange=kind)
         registry.add(hello, Credentials(100 + rank, 0, 0))
     link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
                               registry, on_change=lambda: None)
-    # An older control plane (no "features" in its welcome) would refuse the field.
-    assert "in_leaf" not in link.report(1)["jobs"][0]
-    link.features = frozenset(cp.FEATURES)
-    assert link.report(2)["jobs"][0]["in_leaf"] is True
+    link.features = frozenset(features)
+    job = link.report(1)["jobs"][0]
+    assert {k: v for k, v in job.items() if k in ("exchange", "in_leaf")} == reported

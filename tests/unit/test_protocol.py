@@ -26,12 +26,20 @@ def test_roundtrip_in_pieces() -> None:
     assert hello.flows == (protocol.FlowSpec(1, "10.0.0.1", 40000, "10.0.0.2", 5201),)
 
 
-def test_in_leaf_says_how_the_job_reduces_or_nothing_yet() -> None:
-    assert protocol.parse(HELLO, 4).in_leaf is None  # type: ignore[union-attr]
-    assert protocol.parse({**HELLO, "in_leaf": True}, 4).in_leaf is True  # type: ignore[union-attr]
-    flows = protocol.parse({"type": "flows", "flows": [FLOW], "in_leaf": False}, 4)
+@pytest.mark.parametrize(
+    ("said", "kind"),
+    [({}, None), ({"exchange": "ring"}, "ring"), ({"exchange": "leaf"}, "leaf"),
+     ({"exchange": "flat"}, "flat"),
+     # An older shim's flag.
+     ({"in_leaf": True}, "leaf"), ({"in_leaf": False}, "flat")],
+)
+def test_exchange_says_how_the_job_reduces_or_nothing_yet(
+    said: dict[str, object], kind: str | None
+) -> None:
+    assert protocol.parse({**HELLO, **said}, 4).exchange == kind  # type: ignore[union-attr]
+    flows = protocol.parse({"type": "flows", "flows": [FLOW], **said}, 4)
     assert flows == protocol.SetFlows((protocol.FlowSpec(1, "10.0.0.1", 40000, "10.0.0.2", 5201),),
-                                      in_leaf=False)
+                                      exchange=kind)
 
 
 def test_chunks_and_timing() -> None:
@@ -55,6 +63,8 @@ def test_chunks_and_timing() -> None:
         ({**HELLO, "flows": [{**FLOW, "dport": 0}]}, "bad_message", "dport"),
         ({**HELLO, "rank": True}, "bad_message", "rank"),
         ({**HELLO, "in_leaf": 1}, "bad_message", "in_leaf must be true or false"),
+        ({**HELLO, "exchange": "tree"}, "bad_message", "exchange must be one of flat, leaf, ring"),
+        ({**HELLO, "exchange": True}, "bad_message", "exchange must be one of"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1, 9, 0.0]]}, "bad_message",
          r"events\[0\]"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1]]}, "bad_message", r"events\[0\]"),

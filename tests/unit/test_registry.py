@@ -21,9 +21,9 @@ def test_add_record_remove_bumps_version() -> None:
     assert w.chunk_events == 2 and w.chunk_bytes == [0, 0, 150, 0] and w.iteration == 6
     reg.set_flows(w.id, ())
     assert reg.version == v + 1
-    reg.set_flows(w.id, (), in_leaf=True)  # how its job reduces: the control plane plans by it
+    reg.set_flows(w.id, (), exchange="ring")  # how its job reduces: the control plane plans by it
     reg.set_flows(w.id, ())  # None keeps what the worker said
-    assert reg.version == v + 2 and w.in_leaf is True
+    assert reg.version == v + 2 and w.exchange == "ring"
     assert reg.remove(w.id) is w and len(reg) == 0 and reg.jobs() == {}
 
 

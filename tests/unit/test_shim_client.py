@@ -2,7 +2,7 @@
 
 A fake daemon on a Unix socket plays both a current gradlaned (its welcome
 lists ``features``) and an older one (no ``features``: it would refuse the
-unknown ``in_leaf`` field and close the connection).
+unknown ``exchange`` field and close the connection).
 """
 
 from __future__ import annotations
@@ -73,31 +73,42 @@ class _Daemon:
         self._server.close()
 
 
-def _said(daemon: _Daemon) -> list[bool | None]:
-    return [m.get("in_leaf") for m in daemon.got if m["type"] == "flows"]
+def _said(daemon: _Daemon) -> list[dict[str, object]]:
+    return [{k: v for k, v in m.items() if k in ("exchange", "in_leaf")}
+            for m in daemon.got if m["type"] == "flows"]
 
 
 @pytest.mark.parametrize("before", [False, True], ids=["agreed-after", "agreed-before"])
+@pytest.mark.parametrize(
+    ("features", "kind", "said"),
+    [
+        (list(protocol.FEATURES), "ring", {"exchange": "ring"}),
+        (list(protocol.FEATURES), "leaf", {"exchange": "leaf"}),
+        # A daemon that knows only the older flag: the ring is said as flat.
+        (["in_leaf"], "ring", {"in_leaf": False}),
+        (["in_leaf"], "leaf", {"in_leaf": True}),
+    ],
+)
 def test_the_job_s_exchange_reaches_a_daemon_that_lists_the_feature(
-    tmp_path: Path, before: bool
+    tmp_path: Path, before: bool, features: list[str], kind: str, said: dict[str, object]
 ) -> None:
     path = tmp_path / "gl.sock"
     if before:  # agreed before the daemon is up: said right after its welcome
         client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
-        client.exchange_agreed(True)
-    daemon = _Daemon(path, features=list(protocol.FEATURES))
+        client.exchange_agreed(kind)
+    daemon = _Daemon(path, features=features)
     if not before:
         client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
     try:
         assert client.welcomed.wait(10)
         if not before:
-            client.exchange_agreed(True)
+            client.exchange_agreed(kind)
         client.timing(0.1, 0.0)  # queued after the flows message: the daemon's cue to stop
         assert daemon.timed.wait(10)
     finally:
         client.close()
         daemon.close()
-    assert _said(daemon) == [True]
+    assert _said(daemon) == [said]
 
 
 def test_an_older_daemon_is_not_sent_a_field_it_would_refuse(tmp_path: Path) -> None:
@@ -106,7 +117,7 @@ def test_an_older_daemon_is_not_sent_a_field_it_would_refuse(tmp_path: Path) -> 
     client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
     try:
         assert client.welcomed.wait(10)
-        client.exchange_agreed(True)
+        client.exchange_agreed("leaf")
         client.timing(0.1, 0.0)
         assert daemon.timed.wait(10)
         assert client.connected  # still the first session: nothing was refused

@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
-from gradlane.policies.chunks import RING_AUTO_MAX_WORLD, reduction_parents, ring_routes, uses_ring
+from gradlane.policies.chunks import (
+    RING_AUTO_MAX_WORLD,
+    exchange_kind,
+    reduction_parents,
+    ring_routes,
+    uses_ring,
+)
 from gradlane.shim.layout import assign_owners, band_of, split
 
 
@@ -112,3 +118,6 @@ def test_auto_takes_the_ring_only_where_it_was_measured_under_one_leaf() -> None
     assert [w for w in range(1, top + 3) if uses_ring("ring", w, 1)] == list(range(3, top + 3))
     assert not any(uses_ring("flat", w, 1) for w in range(1, top + 3))
     assert not uses_ring("auto", 4, 2) and not uses_ring("ring", 4, 2)  # two leaves: the tree
+    # What the ranks then tell gradlaned.
+    assert [exchange_kind("auto", w, 1) for w in (2, 4, top + 1)] == ["flat", "ring", "flat"]
+    assert exchange_kind("ring", 4, 2) == exchange_kind("auto", 4, 2) == "leaf"
