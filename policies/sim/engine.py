@@ -18,14 +18,18 @@ Model (what is simulated, and what is not):
 2. Sharing, as gradlaned and DSCP switches enforce it: strict priority by
    (the job's coflow level, the band of the bucket), both from the plan;
    collectives at the same priority share by per-flow max-min (TCP-like,
-   exact progressive filling); within one (job, band) one connection serves
-   buckets first come, first served. Per-flow rate caps in the plan are not
-   enforced (priority and work conservation decide the rates). One rate
-   per collective and one collective per (job, band) at a time are coarser
-   than the shim, whose connection per peer and band lets several buckets'
-   chunks share the links at once: the README ("Policies and the
-   simulator") says what that costs the validation, and why letting a
-   band's collectives share alone is no better.
+   exact progressive filling). Per-flow rate caps in the plan are not
+   enforced (priority and work conservation decide the rates). The shim
+   keeps a connection per peer and band, so several buckets' chunks share
+   the links at once. On the ring that is modeled: every collective of a
+   (job, band)'s oldest iteration in flight moves at once, and one rate per
+   collective is close to the shim's, since a ring collective is a chain
+   of hops that stalls wherever one hop does. A flat job's connection
+   serves buckets first come, first served, one collective at a time: with
+   one rate per collective, strict priority would stop a flat collective
+   on every link as soon as one of its links is full, where the shim's
+   other flows go on (the README, "Policies and the simulator", says what
+   each costs).
 3. Compute. Each worker runs forward bucket by bucket, then backward in
    reverse; its time per bucket scales with its batch share over its speed.
    A bucket's forward in iteration ``k + 1`` waits for that bucket's
@@ -281,7 +285,18 @@ class _Sim:
     # -- network -----------------------------------------------------------
 
     def active(self) -> list[_Collective]:
-        return [q[0] for q in self.queues.values() if q]
+        """Per (job, band), the collective its connection sends now; on the ring, every
+        collective of the oldest iteration in the queue (model, point 2)."""
+        out: list[_Collective] = []
+        for q in self.queues.values():
+            if q and not q[0].job.spec.ring:
+                out.append(q[0])
+                continue
+            for c in q:  # in arrival order: iterations never go back
+                if c.iteration != q[0].iteration:
+                    break
+                out.append(c)
+        return out
 
     def solve(self, active: list[_Collective]) -> None:
         """Per-flow rates: strict priority by (level, band), max-min within a priority."""
@@ -427,7 +442,7 @@ class _Sim:
             self.now = t_next
             for c in active:
                 if c.bits <= EPS * max(1.0, c.job.chunk_size[c.bucket] * 8):
-                    self.queues[c.job.index, c.band].popleft()
+                    self.queues[c.job.index, c.band].remove(c)
                     dirty = True
                     self.collective_done(c)
             while self.ready and self.ready[0][0] <= self.now:

@@ -19,12 +19,13 @@ stated here, not a measurement.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from gradlane.errors import ConfigError
 from gradlane.policies.base import DEFAULT_BANDS, Host, Topology
+from gradlane.policies.chunks import uses_ring
 from gradlane.policies.profiles import BACKWARD_TO_FORWARD, NAMES, load_profile
 from gradlane.policies.straggler import proportional_shares
 
@@ -195,8 +196,11 @@ def one_switch(
 def heterogeneous(model: str = "resnet50", nic_bps: float = 10e9) -> Scenario:
     """4 workers at relative speeds 1, 1, 1, 0.5 on one switch (the issue's scenario)."""
     layers = profile_layers(model, BATCH_PER_WORKER)
-    return one_switch("heterogeneous", [(model, layers, [1, 1, 1, 0.5])], 4, nic_bps,
-                      notes={"model": model, "nic_bps": nic_bps})
+    scenario = one_switch("heterogeneous", [(model, layers, [1, 1, 1, 0.5])], 4, nic_bps,
+                          notes={"model": model, "nic_bps": nic_bps})
+    # Four ranks under one switch take the ring, as the shim's default exchange does.
+    ring = uses_ring("auto", 4, 1)
+    return replace(scenario, jobs=tuple(replace(j, ring=ring) for j in scenario.jobs))
 
 
 def cluster(

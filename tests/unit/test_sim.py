@@ -36,6 +36,22 @@ def test_one_bucket_iteration_is_compute_plus_the_exchange(workers: int) -> None
         assert t == pytest.approx(fwd + bwd + exchange, rel=1e-6)
 
 
+@pytest.mark.parametrize(("ring", "chunk_times"), [(False, 12), (True, 6)])
+def test_a_ring_job_s_buckets_share_the_links(ring: bool, chunk_times: int) -> None:
+    # Four one-chunk buckets on four workers, ready together, one owned by each rank. Flat,
+    # one at a time (the model for a flat job): each owner sends its result to three
+    # peers, 3 chunk times per bucket. On the ring each rank sends a bucket's partial sum
+    # or average to its successor, twice but where it is the owner or the owner's
+    # predecessor: alone, 2 chunk times per bucket (8 in all, its less loaded links half
+    # idle); at once, as the shim's connections send them, every link carries 6 flows.
+    c, step = 1e6, 1e-4
+    sc = _one_job([(c, step, 0.0)] * 4, 4)
+    sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=ring),))
+    assert len(sc.jobs[0].buckets) == 4
+    for t in simulate(sc, get_policy("fifo")).iteration_s["job0-x"]:
+        assert t == pytest.approx(4 * step + chunk_times * c * 8 / G, rel=1e-6)
+
+
 def test_priority_overlaps_the_exchange_with_the_next_forward() -> None:
     # Eight layers, eight buckets; the big last layer is ready first, layer 0 last.
     layers = [(4e6, 0.02, 0.04)] * 7 + [(30e6, 0.02, 0.04)]
