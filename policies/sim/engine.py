@@ -180,7 +180,7 @@ class _Job:
         return self.exchange.loads(self.owned_chunks, self.in_leaf, self.chunk_size)
 
 
-@dataclass
+@dataclass(eq=False)  # a queue removes a collective by identity
 class _Collective:
     job: _Job
     iteration: int
