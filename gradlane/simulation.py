@@ -35,7 +35,6 @@ import numpy as np
 from gradlane.benchmark import PAYLOAD_EFFICIENCY
 from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
-from gradlane.policies.chunks import uses_ring
 from gradlane.policies.sim import (
     Scenario,
     cluster,
@@ -238,14 +237,12 @@ def testbed_scenario(result: dict[str, Any], compute_s: float | None) -> Scenari
     scale = (compute_s or nominal) / nominal
     layers = [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
     hosts = int(result["scenario"]["hosts"])
-    scenario = one_switch(
+    return one_switch(
         result["scenario"]["name"], [(wl["model"], layers, [1.0] * hosts)], hosts,
-        result["link_bps"] * PAYLOAD_EFFICIENCY, iterations=20, warmup=3,
+        result["link_bps"] * PAYLOAD_EFFICIENCY,
+        # Results from before the ring (no "exchange" recorded) ran flat.
+        exchange=result["scenario"].get("exchange", "flat"), iterations=20, warmup=3,
     )
-    # Results from before the ring (no "exchange" recorded) ran flat.
-    ring = uses_ring(result["scenario"].get("exchange", "flat"), hosts, 1)
-    return dataclasses.replace(
-        scenario, jobs=tuple(dataclasses.replace(j, ring=ring) for j in scenario.jobs))
 
 
 def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[str, Any]:

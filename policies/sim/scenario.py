@@ -19,7 +19,7 @@ stated here, not a measurement.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -174,11 +174,14 @@ def one_switch(
     jobs: list[tuple[str, list[tuple[float, float, float]], list[float]]],
     hosts: int,
     nic_bps: float,
+    exchange: str = "flat",
     **kwargs: object,
 ) -> Scenario:
     """Hosts on one switch; each job given as (model name, layers, per-worker speeds).
 
-    Jobs take consecutive hosts.
+    Jobs take consecutive hosts, and the ring where `uses_ring` says so for
+    `exchange` (`gradlane.shim.ShimConfig.exchange`: "auto" is the shim's
+    default; "flat", this function's, keeps every job on its reduction tree).
     """
     topo = Topology(tuple(Host(f"h{i}", 0, int(nic_bps)) for i in range(hosts)))
     out, next_host = [], 0
@@ -189,18 +192,17 @@ def one_switch(
         total = sum(b.bytes for b in buckets)
         out.append(SimJob(f"job{i}-{model}", model, placed, buckets,
                           BATCH_PER_WORKER * len(placed), tuple(speeds),
-                          _chunk_for(total, len(placed))))
+                          _chunk_for(total, len(placed)),
+                          ring=uses_ring(exchange, len(placed), 1)))
     return Scenario(name, topo, tuple(out), **kwargs)  # type: ignore[arg-type]
 
 
 def heterogeneous(model: str = "resnet50", nic_bps: float = 10e9) -> Scenario:
     """4 workers at relative speeds 1, 1, 1, 0.5 on one switch (the issue's scenario)."""
     layers = profile_layers(model, BATCH_PER_WORKER)
-    scenario = one_switch("heterogeneous", [(model, layers, [1, 1, 1, 0.5])], 4, nic_bps,
-                          notes={"model": model, "nic_bps": nic_bps})
-    # Four ranks under one switch take the ring, as the shim's default exchange does.
-    ring = uses_ring("auto", 4, 1)
-    return replace(scenario, jobs=tuple(replace(j, ring=ring) for j in scenario.jobs))
+    # The shim's default exchange: four ranks under one switch take the ring.
+    return one_switch("heterogeneous", [(model, layers, [1, 1, 1, 0.5])], 4, nic_bps,
+                      exchange="auto", notes={"model": model, "nic_bps": nic_bps})
 
 
 def cluster(
