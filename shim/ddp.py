@@ -11,8 +11,12 @@ What it gives: each bucket is cut into chunks with balanced owners, ordered by
 the forward order of its parameters (first used = first sent) and sent over
 the DSCP-marked band connections that gradlaned schedules; with
 ``leaf=`` given on every rank (`ShimConfig.leaf`), each chunk is reduced
-within each leaf switch first, as the shim does. What it cannot
-give: cross-iteration overlap. DDP's ``backward()`` waits for every bucket and
+within each leaf switch first, as the shim does. Like `attach`, it
+registers its band connections with gradlaned when a daemon socket exists
+(`ShimConfig.daemon_socket`) and reports its chunks each step and the
+exchange its ranks took, so the daemon gives the job its own class and the
+control plane plans its demand (it reports no compute times: DDP runs the
+step). What it cannot give: cross-iteration overlap. DDP's ``backward()`` waits for every bucket and
 the optimizer steps the whole model after it, so the next forward never starts
 before the last bucket is in; use `gradlane.shim.attach` for that.
 
@@ -33,6 +37,7 @@ from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from gradlane.errors import ConfigError, PeerLost
+from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import assign_owners, band_of, split
@@ -77,17 +82,20 @@ class HookState:
             timeout_s=self.config.timeout_s,
             prefix=f"gradlane/{self.config.job}/ddp",
         )
+        self.client = DaemonClient(self.config, self.rank, self.world, self.mesh)
         try:
             # Reduction within leaves first when every rank's ShimConfig.leaf says where it is.
             self.leaves = agree_leaves(store, f"gradlane/{self.config.job}/ddp", self.rank,
                                        self.world, self.config.leaf)
+            self.engine = Engine(
+                self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
+                leaves=self.leaves, exchange=self.config.exchange,
+            )
         except BaseException:
+            self.client.close()
             self.mesh.close()
             raise
-        self.engine = Engine(
-            self.mesh, self.config.timeout_s, leaves=self.leaves,
-            exchange=self.config.exchange,
-        )
+        self.client.exchange_agreed(self.engine.kind)
         self.engine.on_failure = self._fail_pending
         self._pending: dict[int, torch.futures.Future[torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -160,12 +168,15 @@ class HookState:
         for handle in self._handles:
             handle.remove()
         self.engine.close(linger_s=min(10.0, self.config.timeout_s))
+        self.client.close()
 
 
 def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average `bucket` across workers over gradlane's transport (see the module docstring)."""
     if not state._in_step:
-        state.engine.begin(state.step, state.samples if state.samples is not None else 1)
+        samples = state.samples if state.samples is not None else 1
+        state.engine.begin(state.step, samples)
+        state.client.begin(state.step, samples)  # ships the last step's chunk events
         state._in_step = True
     group = state._group(bucket)
     group.grad.copy_(bucket.buffer().reshape(-1))

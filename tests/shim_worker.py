@@ -170,7 +170,8 @@ def run_ddp_hook(
     dist.init_process_group("gloo", rank=rank, world_size=len(sizes))
     ddp = DistributedDataParallel(model)
     state = gl.HookState(ddp, chunk_bytes=args.chunk_bytes, timeout_s=args.timeout, job="test",
-                         leaf=args.leaf, exchange=args.exchange)
+                         leaf=args.leaf, exchange=args.exchange,
+                         daemon_socket=args.daemon_socket)
     ddp.register_comm_hook(state, gl.comm_hook)
     start = sum(sizes[:rank])
     for step in range(args.steps):
@@ -184,6 +185,7 @@ def run_ddp_hook(
         scheduler.step()
         opt.zero_grad()
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+        time.sleep(args.step_sleep)
     print(f"rank {rank} leaves {state.leaves}", flush=True)
     state.close()
     dist.destroy_process_group()

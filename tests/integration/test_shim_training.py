@@ -208,6 +208,30 @@ def test_workers_register_with_the_daemon_and_survive_its_death(
 
 
 @pytest.mark.timeout(120)
+def test_ddp_hook_workers_register_with_the_daemon(tmp_path: Path, daemon: RunningDaemon) -> None:
+    procs = launch(tmp_path, "--ddp-hook", "--steps", "150", "--step-sleep", "0.02",
+                   "--batches", "4,4,4", "--daemon-socket", str(daemon.socket), world=3)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            jobs = daemon.status()["jobs"]
+            workers = [w for j in jobs if j["name"] == "test" for w in j["workers"]]
+            if len(workers) == 3 and all(w["chunk_events"] > 0 for w in workers):
+                break
+            assert all(p.poll() is None for p in procs), finish(procs)
+            assert time.monotonic() < deadline, jobs
+            time.sleep(0.2)
+        # Two peers, 4 bands each; three ranks under one switch take the ring, and say so.
+        assert [w["flows"] for w in workers] == [8, 8, 8]
+        assert [w["exchange"] for w in workers] == ["ring"] * 3
+    finally:
+        results = finish(procs)
+    for rank, (code, log) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
+        assert f"rank {rank} step 149" in log
+
+
+@pytest.mark.timeout(120)
 def test_mismatched_models_are_refused_at_attach_on_every_rank(tmp_path: Path) -> None:
     results = finish(launch(tmp_path, "--steps", "1", world=2, per_rank={1: ["--wider"]}))
     for rank, (code, log) in enumerate(results):
