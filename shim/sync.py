@@ -290,9 +290,10 @@ class Sync:
             timeout_s=config.timeout_s,
             prefix=self._prefix,
         )
+        client: DaemonClient | None = None
         try:
             self._broadcast_state()
-            self.client = DaemonClient(config, rank, world, self.mesh)
+            self.client = client = DaemonClient(config, rank, world, self.mesh)
             self.leaves = self._agree_leaves(store)
             self.engine = Engine(
                 self.mesh,
@@ -303,6 +304,8 @@ class Sync:
             )
             self.client.exchange_agreed(self.engine.kind)
         except BaseException:
+            if client is not None:
+                client.close()  # its thread would otherwise retry the daemon until exit
             self.mesh.close()
             raise
         self._by_module: dict[nn.Module, list[_Layer]] = {}
