@@ -33,6 +33,7 @@ __all__ = ["DaemonClient"]
 logger = logging.getLogger(__name__)
 
 RETRY_S = 2.0
+WELCOME_WAIT_S = 2.0  # how long `leaf` waits for a daemon's welcome
 _MAX_QUEUED = 256  # messages; older batches are dropped past this (the daemon is behind)
 
 
@@ -101,6 +102,32 @@ class DaemonClient:
                 "samples": self._samples,
             }
         )
+
+    def leaf(self) -> int | None:
+        """This worker's leaf switch for reducing within leaves first, or None (flat).
+
+        `ShimConfig.leaf` when set; else the leaf gradlaned's welcome says the
+        control plane advises, waited for up to `WELCOME_WAIT_S` when a daemon
+        socket exists. Ranks then agree on it (`gradlane.shim.transport.agree_leaves`).
+        """
+        if self.config.leaf is not None:
+            return self.config.leaf
+        if os.path.exists(self.config.daemon_socket):
+            self.welcomed.wait(WELCOME_WAIT_S)
+        return self.advised_leaf
+
+    @property
+    def advised_batch_size(self) -> int | None:
+        """The local batch size the control plane advises for this worker, or None.
+
+        Straggler mitigation: slower workers are advised fewer samples. Take it
+        at any step (``batch = sync.advised_batch_size or batch``); no agreement
+        between workers is needed, because averages are weighted by each
+        worker's actual sample count, so any mix of batch sizes gives the exact
+        average of that step's samples.
+        """
+        share = self.advised_batch_share
+        return int(share) if share is not None and share >= 1 else None
 
     def exchange_agreed(self, kind: str) -> None:
         """The job's ranks agreed how to reduce (`gradlane.daemon.fields.EXCHANGES`): tell

@@ -9,14 +9,16 @@ For users who keep ``DistributedDataParallel``::
 
 What it gives: each bucket is cut into chunks with balanced owners, ordered by
 the forward order of its parameters (first used = first sent) and sent over
-the DSCP-marked band connections that gradlaned schedules; with
-``leaf=`` given on every rank (`ShimConfig.leaf`), each chunk is reduced
-within each leaf switch first, as the shim does. Like `attach`, it
-registers its band connections with gradlaned when a daemon socket exists
-(`ShimConfig.daemon_socket`) and reports its chunks each step and the
-exchange its ranks took, so the daemon gives the job its own class and the
-control plane plans its demand (it reports no compute times: DDP runs the
-step). What it cannot give: cross-iteration overlap. DDP's ``backward()`` waits for every bucket and
+the DSCP-marked band connections that gradlaned schedules; when every rank
+knows its leaf switch (``leaf=``, `ShimConfig.leaf`, or the control plane's
+advice through gradlaned), each chunk is reduced within each leaf switch
+first, as the shim does. Like `attach`, it registers its band connections
+with gradlaned when a daemon socket exists (`ShimConfig.daemon_socket`) and
+reports its chunks each step, the exchange its ranks took and each step's
+compute (from the forward's start to the last bucket, with ``samples``), so
+the daemon gives the job its own class and the control plane plans its
+demand and advises batch sizes (`HookState.advised_batch_size`).
+What it cannot give: cross-iteration overlap. DDP's ``backward()`` waits for every bucket and
 the optimizer steps the whole model after it, so the next forward never starts
 before the last bucket is in; use `gradlane.shim.attach` for that.
 
@@ -60,7 +62,8 @@ class HookState:
 
     Attributes:
         samples: this worker's sample count for the coming step, if batches
-            differ across workers (None: plain mean, as DDP does).
+            differ across workers (None: plain mean, as DDP does). Set it every
+            step for the control plane to see each worker's throughput.
     """
 
     def __init__(self, model: nn.Module, *, address: str | None = None, **options: Any) -> None:
@@ -84,9 +87,9 @@ class HookState:
         )
         self.client = DaemonClient(self.config, self.rank, self.world, self.mesh)
         try:
-            # Reduction within leaves first when every rank's ShimConfig.leaf says where it is.
+            # Reduction within leaves first when every rank knows its leaf.
             self.leaves = agree_leaves(store, f"gradlane/{self.config.job}/ddp", self.rank,
-                                       self.world, self.config.leaf)
+                                       self.world, self.client.leaf())
             self.engine = Engine(
                 self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
                 leaves=self.leaves, exchange=self.config.exchange,
@@ -111,10 +114,40 @@ class HookState:
         assert isinstance(inner, nn.Module)
         self._modules = [m for m in inner.modules() if any(True for _ in m.parameters(False))]
         self._handles = [m.register_forward_pre_hook(self._record) for m in self._modules]
+        self._handles.append(inner.register_forward_pre_hook(self._forward_starts))
+        # A step's compute: from its (first training) forward's start to its last bucket.
+        self._t_forward: float | None = None
+        self._t_backward = 0.0  # the last bucket of the step before
+        self._t_averaged = 0.0  # its last average in
+        self._compute_s: float | None = None  # the step before's, not yet reported
 
     def _record(self, module: nn.Module, args: Any) -> None:
         for p in module.parameters(recurse=False):
             self._order.setdefault(p, len(self._order))
+
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        # Forwards without grad (evaluation) are not steps; with accumulation
+        # (DDP's no_sync) the step starts at the first of its forwards.
+        if self._t_forward is None and torch.is_grad_enabled():
+            self._t_forward = time.perf_counter()
+
+    def _backward_ended(self) -> None:
+        if self._t_forward is not None:
+            self._t_backward = time.perf_counter()
+            self._compute_s, self._t_forward = self._t_backward - self._t_forward, None
+
+    def _report_timing(self) -> None:
+        """Tell gradlaned the step before's compute and how long DDP then waited for averages."""
+        if self._compute_s is not None:
+            with self._lock:
+                waited = max(0.0, self._t_averaged - self._t_backward)
+            self.client.timing(self._compute_s, waited)
+            self._compute_s = None
+
+    @property
+    def advised_batch_size(self) -> int | None:
+        """The local batch size the control plane advises (`DaemonClient.advised_batch_size`)."""
+        return self.client.advised_batch_size
 
     def _group(self, bucket: GradBucket) -> Group:
         buffer = bucket.buffer()
@@ -174,6 +207,7 @@ class HookState:
 def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average `bucket` across workers over gradlane's transport (see the module docstring)."""
     if not state._in_step:
+        state._report_timing()  # before `begin` moves the client to this step
         samples = state.samples if state.samples is not None else 1
         state.engine.begin(state.step, samples)
         state.client.begin(state.step, samples)  # ships the last step's chunk events
@@ -187,6 +221,7 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
     def done(g: Group) -> None:
         with state._lock:
             state._pending.pop(g.gid, None)
+            state._t_averaged = time.perf_counter()
         if not future.done():
             future.set_result(g.out.view_as(buffer))
 
@@ -194,6 +229,7 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
     with state._lock:
         state._pending[group.gid] = future
     if bucket.is_last():
+        state._backward_ended()
         state._in_step = False
         state.step += 1
     try:

@@ -249,9 +249,6 @@ class _Slot:
     numel: int
 
 
-WELCOME_WAIT_S = 2.0
-
-
 class Sync:
     """The handle `attach` returns. Use as a context manager or call `close`."""
 
@@ -411,17 +408,8 @@ class Sync:
                 raise ModelMismatch(verdict)
 
     def _agree_leaves(self, store: Store) -> tuple[int, ...] | None:
-        """Every rank's leaf switch, or None (see `agree_leaves`).
-
-        A rank's leaf is `ShimConfig.leaf`, or what gradlaned's welcome says
-        the control plane advises (waited for up to `WELCOME_WAIT_S` when a
-        daemon socket exists).
-        """
-        mine = self.config.leaf
-        if mine is None and os.path.exists(self.config.daemon_socket):
-            self.client.welcomed.wait(WELCOME_WAIT_S)
-            mine = self.client.advised_leaf
-        leaves = agree_leaves(store, self._prefix, self.rank, self.world, mine)
+        """Every rank's leaf switch (`DaemonClient.leaf`), or None (see `agree_leaves`)."""
+        leaves = agree_leaves(store, self._prefix, self.rank, self.world, self.client.leaf())
         if leaves and self.rank == 0:
             logger.info("gradlane: reducing within leaves first: %s", leaves)
         return leaves
@@ -854,16 +842,8 @@ class Sync:
 
     @property
     def advised_batch_size(self) -> int | None:
-        """The local batch size the control plane advises for this worker, or None.
-
-        Straggler mitigation: slower workers are advised fewer samples. Take it
-        at any step (``batch = sync.advised_batch_size or batch``); no agreement
-        between workers is needed, because averages are weighted by each
-        worker's actual sample count, so any mix of batch sizes gives the exact
-        average of that step's samples.
-        """
-        share = self.client.advised_batch_share
-        return int(share) if share is not None and share >= 1 else None
+        """The local batch size the control plane advises (`DaemonClient.advised_batch_size`)."""
+        return self.client.advised_batch_size
 
     def flush(self) -> None:
         """Apply every pending per-layer update now (e.g. before saving a checkpoint)."""

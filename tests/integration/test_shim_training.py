@@ -216,7 +216,8 @@ def test_ddp_hook_workers_register_with_the_daemon(tmp_path: Path, daemon: Runni
         while True:
             jobs = daemon.status()["jobs"]
             workers = [w for j in jobs if j["name"] == "test" for w in j["workers"]]
-            if len(workers) == 3 and all(w["chunk_events"] > 0 for w in workers):
+            if len(workers) == 3 and all(w["chunk_events"] > 0 and w["last_timing"]
+                                         for w in workers):
                 break
             assert all(p.poll() is None for p in procs), finish(procs)
             assert time.monotonic() < deadline, jobs
@@ -224,6 +225,11 @@ def test_ddp_hook_workers_register_with_the_daemon(tmp_path: Path, daemon: Runni
         # Two peers, 4 bands each; three ranks under one switch take the ring, and say so.
         assert [w["flows"] for w in workers] == [8, 8, 8]
         assert [w["exchange"] for w in workers] == ["ring"] * 3
+        # Each step's compute (forward start to the last bucket) with its samples, which
+        # the control plane turns into throughputs and batch shares.
+        timings = [w["last_timing"] for w in workers]
+        assert [t["samples"] for t in timings] == [4, 4, 4]
+        assert all(0 < t["compute_s"] < 5 and t["comm_s"] >= 0 for t in timings), timings
     finally:
         results = finish(procs)
     for rank, (code, log) in enumerate(results):

@@ -32,7 +32,7 @@ class _Mesh:
 class _Daemon:
     """Accepts one shim, welcomes it, and keeps what it says until a timing message."""
 
-    def __init__(self, path: Path, features: list[str] | None) -> None:
+    def __init__(self, path: Path, features: list[str] | None, leaf: int | None = None) -> None:
         self.got: list[dict[str, Any]] = []
         self.timed = threading.Event()
         self._release = threading.Event()  # hold the connection open until `close`
@@ -40,7 +40,7 @@ class _Daemon:
         self._server.bind(str(path))
         self._server.listen()
         self._server.settimeout(10)
-        self._features = features
+        self._features, self._leaf = features, leaf
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -58,7 +58,7 @@ class _Daemon:
                     self.got.append(message)
                     if message["type"] == "hello" and not welcomed:
                         welcome = {"type": "welcome", "version": protocol.VERSION,
-                                   "worker": "w1", "bands": [46], "leaf": None}
+                                   "worker": "w1", "bands": [46], "leaf": self._leaf}
                         if self._features is not None:
                             welcome["features"] = self._features
                         conn.sendall(protocol.encode(welcome))
@@ -125,3 +125,32 @@ def test_an_older_daemon_is_not_sent_a_field_it_would_refuse(tmp_path: Path) -> 
         client.close()
         daemon.close()
     assert _said(daemon) == []
+
+
+@pytest.mark.parametrize(
+    ("configured", "daemon_up", "advised", "expected"),
+    [
+        (None, True, 1, 1),  # the control plane's advice, through the welcome
+        (None, True, None, None),  # no advice: the flat exchange
+        (0, True, 1, 0),  # the configured leaf wins
+        (None, False, None, None),  # no daemon socket: nothing to wait for
+    ],
+)
+def test_a_worker_s_leaf_is_configured_or_advised(
+    tmp_path: Path, configured: int | None, daemon_up: bool, advised: int | None,
+    expected: int | None,
+) -> None:
+    path = tmp_path / "gl.sock"
+    daemon = _Daemon(path, features=list(protocol.FEATURES), leaf=advised) if daemon_up else None
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,), leaf=configured),
+                          0, 2, _Mesh())
+    try:
+        assert client.leaf() == expected
+        if daemon is not None:
+            assert client.welcomed.wait(10)
+            client.timing(0.1, 0.0)  # the fake daemon's cue to stop
+            assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        if daemon is not None:
+            daemon.close()
