@@ -4,8 +4,9 @@ As root it builds an emulated cluster of `hosts` hosts (one worker each),
 runs `gradlane.worker` with torchrun in every host twice -- DDP over
 gloo on the hosts' default queues, then gradlane with gradlaned on every
 host -- and reports iteration times, bytes on the wire, link utilization and
-final losses, plus a PNG: per-band link usage of host 1 over one second of
-the gradlane run, and the iteration times of both.
+final losses, plus a PNG: host 1's link usage per band over the phase of
+an iteration (the gradlane run's steady iterations averaged), and the
+iteration times of both.
 
 The link rate defaults to the one at which one iteration's communication
 takes about as long as its compute: the model's compute time is measured here
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -42,7 +44,7 @@ __all__ = ["DemoResult", "MachineCpu", "SystemRun", "run_demo"]
 
 WINDOW_S = 1.0  # the band-usage plot's window when no iteration can be picked
 SAMPLE_S = 0.01
-GSO_BYTES = 64 << 10  # TCP's largest segment on the veths (GSO): the counters' step
+PHASE_BINS = 20  # parts of an iteration in the band-usage profile
 
 
 class MachineCpu:
@@ -437,12 +439,23 @@ class _BandSampler:
         # helper process): stamp them with its middle, not its end.
         self.samples.append(((asked + time.monotonic()) / 2, counts))
 
-    def band_usage(self, bands: int, span: tuple[float, float] | None = None) -> dict[str, Any]:
-        """bit/s per band between consecutive samples over `span` (monotonic seconds: one
-        iteration), or over `WINDOW_S` from the middle of the run.
+    def band_usage(
+        self, bands: int, iterations: list[tuple[float, float]] | None = None
+    ) -> dict[str, Any]:
+        """Mean bit/s per band over the phase of an iteration.
+
+        Every one of `iterations` ((start, end), monotonic seconds) is cut into
+        `PHASE_BINS` equal parts; each sampled interval's bytes are spread
+        evenly over its time, and part j's rate is the bytes that fell into
+        the j-th parts over the time those span. Averaged over many
+        iterations, a counter sample (longer than a part) and TCP's segments
+        of up to 64 KB (GSO: a count jumps by whole segments) blur the
+        profile but do not bias it. Without iterations, one window of
+        `WINDOW_S` from the middle of the run stands in for them.
 
         Leaves are minor ``S0(b+1)`` of job slot S; the slot carrying the most
-        bytes is the demo job's. ``t`` counts from the span's start.
+        bytes is the demo job's. ``t`` is each part's end in seconds of the
+        median iteration (``span_s``); ``iterations`` counts those averaged.
         """
         if len(self.samples) < 3:
             return {}
@@ -460,21 +473,35 @@ class _BandSampler:
             return {}
         slot = max(slots, key=lambda s: slots[s])
         live = [x for x in self.samples if (slot << 8) + 1 in x[1]]
-        if span is None:
-            span = (live[len(live) // 2][0], live[len(live) // 2][0] + WINDOW_S)
-        # From the last sample at or before the span's start to the first at or after its end.
-        first = max([i for i, x in enumerate(live) if x[0] <= span[0]], default=0)
-        last = min([i for i, x in enumerate(live) if x[0] >= span[1]], default=len(live) - 1)
-        window = live[first : last + 1]
-        t0 = span[0]
-        series: dict[str, list[float]] = {"t": []}
-        for b in range(bands):
-            series[f"band{b}"] = []
-        for (ta, a), (tb, b_) in zip(window, window[1:], strict=False):
-            series["t"].append(round(tb - t0, 4))
-            for band in range(bands):
-                minor = (slot << 8) + band + 1
-                series[f"band{band}"].append((b_.get(minor, 0) - a.get(minor, 0)) * 8 / (tb - ta))
+        if not iterations:
+            middle = live[len(live) // 2][0]
+            iterations = [(middle, middle + WINDOW_S)]
+        sent = np.zeros((bands, PHASE_BINS))
+        seconds = np.zeros(PHASE_BINS)
+        times = np.array([t for t, _ in live])
+        leaves = [(slot << 8) + b + 1 for b in range(bands)]
+        bytes_at = np.array([[c.get(leaf, 0) for leaf in leaves] for _, c in live])
+        for start, end in iterations:
+            edges = np.linspace(start, end, PHASE_BINS + 1)
+            first = max(0, int(np.searchsorted(times, start, "right")) - 1)
+            for i in range(first, min(len(live) - 1, int(np.searchsorted(times, end)))):
+                ta, tb = times[i], times[i + 1]
+                if tb <= ta:
+                    continue
+                overlap = np.clip(np.minimum(edges[1:], tb) - np.maximum(edges[:-1], ta), 0, None)
+                # A class made anew counts from 0.
+                grew = np.clip(bytes_at[i + 1] - bytes_at[i], 0, None)
+                sent += np.outer(grew, overlap / (tb - ta))
+                seconds += overlap
+        span = float(np.median([end - start for start, end in iterations]))
+        series: dict[str, Any] = {
+            "t": [round(span * (j + 1) / PHASE_BINS, 4) for j in range(PHASE_BINS)],
+            "span_s": span,
+            "iterations": len(iterations),
+        }
+        rates = np.divide(sent * 8, seconds, out=np.zeros_like(sent), where=seconds > 0)
+        for band in range(bands):
+            series[f"band{band}"] = [float(r) for r in rates[band]]
         return series
 
 
@@ -601,22 +628,16 @@ def run_on_cluster(
             sampler.close()
     run = collect(c, job)
     if bands:
-        span = typical_iteration(run.ends)
-        usage = {**sampler.band_usage(4, span), "span_s": span and span[1] - span[0]}
+        usage = sampler.band_usage(4, steady_iterations(run.ends))
     return run, usage
 
 
-def typical_iteration(ends: list[float]) -> tuple[float, float] | None:
-    """One steady iteration (start, end) of median length from the middle of a run whose
-    steps ended at `ends` (the first fifth warms up); None for too short a run."""
+def steady_iterations(ends: list[float]) -> list[tuple[float, float]]:
+    """The (start, end) of every steady iteration of a run whose steps ended at `ends` (the
+    first fifth warms up); empty for too short a run."""
     if len(ends) < 6:
-        return None
-    steady = range(max(1, len(ends) // 5), len(ends))
-    middle = list(steady)[len(steady) // 4 : 3 * len(steady) // 4] or list(steady)
-    lengths = sorted(ends[k] - ends[k - 1] for k in middle)
-    median = lengths[len(lengths) // 2]
-    k = min(middle, key=lambda k: abs(ends[k] - ends[k - 1] - median))
-    return ends[k - 1], ends[k]
+        return []
+    return [(ends[k - 1], ends[k]) for k in range(max(1, len(ends) // 5), len(ends))]
 
 
 def run_cluster(
@@ -709,8 +730,8 @@ def plot(result: DemoResult, path: Path) -> None:
     bands = result.bands
     if bands.get("t"):
         ax1.stackplot(
-            bands["t"],
-            *[[v / 1e6 for v in bands[f"band{b}"]] for b in range(4)],
+            [0.0] + bands["t"],
+            *[[v / 1e6 for v in bands[f"band{b}"][:1] + bands[f"band{b}"]] for b in range(4)],
             labels=[f"band {b}" for b in range(4)],
             step="pre",
         )
@@ -719,14 +740,11 @@ def plot(result: DemoResult, path: Path) -> None:
         span = bands.get("span_s")
         if span:
             ax1.set_xlim(0, span)
-        label = (f"seconds into one iteration of the gradlane run ({span * 1000:.0f} ms)"
-                 if span else f"seconds (a {WINDOW_S:.0f} s window of the gradlane run)")
-        if result.rate_bps:
-            # A bar is one counter sample (~10 ms); TCP hands the qdisc whole GSO segments.
-            segment_ms = GSO_BYTES * 8 / result.rate_bps * 1000
-            label += ("\none bar per counter sample; bytes leave in segments of up to\n"
-                      f"64 KB ({segment_ms:.1f} ms at the link rate): a short bar can read "
-                      "above the rate")
+        many = bands.get("iterations", 1)
+        label = (f"seconds into an iteration: the gradlane run's {many} steady iterations\n"
+                 f"averaged, each scaled to the median ({span * 1000:.0f} ms)"
+                 if span and many > 1
+                 else f"seconds (a {WINDOW_S:.0f} s window of the gradlane run)")
         ax1.set_xlabel(label, fontsize=9)
         ax1.set_ylabel("Mbit/s sent by host 1")
         ax1.set_title("host 1 egress per priority band (gradlaned's HTB leaves)")

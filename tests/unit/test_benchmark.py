@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -366,20 +368,50 @@ def test_the_readme_table_is_the_one_the_results_make() -> None:
     assert shown == table, "README table is stale: run gradlane bench table ... --readme README.md"
 
 
-def test_the_demo_plots_one_typical_iteration_of_band_usage() -> None:
-    from gradlane.demo import _BandSampler, typical_iteration
+def _sampler(samples: list[tuple[float, dict[int, int]]]) -> Any:
+    from gradlane.demo import _BandSampler
 
-    # 20 steps of 0.1 s, except a slow one in the middle: a typical one is picked.
-    lengths = [0.3] + [0.1] * 9 + [0.5] + [0.1] * 9
-    ends = [sum(lengths[: k + 1]) for k in range(len(lengths))]
-    start, end = typical_iteration(ends) or (0.0, 0.0)
-    assert end - start == pytest.approx(0.1) and ends.index(end) >= 4  # past the warm-up
-    assert typical_iteration(ends[:5]) is None
-    # Band leaves 1:101 (band 0) and 1:102 (band 1) of job slot 1, sampled every 10 ms:
-    # band 0 sends 1,250 bytes per 10 ms (1 Mbit/s), band 1 twice that.
-    sampler = _BandSampler.__new__(_BandSampler)
-    sampler.samples = [(t / 100, {0x101: 1250 * t, 0x102: 2500 * t}) for t in range(100)]
-    usage = sampler.band_usage(2, (0.2, 0.3))
-    assert usage["t"][0] == pytest.approx(0.01) and usage["t"][-1] == pytest.approx(0.1)
-    assert usage["band0"] == pytest.approx([1e6] * 10)
-    assert usage["band1"] == pytest.approx([2e6] * 10)
+    sampler = _BandSampler.__new__(_BandSampler)  # no namespace: samples given
+    sampler.samples = samples
+    return sampler
+
+
+def test_the_demo_averages_band_usage_over_the_phase_of_its_steady_iterations() -> None:
+    from gradlane.demo import PHASE_BINS, steady_iterations
+
+    ends = [0.1 * (k + 1) for k in range(20)]
+    assert steady_iterations(ends)[0] == (ends[3], ends[4])  # the first fifth warms up
+    assert len(steady_iterations(ends)) == 16 and steady_iterations(ends[:5]) == []
+
+    # Band leaves 1:101 (band 0) and 1:102 (band 1) of job slot 1, sampled every 5 ms
+    # (a twentieth of an iteration): band 0 sends 1 Mbit/s in each iteration's first
+    # half, band 1 2 Mbit/s in its second.
+    def sent(t: float) -> dict[int, int]:
+        whole, phase = divmod(round(t * 200), 20)  # 5 ms ticks: iterations, ticks into one
+        return {0x101: 625 * (10 * whole + min(phase, 10)),
+                0x102: 1250 * (10 * whole + max(phase - 10, 0))}
+
+    usage = _sampler([(k / 200, sent(k / 200)) for k in range(400)]).band_usage(
+        2, steady_iterations(ends))
+    assert usage["span_s"] == pytest.approx(0.1) and usage["iterations"] == 16
+    assert usage["t"][0] == pytest.approx(0.1 / PHASE_BINS) and usage["t"][-1] == pytest.approx(0.1)
+    half = PHASE_BINS // 2
+    assert usage["band0"] == pytest.approx([1e6] * half + [0.0] * half, abs=1)
+    assert usage["band1"] == pytest.approx([0.0] * half + [2e6] * half, abs=1)
+
+
+def test_the_demo_s_band_profile_does_not_read_above_a_link_sent_in_whole_segments() -> None:
+    # TCP hands the qdisc 64 KB segments: at 128 Mbit/s, one every 4.1 ms, so one 10 ms
+    # counter sample holds two or three of them and reads 20% under or over the rate.
+    rate, segment = 128e6, 65536
+    rng = random.Random(1)
+    times = [0.0]
+    while times[-1] < 6.0:
+        times.append(times[-1] + 0.01 + rng.uniform(0, 0.004))  # a busy machine's sampling
+    samples = [(t, {0x101: segment * int(rate * t / 8 / segment)}) for t in times]
+    per_sample = [(b[1][0x101] - a[1][0x101]) * 8 / (b[0] - a[0])
+                  for a, b in itertools.pairwise(samples)]
+    assert max(per_sample) > 1.2 * rate  # what one iteration's samples would show
+    ends = [0.107 * (k + 1) for k in range(50)]
+    usage = _sampler(samples).band_usage(1, list(itertools.pairwise(ends)))
+    assert usage["band0"] == pytest.approx([rate] * len(usage["band0"]), rel=0.05)
