@@ -35,12 +35,15 @@ import numpy as np
 from gradlane.benchmark import PAYLOAD_EFFICIENCY
 from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
+from gradlane.policies.base import DEFAULT_BANDS
+from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES
 from gradlane.policies.sim import (
     Scenario,
     cluster,
     coflow_load,
     heterogeneous,
     one_switch,
+    shim_buckets,
     simulate,
 )
 
@@ -227,8 +230,16 @@ def measured_compute(result: dict[str, Any], system: str) -> float | None:
     return statistics.median(samples) if samples else None
 
 
-def testbed_scenario(result: dict[str, Any], compute_s: float | None) -> Scenario:
-    """A bench result's trace scenario in the simulator, its compute scaled to `compute_s`."""
+def testbed_scenario(
+    result: dict[str, Any], compute_s: float | None, system: str = "gradlane"
+) -> Scenario:
+    """A bench result's trace scenario in the simulator as `system` ran it, its compute
+    scaled to `compute_s`.
+
+    The layers are grouped and chunked as the shim grouped them (`shim_buckets`,
+    with the layout its trial kept) on the system's bands; ``fifo`` is one band and
+    no overlap (`gradlane.worker`).
+    """
     from gradlane.policies.profiles import trace_spec
 
     wl = result["scenario"]["workload"]
@@ -237,12 +248,31 @@ def testbed_scenario(result: dict[str, Any], compute_s: float | None) -> Scenari
     scale = (compute_s or nominal) / nominal
     layers = [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
     hosts = int(result["scenario"]["hosts"])
-    return one_switch(
+    scenario = one_switch(
         result["scenario"]["name"], [(wl["model"], layers, [1.0] * hosts)], hosts,
         result["link_bps"] * PAYLOAD_EFFICIENCY,
         # Results from before the ring (no "exchange" recorded) ran flat.
         exchange=result["scenario"].get("exchange", "flat"), iterations=20, warmup=3,
     )
+    buckets, chunk = shim_buckets(
+        layers, hosts, bands=1 if system == "fifo" else DEFAULT_BANDS,
+        layout=layout_kept(result, system),
+        chunk_bytes=result["scenario"].get("chunk_bytes") or DEFAULT_CHUNK_BYTES,
+    )
+    job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk,
+                              overlap=system != "fifo")
+    return dataclasses.replace(scenario, jobs=(job,))
+
+
+def layout_kept(result: dict[str, Any], system: str) -> str:
+    """The shim's layout in `system`'s runs of a bench result: the scenario's, or what most
+    runs' grouping trials kept ("fine" on a tie, or where no trial ended)."""
+    pinned = result["scenario"].get("layout", "auto")
+    if pinned != "auto":
+        return str(pinned)
+    runs = result.get("runs", {}).get(system, [])
+    kept = [(run.get("layout_trial") or {}).get("chosen") for run in runs]
+    return "coarse" if kept.count("coarse") > len(kept) / 2 else "fine"
 
 
 def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[str, Any]:
@@ -264,7 +294,7 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
             if system not in measured["summary"]:
                 continue
             compute = measured_compute(measured, system)
-            scenario = testbed_scenario(measured, compute)
+            scenario = testbed_scenario(measured, compute, system)
             sim = _run_policies(scenario, (policy,), progress)[policy]["mean_iteration_s"]
             real = measured["summary"][system]["median_s"]
             rows.append({

@@ -16,9 +16,21 @@ import numpy.typing as npt
 from gradlane.errors import ConfigError
 
 __all__ = [
-    "RING_AUTO_MAX_WORLD", "all_reduction_parents", "assign_owners", "band_of",
-    "exchange_kind", "reduction_parents", "ring_routes", "uses_ring",
+    "COARSE_GROUP_BYTES", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "MIN_GROUP_BYTES",
+    "RING_AUTO_MAX_WORLD",
+    "all_reduction_parents", "assign_owners", "band_of", "exchange_kind", "group_consecutive",
+    "layout_sizes", "reduction_parents", "ring_routes", "uses_ring",
 ]
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # `gradlane.shim.ShimConfig.chunk_bytes`
+MIN_CHUNK_BYTES = 64 << 10
+# Consecutive layers (forward order, same band and dtype) share one group until it holds
+# this many bytes: a ResNet's batch-norm layers (a few KB each) ride with a convolution
+# instead of costing a message exchange of their own.
+MIN_GROUP_BYTES = 64 << 10
+# The shim's "coarse" layout: groups of at least this many bytes, chunks up to it. Some
+# ten messages per worker and step for a 10 MB model instead of some sixty.
+COARSE_GROUP_BYTES = 4 << 20
 
 
 def assign_owners(
@@ -96,6 +108,44 @@ def band_of(order: int, layers: int, bands: int) -> int:
     if layers <= 0:
         return bands - 1
     return min(bands - 1, order * bands // layers)
+
+
+def layout_sizes(model_bytes: int, world: int, chunk_bytes: int, layout: str) -> tuple[int, int]:
+    """(the least bytes of a group, the chunk size) of the shim's `layout` ("fine" or
+    "coarse", `gradlane.shim.ShimConfig.layout`) for a model of `model_bytes` on `world`
+    ranks, `chunk_bytes` being the configured chunk size.
+
+    Owners are whole chunks, so a model of few large chunks cannot be
+    balanced: one worker would receive and send a large layer's every byte.
+    Fine chunks are therefore at most a quarter of a worker's fair share of
+    the model (but not under `MIN_CHUNK_BYTES`, where the fixed cost per
+    chunk starts to show); coarse ones make fewer messages, and owners still
+    get about two each.
+    """
+    fine = max(4096, min(chunk_bytes, max(MIN_CHUNK_BYTES, model_bytes // (4 * world))))
+    if layout == "coarse":
+        return COARSE_GROUP_BYTES, max(fine, min(COARSE_GROUP_BYTES, model_bytes // (2 * world)))
+    return MIN_GROUP_BYTES, fine
+
+
+def group_consecutive(sizes: Sequence[int], bands: Sequence[int], least: int) -> list[range]:
+    """Consecutive items (layers in forward order) grouped: a group takes the next item
+    while that has the group's band and the group holds fewer than `least` bytes.
+
+    A group's first layer in forward order is also the last whose gradient
+    backward produces, so a group is ready when its first layer alone would
+    be: merging delays no layer that runs early.
+    """
+    groups: list[range] = []
+    start, held = 0, 0
+    for i, (size, band) in enumerate(zip(sizes, bands, strict=True)):
+        if i > start and (band != bands[start] or held >= least):
+            groups.append(range(start, i))
+            start, held = i, 0
+        held += size
+    if sizes:
+        groups.append(range(start, len(sizes)))
+    return groups
 
 
 def reduction_parents(owner: int, leaves: Sequence[int]) -> list[int]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
+from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES
 
 __all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig"]
 
@@ -74,7 +75,7 @@ class ShimConfig:
             trace and the CNN, and as fast on ResNet-50 (compute-bound).
     """
 
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     dscp: tuple[int, ...] = DEFAULT_DSCP
     credit_bytes: int = 128 << 10
     timeout_s: float = 60.0

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from gradlane.errors import ConfigError, ModelMismatch, TransportError
+from gradlane.policies.chunks import MIN_CHUNK_BYTES, group_consecutive, layout_sizes
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
@@ -69,14 +70,6 @@ __all__ = [
     "trial_schedule",
 ]
 
-MIN_CHUNK_BYTES = 64 << 10
-# Consecutive layers (forward order, same band and dtype) share one group until it holds
-# this many bytes: a ResNet's batch-norm layers (a few KB each) ride with a convolution
-# instead of costing a message exchange of their own.
-MIN_GROUP_BYTES = 64 << 10
-# `ShimConfig.layout` "coarse": groups of at least this many bytes, chunks up to it. Some
-# ten messages per worker and step for a 10 MB model instead of some sixty.
-COARSE_GROUP_BYTES = 4 << 20
 # "auto": after TRIAL_START warm-up steps, blocks of TRIAL_BLOCK measured steps, fine,
 # coarse, coarse, fine (see `trial_schedule`).
 TRIAL_START, TRIAL_BLOCK = 3, 3
@@ -484,21 +477,10 @@ class Sync:
                     p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                 )
 
-    def _chunk_bytes(self) -> int:
-        """`ShimConfig.chunk_bytes`, or smaller for a small model.
-
-        Owners are whole chunks, so a model of few large chunks cannot be
-        balanced: one worker would receive and send a large layer's every
-        byte. Chunks are therefore at most a quarter of a worker's fair share
-        of the model (but not under `MIN_CHUNK_BYTES`, where the fixed cost
-        per chunk starts to show).
-        """
+    def _layout_sizes(self) -> tuple[int, int]:
+        """(least bytes per group, chunk size) of the layout in use (`layout_sizes`)."""
         model = sum(p.numel() * p.element_size() for layer in self._layers for p in layer.params)
-        share = model // (4 * self.world)
-        fine = max(4096, min(self.config.chunk_bytes, max(MIN_CHUNK_BYTES, share)))
-        if self.layout == "coarse":  # fewer messages; owners still get about 2 chunks each
-            return max(fine, min(COARSE_GROUP_BYTES, model // (2 * self.world)))
-        return fine
+        return layout_sizes(model, self.world, self.config.chunk_bytes, self.layout)
 
     def _lay_out(self) -> None:
         """Freeze priorities, groups, chunks and owners (at the first backward)."""
@@ -511,8 +493,8 @@ class Sync:
             logger.info(
                 "gradlane: %d layers did not run in the first forward; lowest priority", len(rest)
             )
-        chunk_bytes = self._chunk_bytes()
-        specs = self._group_specs(order)
+        least, chunk_bytes = self._layout_sizes()
+        specs = self._group_specs(order, least)
         ranges_of = [
             split(numel, torch.empty(0, dtype=dtype).element_size(), chunk_bytes)
             for _, dtype, _, numel, _ in specs
@@ -627,19 +609,15 @@ class Sync:
             self._relayout(chosen)
 
     def _group_specs(
-        self, order: list[_Layer]
+        self, order: list[_Layer], least: int
     ) -> list[tuple[list[_Layer], torch.dtype, list[nn.Parameter], int, int]]:
         """(layers, dtype, params, elements, band) of each group, in priority order.
 
-        A group takes one dtype of consecutive layers of one band, until it
-        holds `MIN_GROUP_BYTES` (`COARSE_GROUP_BYTES` in the coarse layout).
-        Its first layer (in forward order) is also the last whose gradient
-        backward produces, so a group is ready when its first layer alone
-        would be: merging delays no layer that runs early.
+        Per dtype, consecutive layers of one band share a group until it
+        holds `least` bytes (`gradlane.policies.chunks.group_consecutive`).
         """
-        least = COARSE_GROUP_BYTES if self.layout == "coarse" else MIN_GROUP_BYTES
-        specs = []
-        open_: dict[torch.dtype, tuple[list[_Layer], list[nn.Parameter], int, int]] = {}
+        # Per dtype, its layers in forward order: (layer, its params of the dtype, bytes, band).
+        per_dtype: dict[torch.dtype, list[tuple[_Layer, list[nn.Parameter], int, int]]] = {}
         for layer in order:
             band = band_of(layer.order, len(order), self.config.bands)
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -647,22 +625,16 @@ class Sync:
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, params in by_dtype.items():
                 size = sum(p.numel() for p in params) * params[0].element_size()
-                acc = open_.get(dtype)
-                if acc is not None and (acc[3] != band or acc[2] >= least):
-                    specs.append((dtype, *open_.pop(dtype)))
-                    acc = None
-                if acc is None:
-                    open_[dtype] = ([layer], list(params), size, band)
-                else:
-                    acc[0].append(layer)
-                    acc[1].extend(params)
-                    open_[dtype] = (acc[0], acc[1], acc[2] + size, band)
-        specs += [(dtype, *acc) for dtype, acc in open_.items()]
-        specs.sort(key=lambda spec: spec[1][0].order)
-        return [
-            (layers, dtype, params, sum(p.numel() for p in params), band)
-            for dtype, layers, params, _, band in specs
-        ]
+                per_dtype.setdefault(dtype, []).append((layer, params, size, band))
+        specs = []
+        for dtype, items in per_dtype.items():
+            for group in group_consecutive([i[2] for i in items], [i[3] for i in items], least):
+                members = [items[k] for k in group]
+                params = [p for _, ps, _, _ in members for p in ps]
+                specs.append(([m[0] for m in members], dtype, params,
+                              sum(p.numel() for p in params), members[0][3]))
+        specs.sort(key=lambda spec: spec[0][0].order)
+        return specs
 
     # -- hooks ----------------------------------------------------------------
 

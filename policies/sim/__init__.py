@@ -14,6 +14,7 @@ from gradlane.policies.sim.scenario import (
     heterogeneous,
     one_switch,
     profile_layers,
+    shim_buckets,
 )
 
 __all__ = [
@@ -28,5 +29,6 @@ __all__ = [
     "heterogeneous",
     "one_switch",
     "profile_layers",
+    "shim_buckets",
     "simulate",
 ]

@@ -34,7 +34,9 @@ Model (what is simulated, and what is not):
    reverse; its time per bucket scales with its batch share over its speed.
    A bucket's forward in iteration ``k + 1`` waits for that bucket's
    collective of iteration ``k`` (per-layer optimizer steps: cross-iteration
-   overlap). A bucket's collective starts when every worker has its gradient.
+   overlap), or with ``SimJob.overlap`` off for every collective of
+   iteration ``k`` (one optimizer step for the whole model). A bucket's
+   collective starts when every worker has its gradient.
 4. Open loop (`Scenario.arrivals`): no compute; each arrival releases a
    whole iteration's collectives at once, and a job may have several
    coflows in flight (its connection serves them in arrival order). This is
@@ -214,7 +216,12 @@ class _Sim:
         """Run forwards whose gradients are in, and the backward once the forward is done."""
         while job.fwd_pos < job.nb:
             b = job.fwd_pos
-            synced = 0.0 if job.iteration == 0 else job.synced[b]
+            if job.iteration == 0:
+                synced = 0.0
+            elif job.spec.overlap:
+                synced = job.synced[b]
+            else:  # one step for the whole model, after the last average (nan: one pending)
+                synced = job.synced.max()
             if np.isnan(synced):
                 return  # waiting for last iteration's collective of this bucket
             if b == 0:

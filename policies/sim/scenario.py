@@ -25,7 +25,13 @@ import numpy as np
 
 from gradlane.errors import ConfigError
 from gradlane.policies.base import DEFAULT_BANDS, Host, Topology
-from gradlane.policies.chunks import uses_ring
+from gradlane.policies.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    band_of,
+    group_consecutive,
+    layout_sizes,
+    uses_ring,
+)
 from gradlane.policies.profiles import BACKWARD_TO_FORWARD, NAMES, load_profile
 from gradlane.policies.straggler import proportional_shares
 
@@ -41,6 +47,7 @@ __all__ = [
     "heterogeneous",
     "one_switch",
     "profile_layers",
+    "shim_buckets",
 ]
 
 V100_FP32_FLOPS = 0.5 * 15.7e12
@@ -69,6 +76,9 @@ class SimJob:
     speeds: tuple[float, ...] = ()  # relative compute speed per worker (default all 1)
     chunk_bytes: int = MAX_CHUNK
     ring: bool = False  # each chunk around the ring of ranks (`gradlane.policies.demand`)
+    # Per-layer optimizer steps: a bucket's next forward waits for its own average only.
+    # False: for every average of the iteration (one whole-model step, the `fifo` system).
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if not self.hosts or len(set(self.hosts)) != len(self.hosts):
@@ -162,6 +172,26 @@ def profile_layers(
          BACKWARD_TO_FORWARD * m.forward_flops * batch / flops)
         for m in profile.modules
     ]
+
+
+def shim_buckets(
+    layers: list[tuple[float, float, float]],
+    workers: int,
+    bands: int = DEFAULT_BANDS,
+    layout: str = "fine",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[tuple[Bucket, ...], int]:
+    """`layers` (bytes, forward s, backward s) grouped as the shim groups them, and its chunk
+    size: consecutive layers of one band by forward order until a group holds the
+    `layout`'s least bytes (`gradlane.policies.chunks.layout_sizes`, `group_consecutive`).
+    """
+    least, chunk = layout_sizes(int(sum(b for b, _, _ in layers)), workers, chunk_bytes, layout)
+    n = len(layers)
+    groups = group_consecutive([int(b) for b, _, _ in layers],
+                               [band_of(i, n, bands) for i in range(n)], least)
+    buckets = tuple(Bucket(*(float(sum(layers[i][k] for i in g)) for k in range(3)))
+                    for g in groups)
+    return buckets, chunk
 
 
 def _chunk_for(total_bytes: float, workers: int) -> int:

@@ -8,8 +8,12 @@ from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import (
+    COARSE_GROUP_BYTES,
+    MIN_GROUP_BYTES,
     RING_AUTO_MAX_WORLD,
     exchange_kind,
+    group_consecutive,
+    layout_sizes,
     reduction_parents,
     ring_routes,
     uses_ring,
@@ -121,3 +125,18 @@ def test_auto_takes_the_ring_only_where_it_was_measured_under_one_leaf() -> None
     # What the ranks then tell gradlaned.
     assert [exchange_kind("auto", w, 1) for w in (2, 4, top + 1)] == ["flat", "ring", "flat"]
     assert exchange_kind("ring", 4, 2) == exchange_kind("auto", 4, 2) == "leaf"
+
+
+def test_groups_take_consecutive_layers_of_one_band_until_they_hold_enough() -> None:
+    sizes, bands = [10, 10, 100, 10, 10], [0, 0, 0, 1, 1]
+    assert group_consecutive(sizes, bands, 20) == [range(0, 2), range(2, 3), range(3, 5)]
+    assert group_consecutive(sizes, bands, 1) == [range(k, k + 1) for k in range(5)]
+    assert group_consecutive([], [], 20) == []
+
+
+def test_layout_sizes_of_a_big_and_a_small_model() -> None:
+    # 10 MiB on 4 ranks: fine chunks are a quarter of a rank's share, coarse ones a half.
+    assert layout_sizes(10 << 20, 4, 1 << 20, "fine") == (MIN_GROUP_BYTES, 10 << 20 >> 4)
+    assert layout_sizes(10 << 20, 4, 1 << 20, "coarse") == (COARSE_GROUP_BYTES, 10 << 20 >> 3)
+    assert layout_sizes(1 << 30, 4, 1 << 20, "fine")[1] == 1 << 20  # the configured size caps
+    assert layout_sizes(100_000, 4, 1 << 20, "fine")[1] == 64 << 10  # not under 64 KiB

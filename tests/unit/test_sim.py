@@ -62,6 +62,54 @@ def test_priority_overlaps_the_exchange_with_the_next_forward() -> None:
     assert prio < fifo
 
 
+@pytest.mark.parametrize(("policy", "overlap", "period_ms"), [
+    ("priority", True, 65.0), ("priority", False, 75.0),
+    # FIFO serves layer 0, needed first, last: waiting for it is waiting for all.
+    ("fifo", True, 75.0), ("fifo", False, 75.0),
+])
+def test_without_overlap_the_next_forward_waits_for_every_average(
+    policy: str, overlap: bool, period_ms: float
+) -> None:
+    # Two workers at 1 Gbit/s; layers of 10 ms forward and 20 ms backward; each host sends a
+    # bucket's size per exchange: layer 0 5 ms, layer 1 30 ms. With f the end of a forward:
+    # layer 1 is ready at f+20 and sends until layer 0, ready at f+40, preempts it for 5 ms
+    # (done f+45); layer 1 ends at f+55. Per-layer steps: the next forward runs layer 0 at
+    # f+45, layer 1 once its average is in at f+55, so f' = f+65. One step for the whole
+    # model: the next forward starts at f+55 and its layer 1 ends at f+75.
+    sc = _one_job([(625_000.0, 0.01, 0.02), (3_750_000.0, 0.01, 0.02)], 2, iterations=4)
+    sc = replace(sc, jobs=(replace(sc.jobs[0], overlap=overlap),))
+    times = simulate(sc, get_policy(policy)).iteration_s["job0-x"]
+    assert times == pytest.approx([period_ms / 1000] * 4)
+
+
+def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
+    from gradlane.policies.chunks import MIN_GROUP_BYTES
+    from gradlane.simulation import layout_kept, testbed_scenario
+
+    workload = {"kind": "trace", "model": "vgg19", "model_mb": 10, "forward_ms": 50}
+
+    def result(**scenario: object) -> dict[str, object]:
+        runs = {"gradlane": [{"layout_trial": {"chosen": c}} for c in ("coarse", "fine", "coarse")],
+                "fifo": [{"layout_trial": None}]}
+        return {"scenario": {"name": "x", "hosts": 4, "workload": workload, **scenario},
+                "link_bps": 1e8, "runs": runs}
+
+    assert layout_kept(result(), "gradlane") == "coarse" and layout_kept(result(), "fifo") == "fine"
+    assert layout_kept(result(layout="fine"), "gradlane") == "fine"  # pinned: no trial
+    fine = testbed_scenario(result(layout="fine"), None, "gradlane").jobs[0]
+    coarse = testbed_scenario(result(), None, "gradlane").jobs[0]
+    fifo = testbed_scenario(result(), None, "fifo").jobs[0]
+    assert fine.overlap and not fifo.overlap
+    # About 10 MiB on 4 ranks: fine chunks are a sixteenth of it, coarse ones an eighth.
+    assert (fine.chunk_bytes, coarse.chunk_bytes) == (int(fine.bytes) // 16, int(fine.bytes) // 8)
+    # Groups close at 64 KiB (fine) or 4 MiB (coarse), and at a band's end: VGG-19's
+    # first quarter of layers (band 0 of four) holds under 64 KiB, so gradlane's first group
+    # ends there, fifo's (one band) goes on.
+    assert len(coarse.buckets) < len(fine.buckets)
+    assert fine.buckets[0].bytes < MIN_GROUP_BYTES <= fifo.buckets[0].bytes
+    assert fine.bytes == pytest.approx(coarse.bytes) == pytest.approx(fifo.bytes)
+
+
 def test_same_scenario_same_result() -> None:
     sc = cluster(hosts=128, hosts_per_leaf=32, jobs=4, iterations=3)
     a = simulate(sc, get_policy("gradlane")).to_json()
