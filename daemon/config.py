@@ -37,11 +37,16 @@ from gradlane.daemon.qdisc import DEFAULT_BAND_DSCP, MAX_BANDS
 from gradlane.errors import ConfigError
 from gradlane.units import parse_rate
 
-__all__ = ["DaemonConfig", "InterfaceConfig", "detect_link_rate", "load_config"]
+__all__ = [
+    "DEFAULT_SHAPE_FRACTION", "DaemonConfig", "InterfaceConfig", "detect_link_rate", "load_config",
+]
 
 DEFAULT_SOCKET = Path("/run/gradlane/gradlaned.sock")
 DEFAULT_STATE_DIR = Path("/run/gradlane")
 DEFAULT_HTTP = "127.0.0.1:9464"
+# gradlane shapes this far under the line rate, so the queue (and the scheduling) sits in
+# its tree instead of the NIC (systemd/gradlaned.toml says what the margin covers).
+DEFAULT_SHAPE_FRACTION = 0.95
 ON_START = ("takeover", "restore")
 
 
@@ -58,7 +63,7 @@ class DaemonConfig:
     interfaces: tuple[InterfaceConfig, ...]
     bands: tuple[int, ...] = DEFAULT_BAND_DSCP
     other_share: float = 0.05
-    shape_fraction: float = 0.95
+    shape_fraction: float = DEFAULT_SHAPE_FRACTION
     socket_path: Path = DEFAULT_SOCKET
     socket_group: str | None = None
     socket_mode: int = 0o660
@@ -189,7 +194,8 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
     ):
         raise fail("network.bands", f"must be 1..{MAX_BANDS} distinct DSCP values in 1..63")
     other = _number(network, "other_share", 0.05, 0.0, 0.5, fail, "network")
-    fraction = _number(network, "shape_fraction", 0.95, 0.5, 1.0, fail, "network")
+    fraction = _number(network, "shape_fraction", DEFAULT_SHAPE_FRACTION, 0.5, 1.0, fail,
+                       "network")
 
     mode_text = daemon.get("socket_mode", "0660")
     try:

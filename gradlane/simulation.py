@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY
+from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
 from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
 from gradlane.policies.base import DEFAULT_BANDS
@@ -238,7 +239,7 @@ def testbed_scenario(
 
     The layers are grouped and chunked as the shim grouped them (`shim_buckets`,
     with the layout its trial kept) on the system's bands; ``fifo`` is one band and
-    no overlap (`gradlane.worker`).
+    no overlap (`gradlane.worker`); ``gradlane``'s links run at gradlaned's shaped rate.
     """
     from gradlane.policies.profiles import trace_spec
 
@@ -248,9 +249,11 @@ def testbed_scenario(
     scale = (compute_s or nominal) / nominal
     layers = [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
     hosts = int(result["scenario"]["hosts"])
+    # gradlaned (default config on the testbed) shapes every host's egress under the link.
+    shaped = DEFAULT_SHAPE_FRACTION if system == "gradlane" else 1.0
     scenario = one_switch(
         result["scenario"]["name"], [(wl["model"], layers, [1.0] * hosts)], hosts,
-        result["link_bps"] * PAYLOAD_EFFICIENCY,
+        result["link_bps"] * PAYLOAD_EFFICIENCY * shaped,
         # Results from before the ring (no "exchange" recorded) ran flat.
         exchange=result["scenario"].get("exchange", "flat"), iterations=20, warmup=3,
     )

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
 from gradlane.daemon.qdisc import DEFAULT_BAND_DSCP, JobSpec, QdiscManager, QdiscSpec
 from gradlane.testbed.cluster import Cluster
 from gradlane.testbed.topology import Topology
@@ -24,8 +25,7 @@ from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
 
 __all__ = ["SHAPE_FRACTION", "SmokeResult", "run_smoke"]
 
-# gradlane shapes a little under the line rate so the queue sits in its tree.
-SHAPE_FRACTION = 0.95
+SHAPE_FRACTION = DEFAULT_SHAPE_FRACTION  # gradlaned's, so the smoke test shapes as it does
 HEAD_START = 1.0
 
 

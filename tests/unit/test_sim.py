@@ -83,6 +83,8 @@ def test_without_overlap_the_next_forward_waits_for_every_average(
 
 
 def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
+    from gradlane.benchmark import PAYLOAD_EFFICIENCY
+    from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
     from gradlane.policies.chunks import MIN_GROUP_BYTES
     from gradlane.simulation import layout_kept, testbed_scenario
 
@@ -100,6 +102,11 @@ def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
     coarse = testbed_scenario(result(), None, "gradlane").jobs[0]
     fifo = testbed_scenario(result(), None, "fifo").jobs[0]
     assert fine.overlap and not fifo.overlap
+    # gradlaned shapes the hosts' links under the rate; fifo runs without it.
+    nic = {system: testbed_scenario(result(), None, system).topology.hosts[0].nic_bps
+           for system in ("gradlane", "fifo")}
+    assert nic["fifo"] == int(1e8 * PAYLOAD_EFFICIENCY)
+    assert nic["gradlane"] == int(1e8 * PAYLOAD_EFFICIENCY * DEFAULT_SHAPE_FRACTION)
     # About 10 MiB on 4 ranks: fine chunks are a sixteenth of it, coarse ones an eighth.
     assert (fine.chunk_bytes, coarse.chunk_bytes) == (int(fine.bytes) // 16, int(fine.bytes) // 8)
     # Groups close at 64 KiB (fine) or 4 MiB (coarse), and at a band's end: VGG-19's
