@@ -91,7 +91,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradlane.errors import ConfigError
-from gradlane.shim.config import EXCHANGES, LAYOUTS
+from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
+from gradlane.policies.chunks import LAYOUTS
+from gradlane.testbed.links import line_rate
 
 if TYPE_CHECKING:
     from gradlane.demo import SystemRun
@@ -375,6 +377,8 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
     return {
         "scenario": {**scenario.__dict__, "systems": list(scenario.systems)},
         "link_bps": rate,
+        # The line rate gradlaned was told (it shapes under it): the NIC the link emulates.
+        "daemon_line_bps": line_rate(rate),
         "compute_s": measured,
         "nominal_compute_s": compute,
         "model_bytes": size,

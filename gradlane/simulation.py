@@ -249,11 +249,14 @@ def testbed_scenario(
     scale = (compute_s or nominal) / nominal
     layers = [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
     hosts = int(result["scenario"]["hosts"])
-    # gradlaned (default config on the testbed) shapes every host's egress under the link.
-    shaped = DEFAULT_SHAPE_FRACTION if system == "gradlane" else 1.0
+    # gradlaned (default config on the testbed) shapes every host's egress under the line
+    # rate it was told (results from before it was recorded: the link's rate).
+    link = result["link_bps"] * PAYLOAD_EFFICIENCY
+    if system == "gradlane":
+        line = result.get("daemon_line_bps", result["link_bps"])
+        link = min(link, line * DEFAULT_SHAPE_FRACTION * PAYLOAD_EFFICIENCY)
     scenario = one_switch(
-        result["scenario"]["name"], [(wl["model"], layers, [1.0] * hosts)], hosts,
-        result["link_bps"] * PAYLOAD_EFFICIENCY * shaped,
+        result["scenario"]["name"], [(wl["model"], layers, [1.0] * hosts)], hosts, link,
         # Results from before the ring (no "exchange" recorded) ran flat.
         exchange=result["scenario"].get("exchange", "flat"), iterations=20, warmup=3,
     )

@@ -16,13 +16,15 @@ import numpy.typing as npt
 from gradlane.errors import ConfigError
 
 __all__ = [
-    "COARSE_GROUP_BYTES", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "MIN_GROUP_BYTES",
-    "RING_AUTO_MAX_WORLD",
+    "COARSE_GROUP_BYTES", "DEFAULT_CHUNK_BYTES", "EXCHANGE_OPTIONS", "LAYOUTS", "MIN_CHUNK_BYTES",
+    "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD",
     "all_reduction_parents", "assign_owners", "band_of", "exchange_kind", "group_consecutive",
     "layout_sizes", "reduction_parents", "ring_routes", "uses_ring",
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # `gradlane.shim.ShimConfig.chunk_bytes`
+LAYOUTS = ("auto", "fine", "coarse")  # `gradlane.shim.ShimConfig.layout`
+EXCHANGE_OPTIONS = ("auto", "flat", "ring")  # `gradlane.shim.ShimConfig.exchange` (`uses_ring`)
 MIN_CHUNK_BYTES = 64 << 10
 # Consecutive layers (forward order, same band and dtype) share one group until it holds
 # this many bytes: a ResNet's batch-norm layers (a few KB each) ride with a convolution

@@ -6,14 +6,13 @@ from dataclasses import dataclass
 
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
-from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES
+from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, EXCHANGE_OPTIONS, LAYOUTS
 
 __all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig"]
 
 # Band 0 first: gradlaned's default table. The daemon's welcome overrides it.
 DEFAULT_DSCP = DEFAULT_BAND_DSCP
-LAYOUTS = ("auto", "fine", "coarse")
-EXCHANGES = ("auto", "flat", "ring")  # `gradlane.policies.chunks.uses_ring`
+EXCHANGES = EXCHANGE_OPTIONS  # `gradlane.policies.chunks.uses_ring`
 
 
 @dataclass(frozen=True)

@@ -202,15 +202,17 @@ class Cluster:
     ) -> tuple[subprocess.Popen[Any], Path]:
         """Run gradlaned on `host`'s eth0 and wait until its socket accepts.
 
-        Its socket and state live under `workdir`; `rate` defaults to the
-        host's emulated link rate. It is stopped with the cluster at the
-        latest (SIGTERM, so it restores the host's qdisc).
+        Its socket and state live under `workdir`; `rate`, the line rate it
+        shapes under, defaults to that of the NIC the host's link emulates
+        (`links.line_rate`: a little above the emulated rate, which counts
+        no framing). It is stopped with the cluster at the latest (SIGTERM,
+        so it restores the host's qdisc).
 
         Raises:
             TestbedError: it exited or did not serve within `timeout`.
         """
         name = f"h{self.host_index(host)}"
-        rate = rate or str(self.topology.rates[self.host_index(host) - 1])
+        rate = rate or str(links.line_rate(self.topology.rates[self.host_index(host) - 1]))
         sock = workdir / f"{name}.sock"
         argv = [sys.executable, "-m", "gradlane.cli", "daemon", "-i", f"eth0={rate}",
                 "--socket", str(sock), "--state-dir", str(workdir / f"state-{name}"),

@@ -16,6 +16,13 @@ Both directions of a host's link are emulated in the switch namespace:
   be a little slower.
 
 The leaf-to-leaf uplink is shaped like a switch port in each direction.
+
+A link's rate counts what HTB counts: each frame from its Ethernet header on.
+A real NIC also spends 24 bytes' time around every frame (preamble, gap,
+FCS), so one whose line rate is L carries L x 1514/1538 of those bytes in
+full-size frames: a link emulated at R is a NIC of line rate `line_rate`
+(R), and that is the rate gradlaned, which shapes under a NIC's line rate,
+is told (`gradlane.testbed.Cluster.start_daemon`).
 """
 
 from __future__ import annotations
@@ -32,13 +39,19 @@ from gradlane.daemon.tc import (
     u32_key_strings,
 )
 
-__all__ = ["redirect_ingress", "shape_fifo", "shape_priority_port"]
+__all__ = ["line_rate", "redirect_ingress", "shape_fifo", "shape_priority_port"]
 
 _MAJOR = 1
 _ROOT = handle(_MAJOR, 0)
 _ROOT_CLASS = handle(_MAJOR, 1)
 _QUANTUM = 3028
 PORT_HEADROOM = 1.01
+FRAME_BYTES, WIRE_BYTES = 1514, 1538  # a full frame as HTB counts it, and on the wire
+
+
+def line_rate(rate_bps: int) -> int:
+    """The line rate of a real NIC that carries an emulated link's `rate_bps` (full frames)."""
+    return round(rate_bps * WIRE_BYTES / FRAME_BYTES)
 
 
 def _queue_class(selector: int) -> int:

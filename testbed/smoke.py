@@ -20,6 +20,7 @@ from pathlib import Path
 from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
 from gradlane.daemon.qdisc import DEFAULT_BAND_DSCP, JobSpec, QdiscManager, QdiscSpec
 from gradlane.testbed.cluster import Cluster
+from gradlane.testbed.links import line_rate
 from gradlane.testbed.topology import Topology
 from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
 
@@ -51,7 +52,7 @@ def run_smoke(
         Flow("h1", "h2", dscp=high, seconds=seconds, label="high", delay=HEAD_START),
         Flow("h1", "h2", dscp=low, seconds=seconds + 2 * HEAD_START, label="low"),
     ]
-    shaped = int(rate_bps * SHAPE_FRACTION)
+    shaped = int(line_rate(rate_bps) * SHAPE_FRACTION)  # as gradlaned on this link would
     spec = QdiscSpec(
         rate_bps=shaped,
         other_rate_bps=shaped // 20,

@@ -1,4 +1,5 @@
-"""A node that runs only gradlaned (and perhaps the control plane) has no torch.
+"""A node that runs only gradlaned (and perhaps the control plane, or the simulator) has no
+torch.
 
 torch is the ``shim`` extra and matplotlib the ``bench`` one (pyproject.toml);
 a daemon-only install has neither. Each check runs in a fresh interpreter
@@ -33,7 +34,7 @@ sys.meta_path.insert(0, _NotInstalled())
 DAEMON_SIDE = [
     "gradlane.cli", "gradlane.daemon.service", "gradlane.daemon.control",
     "gradlane.daemon.uplink", "gradlane.daemon.qdisc", "gradlane.daemon.config",
-    "gradlane.policies", "gradlane.policies.sim", "gradlane.testbed",
+    "gradlane.policies", "gradlane.policies.sim", "gradlane.testbed", "gradlane.simulation",
 ]
 
 

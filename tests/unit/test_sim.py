@@ -107,6 +107,9 @@ def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
            for system in ("gradlane", "fifo")}
     assert nic["fifo"] == int(1e8 * PAYLOAD_EFFICIENCY)
     assert nic["gradlane"] == int(1e8 * PAYLOAD_EFFICIENCY * DEFAULT_SHAPE_FRACTION)
+    told = {**result(), "daemon_line_bps": 1.02e8}  # the NIC's line rate, told since 2026-11-24
+    assert testbed_scenario(told, None, "gradlane").topology.hosts[0].nic_bps == int(
+        1.02e8 * PAYLOAD_EFFICIENCY * DEFAULT_SHAPE_FRACTION)
     # About 10 MiB on 4 ranks: fine chunks are a sixteenth of it, coarse ones an eighth.
     assert (fine.chunk_bytes, coarse.chunk_bytes) == (int(fine.bytes) // 16, int(fine.bytes) // 8)
     # Groups close at 64 KiB (fine) or 4 MiB (coarse), and at a band's end: VGG-19's

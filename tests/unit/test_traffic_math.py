@@ -37,3 +37,14 @@ def test_flow_needs_exactly_one_size() -> None:
         Flow("h1", "h2", seconds=1, nbytes=10)
     with pytest.raises(TestbedError, match="DSCP"):
         Flow("h1", "h2", seconds=1, dscp=64)
+
+
+def test_the_daemons_line_rate_is_the_nic_an_emulated_link_stands_for() -> None:
+    from gradlane.benchmark import PAYLOAD_EFFICIENCY
+    from gradlane.testbed.links import line_rate
+
+    # A link emulated at R (frames from their Ethernet header on, as HTB counts) is a NIC
+    # of line rate R x 1538/1514, whose full TCP frames carry what the bound says R does.
+    rate = 877_543_843
+    assert line_rate(rate) == round(rate * 1538 / 1514)
+    assert line_rate(rate) * 1448 / 1538 == pytest.approx(rate * PAYLOAD_EFFICIENCY)
