@@ -93,7 +93,7 @@ from typing import TYPE_CHECKING, Any
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
 from gradlane.policies.chunks import LAYOUTS
-from gradlane.testbed.links import line_rate
+from gradlane.testbed.links import FRAME_BYTES, line_rate
 
 if TYPE_CHECKING:
     from gradlane.demo import SystemRun
@@ -103,7 +103,7 @@ __all__ = [
     "run_scenario", "summarize", "trace_layers", "waits_cell", "worker_args",
 ]
 
-PAYLOAD_EFFICIENCY = 1448 / 1514
+PAYLOAD_EFFICIENCY = 1448 / FRAME_BYTES
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane")
 REFERENCE = "local"  # compute alone (nothing exchanged): the bound's compute
 

@@ -477,11 +477,6 @@ class Sync:
                     p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                 )
 
-    def _layout_sizes(self) -> tuple[int, int]:
-        """(least bytes per group, chunk size) of the layout in use (`layout_sizes`)."""
-        model = sum(p.numel() * p.element_size() for layer in self._layers for p in layer.params)
-        return layout_sizes(model, self.world, self.config.chunk_bytes, self.layout)
-
     def _lay_out(self) -> None:
         """Freeze priorities, groups, chunks and owners (at the first backward)."""
         seen = len(self._order)
@@ -493,7 +488,8 @@ class Sync:
             logger.info(
                 "gradlane: %d layers did not run in the first forward; lowest priority", len(rest)
             )
-        least, chunk_bytes = self._layout_sizes()
+        model = sum(p.numel() * p.element_size() for layer in self._layers for p in layer.params)
+        least, chunk_bytes = layout_sizes(model, self.world, self.config.chunk_bytes, self.layout)
         specs = self._group_specs(order, least)
         ranges_of = [
             split(numel, torch.empty(0, dtype=dtype).element_size(), chunk_bytes)

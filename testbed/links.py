@@ -39,7 +39,7 @@ from gradlane.daemon.tc import (
     u32_key_strings,
 )
 
-__all__ = ["line_rate", "redirect_ingress", "shape_fifo", "shape_priority_port"]
+__all__ = ["FRAME_BYTES", "line_rate", "redirect_ingress", "shape_fifo", "shape_priority_port"]
 
 _MAJOR = 1
 _ROOT = handle(_MAJOR, 0)

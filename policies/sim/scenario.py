@@ -195,8 +195,8 @@ def shim_buckets(
 
 
 def _chunk_for(total_bytes: float, workers: int) -> int:
-    # As the shim does for small models: at least ~4 chunks per worker so owners balance.
-    return int(max(64 << 10, min(MAX_CHUNK, total_bytes / (4 * workers))))
+    # The shim's fine chunks (a quarter of a worker's share, 64 KiB at least), up to MAX_CHUNK.
+    return layout_sizes(int(total_bytes), workers, MAX_CHUNK, "fine")[1]
 
 
 def one_switch(
