@@ -342,6 +342,10 @@ def test_misuse_gets_clear_errors() -> None:
         attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), chunk_bytes=10)
     with pytest.raises(ConfigError, match="RANK"):
         gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), world_size=1)
+    # Parameters off the CPU (here the meta device, as a CUDA one would be) are refused.
+    elsewhere = model().to("meta")
+    with pytest.raises(ConfigError, match="only dense CPU parameters"):
+        attach(elsewhere, torch.optim.SGD(elsewhere.parameters(), lr=0.1))
 
 
 def test_close_restores_the_optimizer_and_removes_hooks() -> None:
