@@ -460,6 +460,9 @@ class Sync:
         self._original_step = original
 
     def _install_hooks(self) -> None:
+        # Under torch.compile the forward hooks run as plain Python, not traced (they
+        # wait, time and step the optimizer): each breaks the graph, as a gate must.
+        before_module = torch.compiler.disable(self._before_module)  # type: ignore[no-untyped-call]
         for name, module in self.model.named_modules():
             layers = []
             for p in module.parameters(recurse=False):
@@ -468,9 +471,10 @@ class Sync:
                         layers.append(layer)
             if layers:
                 self._by_module[module] = layers
-                self._hooks.append(module.register_forward_pre_hook(self._before_module))
+                self._hooks.append(module.register_forward_pre_hook(before_module))
             del name
-        self._hooks.append(self.model.register_forward_pre_hook(self._count_samples))
+        count_samples = torch.compiler.disable(self._count_samples)  # type: ignore[no-untyped-call]
+        self._hooks.append(self.model.register_forward_pre_hook(count_samples))
         for layer in self._layers:
             for p in layer.params:
                 self._hooks.append(

@@ -97,6 +97,23 @@ def test_per_layer_steps_match_plain_pytorch_exactly(name: str, overlap: bool) -
     compare(lambda p: getattr(torch.optim, name)(p, **kwargs), overlap=overlap)
 
 
+# Dynamo's own, when it takes the activations handed from one graph to the next.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_compiled_model_trains_exactly_as_plain_pytorch() -> None:
+    """`torch.compile` keeps the per-module hooks the per-layer steps hang on (each one
+    breaks the graph); "aot_eager" runs the same kernels as eager, so bit for bit."""
+    ref, mine = model(), model()
+    compiled = torch.compile(mine, backend="aot_eager")
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.01, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    with attach(compiled, opt):
+        for step in range(4):
+            plain_step(compiled, opt, None, step)
+            plain_step(ref, ref_opt, None, step)
+    for (name, a), b in zip(ref.state_dict().items(), mine.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
     # One band: the model's four small layers (all under MIN_GROUP_BYTES) form one group.
     compare(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), dscp=(46,))
