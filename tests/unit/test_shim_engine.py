@@ -1,0 +1,191 @@
+"""The chunk engine on random layouts: every rank ends with the exact same average.
+
+Several ranks run in this one process (a thread each) over real TCP
+connections on loopback. Hypothesis draws the job (ranks, exchange, leaf
+switches), the groups (sizes, dtypes, chunks, owners, bands, priorities), the
+order in which each rank hands its groups over and each rank's sample count
+per step; whatever it draws, every rank must hold the same bytes, and they
+must be the sample-weighted mean of the ranks' gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradlane.shim.engine import Engine, Group
+from gradlane.shim.layout import split
+from gradlane.shim.transport import Mesh
+
+DSCP = (46, 0)  # two bands: enough for the order across connections, few sockets
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_jobs = itertools.count()
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    numel: int
+    dtype: torch.dtype
+    chunk_elems: int
+    owners_seed: int
+    band: int
+    priority: int
+
+
+@dataclass(frozen=True)
+class Job:
+    world: int
+    exchange: str
+    leaves: tuple[int, ...] | None
+    groups: tuple[GroupSpec, ...]
+    samples: tuple[tuple[int, ...], ...]  # per step, per rank
+    orders: tuple[tuple[int, ...], ...]  # per rank, the order it makes its groups ready
+
+
+@st.composite
+def jobs(draw: st.DrawFn) -> Job:
+    world = draw(st.integers(2, 5))
+    exchange = draw(st.sampled_from(["flat", "ring", "leaf"]))
+    leaves = None
+    if exchange == "leaf":
+        leaves = tuple(draw(st.lists(st.integers(0, 2), min_size=world, max_size=world)))
+    groups = tuple(
+        GroupSpec(
+            numel=draw(st.integers(0, 3000)),
+            dtype=draw(st.sampled_from(DTYPES)),
+            chunk_elems=draw(st.integers(1, 1200)),
+            owners_seed=draw(st.integers(0, 1000)),
+            band=draw(st.integers(0, len(DSCP) - 1)),
+            priority=draw(st.integers(0, 5)),
+        )
+        for _ in range(draw(st.integers(1, 5)))
+    )
+    steps = draw(st.integers(1, 3))
+    # At least one sample per step in all: an average of nothing is not defined.
+    samples = tuple(
+        tuple(draw(st.lists(st.integers(0, 4), min_size=world, max_size=world).filter(any)))
+        for _ in range(steps)
+    )
+    orders = tuple(tuple(draw(st.permutations(range(len(groups))))) for _ in range(world))
+    return Job(world, exchange, leaves, groups, samples, orders)
+
+
+def gradient(spec: GroupSpec, gid: int, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash((gid, rank, step)) & 0xFFFF_FFFF)
+    return torch.randn(spec.numel, generator=g, dtype=torch.float64).to(spec.dtype)
+
+
+def on_every_rank(world: int, body: Callable[[int], None], timeout_s: float = 60) -> None:
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            body(rank)
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank did not finish in time"
+
+
+def run(job: Job) -> list[list[list[torch.Tensor]]]:
+    """Every step's averages, per rank and group."""
+    store = dist.HashStore()
+    prefix = f"engine-test/{next(_jobs)}"
+    engines: list[Engine | None] = [None] * job.world
+    groups: list[list[Group]] = [[] for _ in range(job.world)]
+    results: list[list[list[torch.Tensor]]] = [[] for _ in range(job.world)]
+
+    def connect(rank: int) -> None:
+        mesh = Mesh(rank, job.world, store, "127.0.0.1", DSCP, credit_bytes=128 << 10,
+                    timeout_s=30, prefix=prefix)
+        engine = Engine(mesh, timeout_s=30, leaves=job.leaves, exchange=job.exchange)
+        engines[rank] = engine
+        for gid, spec in enumerate(job.groups):
+            esize = torch.empty(0, dtype=spec.dtype).element_size()
+            ranges = split(spec.numel, esize, spec.chunk_elems * esize)
+            # The same owners on every rank, any rank for any chunk.
+            owners = torch.randint(0, job.world, (len(ranges),),
+                                   generator=torch.Generator().manual_seed(spec.owners_seed))
+            groups[rank].append(engine.add_group(
+                gid, f"g{gid}", torch.zeros(spec.numel, dtype=spec.dtype), ranges,
+                owners.tolist(), spec.priority, spec.band))
+
+    def train(rank: int) -> None:
+        engine = engines[rank]
+        assert engine is not None
+        for step, samples in enumerate(job.samples):
+            engine.begin(step, samples[rank])
+            for gid in job.orders[rank]:
+                group = groups[rank][gid]
+                group.grad.copy_(gradient(job.groups[gid], gid, rank, step))
+                engine.ready(group)
+            engine.wait(groups[rank], step)
+            results[rank].append([g.out.clone() for g in groups[rank]])
+
+    def close(rank: int) -> None:
+        engine = engines[rank]
+        if engine is not None:
+            engine.close(linger_s=10)
+
+    try:
+        on_every_rank(job.world, connect)
+        on_every_rank(job.world, train)
+    finally:
+        on_every_rank(job.world, close)
+    return results
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs())
+def test_every_rank_holds_the_same_weighted_mean(job: Job) -> None:
+    results = run(job)
+    for step, samples in enumerate(job.samples):
+        total = sum(samples)
+        for gid, spec in enumerate(job.groups):
+            outs = [results[rank][step][gid] for rank in range(job.world)]
+            for out in outs[1:]:  # replicas stay identical, bit for bit
+                assert torch.equal(out.view(torch.uint8), outs[0].view(torch.uint8))
+            parts = [n * gradient(spec, gid, rank, step).to(torch.float64)
+                     for rank, n in enumerate(samples)]
+            expected = sum(parts) / total
+            # Rounding: the owner sums in float32 or better and rounds once, but a partial
+            # sum on its way (ring hops, leaf leaders) is rounded to the group's dtype at
+            # each hop: at most W + 1 roundings, each within eps of the sum of magnitudes.
+            scale = sum(part.abs() for part in parts) / total
+            error = (outs[0].to(torch.float64) - expected).abs()
+            bound = (job.world + 1) * torch.finfo(spec.dtype).eps * scale
+            worst = int(torch.argmax(error - bound)) if spec.numel else 0
+            assert bool((error <= bound).all()), (
+                f"{job}: group {gid} element {worst} is off by {float(error[worst])}, "
+                f"more than {float(bound[worst])}"
+            )
+
+
+def test_an_empty_group_is_done_at_once() -> None:
+    job = Job(2, "flat", None, (GroupSpec(0, torch.float32, 10, 0, 0, 0),), ((1, 1),),
+              ((0,), (0,)))
+    assert [[out.numel() for out in step] for step in run(job)[0]] == [[0]]
+
+
+@pytest.mark.parametrize("exchange", ["flat", "ring"])
+def test_a_rank_with_no_samples_weighs_nothing(exchange: str) -> None:
+    spec = GroupSpec(500, torch.float64, 100, 3, 0, 0)
+    job = Job(3, exchange, None, (spec,), ((0, 2, 1),), ((0,), (0,), (0,)))
+    out = run(job)[0][0][0]
+    expected = (2 * gradient(spec, 0, 1, 0) + gradient(spec, 0, 2, 0)) / 3
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
