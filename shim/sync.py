@@ -332,6 +332,7 @@ class Sync:
                 type(optimizer).__name__,
             )
         self._hooks: list[Any] = []
+        self._gates: list[Any] = []  # the per-module forward hooks (order, then gating)
         self._install_hooks()
         self._patch_optimizer()
 
@@ -471,7 +472,7 @@ class Sync:
                         layers.append(layer)
             if layers:
                 self._by_module[module] = layers
-                self._hooks.append(module.register_forward_pre_hook(before_module))
+                self._gates.append(module.register_forward_pre_hook(before_module))
             del name
         count_samples = torch.compiler.disable(self._count_samples)  # type: ignore[no-untyped-call]
         self._hooks.append(self.model.register_forward_pre_hook(count_samples))
@@ -531,6 +532,13 @@ class Sync:
         self._order = order
         self._next_gid += len(specs)
         self._laid_out = True
+        if not self.layerwise:  # the order is known and nothing will gate: a compiled
+            self._remove_gates()  # model's forward then runs as one graph again
+
+    def _remove_gates(self) -> None:
+        for hook in self._gates:
+            hook.remove()
+        self._gates.clear()
 
     def _relayout(self, layout: str) -> None:
         """Regroup every gradient as `layout` says, between two steps.
@@ -870,6 +878,7 @@ class Sync:
             self.optimizer.__class__ = self._base_class
             for hook in self._hooks:
                 hook.remove()
+            self._remove_gates()
             self.engine.close(linger_s=min(10.0, self.config.timeout_s))
             self.client.close()
 

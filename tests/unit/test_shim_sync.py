@@ -99,17 +99,21 @@ def test_per_layer_steps_match_plain_pytorch_exactly(name: str, overlap: bool) -
 
 # Dynamo's own, when it takes the activations handed from one graph to the next.
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-def test_a_compiled_model_trains_exactly_as_plain_pytorch() -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_compiled_model_trains_exactly_as_plain_pytorch(overlap: bool) -> None:
     """`torch.compile` keeps the per-module hooks the per-layer steps hang on (each one
-    breaks the graph); "aot_eager" runs the same kernels as eager, so bit for bit."""
+    breaks the graph); "aot_eager" runs the same kernels as eager, so bit for bit.
+    Without overlap nothing gates, and the hooks go once the layout is fixed."""
     ref, mine = model(), model()
     compiled = torch.compile(mine, backend="aot_eager")
     opt = torch.optim.SGD(compiled.parameters(), lr=0.01, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
-    with attach(compiled, opt):
+    with attach(compiled, opt, overlap=overlap):
         for step in range(4):
             plain_step(compiled, opt, None, step)
             plain_step(ref, ref_opt, None, step)
+            gated = [m for m in mine.modules() if m is not mine and m._forward_pre_hooks]
+            assert bool(gated) == overlap
     for (name, a), b in zip(ref.state_dict().items(), mine.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
