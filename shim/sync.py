@@ -4,8 +4,9 @@ What happens to a training loop after ``sync = attach(model, optimizer)``:
 
 1. The first forward pass records the order in which modules run; a module's
    parameters form a *layer* whose priority is that order (first used =
-   highest). Layers are cut into chunks (`layout.split`) with balanced owners
-   (`layout.assign_owners`) and bands by forward order (`layout.band_of`).
+   highest; rank 0's order, which every rank takes). Layers are cut into
+   chunks (`layout.split`) with balanced owners (`layout.assign_owners`) and
+   bands by forward order (`layout.band_of`).
 2. During backward, a hook per parameter copies its gradient into the layer's
    flat buffer; a complete layer goes to the `Engine` at once, so
    communication starts while backward still runs, highest priority first.
@@ -240,6 +241,7 @@ class _Slot:
     group: Group
     offset: int
     numel: int
+    flag: int  # where in the group's buffer this rank says whether it gave a gradient
 
 
 class Sync:
@@ -301,6 +303,10 @@ class Sync:
         self._by_module: dict[nn.Module, list[_Layer]] = {}
         self._slots: dict[nn.Parameter, _Slot] = {}
         self._averages: dict[nn.Parameter, torch.Tensor] = {}  # views of the groups' output
+        # Per parameter, the share of the step's samples whose rank gave it a gradient
+        # (views of the groups' output): 0 means no rank did.
+        self._used: dict[nn.Parameter, torch.Tensor] = {}
+        self._flags: list[torch.Tensor] = []  # per group, its flags (views of its input)
         self._groups: list[Group] = []
         self._next_gid = 0
         # The layout in use; "auto" starts fine and tries coarse (`_try_layouts`).
@@ -487,6 +493,8 @@ class Sync:
         seen = len(self._order)
         rest = [layer for layer in self._layers if layer not in self._order]
         order = self._order + rest
+        if not self._laid_out:
+            order = self._agree_order(order)
         for i, layer in enumerate(order):
             layer.order = i
         if rest and seen:
@@ -496,9 +504,13 @@ class Sync:
         model = sum(p.numel() * p.element_size() for layer in self._layers for p in layer.params)
         least, chunk_bytes = layout_sizes(model, self.world, self.config.chunk_bytes, self.layout)
         specs = self._group_specs(order, least)
+        # Each group's buffer: its parameters' gradients, then one flag per parameter
+        # (1: this rank gave it a gradient this step). Averaged like the gradients, a flag
+        # is 0 only where no rank did: the optimizer then skips the parameter, as plain
+        # PyTorch and DDP do.
         ranges_of = [
-            split(numel, torch.empty(0, dtype=dtype).element_size(), chunk_bytes)
-            for _, dtype, _, numel, _ in specs
+            split(numel + len(params), torch.empty(0, dtype=dtype).element_size(), chunk_bytes)
+            for _, dtype, params, numel, _ in specs
         ]
         sizes = [
             (stop - start) * torch.empty(0, dtype=dtype).element_size()
@@ -514,17 +526,19 @@ class Sync:
             group = self.engine.add_group(
                 gid,
                 f"{name}[{str(dtype).removeprefix('torch.')}]",
-                torch.zeros(numel, dtype=dtype),
+                torch.zeros(numel + len(params), dtype=dtype),
                 ranges,
                 [next(owners) for _ in ranges],
                 priority=first.order,
                 band=band,
             )
             offset = 0
-            for p in params:
-                self._slots[p] = _Slot(group, offset, p.numel())
+            for i, p in enumerate(params):
+                self._slots[p] = _Slot(group, offset, p.numel(), numel + i)
                 self._averages[p] = group.out[offset : offset + p.numel()].view_as(p)
+                self._used[p] = group.out[numel + i]
                 offset += p.numel()
+            self._flags.append(group.grad[numel:])
             for layer in layers:
                 layer.groups.append(group)
             self._groups.append(group)
@@ -539,6 +553,26 @@ class Sync:
         for hook in self._gates:
             hook.remove()
         self._gates.clear()
+
+    def _agree_order(self, order: list[_Layer]) -> list[_Layer]:
+        """Rank 0's forward order, which every rank lays out by.
+
+        Ranks whose first forward ran different modules (data-dependent
+        branches, experts) saw different orders; laid out by their own, they
+        would cut and own different chunks.
+        """
+        index = {id(layer): i for i, layer in enumerate(self._layers)}
+        key = f"{self._prefix}/order"
+        try:
+            if self.rank == 0:
+                self._store.set(key, json.dumps([index[id(layer)] for layer in order]))
+            agreed = [self._layers[i] for i in json.loads(self._store.get(key))]
+        except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
+            raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
+        if agreed != order:
+            logger.info("gradlane: rank %d laid out by rank 0's forward order, not its own",
+                        self.rank)
+        return agreed
 
     def _relayout(self, layout: str) -> None:
         """Regroup every gradient as `layout` says, between two steps.
@@ -557,6 +591,8 @@ class Sync:
             layer.groups = []
         self._slots.clear()
         self._averages.clear()
+        self._used.clear()
+        self._flags.clear()
         self._groups, self._members = [], {}
         self.layout = layout
         self._lay_out()
@@ -697,20 +733,30 @@ class Sync:
         self.engine.begin(self.step, samples)
         self.client.begin(self.step, samples)
         self._seen = set()
+        for flags in self._flags:  # the last step's averages are all in (flush)
+            flags.fill_(1)
         self._left = {gid: len(members) for gid, members in self._members.items()}
         self._clipped = False
         self._state = "backward"
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """After the last gradient: unused parameters count as zero gradients."""
+        """After the last gradient, the parameters this backward did not reach: a
+        gradient they hold (from backwards under `no_sync`, or zeros that
+        ``zero_grad(set_to_none=False)`` left) goes as it is, as the optimizer would
+        see it in one process; none counts as zero, flagged unused (`_lay_out`)."""
         for group in self._groups:
             if group.step == self.step:
                 continue
             for p in self._members[group.gid]:
                 if p not in self._seen:
                     slot = self._slots[p]
-                    slot.group.grad[slot.offset : slot.offset + slot.numel].zero_()
+                    part = slot.group.grad[slot.offset : slot.offset + slot.numel]
+                    if p.grad is not None:
+                        part.copy_(p.grad.reshape(-1))
+                    else:
+                        part.zero_()
+                        slot.group.grad[slot.flag] = 0
                     self._seen.add(p)
             self.engine.ready(group)
         self._state = "reduced"
@@ -753,8 +799,8 @@ class Sync:
             loss = closure()
             if self._state == "reduced":
                 self.engine.wait(self._groups)
-                for p, average in self._averages.items():
-                    p.grad = average
+                for p in self._averages:
+                    p.grad = self._average_or_none(p)
                 self._finish_step()
             return loss
 
@@ -778,11 +824,15 @@ class Sync:
         saved = [p.grad for p in chosen]
         try:
             for p in chosen:
-                p.grad = self._averages[p]
+                p.grad = self._average_or_none(p)
             yield
         finally:
             for p, grad in zip(chosen, saved, strict=True):
                 p.grad = grad
+
+    def _average_or_none(self, p: nn.Parameter) -> torch.Tensor | None:
+        """`p`'s averaged gradient; None if no rank gave it one (optimizers skip it)."""
+        return self._averages[p] if bool(self._used[p]) else None
 
     def _pending_step(self) -> int:
         assert self._pending is not None

@@ -8,6 +8,7 @@ same loop without the shim: any difference is the shim changing the math.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -276,6 +277,40 @@ def test_gradient_accumulation_with_no_sync() -> None:
         assert torch.equal(a, b)
 
 
+def test_a_layer_only_an_accumulating_backward_reached_keeps_its_gradient() -> None:
+    """`b` runs in the first micro-batch (under no_sync) but not the last: its
+    accumulated gradient is still the one averaged and stepped, as in one process."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+            return self.a(self.b(x) if branch else x)
+
+    def train(m: Branchy, shimmed: bool) -> None:
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5)
+        sync = attach(m, opt) if shimmed else None
+        for step in range(3):
+            for micro in range(2):
+                first = micro == 0
+                ctx = sync.no_sync() if sync is not None and first else _null()
+                with ctx:
+                    m(torch.full((2, 4), float(step + 1)), first).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if sync is not None:
+            sync.close()
+
+    ref, mine = Branchy(), Branchy()
+    train(ref, False)
+    train(mine, True)
+    for (name, a), b in zip(ref.state_dict().items(), mine.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -327,7 +362,10 @@ def test_lbfgs_closure_falls_back_to_whole_model_steps() -> None:
     compare(lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=3), loop=loop, steps=3)
 
 
-def test_unused_parameters_count_as_zero_gradients() -> None:
+def test_parameters_no_rank_used_are_left_alone_as_plain_pytorch_leaves_them() -> None:
+    """No gradient anywhere: the optimizer skips the parameter (no weight decay, no
+    moments), as it does in one process and under DDP; a zero gradient would decay it."""
+
     class Branchy(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -337,15 +375,21 @@ def test_unused_parameters_count_as_zero_gradients() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.a(x)  # b never runs
 
-    m = Branchy()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    before = m.b.weight.detach().clone()
-    with attach(m, opt):
-        for _ in range(3):
-            m(torch.ones(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    assert torch.equal(m.b.weight, before)
+    def train(m: nn.Module, shimmed: bool) -> None:
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5)
+        with attach(m, opt) if shimmed else contextlib.nullcontext():
+            for _ in range(3):
+                m(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    ref, mine = Branchy(), Branchy()
+    before = mine.b.weight.detach().clone()
+    train(ref, False)
+    train(mine, True)
+    assert torch.equal(mine.b.weight, before)
+    for (name, a), b in zip(ref.state_dict().items(), mine.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_misuse_gets_clear_errors() -> None:

@@ -1,0 +1,197 @@
+"""`attach` with several ranks on random models: the replicas end identical, and where
+plain PyTorch on the whole batch ends.
+
+Each rank is a thread of this process with its own model and optimizer, over
+real TCP connections on loopback (no daemon). Hypothesis draws the model
+(widths, depth, a layer applied twice, a layer that gets no gradient, dtype),
+the optimizer, overlap, layout, exchange, each rank's batch size and the
+steps. The reference trains one model on the concatenated batch of every step
+with the loss averaged over it; the ranks' sample-weighted average of their
+own mean gradients is the same gradient, up to rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gradlane.shim as gl
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.01),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+}
+_jobs = itertools.count()
+
+
+@dataclass(frozen=True)
+class Case:
+    widths: tuple[int, ...]  # input, hidden..., classes
+    twice: bool  # the first hidden layer (square) runs twice per forward
+    unused: bool  # a layer the forward never calls: its gradient is zero
+    dtype: torch.dtype
+    optimizer: str
+    overlap: bool
+    layout: str
+    exchange: str
+    batches: tuple[int, ...]  # per rank
+    steps: int
+    branch: tuple[bool, ...] = ()  # per rank: its samples also go through `Net.branch`
+
+
+class Net(nn.Module):
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        w = case.widths
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(w))
+        self.square = nn.Linear(w[1], w[1]) if case.twice else None
+        self.spare = nn.Linear(w[-1], w[-1]) if case.unused else None
+        self.branch = nn.Linear(w[1], w[1])  # used by some ranks' samples, or none
+        self.to(case.dtype)
+
+    def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
+        x = torch.tanh(self.layers[0](x))
+        if self.square is not None:
+            x = torch.tanh(self.square(torch.tanh(self.square(x))))
+        if branch:
+            x = x + torch.tanh(self.branch(x))
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return x
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    world = draw(st.integers(2, 3))
+    # Adam's and RMSprop's first steps are about lr * sign(g): where g is ~0, the last-ulp
+    # differences of another summation order flip whole steps. So they run in float64.
+    optimizer, dtype = draw(st.sampled_from([
+        ("sgd", torch.float32), ("sgd", torch.float64), ("adamw", torch.float64),
+        ("rmsprop", torch.float64),
+    ]))
+    return Case(
+        widths=tuple(draw(st.lists(st.integers(2, 160), min_size=2, max_size=4))),
+        twice=draw(st.booleans()),
+        unused=draw(st.booleans()),
+        dtype=dtype,
+        optimizer=optimizer,
+        overlap=draw(st.booleans()),
+        layout=draw(st.sampled_from(["fine", "coarse"])),
+        exchange=draw(st.sampled_from(["flat", "ring"])),
+        batches=tuple(draw(st.lists(st.integers(1, 4), min_size=world, max_size=world))),
+        steps=draw(st.integers(1, 3)),
+        branch=tuple(draw(st.lists(st.booleans(), min_size=world, max_size=world))),
+    )
+
+
+def batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s global batch; rank r takes its slice."""
+    g = torch.Generator().manual_seed(step)
+    n = sum(case.batches)
+    x = torch.randn(n, case.widths[0], generator=g, dtype=torch.float64).to(case.dtype)
+    return x, torch.randint(0, case.widths[-1], (n,), generator=g)
+
+
+def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
+               job: str) -> dict[str, torch.Tensor]:
+    opt = OPTIMIZERS[case.optimizer](model.parameters())
+    start = sum(case.batches[:rank])
+    with gl.attach(model, opt, rank=rank, world_size=len(case.batches), store=store,
+                   address="127.0.0.1", daemon_socket="/nonexistent/gl.sock", job=job,
+                   timeout_s=30, overlap=case.overlap, layout=case.layout,
+                   exchange=case.exchange) as sync:
+        for step in range(case.steps):
+            x, y = batch(case, step)
+            mine = slice(start, start + case.batches[rank])
+            uses = bool(case.branch) and case.branch[rank]
+            nn.functional.cross_entropy(model(x[mine], uses), y[mine]).backward()
+            opt.step()
+            opt.zero_grad()
+        sync.flush()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def reference(case: Case) -> dict[str, torch.Tensor]:
+    model = Net(case)
+    opt = OPTIMIZERS[case.optimizer](model.parameters())
+    for step in range(case.steps):
+        x, y = batch(case, step)
+        # The mean over the whole batch, each rank's slice through the branch or not.
+        start, loss = 0, torch.zeros((), dtype=case.dtype)
+        for rank, n in enumerate(case.batches):
+            part = slice(start, start + n)
+            uses = bool(case.branch) and case.branch[rank]
+            logits = model(x[part], uses)
+            loss = loss + nn.functional.cross_entropy(logits, y[part], reduction="sum")
+            start += n
+        (loss / sum(case.batches)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def run(case: Case) -> list[dict[str, torch.Tensor]]:
+    store, job = dist.HashStore(), f"ranks{next(_jobs)}"
+    world = len(case.batches)
+    states: list[dict[str, torch.Tensor] | None] = [None] * world
+    errors: list[BaseException] = []
+    models = [Net(case) for _ in range(world)]  # here: seeding is not per thread
+
+    def body(rank: int) -> None:
+        try:
+            states[rank] = train_rank(case, rank, models[rank], store, job)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert all(s is not None for s in states), "a rank did not finish in time"
+    return [s for s in states if s is not None]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_replicas_match_each_other_and_plain_pytorch_on_the_whole_batch(case: Case) -> None:
+    states = run(case)
+    for state in states[1:]:
+        for name, value in states[0].items():
+            assert torch.equal(value, state[name]), f"{case}: replicas differ in {name}"
+    tolerance = 1e-5 if case.dtype == torch.float32 else 1e-9  # another summation order
+    for name, value in reference(case).items():
+        error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
+        assert error <= tolerance, f"{case}: {name} is {error:.2e} off plain PyTorch"
+
+
+@pytest.mark.parametrize("branch", [(True, False), (False, False)])
+def test_a_layer_some_or_no_rank_used_is_stepped_as_plain_pytorch_steps_it(
+    branch: tuple[bool, bool],
+) -> None:
+    """Used by one rank: the other's part is zero. Used by none (and `spare`, never
+    called): no gradient at all, so AdamW leaves it alone (no weight decay), as plain
+    PyTorch and DDP do; a zero gradient would decay it."""
+    case = Case(widths=(6, 8, 3), twice=False, unused=True, dtype=torch.float64,
+                optimizer="adamw", overlap=True, layout="fine", exchange="flat",
+                batches=(2, 3), steps=3, branch=branch)
+    states = run(case)
+    ref = reference(case)
+    assert torch.equal(ref["spare.weight"], Net(case).state_dict()["spare.weight"])
+    for name, value in ref.items():
+        assert torch.equal(states[0][name], states[1][name]), name
+        error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
+        assert error <= 1e-9, f"{name} is {error:.2e} off plain PyTorch"
