@@ -904,6 +904,11 @@ class Sync:
             raise ConfigError("clip_grad_norm_ belongs between backward() and optimizer.step()")
         self._clipped = True
         with self._averaged_grads():  # clips the averages in place, where step() reads them
+            # An average may still be queued for a peer (an owner's result, a ring hop):
+            # changed in place before it leaves, the peer would get clipped bytes.
+            if not self.engine.drain(self.config.timeout_s):
+                self.engine.raise_error()
+                raise TransportError(f"rank {self.rank}: sends did not drain before clipping")
             return torch.nn.utils.clip_grad_norm_(list(self._averages), max_norm, norm_type)
 
     def averaged_grad(self, p: nn.Parameter) -> torch.Tensor:

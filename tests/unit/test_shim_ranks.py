@@ -47,6 +47,8 @@ class Case:
     batches: tuple[int, ...]  # per rank
     steps: int
     branch: tuple[bool, ...] = ()  # per rank: its samples also go through `Net.branch`
+    frozen: bool = False  # the first layer's bias does not train (requires_grad off)
+    clip: float | None = None  # clip the (averaged) gradients' global norm to this
 
 
 class Net(nn.Module):
@@ -58,6 +60,7 @@ class Net(nn.Module):
         self.square = nn.Linear(w[1], w[1]) if case.twice else None
         self.spare = nn.Linear(w[-1], w[-1]) if case.unused else None
         self.branch = nn.Linear(w[1], w[1])  # used by some ranks' samples, or none
+        self.layers[0].bias.requires_grad_(not case.frozen)
         self.to(case.dtype)
 
     def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
@@ -92,6 +95,8 @@ def cases(draw: st.DrawFn) -> Case:
         batches=tuple(draw(st.lists(st.integers(1, 4), min_size=world, max_size=world))),
         steps=draw(st.integers(1, 3)),
         branch=tuple(draw(st.lists(st.booleans(), min_size=world, max_size=world))),
+        frozen=draw(st.booleans()),
+        clip=draw(st.sampled_from([None, 0.1, 10.0])),
     )
 
 
@@ -116,6 +121,8 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
             mine = slice(start, start + case.batches[rank])
             uses = bool(case.branch) and case.branch[rank]
             nn.functional.cross_entropy(model(x[mine], uses), y[mine]).backward()
+            if case.clip is not None:
+                sync.clip_grad_norm_(case.clip)
             opt.step()
             opt.zero_grad()
         sync.flush()
@@ -136,6 +143,8 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
             loss = loss + nn.functional.cross_entropy(logits, y[part], reduction="sum")
             start += n
         (loss / sum(case.batches)).backward()
+        if case.clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         opt.step()
         opt.zero_grad()
     return model.state_dict()
