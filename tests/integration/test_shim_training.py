@@ -145,7 +145,9 @@ def test_sigkilled_peer_makes_the_others_raise_within_the_timeout(tmp_path: Path
     elapsed = time.monotonic() - died
     for rank, (code, log) in enumerate(results):
         assert code == 3, f"rank {rank} should have raised PeerLost:\n{log[-2000:]}"
-        assert "rank 3" in log and "step 5" in log, log[-2000:]
+        # The step the survivor was in: 5, or still 4 where rank 3 died with a step-4
+        # average queued for it (a ring hop; seen once in a full CI run on a busy machine).
+        assert re.search(r"PeerLost: step [45]: rank 3 lost", log), log[-2000:]
     assert elapsed < timeout
 
 
