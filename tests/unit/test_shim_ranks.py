@@ -16,6 +16,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -49,6 +50,8 @@ class Case:
     branch: tuple[bool, ...] = ()  # per rank: its samples also go through `Net.branch`
     frozen: bool = False  # the first layer's bias does not train (requires_grad off)
     clip: float | None = None  # clip the (averaged) gradients' global norm to this
+    split: bool = False  # biases in a second parameter group (half the lr, no decay)
+    schedule: bool = False  # the lr decays every step (LambdaLR)
 
 
 class Net(nn.Module):
@@ -97,6 +100,8 @@ def cases(draw: st.DrawFn) -> Case:
         branch=tuple(draw(st.lists(st.booleans(), min_size=world, max_size=world))),
         frozen=draw(st.booleans()),
         clip=draw(st.sampled_from([None, 0.1, 10.0])),
+        split=draw(st.booleans()),
+        schedule=draw(st.booleans()),
     )
 
 
@@ -108,9 +113,24 @@ def batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, case.widths[-1], (n,), generator=g)
 
 
+def optimizer(case: Case, model: Net) -> tuple[torch.optim.Optimizer, Any]:
+    """The case's optimizer over `model`, and its lr schedule (or None)."""
+    params: Any = model.parameters()
+    if case.split:
+        biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+        rest = [p for name, p in model.named_parameters() if not name.endswith("bias")]
+        params = [{"params": rest}, {"params": biases, "weight_decay": 0.0}]
+    opt = OPTIMIZERS[case.optimizer](params)
+    if case.split:
+        opt.param_groups[1]["lr"] *= 0.5
+    if not case.schedule:
+        return opt, None
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+
+
 def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
                job: str) -> dict[str, torch.Tensor]:
-    opt = OPTIMIZERS[case.optimizer](model.parameters())
+    opt, sched = optimizer(case, model)
     start = sum(case.batches[:rank])
     with gl.attach(model, opt, rank=rank, world_size=len(case.batches), store=store,
                    address="127.0.0.1", daemon_socket="/nonexistent/gl.sock", job=job,
@@ -124,6 +144,8 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
             if case.clip is not None:
                 sync.clip_grad_norm_(case.clip)
             opt.step()
+            if sched is not None:
+                sched.step()
             opt.zero_grad()
         sync.flush()
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -131,7 +153,7 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
 
 def reference(case: Case) -> dict[str, torch.Tensor]:
     model = Net(case)
-    opt = OPTIMIZERS[case.optimizer](model.parameters())
+    opt, sched = optimizer(case, model)
     for step in range(case.steps):
         x, y = batch(case, step)
         # The mean over the whole batch, each rank's slice through the branch or not.
@@ -146,6 +168,8 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
         if case.clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad()
     return model.state_dict()
 
