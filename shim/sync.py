@@ -451,13 +451,21 @@ class Sync:
         base = type(optimizer)
 
         def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            if getattr(opt, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step
+                raise ConfigError(
+                    "torch.amp.GradScaler does not work with gradlane.shim.attach: it unscales "
+                    "and checks each worker's own gradients, the shim steps with the averages"
+                )
             opt._opt_called = True  # type: ignore[attr-defined]
             return sync._step(closure)
 
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.__dict__.pop("step", None)  # a scheduler's wrapper from before attach
+        # GradScaler.step hands an optimizer that says so `found_inf` instead of unscaling
+        # it silently: the way to refuse it (above) rather than step with scaled averages.
         optimizer.__class__ = type(
-            base.__name__, (base,), {"step": step, "__module__": base.__module__}
+            base.__name__, (base,),
+            {"step": step, "__module__": base.__module__, "_step_supports_amp_scaling": True},
         )
         self._base_class = base
 

@@ -392,6 +392,21 @@ def test_parameters_no_rank_used_are_left_alone_as_plain_pytorch_leaves_them() -
         assert torch.equal(a, b), name
 
 
+def test_a_grad_scaler_is_refused_at_its_first_step() -> None:
+    """GradScaler unscales each worker's own gradients; stepping the scaled averages would
+    move the weights `scale` times too far, so the step refuses, naming it."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in m.parameters()]
+    with attach(m, opt):
+        x, y = data(0)
+        scaler.scale(nn.functional.cross_entropy(m(x), y)).backward()
+        with pytest.raises(ConfigError, match="GradScaler"):
+            scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+
+
 def test_misuse_gets_clear_errors() -> None:
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
