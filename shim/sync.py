@@ -330,6 +330,7 @@ class Sync:
         self._t_forward: float | None = None
         self._closed = False
         per_param = isinstance(optimizer, PER_PARAMETER_OPTIMIZERS)
+        self._known_optimizer = per_param  # torch.optim's: none writes its gradients
         self.layerwise = config.overlap and per_param
         if config.overlap and not per_param:
             logger.warning(
@@ -591,9 +592,7 @@ class Sync:
         such a message until the group exists; TCP keeps each connection's
         order). New groups get new ids on every rank alike.
         """
-        if not self.engine.drain(self.config.timeout_s):
-            self.engine.raise_error()
-            raise TransportError(f"rank {self.rank}: sends did not drain before regrouping")
+        self._drain("regrouping")
         self.engine.retire(self._groups)
         for layer in self._layers:
             layer.groups = []
@@ -791,9 +790,23 @@ class Sync:
             result = None
         else:
             with self._averaged_grads():
+                if not self._known_optimizer:  # it might change the averages in place
+                    self._drain("stepping")
                 result = self._original_step()
         self._finish_step()
         return result
+
+    def _drain(self, before: str) -> None:
+        """Wait until this rank's queued sends have left.
+
+        An average counts as in when it is computed, but an owner's result or a
+        ring hop's forward may still be queued for a peer: anything that changes
+        averages in place (clipping, an optimizer outside torch.optim, whose
+        step may write its gradients) must wait, or the peer gets other bytes.
+        """
+        if not self.engine.drain(self.config.timeout_s):
+            self.engine.raise_error()
+            raise TransportError(f"rank {self.rank}: sends did not drain before {before}")
 
     def _finish_step(self) -> None:
         self._state = "idle"
@@ -912,11 +925,7 @@ class Sync:
             raise ConfigError("clip_grad_norm_ belongs between backward() and optimizer.step()")
         self._clipped = True
         with self._averaged_grads():  # clips the averages in place, where step() reads them
-            # An average may still be queued for a peer (an owner's result, a ring hop):
-            # changed in place before it leaves, the peer would get clipped bytes.
-            if not self.engine.drain(self.config.timeout_s):
-                self.engine.raise_error()
-                raise TransportError(f"rank {self.rank}: sends did not drain before clipping")
+            self._drain("clipping")  # it changes the averages in place
             return torch.nn.utils.clip_grad_norm_(list(self._averages), max_norm, norm_type)
 
     def averaged_grad(self, p: nn.Parameter) -> torch.Tensor:

@@ -228,3 +228,37 @@ def test_a_layer_some_or_no_rank_used_is_stepped_as_plain_pytorch_steps_it(
         assert torch.equal(states[0][name], states[1][name]), name
         error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
         assert error <= 1e-9, f"{name} is {error:.2e} off plain PyTorch"
+
+
+class HalvingSGD(torch.optim.Optimizer):
+    """Outside torch.optim, and it writes its gradients (halves them) before using them."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("exchange", ["flat", "ring"])
+def test_an_optimizer_that_writes_its_gradients_keeps_replicas_identical(exchange: str) -> None:
+    """Stepped whole-model after every average is in, and only once this rank's copies
+    of them have left: a peer must not receive halved bytes."""
+    OPTIMIZERS["halving"] = lambda p: HalvingSGD(p, lr=0.1)
+    try:
+        case = Case(widths=(40, 120, 30), twice=False, unused=False, dtype=torch.float64,
+                    optimizer="halving", overlap=True, layout="fine", exchange=exchange,
+                    batches=(2, 3, 1), steps=20)
+        states = run(case)
+        ref = reference(case)
+    finally:
+        del OPTIMIZERS["halving"]
+    for name, value in ref.items():
+        assert all(torch.equal(states[0][name], s[name]) for s in states[1:]), name
+        error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
+        assert error <= 1e-9, f"{name} is {error:.2e} off plain PyTorch"
