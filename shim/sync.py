@@ -330,7 +330,6 @@ class Sync:
         self._t_forward: float | None = None
         self._closed = False
         per_param = isinstance(optimizer, PER_PARAMETER_OPTIMIZERS)
-        self._known_optimizer = per_param  # torch.optim's: none writes its gradients
         self.layerwise = config.overlap and per_param
         if config.overlap and not per_param:
             logger.warning(
@@ -790,7 +789,8 @@ class Sync:
             result = None
         else:
             with self._averaged_grads():
-                if not self._known_optimizer:  # it might change the averages in place
+                # torch.optim's optimizers never write their gradients; others might.
+                if not isinstance(self.optimizer, PER_PARAMETER_OPTIMIZERS):
                     self._drain("stepping")
                 result = self._original_step()
         self._finish_step()

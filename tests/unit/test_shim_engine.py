@@ -11,8 +11,6 @@ must be the sample-weighted mean of the ranks' gradients.
 from __future__ import annotations
 
 import itertools
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +22,7 @@ from hypothesis import strategies as st
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import split
 from gradlane.shim.transport import Mesh
+from tests.ranks import on_every_rank
 
 DSCP = (46, 0)  # two bands: enough for the order across connections, few sockets
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -81,25 +80,6 @@ def jobs(draw: st.DrawFn) -> Job:
 def gradient(spec: GroupSpec, gid: int, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(hash((gid, rank, step)) & 0xFFFF_FFFF)
     return torch.randn(spec.numel, generator=g, dtype=torch.float64).to(spec.dtype)
-
-
-def on_every_rank(world: int, body: Callable[[int], None], timeout_s: float = 60) -> None:
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            body(rank)
-        except BaseException as exc:  # re-raised in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank did not finish in time"
 
 
 def run(job: Job) -> list[list[list[torch.Tensor]]]:

@@ -13,7 +13,6 @@ own mean gradients is the same gradient, up to rounding.
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradlane.shim as gl
+from tests.ranks import on_every_rank
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -177,25 +177,14 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
 def run(case: Case) -> list[dict[str, torch.Tensor]]:
     store, job = dist.HashStore(), f"ranks{next(_jobs)}"
     world = len(case.batches)
-    states: list[dict[str, torch.Tensor] | None] = [None] * world
-    errors: list[BaseException] = []
     models = [Net(case) for _ in range(world)]  # here: seeding is not per thread
+    states: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
 
     def body(rank: int) -> None:
-        try:
-            states[rank] = train_rank(case, rank, models[rank], store, job)
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
+        states[rank] = train_rank(case, rank, models[rank], store, job)
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    assert all(s is not None for s in states), "a rank did not finish in time"
-    return [s for s in states if s is not None]
+    on_every_rank(world, body)
+    return states
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
