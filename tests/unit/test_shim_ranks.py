@@ -52,6 +52,7 @@ class Case:
     clip: float | None = None  # clip the (averaged) gradients' global norm to this
     split: bool = False  # biases in a second parameter group (half the lr, no decay)
     schedule: bool = False  # the lr decays every step (LambdaLR)
+    leaves: tuple[int, ...] | None = None  # per rank, its leaf switch (reduced in leaves first)
 
 
 class Net(nn.Module):
@@ -102,6 +103,8 @@ def cases(draw: st.DrawFn) -> Case:
         clip=draw(st.sampled_from([None, 0.1, 10.0])),
         split=draw(st.booleans()),
         schedule=draw(st.booleans()),
+        leaves=draw(st.none() | st.lists(st.integers(0, 1), min_size=world, max_size=world)
+                    .map(tuple)),
     )
 
 
@@ -135,7 +138,8 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
     with gl.attach(model, opt, rank=rank, world_size=len(case.batches), store=store,
                    address="127.0.0.1", daemon_socket="/nonexistent/gl.sock", job=job,
                    timeout_s=30, overlap=case.overlap, layout=case.layout,
-                   exchange=case.exchange) as sync:
+                   exchange=case.exchange,
+                   leaf=None if case.leaves is None else case.leaves[rank]) as sync:
         for step in range(case.steps):
             x, y = batch(case, step)
             mine = slice(start, start + case.batches[rank])
