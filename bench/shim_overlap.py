@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import write_result  # noqa: E402
 
-PAYLOAD_EFFICIENCY = 1448 / 1514
+from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
+from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION  # noqa: E402
 
 
 def trace(args: argparse.Namespace) -> list[tuple[int, float, float]]:
@@ -113,8 +114,9 @@ def main() -> None:
     # Each worker sends the model's size per iteration (W = 2); pick the rate
     # at which that takes as long as the compute, counting TCP/IP framing and
     # the daemon's 95% shaping.
-    rate = args.rate or int(model_bytes * 8 / compute_s / PAYLOAD_EFFICIENCY / 0.95)
-    comm_s = model_bytes * 8 / (rate * PAYLOAD_EFFICIENCY * 0.95)
+    payload_bps = PAYLOAD_EFFICIENCY * DEFAULT_SHAPE_FRACTION  # per bit/s of link rate
+    rate = args.rate or int(model_bytes * 8 / compute_s / payload_bps)
+    comm_s = model_bytes * 8 / (rate * payload_bps)
     base = [sys.executable, str(Path(__file__).resolve()), "--worker",
             "--model", args.model, "--model-mb", str(args.model_mb),
             "--forward-ms", str(args.forward_ms),

@@ -48,8 +48,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import write_result  # noqa: E402
 
+from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
+
 CHUNK_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-PAYLOAD_EFFICIENCY = 1448 / 1514
 
 
 def cpu_seconds() -> float:

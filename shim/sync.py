@@ -303,9 +303,6 @@ class Sync:
         self._by_module: dict[nn.Module, list[_Layer]] = {}
         self._slots: dict[nn.Parameter, _Slot] = {}
         self._averages: dict[nn.Parameter, torch.Tensor] = {}  # views of the groups' output
-        # Per parameter, the share of the step's samples whose rank gave it a gradient
-        # (views of the groups' output): 0 means no rank did.
-        self._used: dict[nn.Parameter, torch.Tensor] = {}
         self._flags: list[torch.Tensor] = []  # per group, its flags (views of its input)
         self._groups: list[Group] = []
         self._next_gid = 0
@@ -544,7 +541,6 @@ class Sync:
             for i, p in enumerate(params):
                 self._slots[p] = _Slot(group, offset, p.numel(), numel + i)
                 self._averages[p] = group.out[offset : offset + p.numel()].view_as(p)
-                self._used[p] = group.out[numel + i]
                 offset += p.numel()
             self._flags.append(group.grad[numel:])
             for layer in layers:
@@ -569,11 +565,10 @@ class Sync:
         branches, experts) saw different orders; laid out by their own, they
         would cut and own different chunks.
         """
-        index = {id(layer): i for i, layer in enumerate(self._layers)}
         key = f"{self._prefix}/order"
         try:
-            if self.rank == 0:
-                self._store.set(key, json.dumps([index[id(layer)] for layer in order]))
+            if self.rank == 0:  # layers compare by identity
+                self._store.set(key, json.dumps([self._layers.index(x) for x in order]))
             agreed = [self._layers[i] for i in json.loads(self._store.get(key))]
         except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
             raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
@@ -597,7 +592,6 @@ class Sync:
             layer.groups = []
         self._slots.clear()
         self._averages.clear()
-        self._used.clear()
         self._flags.clear()
         self._groups, self._members = [], {}
         self.layout = layout
@@ -853,7 +847,8 @@ class Sync:
 
     def _average_or_none(self, p: nn.Parameter) -> torch.Tensor | None:
         """`p`'s averaged gradient; None if no rank gave it one (optimizers skip it)."""
-        return self._averages[p] if bool(self._used[p]) else None
+        slot = self._slots[p]  # its averaged flag: the share of samples whose rank gave one
+        return self._averages[p] if bool(slot.group.out[slot.flag]) else None
 
     def _pending_step(self) -> int:
         assert self._pending is not None
