@@ -12,15 +12,16 @@ from gradlane.policies.chunks import assign_owners, band_of
 __all__ = ["assign_owners", "band_of", "split"]
 
 
-def split(numel: int, elem_size: int, chunk_bytes: int) -> list[tuple[int, int]]:
+def split(numel: int, elem_size: int, chunk_bytes: int, tail: int = 0) -> list[tuple[int, int]]:
     """Element ranges ``[start, stop)`` of at most `chunk_bytes` each, covering `numel`.
 
     The pieces are as equal as possible (a 1.1 MB layer with 1 MB chunks gives
     two 0.55 MB chunks, not 1 MB + 0.1 MB), so no tiny tail chunk pays a full
-    message's overhead.
+    message's overhead. `tail` more elements after `numel` (a group's flags)
+    ride in the last piece: they never change how many pieces there are.
     """
     if numel <= 0:
-        return []
+        return [(0, tail)] if tail > 0 else []
     per_chunk = max(1, chunk_bytes // elem_size)
     pieces = -(-numel // per_chunk)
     base, extra = divmod(numel, pieces)
@@ -29,6 +30,7 @@ def split(numel: int, elem_size: int, chunk_bytes: int) -> list[tuple[int, int]]
         stop = start + base + (1 if i < extra else 0)
         ranges.append((start, stop))
         start = stop
+    ranges[-1] = (ranges[-1][0], numel + tail)
     return ranges
 
 

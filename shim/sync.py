@@ -512,9 +512,10 @@ class Sync:
         # Each group's buffer: its parameters' gradients, then one flag per parameter
         # (1: this rank gave it a gradient this step). Averaged like the gradients, a flag
         # is 0 only where no rank did: the optimizer then skips the parameter, as plain
-        # PyTorch and DDP do.
+        # PyTorch and DDP do. They ride in the group's last chunk (`split`'s tail): cut
+        # as if they were not there, a group keeps its chunks and their owners.
         ranges_of = [
-            split(numel + len(params), torch.empty(0, dtype=dtype).element_size(), chunk_bytes)
+            split(numel, torch.empty(0, dtype=dtype).element_size(), chunk_bytes, len(params))
             for _, dtype, params, numel, _ in specs
         ]
         sizes = [

@@ -39,6 +39,23 @@ def test_split_examples() -> None:
     assert split(3000, 4, 4096) == [(0, 1000), (1000, 2000), (2000, 3000)]
 
 
+@given(st.integers(0, 10**6), st.integers(1, 64), st.sampled_from([1, 2, 4, 8]),
+       st.integers(4096, 1 << 20))
+def test_a_tail_rides_in_the_last_chunk(numel: int, tail: int, elem: int, chunk: int) -> None:
+    """A group's flags (one per parameter) never change how its gradients are cut: a
+    group of exactly four chunks stays four, with the same owners."""
+    plain, with_tail = split(numel, elem, chunk), split(numel, elem, chunk, tail)
+    if not plain:
+        assert with_tail == [(0, tail)]
+        return
+    assert with_tail[:-1] == plain[:-1]
+    assert with_tail[-1] == (plain[-1][0], numel + tail)
+
+
+def test_a_tail_on_a_whole_number_of_chunks() -> None:
+    assert split(4096, 1, 1024, tail=3) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4099)]
+
+
 @given(st.lists(st.integers(1, 1 << 20), max_size=200), st.integers(1, 16))
 def test_owners_each_chunk_once_and_balanced(sizes: list[int], world: int) -> None:
     owners = assign_owners(sizes, world)

@@ -461,3 +461,14 @@ def test_advised_batch_size_follows_the_daemons_plan() -> None:
         assert sync.advised_batch_size is None
     finally:
         sync.close()
+
+
+def test_a_group_of_whole_chunks_keeps_its_chunk_count_with_its_flags() -> None:
+    """The per-parameter flags ride in the last chunk: 16 KiB of gradient in 4 KiB chunks
+    is four chunks (four owners' worth), not four and a 4-byte fifth."""
+    m = nn.Sequential(nn.Linear(64, 64, bias=False))
+    sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01), chunk_bytes=4096, layout="fine")
+    m(torch.randn(2, 64)).sum().backward()
+    (group,) = sync._groups
+    assert [c.stop - c.start for c in group.chunks] == [1024, 1024, 1024, 1025]
+    sync.close()
