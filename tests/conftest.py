@@ -2,6 +2,8 @@
 
 Hypothesis runs without its per-example deadline (200 ms by default): that
 is a timing assertion, and on a shared, noisy machine it fails by chance.
+`GRADLANE_EXAMPLES=N` multiplies every property test's example count
+(`tests.examples`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
-settings.register_profile("gradlane", deadline=None)
+from tests import examples
+
+settings.register_profile("gradlane", deadline=None, max_examples=examples(100))
 settings.load_profile("gradlane")
 
 IN_CI = os.environ.get("CI", "").lower() == "true"

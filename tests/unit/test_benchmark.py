@@ -31,6 +31,7 @@ from gradlane.benchmark import (
 )
 from gradlane.cli import cli
 from gradlane.errors import ConfigError
+from tests import examples
 
 SCENARIOS = sorted((Path(__file__).resolve().parents[2] / "bench/scenarios").glob("*.toml"))
 
@@ -116,7 +117,7 @@ def test_dependency_bound_adds_the_compute_past_the_last_bytes() -> None:
     assert lower_bound(4, 0.13, 8_000_000, 100e6) == pytest.approx(comm)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 10**7), st.floats(0, 1)), min_size=1, max_size=30),
     st.integers(2, 8),

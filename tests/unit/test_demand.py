@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 from gradlane.policies import FlowTable
 from gradlane.policies.chunks import all_reduction_parents, assign_owners, reduction_parents
 from gradlane.policies.demand import Exchange, bucket_starts
+from tests import examples
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=12))
 def test_all_reduction_parents_are_each_owners_tree(leaves: list[int]) -> None:
     every = all_reduction_parents(leaves)
@@ -33,7 +34,7 @@ def _peers_by_loop(leaf: list[int], host: list[int]) -> tuple[list[int], list[in
     return in_leaf, next_leaf
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4)), min_size=1, max_size=14))
 def test_peers_are_the_next_rank_elsewhere_in_the_leaf_and_one_in_the_next_leaf(
     ranks: list[tuple[int, int]]
@@ -62,7 +63,7 @@ def test_flat_exchange_sends_a_bucket_plus_w_minus_2_owned() -> None:
             assert local[b, r] == bucket + (w - 2) * owned
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(st.integers(1, 9), st.lists(st.tuples(st.integers(1, 10_000), st.integers(0, 99)),
                                    min_size=1, max_size=12))
 def test_ring_exchange_sends_every_chunk_to_the_successor_once_each_way(
@@ -97,7 +98,7 @@ def placements(draw: st.DrawFn) -> tuple[list[int], list[int], list[int], list[i
     return rank_host, host_leaf, sizes, owners, draw(st.booleans())
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(placements())
 def test_demand_flows_load_hosts_and_uplinks_as_the_trees_do(case) -> None:  # type: ignore[no-untyped-def]
     rank_host, host_leaf, sizes, owners, in_leaf = case

@@ -22,6 +22,7 @@ from gradlane.policies import (
     get_policy,
     policy_names,
 )
+from tests import examples
 
 RATES = [100_000_000, 1_000_000_000, 10_000_000_000, 25_000_000_000]
 
@@ -68,7 +69,7 @@ def cluster_states(draw: st.DrawFn) -> State:
     )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cluster_states(), st.sampled_from(policy_names()))
 def test_every_plan_is_valid_and_deterministic(state: State, name: str) -> None:
     plan = get_policy(name).plan(state)
@@ -77,7 +78,7 @@ def test_every_plan_is_valid_and_deterministic(state: State, name: str) -> None:
     assert plan.to_wire() == get_policy(name).plan(state).to_wire()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(cluster_states())
 def test_work_conserving_policies_leave_no_bottleneck_idle(state: State) -> None:
     """Every flow with bytes crosses at least one link that `coflow`/`gradlane` fill."""

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from gradlane.daemon import protocol
 from gradlane.errors import ProtocolError
+from tests import examples
 
 FLOW = {"band": 1, "src": "10.0.0.1", "sport": 40000, "dst": "10.0.0.2", "dport": 5201}
 HELLO = {"type": "hello", "version": 1, "job": "j", "rank": 1, "world_size": 4, "flows": [FLOW]}
@@ -98,7 +99,7 @@ def test_encode_refuses_oversized() -> None:
         protocol.encode({"type": "x", "pad": "a" * 100}, max_frame=50)
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(st.binary(max_size=300))
 def test_garbage_only_ever_raises_protocol_error(data: bytes) -> None:
     try:
@@ -117,7 +118,7 @@ json_like = st.recursive(
 )
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(
     st.sampled_from(["hello", "flows", "chunks", "timing", "bye", "x"]),
     st.dictionaries(

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import split
 from gradlane.shim.transport import Mesh
+from tests import examples
 from tests.ranks import on_every_rank
 
 DSCP = (46, 0)  # two bands: enough for the order across connections, few sockets
@@ -130,7 +131,7 @@ def run(job: Job) -> list[list[list[torch.Tensor]]]:
     return results
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs())
 def test_every_rank_holds_the_same_weighted_mean(job: Job) -> None:
     results = run(job)

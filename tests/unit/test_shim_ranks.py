@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradlane.shim as gl
+from tests import examples
 from tests.ranks import on_every_rank
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -191,7 +192,7 @@ def run(case: Case) -> list[dict[str, torch.Tensor]]:
     return states
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_replicas_match_each_other_and_plain_pytorch_on_the_whole_batch(case: Case) -> None:
     states = run(case)

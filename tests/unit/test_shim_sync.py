@@ -26,6 +26,7 @@ from torch import nn
 import gradlane.shim as gl
 import gradlane.shim.sync as sync_module
 from gradlane.errors import ConfigError
+from tests import examples
 
 
 def model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -174,7 +175,7 @@ def test_p_faster_is_the_exact_one_sided_mann_whitney_test() -> None:
     assert 0.3 < sync_module.p_faster([1.0, 3, 5, 7, 9, 11], [2.0, 4, 6, 8, 10, 12]) < 0.7
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=4),
        st.lists(st.integers(0, 5), min_size=1, max_size=4))
 def test_p_faster_matches_counting_every_relabeling(xs: list[int], ys: list[int]) -> None:
