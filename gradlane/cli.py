@@ -363,6 +363,9 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
               help="'cluster': fraction of servers of an older GPU generation (0.68x speed).")
 @click.option("--load", default=0.8, show_default=True,
               help="'coflows': how busy the busiest link is on average (0..1, exclusive).")
+@click.option("--buckets", type=int, default=None,
+              help="'cluster', 'coflows': cut each model into about N DDP-like buckets "
+                   "instead of the shim's own layer groups (the default).")
 @click.option("--results", "results_dir", default=Path("bench/results"), show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="Testbed results that 'validate' replays.")
@@ -371,7 +374,8 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Figure (default: next to the JSON).")
 def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed: float,
-        load: float, results_dir: Path, json_path: Path | None, png: Path | None) -> None:
+        load: float, buckets: int | None, results_dir: Path, json_path: Path | None,
+        png: Path | None) -> None:
     """Run a flow-level simulation EXPERIMENT (no root, no network needed).
 
     \b
@@ -397,12 +401,14 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
 
         try:
             result = run_experiment(experiment, policies or None, seed, hosts, results_dir,
-                                    mixed, progress, load)
+                                    mixed, progress, load, buckets)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
     suffix = "-mixed" if experiment == "cluster" and mixed else ""
     if experiment == "coflows" and load != 0.8:
         suffix = f"-load{load:g}"
+    if buckets is not None and experiment in ("cluster", "coflows"):
+        suffix += f"-buckets{buckets}"
     path = json_path or Path("bench/results") / f"sim-{experiment}{suffix}.json"
     write_result(path, result)
     figure = png or path.with_suffix(".png")

@@ -119,8 +119,8 @@ def isolated_cct(scenario: Scenario) -> dict[str, float]:
 
 
 def run_cluster(policies: tuple[str, ...], seed: int, hosts: int, mixed: float = 0.0,
-                progress: Progress | None = None) -> dict[str, Any]:
-    scenario = cluster(hosts=hosts, seed=seed, slow_fraction=mixed)
+                progress: Progress | None = None, buckets: int | None = None) -> dict[str, Any]:
+    scenario = cluster(hosts=hosts, seed=seed, slow_fraction=mixed, buckets=buckets)
     results = _run_policies(scenario, policies, progress)
     out: dict[str, Any] = {
         "experiment": "cluster",
@@ -177,8 +177,8 @@ def growing_jobs(cct_s: dict[str, list[float]], factor: float = GROWTH) -> list[
 
 
 def run_coflows(policies: tuple[str, ...], seed: int, hosts: int, load: float,
-                progress: Progress | None = None) -> dict[str, Any]:
-    scenario = open_loop(cluster(hosts=hosts, seed=seed), load, seed)
+                progress: Progress | None = None, buckets: int | None = None) -> dict[str, Any]:
+    scenario = open_loop(cluster(hosts=hosts, seed=seed, buckets=buckets), load, seed)
     results = _run_policies(scenario, policies, progress)
     for r in results.values():
         r["growing"] = growing_jobs(r["cct_s"])
@@ -322,12 +322,15 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
 def run_experiment(name: str, policies: tuple[str, ...] | None = None, seed: int = 0,
                    hosts: int = 1024, results_dir: Path = Path("bench/results"),
                    mixed: float = 0.0, progress: Progress | None = None,
-                   load: float = 0.8) -> dict[str, Any]:
-    """Run experiment `name` (one of `EXPERIMENTS`)."""
+                   load: float = 0.8, buckets: int | None = None) -> dict[str, Any]:
+    """Run experiment `name` (one of `EXPERIMENTS`); `buckets`: the cluster's jobs cut
+    into about that many DDP-like buckets instead of the shim's groups."""
+    if buckets is not None and buckets < 1:
+        raise ConfigError(f"buckets must be >= 1, got {buckets}")
     if name == "cluster":
-        return run_cluster(policies or CLUSTER_POLICIES, seed, hosts, mixed, progress)
+        return run_cluster(policies or CLUSTER_POLICIES, seed, hosts, mixed, progress, buckets)
     if name == "coflows":
-        return run_coflows(policies or COFLOW_POLICIES, seed, hosts, load, progress)
+        return run_coflows(policies or COFLOW_POLICIES, seed, hosts, load, progress, buckets)
     if name == "heterogeneous":
         return run_heterogeneous(policies or ("fifo", "priority", "straggler", "gradlane"),
                                  progress)

@@ -3,33 +3,26 @@
 Model (what is simulated, and what is not):
 
 1. Network. Links are the topology's host and leaf links with their
-   capacities; no queues, no propagation delay (fluid flows). A bucket's
-   gradient exchange is one *collective*: the reduce-scatter and all-gather
-   flows of all its chunks, each chunk's owner as the plan says. A
-   collective's flows move at one per-flow rate (it is done only when all
-   are), and it loads link ``l`` with ``n_l`` flows, from the ownership and
-   each chunk's reduction tree (`gradlane.policies.chunks.reduction_parents`,
-   the shim's own): flat, host ``h`` sends ``S + (W - 2) * owned(h)`` bytes
-   of a bucket of ``S``; when the plan says `reduce_in_leaf`, one copy of
-   each chunk per leaf crosses the spine each way. A job with `SimJob.ring`
-   (the shim's ring exchange) has every rank send a bucket's chunks to its
-   successor (`gradlane.policies.demand`); its W-1 store-and-forward hops
-   per chunk each way are not modeled (fluid flows).
-2. Sharing, as gradlaned and DSCP switches enforce it: strict priority by
-   (the job's coflow level, the band of the bucket), both from the plan;
-   collectives at the same priority share by per-flow max-min (TCP-like,
-   exact progressive filling). Per-flow rate caps in the plan are not
-   enforced (priority and work conservation decide the rates). The shim
-   keeps a connection per peer and band, so several buckets' chunks share
-   the links at once. On the ring that is modeled: every collective of a
-   (job, band)'s oldest iteration in flight moves at once, and one rate per
-   collective is close to the shim's, since a ring collective is a chain
-   of hops that stalls wherever one hop does. A flat job's connection
-   serves buckets first come, first served, one collective at a time: with
-   one rate per collective, strict priority would stop a flat collective
-   on every link as soon as one of its links is full, where the shim's
-   other flows go on (the README, "Policies and the simulator", says what
-   each costs).
+   capacities; no queues in the fabric, no propagation delay (fluid flows).
+   A bucket's gradient exchange is one *collective*: the reduce-scatter and
+   all-gather flows of all its chunks, each chunk's owner as the plan says.
+   It loads link ``l`` with ``n_l`` flows of a chunk each, from the
+   ownership and each chunk's reduction tree
+   (`gradlane.policies.chunks.reduction_parents`, the shim's own): flat,
+   host ``h`` sends ``S + (W - 2) * owned(h)`` bytes of a bucket of ``S``;
+   when the plan says `reduce_in_leaf`, one copy of each chunk per leaf
+   crosses the spine each way. A job with `SimJob.ring` (the shim's ring
+   exchange) has every rank send a bucket's chunks to its successor
+   (`gradlane.policies.demand`); its W-1 store-and-forward hops per chunk
+   each way are not modeled (fluid flows).
+2. Sharing, as gradlaned and DSCP switches enforce it
+   (`gradlane.policies.sim.network`): each link on its own serves strict
+   priority by (the job's coflow level, the bucket's band), both from the
+   plan; within a priority each (job, band) its collectives first come,
+   first served (the shim's connections are queues), and (job, band)s
+   share a link by their flows on it. A collective is done when it has no
+   bits left on any of its links. Per-flow rate caps in the plan are not
+   enforced (priority and work conservation decide the rates).
 3. Compute. Each worker runs forward bucket by bucket, then backward in
    reverse; its time per bucket scales with its batch share over its speed.
    A bucket's forward in iteration ``k + 1`` waits for that bucket's
@@ -58,7 +51,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,7 +60,6 @@ from gradlane.policies.base import (
     LEVELS,
     Coflow,
     FlowTable,
-    IntArray,
     JobState,
     Plan,
     Policy,
@@ -77,6 +68,7 @@ from gradlane.policies.base import (
 )
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.demand import Exchange
+from gradlane.policies.sim.network import Network
 from gradlane.policies.sim.scenario import Scenario, SimJob
 
 __all__ = ["Result", "coflow_load", "full_demand_state", "simulate"]
@@ -182,17 +174,13 @@ class _Job:
         return self.exchange.loads(self.owned_chunks, self.in_leaf, self.chunk_size)
 
 
-@dataclass(eq=False)  # a queue removes a collective by identity
+@dataclass
 class _Collective:
     job: _Job
     iteration: int
     bucket: int
-    ready: float
-    bits: float  # per flow, remaining
-    links: IntArray
-    counts: np.ndarray
     band: int
-    rate: float = 0.0  # per flow, bit/s
+    bits: float  # on all its links, at the start
 
 
 class _Sim:
@@ -203,11 +191,11 @@ class _Sim:
         self.jobs = [_Job(i, j, scenario) for i, j in enumerate(scenario.jobs)]
         self.now = 0.0
         self.ready: list[tuple[float, int, int, int, int]] = []  # (t, seq, job, iteration, bucket)
-        self.queues: dict[tuple[int, int], deque[_Collective]] = {}
+        self.net = Network(self.cap)
+        self.queued: dict[int, _Collective] = {}  # by id, what the network holds
         self.seq = 0
         self.plan_ms: list[float] = []
         self.version = 0
-        self.busy_bits = np.zeros(len(self.cap))
         self.replan_due = False
 
     # -- compute -----------------------------------------------------------
@@ -251,14 +239,22 @@ class _Sim:
         if iteration not in job.first_ready:  # a coflow arrives: plan again (as Sincronia does)
             job.first_ready[iteration] = self.now
             self.replan_due = True
-        bits = job.chunk_size[bucket] * 8.0
+        per_flow = job.chunk_size[bucket] * 8.0
         mask = job.counts[bucket] > 0
-        c = _Collective(job, iteration, bucket, self.now, bits, job.links[mask],
-                        job.counts[bucket][mask], int(job.band[bucket]))
-        if bits <= 0 or not mask.any():
+        flows = job.counts[bucket][mask]
+        c = _Collective(job, iteration, bucket, int(job.band[bucket]),
+                        float(flows.sum()) * per_flow)
+        if c.bits <= 0:
             self.collective_done(c)
             return
-        self.queues.setdefault((job.index, c.band), deque()).append(c)
+        self.seq += 1
+        self.queued[self.seq] = c
+        self.net.add(self.seq, job.links[mask], flows, per_flow, *self.queue(job, c.band))
+
+    def queue(self, job: _Job, band: int) -> tuple[int, int]:
+        """(priority, queue) of a job's band: gradlaned's HTB leaves carry prio =
+        min(7, job level + band) (daemon/qdisc.py); each band is a queue of its own."""
+        return min(LEVELS - 1, job.level + band), job.index * self.sc.bands + band
 
     def collective_done(self, c: _Collective) -> None:
         job = c.job
@@ -289,62 +285,20 @@ class _Sim:
         need = sc.warmup + sc.iterations + 1  # +1: an iteration's time is start to next start
         return min(min(len(j.starts) for j in self.jobs) / need, 1.0)
 
-    # -- network -----------------------------------------------------------
-
-    def active(self) -> list[_Collective]:
-        """Per (job, band), the collective its connection sends now; on the ring, every
-        collective of the oldest iteration in the queue (model, point 2)."""
-        out: list[_Collective] = []
-        for q in self.queues.values():
-            if q and not q[0].job.spec.ring:
-                out.append(q[0])
-                continue
-            for c in q:  # in arrival order: iterations never go back
-                if c.iteration != q[0].iteration:
-                    break
-                out.append(c)
-        return out
-
-    def solve(self, active: list[_Collective]) -> None:
-        """Per-flow rates: strict priority by (level, band), max-min within a priority."""
-        residual = self.cap.copy()
-        eps = self.cap * 1e-12
-        # gradlaned's HTB leaves carry prio = min(7, job level + band) (daemon/qdisc.py).
-        key = {id(c): min(LEVELS - 1, c.job.level + c.band) for c in active}
-        for c in active:
-            c.rate = 0.0
-        full = residual <= eps
-        for prio in sorted(set(key.values())):
-            # Collectives on a link that higher priorities filled get nothing at this level.
-            group = [c for c in active if key[id(c)] == prio and not full[c.links].any()]
-            while group:
-                ids = np.concatenate([c.links for c in group])
-                cnt = np.bincount(ids, weights=np.concatenate([c.counts for c in group]),
-                                  minlength=len(residual))
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    share = np.where(cnt > 0, residual / cnt, np.inf)
-                delta = float(share.min())
-                if not np.isfinite(delta) or delta <= 0:
-                    break
-                for c in group:
-                    c.rate += delta
-                residual = np.maximum(residual - delta * cnt, 0.0)
-                full = residual <= eps
-                group = [c for c in group if not full[c.links].any()]
-
     # -- planning ----------------------------------------------------------
 
-    def remaining(self, job: _Job) -> dict[int, np.ndarray]:
+    def remaining(self, job: _Job, bits_left: dict[int, float]) -> dict[int, np.ndarray]:
         """Per coflow in flight (by iteration), per bucket the fraction of its collective
-        still to send; coflows with nothing left are left out."""
+        still to send (`bits_left`: `Network.bits_left`); coflows with nothing left are
+        left out."""
         left = {it: np.zeros(job.nb) for it in sorted(job.outstanding)}
         if not self.sc.arrivals:  # closed loop: one iteration in flight at most
             for part in left.values():
                 part[np.isnan(job.synced)] = 1.0  # not computed yet, or queued (set below)
-        for (j, _band), queue in self.queues.items():
-            if j == job.index:
-                for c in queue:
-                    left[c.iteration][c.bucket] = c.bits / (job.chunk_size[c.bucket] * 8.0)
+        for cid, bits in bits_left.items():
+            c = self.queued[cid]
+            if c.job is job:
+                left[c.iteration][c.bucket] = bits / c.bits
         return {it: part for it, part in left.items() if part.any()}
 
     def state(self) -> State:
@@ -362,6 +316,7 @@ class _Sim:
         coflows: list[Coflow] = []
         jobs: list[JobState] = []
         topo = self.sc.topology
+        bits_left = self.net.bits_left()
         for job in self.jobs:
             spec = job.spec
             jobs.append(JobState(spec.name, job.w, global_batch=spec.global_batch,
@@ -376,7 +331,7 @@ class _Sim:
             if job.w < 2:
                 continue
             # Between coflows: its next one, whole (what its demand report says).
-            in_flight = self.remaining(job) or {job.iteration: np.ones(job.nb)}
+            in_flight = self.remaining(job, bits_left) or {job.iteration: np.ones(job.nb)}
             local, remote = job.loads()
             ready = np.maximum(0.0, job.ready_at - self.now)
             for it, left in in_flight.items():
@@ -414,6 +369,12 @@ class _Sim:
                 job.set_ownership(owners, plan.reduce_in_leaf)
             if name in plan.batch_shares:
                 job.shares = np.array(plan.batch_shares[name], dtype=np.float64)
+        prio_of = {}
+        for job in self.jobs:
+            for band in range(self.sc.bands):
+                prio, queue = self.queue(job, band)
+                prio_of[queue] = prio
+        self.net.set_priorities(prio_of)
 
     # -- the loop ----------------------------------------------------------
 
@@ -427,42 +388,27 @@ class _Sim:
         else:
             for job in self.jobs:
                 self.advance(job)
-        dirty = True
         limit = 2_000_000
         for _ in range(limit):
             if self.finished() >= 1.0:
                 break
-            active = self.active()
-            if dirty:
-                self.solve(active)
-                dirty = False
-            t_done = min((self.now + c.bits / c.rate for c in active if c.rate > 0),
-                         default=np.inf)
             t_ready = self.ready[0][0] if self.ready else np.inf
-            t_next = min(t_done, t_ready, next_plan)
+            t_next = min(self.now + self.net.next_drain(), t_ready, next_plan)
             if not np.isfinite(t_next):
                 raise RuntimeError("simulation stalled: nothing to send or compute")
-            dt = t_next - self.now
-            for c in active:
-                c.bits -= c.rate * dt
-                self.busy_bits[c.links] += c.counts * c.rate * dt
+            done = self.net.advance(t_next - self.now)
             self.now = t_next
-            for c in active:
-                if c.bits <= EPS * max(1.0, c.job.chunk_size[c.bucket] * 8):
-                    self.queues[c.job.index, c.band].remove(c)
-                    dirty = True
-                    self.collective_done(c)
+            for cid in done:
+                self.collective_done(self.queued.pop(cid))
             while self.ready and self.ready[0][0] <= self.now:
                 _, _, j, it, b = heapq.heappop(self.ready)
                 self.collective_ready(self.jobs[j], it, b)
-                dirty = True
             if self.replan_due:  # an event: plan again, but not sooner than the reaction time
                 next_plan = min(next_plan, last_plan + sc.react_s)
                 self.replan_due = False
             if self.now >= next_plan:
                 self.replan()
                 last_plan, next_plan = self.now, self.now + sc.replan_s
-                dirty = True
                 if self.on_progress:
                     self.on_progress(self.finished())
         else:
@@ -481,7 +427,7 @@ class _Sim:
             iters[job.spec.name] = np.diff(s).tolist()
             ccts[job.spec.name] = done[sc.warmup:sc.warmup + sc.iterations]
         h = len(sc.topology.hosts)
-        used = self.busy_bits / (self.cap * max(self.now, EPS))
+        used = self.net.busy_bits / (self.cap * max(self.now, EPS))
         util = {"host": float(used[:h].mean())}
         if sc.topology.uplink_bps:
             util["uplink"] = float(used[2 * h:].mean())
@@ -506,17 +452,15 @@ def full_demand_state(scenario: Scenario, policy: Policy) -> State:
 def coflow_load(scenario: Scenario) -> tuple[np.ndarray, np.ndarray]:
     """One coflow (iteration exchange) of each job alone on the fabric, chunks owned as at
     the start: a ``(jobs, links)`` matrix of the seconds it keeps each link busy, and per
-    job how long it takes (its collectives one after the other, as its connection sends
-    them, each at the rate of its busiest link)."""
+    job how long it takes when all its collectives are released at once (open loop): its
+    busiest link's time, as every link serves its share on its own (model, point 2)."""
     cap = scenario.topology.capacity_bps
     load = np.zeros((len(scenario.jobs), len(cap)))
-    alone = np.zeros(len(scenario.jobs))
     for i, spec in enumerate(scenario.jobs):
         job = _Job(i, spec, scenario)
         busy = job.counts * (np.array(job.chunk_size)[:, None] * 8.0) / cap[job.links][None, :]
         np.add.at(load[i], job.links, busy.sum(axis=0))
-        alone[i] = busy.max(axis=1).sum()
-    return load, alone
+    return load, load.max(axis=1)
 
 
 def simulate(scenario: Scenario, policy: Policy,

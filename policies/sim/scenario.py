@@ -4,9 +4,10 @@ A job is data-parallel training of one model profile: per iteration each
 worker runs the forward pass layer by layer, then the backward pass in
 reverse, and every layer's gradient is reduced through per-chunk owners
 (reduce-scatter then all-gather, gradlane's data path). Layers are grouped
-into `buckets` (consecutive layers of about equal bytes) so one iteration is
-a few dozen network events, not thousands; each bucket is cut into equal
-chunks of at most `chunk_bytes`, which the plan gives owners.
+into `buckets` as gradlane's shim groups them (consecutive layers of one band
+until a group holds 64 KiB: tens of collectives per iteration, not one per
+layer); each bucket is cut into equal chunks of at most `chunk_bytes`,
+which the plan gives owners.
 
 Compute calibration (`V100_FP32_FLOPS`): a V100 sustaining half its
 15.7 TFLOP/s FP32 peak, 32 samples per worker (GPT-2: 8 sequences of 1,024
@@ -45,6 +46,7 @@ __all__ = [
     "buckets_of",
     "cluster",
     "heterogeneous",
+    "job_buckets",
     "one_switch",
     "profile_layers",
     "shim_buckets",
@@ -194,9 +196,17 @@ def shim_buckets(
     return buckets, chunk
 
 
-def _chunk_for(total_bytes: float, workers: int) -> int:
-    # The shim's fine chunks (a quarter of a worker's share, 64 KiB at least), up to MAX_CHUNK.
-    return layout_sizes(int(total_bytes), workers, MAX_CHUNK, "fine")[1]
+def job_buckets(
+    layers: list[tuple[float, float, float]], workers: int, buckets: int | None = None
+) -> tuple[tuple[Bucket, ...], int]:
+    """A job's buckets and chunk size: by default the shim's own groups and chunks
+    (`shim_buckets`, its "fine" layout, the one it starts with); with `buckets`, about
+    that many DDP-like buckets (`buckets_of`) cut into the shim's fine chunks (up to
+    MAX_CHUNK)."""
+    if buckets is None:
+        return shim_buckets(layers, workers)
+    out = buckets_of(layers, buckets)
+    return out, layout_sizes(int(sum(b.bytes for b in out)), workers, MAX_CHUNK, "fine")[1]
 
 
 def one_switch(
@@ -205,6 +215,7 @@ def one_switch(
     hosts: int,
     nic_bps: float,
     exchange: str = "flat",
+    buckets: int | None = None,
     **kwargs: object,
 ) -> Scenario:
     """Hosts on one switch; each job given as (model name, layers, per-worker speeds).
@@ -212,17 +223,16 @@ def one_switch(
     Jobs take consecutive hosts, and the ring where `uses_ring` says so for
     `exchange` (`gradlane.shim.ShimConfig.exchange`: "auto" is the shim's
     default; "flat", this function's, keeps every job on its reduction tree).
+    Layers are grouped as `job_buckets` says for `buckets`.
     """
     topo = Topology(tuple(Host(f"h{i}", 0, int(nic_bps)) for i in range(hosts)))
     out, next_host = [], 0
     for i, (model, layers, speeds) in enumerate(jobs):
         placed = tuple(range(next_host, next_host + len(speeds)))
         next_host += len(speeds)
-        buckets = buckets_of(layers)
-        total = sum(b.bytes for b in buckets)
-        out.append(SimJob(f"job{i}-{model}", model, placed, buckets,
-                          BATCH_PER_WORKER * len(placed), tuple(speeds),
-                          _chunk_for(total, len(placed)),
+        grouped, chunk = job_buckets(layers, len(placed), buckets)
+        out.append(SimJob(f"job{i}-{model}", model, placed, grouped,
+                          BATCH_PER_WORKER * len(placed), tuple(speeds), chunk,
                           ring=uses_ring(exchange, len(placed), 1)))
     return Scenario(name, topo, tuple(out), **kwargs)  # type: ignore[arg-type]
 
@@ -246,6 +256,7 @@ def cluster(
     iterations: int = 12,
     slow_fraction: float = 0.0,
     slow_speed: float = P100_SPEED,
+    buckets: int | None = None,
 ) -> Scenario:
     """A leaf/spine cluster shared by `jobs` jobs mixing the shipped profiles.
 
@@ -259,6 +270,8 @@ def cluster(
     4. Mixed generations: a `slow_fraction` of the groups (seeded; a group is
        one server) computes at `slow_speed` (default: a P100 next to V100s,
        the ratio of their FP32 peaks, 10.6 / 15.7).
+    5. Layers are grouped and chunked as gradlane's shim does, whatever the
+       policy (`job_buckets`; `buckets` for about that many DDP-like ones).
     """
     if hosts % hosts_per_leaf or hosts_per_leaf % group or hosts // group < jobs:
         raise ConfigError("hosts must fill whole leaves, leaves whole groups, one group per job")
@@ -285,15 +298,14 @@ def cluster(
         placed = tuple(int(h) for g in sorted(mine) for h in np.arange(g * group, (g + 1) * group))
         model = models[j % len(models)]
         batch = SAMPLES_PER_WORKER.get(model, BATCH_PER_WORKER)
-        buckets = buckets_of(profile_layers(model, batch))
-        total = sum(b.bytes for b in buckets)
+        grouped, chunk = job_buckets(profile_layers(model, batch), len(placed), buckets)
         speeds = tuple(slow_speed if h // group in slow else 1.0 for h in placed)
-        out.append(SimJob(f"job{j}-{model}", model, placed, buckets,
-                          batch * len(placed), speeds if slow else (),
-                          _chunk_for(total, len(placed))))
+        out.append(SimJob(f"job{j}-{model}", model, placed, grouped,
+                          batch * len(placed), speeds if slow else (), chunk))
     notes: dict[str, object] = {
         "hosts": hosts, "hosts_per_leaf": hosts_per_leaf, "nic_bps": nic_bps,
         "oversubscription": oversubscription, "group": group,
+        "grouping": "the shim's (fine)" if buckets is None else f"{buckets} DDP-like buckets",
         "slow_fraction": slow_fraction, "slow_speed": slow_speed,
         "calibration": f"V100 FP32 at {V100_FP32_FLOPS / 1e12:.2f} TFLOP/s sustained, "
                        f"{BATCH_PER_WORKER} samples per worker (GPT-2: "

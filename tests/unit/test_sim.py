@@ -36,20 +36,21 @@ def test_one_bucket_iteration_is_compute_plus_the_exchange(workers: int) -> None
         assert t == pytest.approx(fwd + bwd + exchange, rel=1e-6)
 
 
-@pytest.mark.parametrize(("ring", "chunk_times"), [(False, 12), (True, 6)])
-def test_a_ring_job_s_buckets_share_the_links(ring: bool, chunk_times: int) -> None:
+@pytest.mark.parametrize("ring", [False, True])
+def test_a_job_s_buckets_share_the_links_flat_or_ring(ring: bool) -> None:
     # Four one-chunk buckets on four workers, ready together, one owned by each rank. Flat,
-    # one at a time (the model for a flat job): each owner sends its result to three
-    # peers, 3 chunk times per bucket. On the ring each rank sends a bucket's partial sum
-    # or average to its successor, twice but where it is the owner or the owner's
-    # predecessor: alone, 2 chunk times per bucket (8 in all, its less loaded links half
-    # idle); at once, as the shim's connections send them, every link carries 6 flows.
+    # each owner receives three contributions and sends its result to three peers: every
+    # host link carries 3 flows of the bucket it owns and 1 of each other one, 6 chunks in
+    # all. On the ring each rank sends a bucket's partial sum or average to its successor,
+    # twice but where it is the owner or the owner's predecessor: 6 again. Alone, a bucket
+    # would take 3 chunk times flat (the owner's links) and 2 on the ring, its other links
+    # idle; the shim's connections to other peers fill them with the other buckets.
     c, step = 1e6, 1e-4
     sc = _one_job([(c, step, 0.0)] * 4, 4)
     sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=ring),))
     assert len(sc.jobs[0].buckets) == 4
     for t in simulate(sc, get_policy("fifo")).iteration_s["job0-x"]:
-        assert t == pytest.approx(4 * step + chunk_times * c * 8 / G, rel=1e-6)
+        assert t == pytest.approx(4 * step + 6 * c * 8 / G, rel=1e-6)
 
 
 def test_priority_overlaps_the_exchange_with_the_next_forward() -> None:
@@ -226,9 +227,11 @@ def test_coflow_load_matches_the_simulated_time_alone() -> None:
     for i, job in enumerate(sc.jobs):
         one = replace(sc, jobs=(job,), arrivals=((0.0,),), warmup=0)
         (cct,) = simulate(one, get_policy("fair")).cct_s[job.name]
-        assert cct == pytest.approx(alone[i], rel=1e-6)
-        # One collective after the other: no faster than its busiest link.
-        assert alone[i] >= load[i].max() - 1e-12
+        # Released at once, a coflow takes its busiest link's time: every link serves its
+        # part on its own. `coflow_load` owns chunks as at the start (bytes balanced), `fair`
+        # round-robin, which puts 0.5% (ResNet-50) and 1.8% (GPT-2) more on the busiest link.
+        assert alone[i] == pytest.approx(load[i].max())
+        assert alone[i] <= cct <= 1.02 * alone[i]
 
 
 def test_open_loop_arrivals_are_checked() -> None:

@@ -49,12 +49,14 @@ def test_sim_unknown_policy_is_an_error(tmp_path: Path) -> None:
 
 def test_sim_coflows_writes_json_and_png(tmp_path: Path) -> None:
     out = tmp_path / "coflows.json"
+    # 16 DDP-like buckets instead of the shim's groups: 5x faster to simulate.
     result = CliRunner().invoke(cli, ["sim", "coflows", "--hosts", "64", "--load", "0.5",
-                                      "--json", str(out)])
+                                      "--buckets", "16", "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["experiment"] == "coflows" and set(data["results"]) == {"fair", "coflow"}
     assert data["scenario"]["load"] == 0.5
+    assert data["scenario"]["grouping"] == "16 DDP-like buckets"
     for policy in data["results"].values():
         measured = sum(len(v) for v in policy["cct_s"].values())
         # every coflow that arrived completed; each job's first 2 are warm-up
@@ -63,6 +65,13 @@ def test_sim_coflows_writes_json_and_png(tmp_path: Path) -> None:
     assert data["coflow_vs_fair_cct"] == data["results"]["fair"]["mean_cct_s"] / data[
         "results"]["coflow"]["mean_cct_s"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_sim_refuses_a_bucket_count_below_one(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["sim", "cluster", "--hosts", "64", "--buckets", "0",
+                                      "--json", str(tmp_path / "x.json")])
+    assert result.exit_code != 0
+    assert "buckets must be >= 1" in result.output
 
 
 def test_sim_coflows_refuses_a_load_outside_0_1(tmp_path: Path) -> None:
