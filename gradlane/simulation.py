@@ -327,6 +327,8 @@ def run_experiment(name: str, policies: tuple[str, ...] | None = None, seed: int
     into about that many DDP-like buckets instead of the shim's groups."""
     if buckets is not None and buckets < 1:
         raise ConfigError(f"buckets must be >= 1, got {buckets}")
+    if buckets is not None and name not in ("cluster", "coflows"):
+        raise ConfigError(f"buckets applies to 'cluster' and 'coflows', not {name!r}")
     if name == "cluster":
         return run_cluster(policies or CLUSTER_POLICIES, seed, hosts, mixed, progress, buckets)
     if name == "coflows":

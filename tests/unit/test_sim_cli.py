@@ -67,11 +67,15 @@ def test_sim_coflows_writes_json_and_png(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_sim_refuses_a_bucket_count_below_one(tmp_path: Path) -> None:
+def test_sim_refuses_a_bucket_count_below_one_or_where_it_does_not_apply(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["sim", "cluster", "--hosts", "64", "--buckets", "0",
                                       "--json", str(tmp_path / "x.json")])
     assert result.exit_code != 0
     assert "buckets must be >= 1" in result.output
+    result = CliRunner().invoke(cli, ["sim", "heterogeneous", "--buckets", "16",
+                                      "--json", str(tmp_path / "x.json")])
+    assert result.exit_code != 0
+    assert "buckets applies to 'cluster' and 'coflows'" in result.output
 
 
 def test_sim_coflows_refuses_a_load_outside_0_1(tmp_path: Path) -> None:
