@@ -287,18 +287,17 @@ class _Sim:
 
     # -- planning ----------------------------------------------------------
 
-    def remaining(self, job: _Job, bits_left: dict[int, float]) -> dict[int, np.ndarray]:
+    def remaining(self, job: _Job, queued: list[tuple[_Collective, float]]
+                  ) -> dict[int, np.ndarray]:
         """Per coflow in flight (by iteration), per bucket the fraction of its collective
-        still to send (`bits_left`: `Network.bits_left`); coflows with nothing left are
-        left out."""
+        still to send (`queued`: the job's collectives in the network, with their bits
+        left); coflows with nothing left are left out."""
         left = {it: np.zeros(job.nb) for it in sorted(job.outstanding)}
         if not self.sc.arrivals:  # closed loop: one iteration in flight at most
             for part in left.values():
                 part[np.isnan(job.synced)] = 1.0  # not computed yet, or queued (set below)
-        for cid, bits in bits_left.items():
-            c = self.queued[cid]
-            if c.job is job:
-                left[c.iteration][c.bucket] = bits / c.bits
+        for c, bits in queued:
+            left[c.iteration][c.bucket] = bits / c.bits
         return {it: part for it, part in left.items() if part.any()}
 
     def state(self) -> State:
@@ -316,7 +315,10 @@ class _Sim:
         coflows: list[Coflow] = []
         jobs: list[JobState] = []
         topo = self.sc.topology
-        bits_left = self.net.bits_left()
+        queued: dict[int, list[tuple[_Collective, float]]] = {}  # by job index
+        for cid, bits in self.net.bits_left().items():
+            c = self.queued[cid]
+            queued.setdefault(c.job.index, []).append((c, bits))
         for job in self.jobs:
             spec = job.spec
             jobs.append(JobState(spec.name, job.w, global_batch=spec.global_batch,
@@ -331,7 +333,8 @@ class _Sim:
             if job.w < 2:
                 continue
             # Between coflows: its next one, whole (what its demand report says).
-            in_flight = self.remaining(job, bits_left) or {job.iteration: np.ones(job.nb)}
+            in_flight = (self.remaining(job, queued.get(job.index, []))
+                         or {job.iteration: np.ones(job.nb)})
             local, remote = job.loads()
             ready = np.maximum(0.0, job.ready_at - self.now)
             for it, left in in_flight.items():
