@@ -12,14 +12,18 @@ Model (what is simulated, and what is not):
    host ``h`` sends ``S + (W - 2) * owned(h)`` bytes of a bucket of ``S``;
    when the plan says `reduce_in_leaf`, one copy of each chunk per leaf
    crosses the spine each way. A job with `SimJob.ring` (the shim's ring
-   exchange) has every rank send a bucket's chunks to its successor
-   (`gradlane.policies.demand`); its W-1 store-and-forward hops per chunk
-   each way are not modeled (fluid flows).
+   exchange) has every rank send a bucket's chunks to its successor, store
+   and forward as the shim does: each chunk's 2(W-1) hops (the partial sum
+   from the owner's successor to the owner, then the average on to the
+   owner's predecessor) are entries of their own, the next queued when the
+   last has crossed both its links (the sender's egress and the receiver's
+   ingress), and a connection takes its waiting chunks in the shim's order
+   (the bucket's forward position, averages before partial sums, chunk).
 2. Sharing, as gradlaned and DSCP switches enforce it
    (`gradlane.policies.sim.network`): each link on its own serves strict
    priority by (the job's coflow level, the bucket's band), both from the
    plan; within a priority each (job, band) its collectives first come,
-   first served (the shim's connections are queues), and (job, band)s
+   first served (a ring job's chunk hops: in the shim's order), and (job, band)s
    share a link by their flows on it. A collective is done when it has no
    bits left on any of its links. Per-flow rate caps in the plan are not
    enforced (priority and work conservation decide the rates).
@@ -49,6 +53,7 @@ job and bucket index; no randomness inside).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections.abc import Callable
@@ -181,6 +186,19 @@ class _Collective:
     bucket: int
     band: int
     bits: float  # on all its links, at the start
+    # On the ring: its chunks' hops not yet in the network (bits), and chunks not done.
+    unqueued_bits: float = 0.0
+    chunks_left: int = 0
+
+
+@dataclass(frozen=True)
+class _Hop:
+    """One hop of a ring job's chunk: `sender` to its successor, the `stage`-th of 2(W-1)."""
+
+    collective: int
+    chunk: int  # the job's chunk index
+    owner: int
+    stage: int
 
 
 class _Sim:
@@ -193,6 +211,7 @@ class _Sim:
         self.ready: list[tuple[float, int, int, int, int]] = []  # (t, seq, job, iteration, bucket)
         self.net = Network(self.cap)
         self.queued: dict[int, _Collective] = {}  # by id, what the network holds
+        self.hops: dict[int, _Hop] = {}  # by network id: ring jobs' chunk hops
         self.seq = 0
         self.plan_ms: list[float] = []
         self.version = 0
@@ -248,8 +267,39 @@ class _Sim:
             self.collective_done(c)
             return
         self.seq += 1
-        self.queued[self.seq] = c
-        self.net.add(self.seq, job.links[mask], flows, per_flow, *self.queue(job, c.band))
+        cid = self.seq
+        self.queued[cid] = c
+        if not job.spec.ring:
+            self.net.add(cid, job.links[mask], flows, per_flow, *self.queue(job, c.band))
+            return
+        chunks = range(job.first_chunk[bucket], job.first_chunk[bucket + 1])
+        c.unqueued_bits, c.chunks_left = c.bits, len(chunks)
+        for chunk in chunks:
+            self.send_hop(_Hop(cid, chunk, job.owners[chunk], 0))
+
+    def send_hop(self, hop: _Hop) -> None:
+        """Queue a ring chunk's hop: its sender's egress and its receiver's ingress."""
+        c = self.queued[hop.collective]
+        job = c.job
+        sender = (hop.owner + 1 + hop.stage) % job.w
+        receiver = (sender + 1) % job.w
+        links = np.array([job.hosts[sender], job.n_hosts + job.hosts[receiver]], np.int64)
+        bits = job.chunk_size[c.bucket] * 8.0
+        c.unqueued_bits -= 2 * bits
+        self.seq += 1
+        self.hops[self.seq] = hop
+        averaging = hop.stage >= job.w - 1  # the shim sends averages before partial sums
+        key = (c.bucket, 0 if averaging else 1, hop.chunk)
+        self.net.add(self.seq, links, np.ones(2), bits, *self.queue(job, c.band), key=key)
+
+    def hop_done(self, hop: _Hop) -> None:
+        c = self.queued[hop.collective]
+        if hop.stage + 1 < 2 * (c.job.w - 1):
+            self.send_hop(dataclasses.replace(hop, stage=hop.stage + 1))
+            return
+        c.chunks_left -= 1
+        if not c.chunks_left:
+            self.collective_done(self.queued.pop(hop.collective))
 
     def queue(self, job: _Job, band: int) -> tuple[int, int]:
         """(priority, queue) of a job's band: gradlaned's HTB leaves carry prio =
@@ -315,9 +365,13 @@ class _Sim:
         coflows: list[Coflow] = []
         jobs: list[JobState] = []
         topo = self.sc.topology
+        in_network: dict[int, float] = {}  # by collective, its bits queued on links
+        for nid, bits in self.net.bits_left().items():
+            cid = self.hops[nid].collective if nid in self.hops else nid
+            in_network[cid] = in_network.get(cid, 0.0) + bits
         queued: dict[int, list[tuple[_Collective, float]]] = {}  # by job index
-        for cid, bits in self.net.bits_left().items():
-            c = self.queued[cid]
+        for cid, c in self.queued.items():
+            bits = in_network.get(cid, 0.0) + c.unqueued_bits
             queued.setdefault(c.job.index, []).append((c, bits))
         for job in self.jobs:
             spec = job.spec
@@ -401,8 +455,11 @@ class _Sim:
                 raise RuntimeError("simulation stalled: nothing to send or compute")
             done = self.net.advance(t_next - self.now)
             self.now = t_next
-            for cid in done:
-                self.collective_done(self.queued.pop(cid))
+            for nid in done:
+                if nid in self.hops:
+                    self.hop_done(self.hops.pop(nid))
+                else:
+                    self.collective_done(self.queued.pop(nid))
             while self.ready and self.ready[0][0] <= self.now:
                 _, _, j, it, b = heapq.heappop(self.ready)
                 self.collective_ready(self.jobs[j], it, b)

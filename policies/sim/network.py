@@ -8,9 +8,11 @@ its own, as a host's qdisc and a switch port do:
 1. Strict priority: only the entries of the most urgent priority on the link
    move (gradlaned's HTB prio, ``min(7, job level + band)``; DSCP queues in
    the switches).
-2. Within a priority, each (job, band) serves its collectives first come,
-   first served: its connections are queues, and the bits of a later
-   bucket wait behind those of an earlier one.
+2. Within a priority, each (job, band) serves its collectives in queue
+   order: first come, first served, or by a key the caller gives (the shim's
+   connections pop their chunks in priority order). The entry being served
+   keeps its place whatever arrives (a chunk being written is not
+   interrupted).
 3. The (job, band)s at the top priority share the link in proportion to the
    flows their current collective has on it (TCP shares per connection).
 
@@ -35,7 +37,8 @@ backlog (open loop) therefore costs memory, not time per step.
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,8 +78,11 @@ class Network:
         self.owner = np.zeros(0, np.int64)  # the collective's id
         self.flows = np.zeros(0)
         self.left = np.zeros(0)  # bits
-        # Behind each entry in the arrays, by (link, queue): (collective, flows, bits).
-        self._behind: dict[tuple[int, int], deque[tuple[int, float, float]]] = {}
+        # Behind each entry in the arrays, by (link, queue), a heap:
+        # (key, arrival, collective, flows, bits).
+        self._behind: dict[tuple[int, int], list[tuple[tuple[int, ...], int, int, float, float]]]
+        self._behind = {}
+        self._arrivals = itertools.count()
         # Per collective with entries behind others: how many, and their bits.
         self._waiting: dict[int, tuple[int, float]] = {}
         self._prio: dict[int, int] = {}  # per queue
@@ -87,20 +93,23 @@ class Network:
         return len(self.live)
 
     def add(self, cid: int, links: IntArray, flows: FloatArray, bits_per_flow: float,
-            prio: int, queue: int) -> None:
-        """Queue collective `cid` behind `queue`'s earlier ones: `flows` flows of
-        `bits_per_flow` on `links`, at priority `prio` (the queue's from now on)."""
+            prio: int, queue: int, key: tuple[int, ...] = ()) -> None:
+        """Queue collective `cid` in `queue`: `flows` flows of `bits_per_flow` on
+        `links`, at priority `prio` (the queue's from now on). It waits behind the
+        entry being served and the waiting ones of a smaller `key`, then of the
+        same key that came earlier (all keys equal: first come, first served)."""
         self.set_priorities({queue: prio})
         first: list[int] = []
         waiting, waiting_bits = 0, 0.0
+        arrival = next(self._arrivals)
         for i, link in enumerate(links.tolist()):
             behind = self._behind.get((link, queue))
             if behind is None:
-                self._behind[link, queue] = deque()
+                self._behind[link, queue] = []
                 first.append(i)
             else:
                 bits = float(flows[i]) * bits_per_flow
-                behind.append((cid, float(flows[i]), bits))
+                heapq.heappush(behind, (key, arrival, cid, float(flows[i]), bits))
                 waiting, waiting_bits = waiting + 1, waiting_bits + bits
         if waiting:
             self._waiting[cid] = (waiting, waiting_bits)
@@ -179,7 +188,7 @@ class Network:
                 del self._behind[link, queue]
                 gone.append(i)
                 continue
-            nxt, flows, bits = behind.popleft()  # next in line takes the entry's place
+            _, _, nxt, flows, bits = heapq.heappop(behind)  # next in line takes its place
             self.owner[i], self.flows[i], self.left[i] = nxt, flows, bits
             count, waiting = self._waiting.pop(nxt)
             if count > 1:

@@ -36,6 +36,18 @@ def test_one_bucket_iteration_is_compute_plus_the_exchange(workers: int) -> None
         assert t == pytest.approx(fwd + bwd + exchange, rel=1e-6)
 
 
+@pytest.mark.parametrize("workers", [3, 4])
+def test_a_chunk_alone_on_the_ring_is_stored_and_forwarded_at_every_hop(workers: int) -> None:
+    # One one-chunk bucket: its partial sum takes W-1 hops to the owner, the average W-1
+    # more, each a whole chunk time (a hop forwards what it has received in full). As
+    # fluid flows the chunk would cross all its links at once: 1 chunk time.
+    c, fwd, bwd = 1e6, 0.01, 0.02
+    sc = _one_job([(c, fwd, bwd)], workers)
+    sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=True),))
+    for t in simulate(sc, get_policy("fifo")).iteration_s["job0-x"]:
+        assert t == pytest.approx(fwd + bwd + 2 * (workers - 1) * c * 8 / G, rel=1e-6)
+
+
 @pytest.mark.parametrize("ring", [False, True])
 def test_a_job_s_buckets_share_the_links_flat_or_ring(ring: bool) -> None:
     # Four one-chunk buckets on four workers, ready together, one owned by each rank. Flat,
@@ -43,8 +55,9 @@ def test_a_job_s_buckets_share_the_links_flat_or_ring(ring: bool) -> None:
     # host link carries 3 flows of the bucket it owns and 1 of each other one, 6 chunks in
     # all. On the ring each rank sends a bucket's partial sum or average to its successor,
     # twice but where it is the owner or the owner's predecessor: 6 again. Alone, a bucket
-    # would take 3 chunk times flat (the owner's links) and 2 on the ring, its other links
-    # idle; the shim's connections to other peers fill them with the other buckets.
+    # would take 3 chunk times flat (the owner's links), its other links idle, and 6 on the
+    # ring, hop after hop; the shim's connections fill the idle links with the other
+    # buckets (on the ring, each hop of the four buckets is on a link of its own).
     c, step = 1e6, 1e-4
     sc = _one_job([(c, step, 0.0)] * 4, 4)
     sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=ring),))

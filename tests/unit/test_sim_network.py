@@ -45,6 +45,16 @@ def test_one_queue_serves_its_collectives_first_come_first_served_on_each_link()
     assert net.advance(1.0) == [2]
 
 
+def test_a_queue_takes_its_waiting_entries_by_key_but_never_interrupts_the_one_served() -> None:
+    # As the shim's connection pops its heap: 2 and 3 wait behind 1 (being written);
+    # 3, of the smaller key, goes before 2, which came first.
+    net = Network(CAP)
+    net.add(1, np.array([0]), np.array([1.0]), 100.0, 0, 0, key=(5,))
+    net.add(2, np.array([0]), np.array([1.0]), 100.0, 0, 0, key=(4,))
+    net.add(3, np.array([0]), np.array([1.0]), 100.0, 0, 0, key=(1,))
+    assert [net.advance(1.0) for _ in range(3)] == [[1], [3], [2]]
+
+
 def test_queues_at_one_priority_share_a_link_by_their_flows() -> None:
     net = Network(CAP)
     _add(net, 1, [0], [3], 10.0, queue=0)  # 3 flows of 10 bits
