@@ -240,6 +240,8 @@ def testbed_scenario(
     The layers are grouped and chunked as the shim grouped them (`shim_buckets`,
     with the layout its trial kept) on the system's bands; ``fifo`` is one band and
     no overlap (`gradlane.worker`); ``gradlane``'s links run at gradlaned's shaped rate.
+    Chunks are sized by today's rule (`layout_sizes`): on the ring, results measured
+    before the ring's chunks were made W-1 times smaller (2026-11-25) had larger ones.
     """
     from gradlane.policies.profiles import trace_spec
 
@@ -264,6 +266,7 @@ def testbed_scenario(
         layers, hosts, bands=1 if system == "fifo" else DEFAULT_BANDS,
         layout=layout_kept(result, system),
         chunk_bytes=result["scenario"].get("chunk_bytes") or DEFAULT_CHUNK_BYTES,
+        ring=scenario.jobs[0].ring,
     )
     job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk,
                               overlap=system != "fifo")

@@ -112,10 +112,13 @@ def band_of(order: int, layers: int, bands: int) -> int:
     return min(bands - 1, order * bands // layers)
 
 
-def layout_sizes(model_bytes: int, world: int, chunk_bytes: int, layout: str) -> tuple[int, int]:
+def layout_sizes(
+    model_bytes: int, world: int, chunk_bytes: int, layout: str, ring: bool = False
+) -> tuple[int, int]:
     """(the least bytes of a group, the chunk size) of the shim's `layout` ("fine" or
     "coarse", `gradlane.shim.ShimConfig.layout`) for a model of `model_bytes` on `world`
-    ranks, `chunk_bytes` being the configured chunk size.
+    ranks, `chunk_bytes` being the configured chunk size; `ring`: the job exchanges
+    around the ring (`uses_ring`).
 
     Owners are whole chunks, so a model of few large chunks cannot be
     balanced: one worker would receive and send a large layer's every byte.
@@ -123,8 +126,18 @@ def layout_sizes(model_bytes: int, world: int, chunk_bytes: int, layout: str) ->
     the model (but not under `MIN_CHUNK_BYTES`, where the fixed cost per
     chunk starts to show); coarse ones make fewer messages, and owners still
     get about two each.
+
+    On the ring a chunk crosses 2(W-1) links one after the other, each
+    hop stored and forwarded whole, where the reduction tree's crosses two:
+    fine chunks are W-1 times smaller there, so that a chunk's trip takes
+    as long as on the tree. Otherwise the last chunks' hops are a tail in
+    which the links idle: the flow-level simulator, with the hops modeled,
+    put four hosts' VGG-19 (10 MB) at 1.12x of its bound with a sixteenth
+    of the model per chunk and 1.03x with a 48th; the testbed, in time x2,
+    measured 1.12x and 1.08-1.09x (README, "Around the ring").
     """
-    fine = max(4096, min(chunk_bytes, max(MIN_CHUNK_BYTES, model_bytes // (4 * world))))
+    hops = max(1, world - 1) if ring else 1
+    fine = max(4096, min(chunk_bytes, max(MIN_CHUNK_BYTES, model_bytes // (4 * world * hops))))
     if layout == "coarse":
         return COARSE_GROUP_BYTES, max(fine, min(COARSE_GROUP_BYTES, model_bytes // (2 * world)))
     return MIN_GROUP_BYTES, fine

@@ -507,7 +507,9 @@ class Sync:
                 "gradlane: %d layers did not run in the first forward; lowest priority", len(rest)
             )
         model = sum(p.numel() * p.element_size() for layer in self._layers for p in layer.params)
-        least, chunk_bytes = layout_sizes(model, self.world, self.config.chunk_bytes, self.layout)
+        least, chunk_bytes = layout_sizes(
+            model, self.world, self.config.chunk_bytes, self.layout, ring=self.engine.ring
+        )
         specs = self._group_specs(order, least)
         # Each group's buffer: its parameters' gradients, then one flag per parameter
         # (1: this rank gave it a gradient this step). Averaged like the gradients, a flag

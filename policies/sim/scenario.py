@@ -182,12 +182,15 @@ def shim_buckets(
     bands: int = DEFAULT_BANDS,
     layout: str = "fine",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ring: bool = False,
 ) -> tuple[tuple[Bucket, ...], int]:
     """`layers` (bytes, forward s, backward s) grouped as the shim groups them, and its chunk
     size: consecutive layers of one band by forward order until a group holds the
-    `layout`'s least bytes (`gradlane.policies.chunks.layout_sizes`, `group_consecutive`).
+    `layout`'s least bytes (`gradlane.policies.chunks.layout_sizes`, `group_consecutive`;
+    `ring`: the job takes the ring).
     """
-    least, chunk = layout_sizes(int(sum(b for b, _, _ in layers)), workers, chunk_bytes, layout)
+    least, chunk = layout_sizes(int(sum(b for b, _, _ in layers)), workers, chunk_bytes, layout,
+                                ring=ring)
     n = len(layers)
     groups = group_consecutive([int(b) for b, _, _ in layers],
                                [band_of(i, n, bands) for i in range(n)], least)
@@ -197,16 +200,18 @@ def shim_buckets(
 
 
 def job_buckets(
-    layers: list[tuple[float, float, float]], workers: int, buckets: int | None = None
+    layers: list[tuple[float, float, float]], workers: int, buckets: int | None = None,
+    ring: bool = False,
 ) -> tuple[tuple[Bucket, ...], int]:
     """A job's buckets and chunk size: by default the shim's own groups and chunks
     (`shim_buckets`, its "fine" layout, the one it starts with); with `buckets`, about
     that many DDP-like buckets (`buckets_of`) cut into the shim's fine chunks (up to
-    MAX_CHUNK)."""
+    MAX_CHUNK). `ring`: the job takes the ring (its chunks are smaller)."""
     if buckets is None:
-        return shim_buckets(layers, workers)
+        return shim_buckets(layers, workers, ring=ring)
     out = buckets_of(layers, buckets)
-    return out, layout_sizes(int(sum(b.bytes for b in out)), workers, MAX_CHUNK, "fine")[1]
+    model = int(sum(b.bytes for b in out))
+    return out, layout_sizes(model, workers, MAX_CHUNK, "fine", ring=ring)[1]
 
 
 def one_switch(
@@ -230,10 +235,10 @@ def one_switch(
     for i, (model, layers, speeds) in enumerate(jobs):
         placed = tuple(range(next_host, next_host + len(speeds)))
         next_host += len(speeds)
-        grouped, chunk = job_buckets(layers, len(placed), buckets)
+        ring = uses_ring(exchange, len(placed), 1)
+        grouped, chunk = job_buckets(layers, len(placed), buckets, ring=ring)
         out.append(SimJob(f"job{i}-{model}", model, placed, grouped,
-                          BATCH_PER_WORKER * len(placed), tuple(speeds), chunk,
-                          ring=uses_ring(exchange, len(placed), 1)))
+                          BATCH_PER_WORKER * len(placed), tuple(speeds), chunk, ring=ring))
     return Scenario(name, topo, tuple(out), **kwargs)  # type: ignore[arg-type]
 
 

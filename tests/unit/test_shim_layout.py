@@ -157,3 +157,8 @@ def test_layout_sizes_of_a_big_and_a_small_model() -> None:
     assert layout_sizes(10 << 20, 4, 1 << 20, "coarse") == (COARSE_GROUP_BYTES, 10 << 20 >> 3)
     assert layout_sizes(1 << 30, 4, 1 << 20, "fine")[1] == 1 << 20  # the configured size caps
     assert layout_sizes(100_000, 4, 1 << 20, "fine")[1] == 64 << 10  # not under 64 KiB
+    # Around the ring a chunk makes 2(W-1) hops, not 2: its fine chunks are W-1 times smaller.
+    assert layout_sizes(10 << 20, 4, 1 << 20, "fine", ring=True) == (
+        MIN_GROUP_BYTES, (10 << 20) // 48)
+    assert layout_sizes(10 << 20, 4, 1 << 20, "coarse", ring=True)[1] == 10 << 20 >> 3
+    assert layout_sizes(4 << 20, 2, 1 << 20, "fine", ring=True)[1] == 4 << 20 >> 3  # 2 hops

@@ -124,8 +124,11 @@ def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
     told = {**result(), "daemon_line_bps": 1.02e8}  # the NIC's line rate, told since 2026-11-24
     assert testbed_scenario(told, None, "gradlane").topology.hosts[0].nic_bps == int(
         1.02e8 * PAYLOAD_EFFICIENCY * DEFAULT_SHAPE_FRACTION)
-    # About 10 MiB on 4 ranks: fine chunks are a sixteenth of it, coarse ones an eighth.
+    # About 10 MiB on 4 ranks: fine chunks are a sixteenth of it, coarse ones an eighth;
+    # on the ring (the exchange recorded since b01346d), fine ones a 48th.
     assert (fine.chunk_bytes, coarse.chunk_bytes) == (int(fine.bytes) // 16, int(fine.bytes) // 8)
+    ring = testbed_scenario(result(layout="fine", exchange="auto"), None, "gradlane").jobs[0]
+    assert ring.ring and not fine.ring and ring.chunk_bytes == int(fine.bytes) // 48
     # Groups close at 64 KiB (fine) or 4 MiB (coarse), and at a band's end: VGG-19's
     # first quarter of layers (band 0 of four) holds under 64 KiB, so gradlane's first group
     # ends there, fifo's (one band) goes on.
