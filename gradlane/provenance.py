@@ -37,8 +37,9 @@ def environment() -> dict[str, Any]:
     )
     return {
         "commit": run("git", "rev-parse", "HEAD"),
-        # results files being rewritten by this very run do not count
-        "dirty": bool(run("git", "status", "--porcelain", "--", ".", ":!bench/results")),
+        # results files being rewritten by this very run, and prose (*.md), do not count
+        "dirty": bool(run("git", "status", "--porcelain", "--", ".", ":!bench/results",
+                          ":!*.md")),
         "kernel": platform.release(),
         "cpu": cpu,
         "cores": os.cpu_count(),
