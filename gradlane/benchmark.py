@@ -446,15 +446,11 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             label = f"{system} (no exchange)" if system == REFERENCE else system
             row = [name, label, f"{s['median_s'] * 1000:.1f} ms", *cells(s)]
             lines.append("| " + " | ".join(row) + " |")
-    envs = {
-        (
-            r["environment"]["commit"][:10],
-            r["environment"]["date"][:10],
-            r["environment"]["cpu"],
-            r["environment"]["cores"],
-        )
-        for r in results
-    }
+    envs: dict[tuple[str, str, str, int], list[str]] = {}  # where and when: its scenarios
+    for r in results:
+        env = r["environment"]
+        where = (env["commit"][:10], env["date"][:10], env["cpu"], env["cores"])
+        envs.setdefault(where, []).append(f"`{r['scenario']['name']}`")
     def measured(key: str) -> bool:
         return any(s.get(key) is not None for r in results for s in r["summary"].values())
 
@@ -485,9 +481,10 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     for shown, note in notes:
         if shown:
             lines += ["", note]
-    for commit, date, cpu, cores in sorted(envs):
+    for (commit, date, cpu, cores), names in sorted(envs.items()):
         lines.append("")
-        lines.append(f"Measured {date} at commit {commit} on {cpu} ({cores} cores).")
+        which = f": {', '.join(names)}" if len(envs) > 1 else ""
+        lines.append(f"Measured {date} at commit {commit} on {cpu} ({cores} cores){which}.")
     return "\n".join(lines)
 
 

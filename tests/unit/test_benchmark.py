@@ -178,8 +178,13 @@ def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
     table = markdown_table([result("s1"), simulated])
     assert "| s1 | gradlane | 100.0 ms | 2.00x | 1.00 | - | - |" in table
     assert "dependency bound:" not in table  # no trace result with it
-    assert "commit abcdef1234" in table
+    assert "at commit abcdef1234 on cpu (2 cores)." in table  # one commit: no list
     assert "no exchange" not in table  # no compute-alone reference in these results
+    later = result("s4")
+    later["environment"] = {**later["environment"], "commit": "1234567abcdef"}  # type: ignore[dict-item]
+    table = markdown_table([result("s1"), later, result("s5")])
+    assert "at commit abcdef1234 on cpu (2 cores): `s1`, `s5`." in table
+    assert "at commit 1234567abc on cpu (2 cores): `s4`." in table
     with_reference = result("s2")
     with_reference["summary"]["local"] = {"median_s": 0.1, "achieved_over_bound": 1.0}  # type: ignore[index]
     table = markdown_table([with_reference])
