@@ -53,11 +53,10 @@ job and bucket index; no randomness inside).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -295,7 +294,7 @@ class _Sim:
     def hop_done(self, hop: _Hop) -> None:
         c = self.queued[hop.collective]
         if hop.stage + 1 < 2 * (c.job.w - 1):
-            self.send_hop(dataclasses.replace(hop, stage=hop.stage + 1))
+            self.send_hop(replace(hop, stage=hop.stage + 1))
             return
         c.chunks_left -= 1
         if not c.chunks_left:

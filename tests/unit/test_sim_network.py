@@ -9,8 +9,8 @@ CAP = np.array([100.0, 100.0, 100.0])  # bit/s, three links
 
 
 def _add(net: Network, cid: int, links: list[int], flows: list[float], bits: float,
-         prio: int = 0, queue: int = 0) -> None:
-    net.add(cid, np.array(links, np.int64), np.array(flows), bits, prio, queue)
+         prio: int = 0, queue: int = 0, key: tuple[int, ...] = ()) -> None:
+    net.add(cid, np.array(links, np.int64), np.array(flows), bits, prio, queue, key=key)
 
 
 def _rates(net: Network) -> dict[tuple[int, int], float]:
@@ -49,9 +49,9 @@ def test_a_queue_takes_its_waiting_entries_by_key_but_never_interrupts_the_one_s
     # As the shim's connection pops its heap: 2 and 3 wait behind 1 (being written);
     # 3, of the smaller key, goes before 2, which came first.
     net = Network(CAP)
-    net.add(1, np.array([0]), np.array([1.0]), 100.0, 0, 0, key=(5,))
-    net.add(2, np.array([0]), np.array([1.0]), 100.0, 0, 0, key=(4,))
-    net.add(3, np.array([0]), np.array([1.0]), 100.0, 0, 0, key=(1,))
+    _add(net, 1, [0], [1], 100.0, key=(5,))
+    _add(net, 2, [0], [1], 100.0, key=(4,))
+    _add(net, 3, [0], [1], 100.0, key=(1,))
     assert [net.advance(1.0) for _ in range(3)] == [[1], [3], [2]]
 
 
