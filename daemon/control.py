@@ -356,12 +356,12 @@ class ControlPlane:
         jobs: dict[str, JobState] = {}
         workers: list[Worker] = []
         stated: dict[str, int] = {}  # global batch as a report states it
-        summed: dict[str, int] = {}  # ... as the sum of the workers' current batches
+        world: dict[str, int] = {}  # the job's ranks as a report states it (0: not said)
         for h, _, report in seen.daemons:
             for job in report.jobs:
                 known = jobs.get(job.name)
                 stated[job.name] = max(stated.get(job.name, 0), job.global_batch)
-                summed[job.name] = summed.get(job.name, 0) + sum(w.batch for w in job.workers)
+                world[job.name] = max(world.get(job.name, 0), job.world_size)
                 jobs[job.name] = JobState(
                     job.name,
                     (known.workers if known else 0) + len(job.workers),
@@ -372,8 +372,9 @@ class ControlPlane:
                 )
                 workers += [Worker(job.name, w.rank, index[h], w.throughput, w.batch)
                             for w in job.workers]
-        # Daemons see only their own workers: without a stated global batch, it is the sum.
-        jobs = {n: replace(j, global_batch=stated[n] or summed[n]) for n, j in jobs.items()}
+        jobs = {n: replace(j, global_batch=_global_batch(stated[n], world[n],
+                                                         [w for w in workers if w.job == n]))
+                for n, j in jobs.items()}
         if self.config.uplink_bps is None or not hosts:
             # A non-blocking fabric: plan as one switch, leaves kept in the view.
             topology = Topology(tuple(Host(h.name, 0, h.nic_bps) for h in hosts) or (Host("-"),))
@@ -499,6 +500,9 @@ class ControlPlane:
                 j["degraded"] |= h in lost
         plan, state = self.plan, self.state
         if state is not None:  # what each job's next exchange puts on the network
+            for job_state in state.jobs:  # what its batch shares split (0: none planned yet)
+                if job_state.name in jobs:
+                    jobs[job_state.name]["global_batch"] = job_state.global_batch
             sent = np.bincount(state.flows.coflow, state.flows.bytes, len(state.coflows))
             for coflow, total in zip(state.coflows, sent.tolist(), strict=True):
                 if coflow.job in jobs:
@@ -523,6 +527,24 @@ class ControlPlane:
                 "reduce_in_leaf": plan.reduce_in_leaf,
             },
         }
+
+
+def _global_batch(stated: int, world: int, workers: list[Worker]) -> int:
+    """A job's global batch for planning its batch shares (0: plan none yet).
+
+    Shares go to ranks by position, so none are planned until every rank is
+    reported: ranks 0..world-1 (0..n-1 when the daemons do not say the world
+    size). The batch is the one the job's ranks agreed (`stated`). From older
+    shims, which do not state it, it is the sum of the workers' batches, once
+    each has measured one: a sum that drifts while ranks take a new plan at
+    different steps, which is why shims state it.
+    """
+    ranks = sorted(w.rank for w in workers)
+    if ranks != list(range(world or len(ranks))):
+        return 0
+    if stated:
+        return stated
+    return sum(w.batch for w in workers) if all(w.batch > 0 for w in workers) else 0
 
 
 def _agreed_exchanges(reports: Iterable[cp.Report]) -> dict[str, str]:

@@ -23,19 +23,22 @@ request with ``Authorization: Bearer <token>``.
 
 A report lists the jobs with workers on the host: ``{"name", "global_batch",
 "layers", "chunk_bytes": [...], "chunk_layers": [...], "band_bps": [...],
-"exchange", "workers": [{"rank", "throughput", "batch"}]}``: the job's demand
-(one iteration's chunks in forward order and each one's layer, as a shim
+"exchange", "world_size", "workers": [{"rank", "throughput", "batch"}]}``: the
+job's demand (one iteration's chunks in forward order and each one's layer, as a shim
 reported them), how its shims agreed to reduce (``"flat"``, ``"leaf"``:
 within leaves first, ``"ring"``; absent: not known yet; older daemons say
 ``in_leaf``, true or false, which is still accepted) and its class's
-measured throughput on this host per band. A plan
+measured throughput on this host per band. ``global_batch`` is the job's
+samples per step as its ranks agreed (0: not said; the control plane then
+sums the workers' batches), ``world_size`` its number of ranks (absent or 0:
+not said); batch shares are planned only once every rank is reported. A plan
 gives the host its job classes (``{job: [rate_bps, ceil_bps, prio]}``), per
 job every rank's batch share and every chunk's owner (the shims take their
 own), and the host's leaf when shims should reduce within leaves first.
 
 A control plane refuses fields it does not know, so a daemon sends an
-optional field (``exchange``) only when the welcome's ``features`` lists it
-(`FEATURES`; an older control plane's welcome has none).
+optional field (``exchange``, ``world_size``) only when the welcome's
+``features`` lists it (`FEATURES`; an older control plane's welcome has none).
 
 Every message is validated (`parse_register`, `parse_report`); anything
 else gets ``error {code, message}`` and, on a WebSocket, the connection is
@@ -71,7 +74,7 @@ __all__ = [
 
 VERSION = 1
 # Optional report fields this control plane accepts beyond VERSION's (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf", "exchange")
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "world_size")
 MAX_MESSAGE = 1 << 20
 MAX_JOBS = 256
 MAX_WORKERS = 4096
@@ -111,6 +114,7 @@ class JobReport:
     chunk_layers: tuple[int, ...] = ()  # the layer of each chunk (empty: not known)
     band_bps: tuple[float, ...] = ()  # measured throughput of the job's class, per band
     exchange: str | None = None  # how its shims reduce (`fields.EXCHANGES`); None: not known
+    world_size: int = 0  # the job's ranks, on every host (0: not known)
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,7 @@ def parse_report(raw: dict[str, Any]) -> Report:
     for i, item in enumerate(listed(raw, "jobs", MAX_JOBS)):
         where = _map(item, f"report: jobs[{i}]")
         only(where, {"type", "name", "global_batch", "layers", "chunk_bytes", "chunk_layers",
-                     "band_bps", "in_leaf", "exchange", "workers"})
+                     "band_bps", "in_leaf", "exchange", "world_size", "workers"})
         name = text(where, "name")
         if name in names:
             raise ProtocolError("bad_message", f"report: job {name!r} listed twice")
@@ -222,7 +226,9 @@ def parse_report(raw: dict[str, Any]) -> Report:
         jobs.append(JobReport(name, integer(where, "global_batch", 0, 1 << 30), layers,
                               tuple(int(c) for c in chunks), tuple(workers),
                               tuple(int(v) for v in of), tuple(float(v) for v in bps),
-                              exchange(where)))
+                              exchange(where),
+                              integer(where, "world_size", 0, MAX_WORKERS * 16)
+                              if "world_size" in where else 0))
     return Report(integer(raw, "seq", 0, 1 << 62), tuple(jobs))
 
 

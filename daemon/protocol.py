@@ -9,8 +9,9 @@ Conversation (client = a training process's shim)::
 
     client                                   daemon
     hello {version, job, rank, world_size,   -> welcome {version, worker, bands,
-           flows[, exchange]}                            leaf, features}
-    flows {flows[, exchange]} (replace the band connections; say how the job reduces)
+           flows[, exchange, global_batch]}              leaf, features}
+    flows {flows[, exchange, global_batch]} (replace the band connections; say how the
+                                             job reduces and its global batch)
     chunks {iteration, events}               (batched, no reply)
     timing {iteration, compute_s, comm_s, samples}
                                              <- plan {version, bands, batch_share, ...}
@@ -22,7 +23,9 @@ sender's clock in seconds. ``exchange`` says how the job's ranks agreed to
 reduce: ``"leaf"`` within leaves first (each rank told its leaf, e.g. by the
 welcome's ``leaf``), ``"ring"`` around the ring of ranks, ``"flat"`` the
 flat exchange; absent, not agreed yet. The control plane's demand of the
-job follows it. Older shims say ``in_leaf`` (true or false) instead, which
+job follows it. ``global_batch`` is the job's samples per step over all its
+ranks, as they agreed at their first step; the control plane splits it into
+batch shares (absent: not agreed yet). Older shims say ``in_leaf`` (true or false) instead, which
 is still accepted. A daemon refuses fields it does not know, so a shim
 sends an optional field only when the welcome's ``features`` lists it
 (`FEATURES`; an older daemon's welcome has none).
@@ -70,7 +73,7 @@ __all__ = [
 
 VERSION = 1
 # Optional fields this daemon accepts beyond those of VERSION (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf", "exchange")
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch")
 MAX_FRAME = 1 << 20
 MAX_FLOWS = 1024
 MAX_EVENTS = 16384
@@ -158,12 +161,14 @@ class Hello:
     world_size: int
     flows: tuple[FlowSpec, ...]
     exchange: str | None = None  # one of `fields.EXCHANGES`; None: not agreed yet
+    global_batch: int | None = None  # the job's samples per step; None: not agreed yet
 
 
 @dataclass(frozen=True)
 class SetFlows:
     flows: tuple[FlowSpec, ...]
     exchange: str | None = None
+    global_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -207,7 +212,7 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
     kind = raw.get("type")
     if kind == "hello":
         only(raw, {"type", "version", "job", "rank", "world_size", "flows", "in_leaf",
-                   "exchange"})
+                   "exchange", "global_batch"})
         version = integer(raw, "version", 1, 1 << 16)
         if version != VERSION:
             raise ProtocolError(
@@ -221,10 +226,12 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
             world_size=world,
             flows=_flows(raw, bands),
             exchange=exchange(raw),
+            global_batch=_global_batch(raw),
         )
     if kind == "flows":
-        only(raw, {"type", "flows", "in_leaf", "exchange"})
-        return SetFlows(flows=_flows(raw, bands), exchange=exchange(raw))
+        only(raw, {"type", "flows", "in_leaf", "exchange", "global_batch"})
+        return SetFlows(flows=_flows(raw, bands), exchange=exchange(raw),
+                        global_batch=_global_batch(raw))
     if kind == "chunks":
         only(raw, {"type", "iteration", "events"})
         events = listed(raw, "events", MAX_EVENTS)
@@ -244,6 +251,10 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
         only(raw, {"type"})
         return Bye()
     raise ProtocolError("bad_message", f"unknown message type {kind!r}")
+
+
+def _global_batch(raw: dict[str, Any]) -> int | None:
+    return integer(raw, "global_batch", 1, 1 << 31) if "global_batch" in raw else None
 
 
 def _flows(raw: dict[str, Any], bands: int) -> tuple[FlowSpec, ...]:

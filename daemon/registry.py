@@ -46,6 +46,7 @@ class Worker:
     flows: tuple[FlowSpec, ...]
     since: float
     exchange: str | None = None  # how its job reduces (`protocol`); None: not agreed yet
+    global_batch: int = 0  # its job's samples per step, as its ranks agreed (0: not yet)
     chunk_events: int = 0
     chunk_bytes: list[int] = field(default_factory=list)  # per band
     # The latest iteration's chunks as (layer, bytes, band), in the order they were ready:
@@ -136,6 +137,7 @@ class Registry:
             flows=hello.flows,
             since=self._clock(),
             exchange=hello.exchange,
+            global_batch=hello.global_batch or 0,
             chunk_bytes=[0] * self.bands,
         )
         self._workers[worker.id] = worker
@@ -144,14 +146,18 @@ class Registry:
         return worker
 
     def set_flows(self, worker_id: str, flows: tuple[FlowSpec, ...],
-                  exchange: str | None = None) -> None:
-        """Replace a worker's band connections; `exchange`, when given, how its job reduces."""
+                  exchange: str | None = None, global_batch: int | None = None) -> None:
+        """Replace a worker's band connections; `exchange` and `global_batch`, when given,
+        how its job reduces and its samples per step."""
         worker = self._workers[worker_id]
         if worker.flows != flows:
             worker.flows = flows
             self.version += 1
         if exchange is not None and worker.exchange != exchange:
             worker.exchange = exchange
+            self.version += 1
+        if global_batch is not None and worker.global_batch != global_batch:
+            worker.global_batch = global_batch
             self.version += 1
 
     def record_chunks(self, worker_id: str, iteration: int, events: tuple[ChunkEvent, ...]) -> None:

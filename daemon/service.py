@@ -445,7 +445,8 @@ class Daemon:
         if worker is None:
             raise ProtocolError("order", f"{type(message).__name__.lower()} before hello")
         if isinstance(message, protocol.SetFlows):
-            self.registry.set_flows(worker.id, message.flows, message.exchange)
+            self.registry.set_flows(worker.id, message.flows, message.exchange,
+                                    message.global_batch)
             self._dirty.set()
         elif isinstance(message, protocol.Chunks):
             self.registry.record_chunks(worker.id, message.iteration, message.events)
@@ -598,6 +599,7 @@ def _worker_status(worker: Worker) -> dict[str, Any]:
         "uid": worker.cred.uid,
         "flows": len(worker.flows),
         "exchange": worker.exchange,  # how its job reduces, as its shim said (None: not yet)
+        "global_batch": worker.global_batch or None,  # its job's samples per step (None: not yet)
         "iteration": worker.iteration,
         "chunk_events": worker.chunk_events,
         "chunk_bytes": worker.chunk_bytes,

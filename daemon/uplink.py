@@ -216,7 +216,9 @@ class ControlLink:
             layers = sorted({demand[i][0] for i in chunks})
             index = {layer: k for k, layer in enumerate(layers)}  # dense: layers that sent
             job: dict[str, Any] = {
-                "name": name, "global_batch": 0, "layers": len(layers),
+                # As the job's ranks agreed (every one says the same; 0: not yet).
+                "name": name, "global_batch": max(w.global_batch for w in workers),
+                "layers": len(layers),
                 "chunk_bytes": [demand[i][1] for i in chunks],
                 "chunk_layers": [index[demand[i][0]] for i in chunks],
                 "band_bps": [round(b, 1) for b in measured.get(name, [])],
@@ -224,5 +226,7 @@ class ControlLink:
             # How the job reduces, once its workers here have said (and if understood).
             job.update(exchange_fields(agreed_exchange(w.exchange for w in workers),
                                        self.features))
+            if "world_size" in self.features:
+                job["world_size"] = max(w.world_size for w in workers)
             jobs.append(job)
         return {"type": "report", "seq": seq, "jobs": jobs}

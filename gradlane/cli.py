@@ -570,7 +570,9 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
                      format_rate(round(sending)) if sending else "-",
                      f"{j['demand_bytes'] / 1e6:.2f} MB" if j.get("demand_bytes") else "-",
                      f"{order.index(name) + 1} (level {level.get(name, 0)})" if name in order
-                     else "-", str(shares or "-"))
+                     else "-",
+                     f"{shares} of {j['global_batch']}" if shares and j.get("global_batch")
+                     else str(shares or "-"))
     out.print(jobs)
 
 

@@ -95,8 +95,8 @@ class _Controlled:
         return proc
 
     def wait_view(self, ready: Callable[[dict[str, Any]], bool], what: str,
-                  timeout: float = 30) -> None:
-        """Wait until the control plane's ``/api/v1/cluster`` satisfies `ready`.
+                  timeout: float = 30) -> dict[str, Any]:
+        """Wait until the control plane's ``/api/v1/cluster`` satisfies `ready`; return it.
 
         Asked from inside the control plane's host: the root namespace has no route there.
 
@@ -111,8 +111,9 @@ class _Controlled:
         while True:
             try:
                 out = self.cluster.run(self.control_host, [sys.executable, "-c", probe]).stdout
-                if ready(json.loads(out)):
-                    return
+                view: dict[str, Any] = json.loads(out)
+                if ready(view):
+                    return view
             except (TestbedError, ValueError, KeyError, TypeError):
                 pass  # not serving yet
             if time.monotonic() > deadline:
@@ -254,8 +255,10 @@ def run_control_straggler(
         job = launch(c, "gradlane", crash_args, port=29812, out=workdir / "crash",
                      sockets=sockets, speeds=STRAGGLER_SPEEDS, hosts=workers, job="crash")
         # Training is under way once the control plane has throughput (hence shares) for it.
-        ctl.wait_view(lambda v: len(set(v["plan"]["batch_shares"]["crash"])) > 1,
-                      "job crash's throughput")
+        def balanced(view: dict[str, Any]) -> bool:
+            return len(set(view["plan"]["batch_shares"]["crash"])) > 1
+
+        split = [_split(ctl.wait_view(balanced, "job crash's throughput"), "crash")]
         control.kill()
         control.wait()
         # No plan can come while it is down: any plan after the kill is the new one's.
@@ -265,6 +268,10 @@ def run_control_straggler(
         ctl.start_control()
         training = all(p.poll() is None for p in job.procs)
         delays = [t - restarted for t in arrivals()]
+        # The new control plane splits the same global batch (the shims stated it), not
+        # the sum of batches the ranks happen to have now.
+        split.append(_split(ctl.wait_view(balanced, "job crash's shares after the restart"),
+                            "crash"))
         training = training and all(p.poll() is None for p in job.procs)
         through_crash = collect(c, job)  # raises if a step failed
         say("network partition: the control plane's host cut off")
@@ -309,6 +316,8 @@ def run_control_straggler(
             "iteration_s": through_crash.times,
             "steps_completed": len(through_crash.times),
             "plan_after_restart_s": delays,
+            # (global batch, the sum of its shares) before the kill and after the restart.
+            "split": split,
             # The job was still training when the control plane came back and when every
             # daemon had its plan again.
             "training_throughout": training,
@@ -328,6 +337,11 @@ TWO_JOB_UPLINK_BPS = "100mbit"
 TWO_JOBS = {"a": ["h1", "h2", "h6", "h7"], "b": ["h3", "h4", "h8", "h9"]}
 TWO_JOB_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "1",
                     "--forward-ms", "60"]
+
+
+def _split(view: dict[str, Any], job: str) -> tuple[int, int]:
+    """(the global batch, the sum of the batch shares) the control plane's `view` plans."""
+    return view["jobs"][job]["global_batch"], sum(view["plan"]["batch_shares"][job])
 
 
 def _spans(rank0: dict[str, dict[str, Any]], warmup: int) -> dict[str, list[tuple[float, float]]]:

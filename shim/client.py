@@ -49,6 +49,9 @@ class DaemonClient:
             exchange). Read once at attach: reduction trees never change mid-run.
         exchange: how the job's ranks agreed to reduce (`exchange_agreed`),
             which gradlaned passes on to the control plane; None: not yet.
+        global_batch: the job's samples per step as its ranks agreed
+            (`batch_agreed`), which the control plane splits into batch
+            shares; None: not yet.
     """
 
     def __init__(self, config: ShimConfig, rank: int, world: int, mesh: Mesh) -> None:
@@ -58,6 +61,7 @@ class DaemonClient:
         self.advised_batch_share: float | None = None
         self.advised_leaf: int | None = None
         self.exchange: str | None = None
+        self.global_batch: int | None = None
         self.welcomed = threading.Event()
         self._features: frozenset[str] = frozenset()  # the daemon's optional fields
         self.daemon_bands: tuple[int, ...] | None = None
@@ -136,9 +140,22 @@ class DaemonClient:
         if exchange_fields(kind, self._features):
             self._post(self._flows_message())
 
+    def batch_agreed(self, samples: int) -> None:
+        """The job's ranks agreed on its global batch (samples per step, all ranks): tell
+        gradlaned, which passes it on to the control plane."""
+        self.global_batch = samples  # before the post, as in `exchange_agreed`
+        if "global_batch" in self._features:
+            self._post(self._flows_message())
+
+    def _agreed_fields(self) -> dict[str, Any]:
+        """What the ranks agreed, in the optional fields the daemon accepts."""
+        said = exchange_fields(self.exchange, self._features)
+        if self.global_batch is not None and "global_batch" in self._features:
+            said["global_batch"] = self.global_batch
+        return said
+
     def _flows_message(self) -> dict[str, Any]:
-        return {"type": "flows", "flows": self._flows(),
-                **exchange_fields(self.exchange, self._features)}
+        return {"type": "flows", "flows": self._flows(), **self._agreed_fields()}
 
     def _post(self, message: dict[str, Any]) -> None:
         if not self.connected:
@@ -205,7 +222,7 @@ class DaemonClient:
             self._features = features(welcome)  # an older daemon refuses fields it lacks
             self.connected, self._said_absent = True, False
             # Agreed before this session (or while it began): say it now.
-            if exchange_fields(self.exchange, self._features):
+            if self._agreed_fields():
                 sock.sendall(protocol.encode(self._flows_message()))
             self.welcomed.set()
             logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))

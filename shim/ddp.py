@@ -43,7 +43,7 @@ from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import assign_owners, band_of, split
-from gradlane.shim.transport import Mesh, agree_leaves, local_address
+from gradlane.shim.transport import Mesh, agree_batch, agree_leaves, local_address
 
 __all__ = ["HookState", "comm_hook"]
 
@@ -71,7 +71,8 @@ class HookState:
             raise ConfigError("HookState needs torch.distributed.init_process_group() first")
         self.config = ShimConfig(**options)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        store = dist.distributed_c10d._get_default_store()
+        self._store = store = dist.distributed_c10d._get_default_store()
+        self._prefix = f"gradlane/{self.config.job}/ddp"
         if address is None:
             address = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         self.mesh = Mesh(
@@ -83,13 +84,13 @@ class HookState:
             credit_bytes=self.config.credit_bytes,
             sndbuf_bytes=self.config.sndbuf_bytes,
             timeout_s=self.config.timeout_s,
-            prefix=f"gradlane/{self.config.job}/ddp",
+            prefix=self._prefix,
         )
         self.client = DaemonClient(self.config, self.rank, self.world, self.mesh)
         try:
             # Reduction within leaves first when every rank knows its leaf.
-            self.leaves = agree_leaves(store, f"gradlane/{self.config.job}/ddp", self.rank,
-                                       self.world, self.client.leaf())
+            self.leaves = agree_leaves(store, self._prefix, self.rank, self.world,
+                                       self.client.leaf())
             self.engine = Engine(
                 self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
                 leaves=self.leaves, exchange=self.config.exchange,
@@ -106,6 +107,8 @@ class HookState:
         self._watchdog = threading.Thread(target=self._watch, name="gl-ddp-watchdog", daemon=True)
         self._watchdog.start()
         self.samples: int | None = None
+        # The job's samples per step, all ranks, as agreed at the first step.
+        self.global_batch: int | None = None
         self.step = 0
         self._in_step = False
         self._groups: dict[int, Group] = {}
@@ -209,6 +212,10 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
     if not state._in_step:
         state._report_timing()  # before `begin` moves the client to this step
         samples = state.samples if state.samples is not None else 1
+        if state.global_batch is None:  # the first step: what the control plane splits
+            state.global_batch = agree_batch(state._store, state._prefix, state.rank,
+                                             state.world, samples)
+            state.client.batch_agreed(state.global_batch)
         state.engine.begin(state.step, samples)
         state.client.begin(state.step, samples)  # ships the last step's chunk events
         state._in_step = True

@@ -56,7 +56,15 @@ from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import assign_owners, band_of, split
-from gradlane.shim.transport import Mesh, Store, agree_leaves, local_address, tensor_bytes
+from gradlane.shim.transport import (
+    Mesh,
+    Store,
+    agree_batch,
+    agree_leaves,
+    gather,
+    local_address,
+    tensor_bytes,
+)
 
 __all__ = [
     "MIN_CHUNK_BYTES",
@@ -263,6 +271,8 @@ class Sync:
         self.rank, self.world = rank, world
         self.step = 0
         self.samples: int | None = None  # set by hand to override the counted samples
+        # The job's samples per step, all ranks, as agreed at the first backward.
+        self.global_batch: int | None = None
         # Seconds training waited for averages since the last backward began
         # (communication not hidden behind compute).
         self.exposed_comm_s = 0.0
@@ -634,12 +644,8 @@ class Sync:
         batches = {self._began[s][1] for s in range(fine1.start, decide + 1) if s in self._began}
         mine = (periods([*fine1, *fine2]), periods(list(coarse)), len(batches) == 1)
         self._trying = False
-        key = f"{self._prefix}/layout-trial"
-        try:
-            self._store.set(f"{key}/{self.rank}", json.dumps(mine))
-            posts = [json.loads(self._store.get(f"{key}/{r}")) for r in range(self.world)]
-        except RuntimeError as exc:
-            raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
+        posts = [json.loads(p) for p in gather(self._store, f"{self._prefix}/layout-trial",
+                                                self.rank, self.world, json.dumps(mine))]
         # Each step took as long as its slowest rank's: the job waits for it.
         fine_t, coarse_t = (_slowest([p[i] for p in posts]) for i in (0, 1))
         steady = all(p[2] for p in posts)
@@ -730,6 +736,10 @@ class Sync:
             self._lay_out()
         self.flush()
         samples = self.samples if self.samples is not None else (self._counted or 1)
+        if self.global_batch is None:  # the first step: what the control plane splits
+            self.global_batch = agree_batch(self._store, self._prefix, self.rank, self.world,
+                                            samples)
+            self.client.batch_agreed(self.global_batch)
         if self._trying:
             self._try_layouts(samples)
         self._counted, self.samples = 0, None

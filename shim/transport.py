@@ -27,7 +27,17 @@ import torch
 
 from gradlane.errors import TransportError
 
-__all__ = ["Link", "Mesh", "Store", "agree_leaves", "local_address", "mark", "tensor_bytes"]
+__all__ = [
+    "Link",
+    "Mesh",
+    "Store",
+    "agree_batch",
+    "agree_leaves",
+    "gather",
+    "local_address",
+    "mark",
+    "tensor_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +68,20 @@ class Link:
         return {"band": self.band, "src": src, "sport": sport, "dst": dst, "dport": dport}
 
 
+def gather(store: Store, key: str, rank: int, world: int, mine: str) -> list[str]:
+    """Every rank's post under `key`, in rank order: this rank posts `mine` and waits for
+    the others' (the store's timeout bounds the wait).
+
+    Raises:
+        TransportError: a rank or the store is gone.
+    """
+    try:
+        store.set(f"{key}/{rank}", mine)
+        return [store.get(f"{key}/{r}").decode() for r in range(world)]
+    except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
+        raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
+
+
 def agree_leaves(
     store: Store, prefix: str, rank: int, world: int, mine: int | None
 ) -> tuple[int, ...] | None:
@@ -67,15 +91,21 @@ def agree_leaves(
     One rank without a leaf keeps the whole job on the flat exchange: every
     rank must build the same reduction trees.
     """
-    key = f"{prefix}/leaf"
-    try:
-        store.set(f"{key}/{rank}", str(-1 if mine is None else mine))
-        leaves = tuple(int(store.get(f"{key}/{r}")) for r in range(world))
-    except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
-        raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
+    posts = gather(store, f"{prefix}/leaf", rank, world, str(-1 if mine is None else mine))
+    leaves = tuple(int(p) for p in posts)
     if min(leaves) < 0 or len(set(leaves)) == 1:
         return None
     return leaves
+
+
+def agree_batch(store: Store, prefix: str, rank: int, world: int, mine: int) -> int:
+    """The job's global batch: the sum of every rank's samples in its first step.
+
+    The control plane splits it into batch shares (straggler mitigation). It
+    is agreed once, before any share is taken: a sum of later steps could mix
+    batches of two plans, ranks taking a new plan at different steps.
+    """
+    return sum(int(p) for p in gather(store, f"{prefix}/batch", rank, world, str(mine)))
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

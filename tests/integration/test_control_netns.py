@@ -50,6 +50,9 @@ def test_batch_shares_from_the_control_plane_cut_the_straggler(tmp_path: Path) -
     assert crash["steps_completed"] == 2 * len(result["with_control"]["iteration_s"])
     assert crash["training_throughout"]
     assert max(crash["plan_after_restart_s"]) < 5.0
+    # Both control planes split the batch of 128 the shims agreed at their first step,
+    # whatever batches the ranks had when the new one started.
+    assert [tuple(s) for s in crash["split"]] == [(128, 128), (128, 128)], crash["split"]
     # The control plane's host cut off: each daemon says the local policy is back once the
     # plan's 10 s TTL is over (`run_control_straggler` raises if one does not within 30 s).
     partition = result["partition_local_policy_after_s"]

@@ -161,6 +161,8 @@ def test_workers_register_with_the_daemon_and_survive_its_death(
         "400",
         "--step-sleep",
         "0.02",
+        "--batches",
+        "3,5",
         "--daemon-socket",
         str(daemon.socket),
         world=2,
@@ -179,6 +181,8 @@ def test_workers_register_with_the_daemon_and_survive_its_death(
         assert [w["flows"] for w in workers] == [4, 4]
         # How they reduce, said right after the welcome: two ranks are flat (no ring).
         assert [w["exchange"] for w in workers] == ["flat", "flat"]
+        # The job's batch, agreed at the first step: what the control plane splits.
+        assert [w["global_batch"] for w in workers] == [8, 8]
         daemon.proc.kill()
         daemon.proc.wait()
         # A new daemon on the same socket: the shims find it again by themselves.
@@ -231,6 +235,7 @@ def test_ddp_hook_workers_register_with_the_daemon(tmp_path: Path, daemon: Runni
         # the control plane turns into throughputs and batch shares.
         timings = [w["last_timing"] for w in workers]
         assert [t["samples"] for t in timings] == [4, 4, 4]
+        assert [w["global_batch"] for w in workers] == [12, 12, 12]
         assert all(0 < t["compute_s"] < 5 and t["comm_s"] >= 0 for t in timings), timings
     finally:
         results = finish(procs)

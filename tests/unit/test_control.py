@@ -331,6 +331,7 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     a, b = (line for line in shown.output.splitlines() if "(level" in line)  # jobs a, b
     assert "8.00 MB" in a and "1 (level 0)" in a and "3.5Mbit" in a  # sending now
     assert "64.00 MB" in b and "2 (level 1)" in b
+    assert view["jobs"]["a"]["global_batch"] == 64 and "[32, 32] of 64" in a  # its shares
 
 
 def test_ranks_sharing_a_host_put_only_what_crosses_hosts_in_the_demand() -> None:
@@ -393,3 +394,35 @@ def test_a_job_missing_ranks_has_no_demand_yet() -> None:
     state = plane.build_state()
     assert state.coflows == () and len(state.flows) == 0
     assert check_plan(state, plane.policy.plan(state)) == []
+
+
+def _batches(plane: ControlPlane, stated: int, world: int, batches: dict[int, int]
+             ) -> tuple[int, tuple[int, ...] | None]:
+    """(global batch, batch shares) planned for job j whose ranks report `batches` (rank:
+    batch, two ranks per host) and state `stated` and `world` (0: an older daemon or shim)."""
+    plane.daemons.clear()
+    ranks = sorted(batches)
+    for h in range(0, len(ranks), 2):
+        job = {**_job("j", [], [1000] * 4), "global_batch": stated,
+               "workers": [{"rank": r, "throughput": 10.0 * (r + 1), "batch": batches[r]}
+                           for r in ranks[h:h + 2]]}
+        if world:
+            job["world_size"] = world
+        _reported(plane, f"h{h}", 0, [job])
+    state = plane.build_state()
+    plan = plane.policy.plan(state)
+    assert check_plan(state, plan) == []
+    return state.jobs[0].global_batch, plan.batch_shares.get("j")
+
+
+def test_the_global_batch_is_the_one_the_ranks_agreed_and_shares_wait_for_every_rank() -> None:
+    plane = ControlPlane(_config())
+    # Ranks took a new plan at different steps: their batches sum to 120, not 128. The
+    # agreed 128 is what is split, in proportion to throughput (10, 20, 30, 40 samples/s).
+    assert _batches(plane, 128, 4, {0: 40, 1: 40, 2: 24, 3: 16}) == (128, (13, 26, 38, 51))
+    # Rank 3 not reported yet: shares go to ranks by position, so none are planned.
+    assert _batches(plane, 128, 4, {0: 32, 1: 32, 2: 32}) == (0, None)
+    assert _batches(plane, 128, 0, {0: 32, 1: 32, 3: 32}) == (0, None)  # rank 2 missing
+    # Older shims state no global batch: the sum of the batches, once each measured one.
+    assert _batches(plane, 0, 4, {0: 32, 1: 32, 2: 32, 3: 0}) == (0, None)
+    assert _batches(plane, 0, 0, {0: 32, 1: 32, 2: 32, 3: 32})[0] == 128

@@ -43,6 +43,14 @@ def test_exchange_says_how_the_job_reduces_or_nothing_yet(
                                       exchange=kind)
 
 
+def test_the_global_batch_the_ranks_agreed_or_nothing_yet() -> None:
+    assert protocol.parse(HELLO, 4).global_batch is None  # type: ignore[union-attr]
+    assert protocol.parse({**HELLO, "global_batch": 128}, 4).global_batch == 128  # type: ignore[union-attr]
+    flows = protocol.parse({"type": "flows", "flows": [], "global_batch": 96}, 4)
+    assert flows == protocol.SetFlows((), global_batch=96)
+    assert "global_batch" in protocol.FEATURES  # the welcome says so: shims send it
+
+
 def test_chunks_and_timing() -> None:
     chunks = protocol.parse({"type": "chunks", "iteration": 3, "events": [[0, 4096, 0, 1.5]]}, 4)
     assert chunks == protocol.Chunks(3, (protocol.ChunkEvent(0, 4096, 0, 1.5),))
@@ -66,6 +74,9 @@ def test_chunks_and_timing() -> None:
         ({**HELLO, "in_leaf": 1}, "bad_message", "in_leaf must be true or false"),
         ({**HELLO, "exchange": "tree"}, "bad_message", "exchange must be one of flat, leaf, ring"),
         ({**HELLO, "exchange": True}, "bad_message", "exchange must be one of"),
+        ({**HELLO, "global_batch": 0}, "bad_message", "global_batch must be an integer in 1"),
+        ({"type": "flows", "flows": [], "global_batch": "64"}, "bad_message", "global_batch"),
+        ({"type": "flows", "flows": [], "global_batch": True}, "bad_message", "global_batch"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1, 9, 0.0]]}, "bad_message",
          r"events\[0\]"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1]]}, "bad_message", r"events\[0\]"),
@@ -122,7 +133,8 @@ json_like = st.recursive(
 @given(
     st.sampled_from(["hello", "flows", "chunks", "timing", "bye", "x"]),
     st.dictionaries(
-        st.sampled_from(["version", "job", "rank", "world_size", "flows", "events", "iteration"]),
+        st.sampled_from(["version", "job", "rank", "world_size", "flows", "events", "iteration",
+                         "global_batch"]),
         json_like,
         max_size=5,
     ),

@@ -24,6 +24,9 @@ def test_add_record_remove_bumps_version() -> None:
     reg.set_flows(w.id, (), exchange="ring")  # how its job reduces: the control plane plans by it
     reg.set_flows(w.id, ())  # None keeps what the worker said
     assert reg.version == v + 2 and w.exchange == "ring"
+    reg.set_flows(w.id, (), global_batch=128)  # the job's batch: the control plane splits it
+    reg.set_flows(w.id, (), global_batch=128)
+    assert reg.version == v + 3 and w.global_batch == 128 and w.exchange == "ring"
     assert reg.remove(w.id) is w and len(reg) == 0 and reg.jobs() == {}
 
 

@@ -74,7 +74,7 @@ class _Daemon:
 
 
 def _said(daemon: _Daemon) -> list[dict[str, object]]:
-    return [{k: v for k, v in m.items() if k in ("exchange", "in_leaf")}
+    return [{k: v for k, v in m.items() if k in ("exchange", "in_leaf", "global_batch")}
             for m in daemon.got if m["type"] == "flows"]
 
 
@@ -109,6 +109,39 @@ def test_the_job_s_exchange_reaches_a_daemon_that_lists_the_feature(
         client.close()
         daemon.close()
     assert _said(daemon) == [said]
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["agreed-after", "agreed-before"])
+@pytest.mark.parametrize(
+    ("features", "said"),
+    [
+        (list(protocol.FEATURES), {"exchange": "ring", "global_batch": 128}),
+        (["in_leaf", "exchange"], {"exchange": "ring"}),  # a daemon without the field
+    ],
+)
+def test_the_job_s_global_batch_reaches_a_daemon_that_lists_the_feature(
+    tmp_path: Path, before: bool, features: list[str], said: dict[str, object]
+) -> None:
+    path = tmp_path / "gl.sock"
+    if before:  # agreed before the daemon is up: both said right after its welcome
+        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+        client.exchange_agreed("ring")
+        client.batch_agreed(128)
+    daemon = _Daemon(path, features=features)
+    if not before:
+        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.welcomed.wait(10)
+        if not before:
+            client.exchange_agreed("ring")
+            client.batch_agreed(128)
+        client.timing(0.1, 0.0)
+        assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        daemon.close()
+    # Each flows message says all that was agreed so far; the last one says it all.
+    assert _said(daemon)[-1] == said and client.global_batch == 128
 
 
 def test_an_older_daemon_is_not_sent_a_field_it_would_refuse(tmp_path: Path) -> None:

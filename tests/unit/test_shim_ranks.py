@@ -153,6 +153,8 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
                 sched.step()
             opt.zero_grad()
         sync.flush()
+        # What the control plane would split into batch shares: every rank's first batch.
+        assert sync.global_batch == sum(case.batches), (rank, sync.global_batch)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
