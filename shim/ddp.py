@@ -107,8 +107,10 @@ class HookState:
         self._watchdog = threading.Thread(target=self._watch, name="gl-ddp-watchdog", daemon=True)
         self._watchdog.start()
         self.samples: int | None = None
-        # The job's samples per step, all ranks, as agreed at the first step.
+        # The job's samples per step, all ranks, as agreed at the first step (None: a rank
+        # did not set `samples`).
         self.global_batch: int | None = None
+        self._batch_agreed = False
         self.step = 0
         self._in_step = False
         self._groups: dict[int, Group] = {}
@@ -211,13 +213,16 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
     """Average `bucket` across workers over gradlane's transport (see the module docstring)."""
     if not state._in_step:
         state._report_timing()  # before `begin` moves the client to this step
-        samples = state.samples if state.samples is not None else 1
-        if state.global_batch is None:  # the first step: what the control plane splits
+        if not state._batch_agreed:  # the first step: what the control plane splits
+            state._batch_agreed = True
             state.global_batch = agree_batch(state._store, state._prefix, state.rank,
-                                             state.world, samples)
-            state.client.batch_agreed(state.global_batch)
-        state.engine.begin(state.step, samples)
-        state.client.begin(state.step, samples)  # ships the last step's chunk events
+                                             state.world, state.samples)
+            if state.global_batch is not None:
+                state.client.batch_agreed(state.global_batch)
+        # Without `samples`, the plain mean; gradlaned is told 0 (not known), so no batch
+        # shares are planned from step rates taken for sample rates.
+        state.engine.begin(state.step, state.samples if state.samples is not None else 1)
+        state.client.begin(state.step, state.samples or 0)  # ships the last step's chunk events
         state._in_step = True
     group = state._group(bucket)
     group.grad.copy_(bucket.buffer().reshape(-1))

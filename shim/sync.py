@@ -271,8 +271,10 @@ class Sync:
         self.rank, self.world = rank, world
         self.step = 0
         self.samples: int | None = None  # set by hand to override the counted samples
-        # The job's samples per step, all ranks, as agreed at the first backward.
+        # The job's samples per step, all ranks, as agreed at the first backward (None: a
+        # rank could not count its samples).
         self.global_batch: int | None = None
+        self._batch_agreed = False
         # Seconds training waited for averages since the last backward began
         # (communication not hidden behind compute).
         self.exposed_comm_s = 0.0
@@ -735,16 +737,19 @@ class Sync:
         if not self._laid_out:
             self._lay_out()
         self.flush()
+        known = self.samples if self.samples is not None else self._counted  # 0: not counted
         samples = self.samples if self.samples is not None else (self._counted or 1)
-        if self.global_batch is None:  # the first step: what the control plane splits
+        if not self._batch_agreed:  # the first step: what the control plane splits
+            self._batch_agreed = True
             self.global_batch = agree_batch(self._store, self._prefix, self.rank, self.world,
-                                            samples)
-            self.client.batch_agreed(self.global_batch)
+                                            known)
+            if self.global_batch is not None:
+                self.client.batch_agreed(self.global_batch)
         if self._trying:
             self._try_layouts(samples)
         self._counted, self.samples = 0, None
         self.engine.begin(self.step, samples)
-        self.client.begin(self.step, samples)
+        self.client.begin(self.step, known)  # 0: gradlaned is told the count is not known
         self._seen = set()
         for flags in self._flags:  # the last step's averages are all in (flush)
             flags.fill_(1)

@@ -98,14 +98,17 @@ def agree_leaves(
     return leaves
 
 
-def agree_batch(store: Store, prefix: str, rank: int, world: int, mine: int) -> int:
-    """The job's global batch: the sum of every rank's samples in its first step.
+def agree_batch(store: Store, prefix: str, rank: int, world: int, mine: int | None
+                ) -> int | None:
+    """The job's global batch: the sum of every rank's samples in its first step (None
+    if a rank does not know its own, `mine` None).
 
     The control plane splits it into batch shares (straggler mitigation). It
     is agreed once, before any share is taken: a sum of later steps could mix
     batches of two plans, ranks taking a new plan at different steps.
     """
-    return sum(int(p) for p in gather(store, f"{prefix}/batch", rank, world, str(mine)))
+    posts = [int(p) for p in gather(store, f"{prefix}/batch", rank, world, str(mine or 0))]
+    return sum(posts) if min(posts) > 0 else None
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--daemon-socket", default="/nonexistent/gradlaned.sock")
     ap.add_argument("--ddp-hook", action="store_true", help="DDP(gloo) + gradlane's comm hook")
+    ap.add_argument("--no-samples", action="store_true",
+                    help="with --ddp-hook: leave the hook's samples unset (the plain mean)")
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
     ap.add_argument("--exchange", default="auto", help="ShimConfig.exchange")
@@ -176,7 +178,8 @@ def run_ddp_hook(
     start = sum(sizes[:rank])
     for step in range(args.steps):
         x, y = batch(step, sum(sizes), dtype)
-        state.samples = sizes[rank]
+        if not args.no_samples:
+            state.samples = sizes[rank]
         loss = nn.functional.cross_entropy(
             ddp(x[start : start + sizes[rank]]), y[start : start + sizes[rank]]
         )

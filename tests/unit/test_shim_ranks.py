@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradlane.shim as gl
+from gradlane.shim.transport import agree_batch
 from tests import examples
 from tests.ranks import on_every_rank
 
@@ -258,3 +259,19 @@ def test_an_optimizer_that_writes_its_gradients_keeps_replicas_identical(exchang
         assert all(torch.equal(states[0][name], s[name]) for s in states[1:]), name
         error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
         assert error <= 1e-9, f"{name} is {error:.2e} off plain PyTorch"
+
+
+@pytest.mark.parametrize(("mine", "agreed"), [((3, 5, 2), 10), ((3, None, 2), None)])
+def test_the_global_batch_is_agreed_only_when_every_rank_knows_its_own(
+    mine: tuple[int | None, ...], agreed: int | None
+) -> None:
+    """A rank that cannot count its samples (a DDP hook without `samples`) keeps the job
+    from stating one: the control plane would otherwise split a count of steps."""
+    store, job = dist.HashStore(), f"ranks{next(_jobs)}"
+    got: list[int | None] = [0] * len(mine)
+
+    def body(rank: int) -> None:
+        got[rank] = agree_batch(store, job, rank, len(mine), mine[rank])
+
+    on_every_rank(len(mine), body)
+    assert got == [agreed] * len(mine)
