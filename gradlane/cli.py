@@ -717,17 +717,20 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
         f"{data['clients']} clients, API errors {data['api_errors'] or 'none'}"
     )
     jobs = Table(title="jobs")
-    for column in ("job", "rank", "pid", "flows", "exchange", "iteration", "chunk events",
-                   "bytes by band"):
+    for column in ("job", "rank", "pid", "flows", "exchange", "batch", "iteration",
+                   "chunk events", "bytes by band"):
         jobs.add_column(column)
     for job in data["jobs"]:
         for w in job["workers"]:
+            # Its latest step's samples, of the job's global batch (what shares split).
+            samples = (w.get("last_timing") or {}).get("samples") or "-"
             jobs.add_row(
                 job["name"],
                 str(w["rank"]),
                 str(w["pid"]),
                 str(w["flows"]),
                 _EXCHANGE.get(w.get("exchange"), "-"),
+                f"{samples} of {w['global_batch']}" if w.get("global_batch") else str(samples),
                 str(w["iteration"]),
                 str(w["chunk_events"]),
                 str(w["chunk_bytes"]),

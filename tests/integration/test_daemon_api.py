@@ -7,6 +7,7 @@ tests need no root; the kernel side is covered by test_daemon_netns.py.
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import subprocess
@@ -62,7 +63,7 @@ def hello(job: str, rank: int = 0, sport: int = 40000) -> dict[str, Any]:
 
 def test_hello_gets_welcome_and_plan_and_shows_in_status(daemon: RunningDaemon) -> None:
     client = Client(daemon.socket)
-    client.send(hello("train"))
+    client.send({**hello("train"), "global_batch": 32})  # as its ranks agreed
     welcome, plan = client.recv(), client.recv()
     assert welcome["type"] == "welcome" and welcome["bands"] == [46, 34, 26, 18]
     assert plan["type"] == "plan" and plan["batch_share"] is None
@@ -78,12 +79,15 @@ def test_hello_gets_welcome_and_plan_and_shows_in_status(daemon: RunningDaemon) 
     worker = jobs[0]["workers"][0]
     assert jobs[0]["name"] == "train" and worker["chunk_bytes"] == [1000, 0, 0, 24]
     assert worker["last_timing"]["samples"] == 8 and worker["flows"] == 1
+    assert worker["global_batch"] == 32
 
     shown = subprocess.run(
         [sys.executable, "-m", "gradlane.cli", "status", "--url", daemon.url],
         capture_output=True, text=True, timeout=30, check=True,
+        env={**os.environ, "COLUMNS": "200"},  # one line per row
     ).stdout  # fmt: skip
     assert "train" in shown and "policy fair" in shown and "474c:" in shown
+    assert "8 of 32" in shown  # its latest batch, of the job's
     as_json = subprocess.run(
         [sys.executable, "-m", "gradlane.cli", "status", "--url", daemon.url, "--json"],
         capture_output=True, text=True, timeout=30, check=True,
