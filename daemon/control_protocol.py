@@ -24,8 +24,8 @@ request with ``Authorization: Bearer <token>``.
 A report lists the jobs with workers on the host: ``{"name", "global_batch",
 "layers", "chunk_bytes": [...], "chunk_layers": [...], "band_bps": [...],
 "exchange", "world_size", "workers": [{"rank", "throughput", "batch"}]}``: the
-job's demand (one iteration's chunks in forward order and each one's layer, as a shim
-reported them), how its shims agreed to reduce (``"flat"``, ``"leaf"``:
+job's demand (one iteration's chunks in forward order and each one's layer,
+as a shim reported them), how its shims agreed to reduce (``"flat"``, ``"leaf"``:
 within leaves first, ``"ring"``; absent: not known yet; older daemons say
 ``in_leaf``, true or false, which is still accepted) and its class's
 measured throughput on this host per band. ``global_batch`` is the job's

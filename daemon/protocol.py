@@ -23,12 +23,12 @@ sender's clock in seconds. ``exchange`` says how the job's ranks agreed to
 reduce: ``"leaf"`` within leaves first (each rank told its leaf, e.g. by the
 welcome's ``leaf``), ``"ring"`` around the ring of ranks, ``"flat"`` the
 flat exchange; absent, not agreed yet. The control plane's demand of the
-job follows it. ``global_batch`` is the job's samples per step over all its
-ranks, as they agreed at their first step; the control plane splits it into
-batch shares (absent: not agreed yet). Older shims say ``in_leaf`` (true or false) instead, which
-is still accepted. A daemon refuses fields it does not know, so a shim
-sends an optional field only when the welcome's ``features`` lists it
-(`FEATURES`; an older daemon's welcome has none).
+job follows it. Older shims say ``in_leaf`` (true or false) instead, which
+is still accepted. ``global_batch`` is the job's samples per step over all
+its ranks, as they agreed at their first step; the control plane splits it
+into batch shares (absent: not agreed yet). A daemon refuses fields it
+does not know, so a shim sends an optional field only when the welcome's
+``features`` lists it (`FEATURES`; an older daemon's welcome has none).
 `hello` must come first and only once. Anything else (bad framing, a wrong
 type, an out-of-order message) gets one ``error {code, message}`` and the
 connection is closed.
