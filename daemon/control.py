@@ -384,7 +384,7 @@ class ControlPlane:
         by_name = tuple(sorted(jobs.values(), key=lambda j: j.name))
         ordered = tuple(sorted(workers, key=lambda w: (w.job, w.rank)))
         agreed = _agreed_exchanges(report for _, _, report in seen.daemons)
-        coflows, flows = self._demand(by_name, ordered, topology, seen.plan, agreed)
+        coflows, flows = self._demand(by_name, ordered, topology, seen.plan, agreed, world)
         return State(
             jobs=by_name,
             topology=topology,
@@ -400,7 +400,7 @@ class ControlPlane:
 
     def _demand(
         self, jobs: tuple[JobState, ...], workers: tuple[Worker, ...], topology: Topology,
-        plan: Plan | None, agreed: dict[str, str],
+        plan: Plan | None, agreed: dict[str, str], world: dict[str, int],
     ) -> tuple[tuple[Coflow, ...], FlowTable]:
         """Per job, its next iteration's exchange as one coflow of demand flows.
 
@@ -412,8 +412,9 @@ class ControlPlane:
         `gradlane.policies.demand`. Consecutive layers share a
         bucket, at most `DEMAND_BUCKETS` per job, so a state holds at most
         ``2 * DEMAND_BUCKETS`` flows per worker however many layers a model
-        has. A job is left out until its reports give every rank 0..W-1
-        once (W >= 2) and its chunks.
+        has. A job is left out until its reports give every rank once
+        (`_every_rank`, of `world` ranks when its daemons said; at least 2) and
+        its chunks.
         """
         coflows: list[Coflow] = []
         tables: list[FlowTable] = []
@@ -423,8 +424,8 @@ class ControlPlane:
             by_job.setdefault(w.job, []).append(w)
         for job in jobs:
             mine = by_job.get(job.name, [])
-            ranks = [w.rank for w in mine]
-            if len(mine) < 2 or ranks != list(range(len(mine))) or not job.chunk_bytes:
+            if (len(mine) < 2 or not _every_rank([w.rank for w in mine], world.get(job.name, 0))
+                    or not job.chunk_bytes):
                 continue
             hosts = [w.host for w in mine]
             owners = plan.ownership.get(job.name, ()) if plan is not None else ()
@@ -529,18 +530,22 @@ class ControlPlane:
         }
 
 
+def _every_rank(ranks: list[int], world: int) -> bool:
+    """Whether `ranks` are every rank of a job once: 0..world-1, or 0..n-1 for n ranks
+    when the daemons do not say the world size (0)."""
+    return sorted(ranks) == list(range(world or len(ranks)))
+
+
 def _global_batch(stated: int, world: int, workers: list[Worker]) -> int:
     """A job's global batch for planning its batch shares (0: plan none yet).
 
     Shares go to ranks by position, so none are planned until every rank is
-    reported: ranks 0..world-1 (0..n-1 when the daemons do not say the world
-    size). The batch is the one the job's ranks agreed (`stated`). From older
-    shims, which do not state it, it is the sum of the workers' batches, once
-    each has measured one: a sum that drifts while ranks take a new plan at
-    different steps, which is why shims state it.
+    reported (`_every_rank`). The batch is the one the job's ranks agreed
+    (`stated`). From older shims, which do not state it, it is the sum of the
+    workers' batches, once each has measured one: a sum that drifts while
+    ranks take a new plan at different steps, which is why shims state it.
     """
-    ranks = sorted(w.rank for w in workers)
-    if ranks != list(range(world or len(ranks))):
+    if not _every_rank([w.rank for w in workers], world):
         return 0
     if stated:
         return stated

@@ -394,6 +394,11 @@ def test_a_job_missing_ranks_has_no_demand_yet() -> None:
     state = plane.build_state()
     assert state.coflows == () and len(state.flows) == 0
     assert check_plan(state, plane.policy.plan(state)) == []
+    # Ranks 0 and 1 of a job of 3, as the daemons say: not a job of two.
+    _reported(plane, "h1", 0, [{**_job("j", [1], [1000] * 4), "world_size": 3}])
+    assert plane.build_state().coflows == ()
+    _reported(plane, "h2", 0, [{**_job("j", [2], [1000] * 4), "world_size": 3}])
+    assert [c.job for c in plane.build_state().coflows] == ["j"]
 
 
 def _batches(plane: ControlPlane, stated: int, world: int, batches: dict[int, int]
