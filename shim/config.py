@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, EXCHANGE_OPTIONS, LAYOUTS
 
-__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig"]
+__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig", "default_job"]
 
 # Band 0 first: gradlaned's default table. The daemon's welcome overrides it.
 DEFAULT_DSCP = DEFAULT_BAND_DSCP
 EXCHANGES = EXCHANGE_OPTIONS  # `gradlane.policies.chunks.uses_ring`
+
+
+def default_job() -> str:
+    """The job name when none is given: the job's rendezvous address, MASTER_ADDR:MASTER_PORT
+    as torchrun sets them for every rank ("default" without them).
+
+    Two jobs cannot rendezvous at one address at once, so jobs sharing a
+    cluster get names of their own: under one name, a daemon would refuse the
+    second job's ranks as duplicates and the control plane would plan the two
+    as one.
+    """
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{addr}:{port}" if addr and port else "default"
 
 
 @dataclass(frozen=True)
@@ -39,7 +53,8 @@ class ShimConfig:
             is in and let the next forward start layer by layer. False: one
             whole-model step at ``optimizer.step()`` (still priority-ordered).
         daemon_socket: gradlaned's Unix socket; used when it exists.
-        job: the job name the daemon and control plane see.
+        job: the job name the daemon and control plane see (default: the
+            rendezvous address, `default_job`).
         sndbuf_bytes: SO_SNDBUF of band connections (0 = kernel autotuning).
         leaf: the leaf switch this worker's host hangs off, when the fabric's
             uplinks are oversubscribed: when every rank has one, each chunk
@@ -80,7 +95,7 @@ class ShimConfig:
     timeout_s: float = 60.0
     overlap: bool = True
     daemon_socket: str = "/run/gradlane/gradlaned.sock"
-    job: str = "default"
+    job: str = field(default_factory=default_job)
     sndbuf_bytes: int = 0
     leaf: int | None = None
     layout: str = "auto"

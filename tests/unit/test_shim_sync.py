@@ -429,6 +429,21 @@ def test_misuse_gets_clear_errors() -> None:
         attach(elsewhere, torch.optim.SGD(elsewhere.parameters(), lr=0.1))
 
 
+def test_a_job_is_named_by_its_rendezvous_address_unless_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert gl.ShimConfig().job == "default"
+    # Every rank of a torchrun job sees the same rendezvous; two jobs cannot share one.
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert gl.ShimConfig().job == "10.0.0.1:29500"
+    assert gl.ShimConfig(job="bert").job == "bert"
+    with pytest.raises(ConfigError, match="job must be"):
+        gl.ShimConfig(job="_gradlane")
+
+
 def test_close_restores_the_optimizer_and_removes_hooks() -> None:
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
