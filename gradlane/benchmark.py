@@ -5,7 +5,7 @@ A scenario is a TOML file (see ``bench/scenarios/``)::
     name = "trace-vgg19"
     description = "VGG-19 trace, communication about equal to compute"
     hosts = 4
-    steps = 30             # per run; the first fifth is dropped as warm-up
+    steps = 40             # per run; warm-up dropped (`gradlane.demo.steady_start`)
     rounds = 2             # the systems run in turn, this many times each
     systems = ["ddp", "fifo", "priority", "gradlane"]
     comm_to_compute = 1.0  # link rate: one iteration's traffic takes this x compute
@@ -90,6 +90,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradlane.demo import steady_start
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
 from gradlane.policies.chunks import LAYOUTS
@@ -121,6 +122,11 @@ class Scenario:
     layout: str = "auto"  # `ShimConfig.layout` of the systems on gradlane's transport
     chunk_bytes: int | None = None  # `ShimConfig.chunk_bytes` of those systems; None: default
     exchange: str = "auto"  # `ShimConfig.exchange` of the gradlane system
+
+
+def _steady(times: list[float]) -> list[float]:
+    """A run's steady iterations (`gradlane.demo.steady_start`)."""
+    return times[steady_start(len(times)) :]
 
 
 def load_scenario(path: Path) -> Scenario:
@@ -365,8 +371,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                     }
                 )
     # Each round's warm-up dropped on its own, then all rounds pooled.
-    steady = {s: [t for run in rs for t in run["iteration_s"][len(run["iteration_s"]) // 5 :]]
-              for s, rs in runs.items()}
+    steady = {s: [t for run in rs for t in _steady(run["iteration_s"])] for s, rs in runs.items()}
     measured = statistics.median(steady[REFERENCE])
     bound = lower_bound(scenario.hosts, measured, size, rate)
     layers = trace_layers(scenario, measured)
@@ -385,6 +390,9 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
         "lower_bound_s": bound,
         "nominal_lower_bound_s": nominal,
         "dependency_bound_s": ordered,
+        # The medians, the waits and the machine's CPU are over each run's steps from this
+        # one on (`gradlane.demo.steady_start`: past the shim's layout trial).
+        "steady_from_step": steady_start(scenario.steps),
         "summary": summary,
         "runs": runs,
     }
@@ -478,6 +486,14 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
          "/ dependency bound: against the bound that also holds the layers' order "
          "(`gradlane.benchmark`), for traces."),
     ]
+    windows: dict[tuple[int, int], list[str]] = {}  # (first steady step, steps): scenarios
+    for r in results:
+        if "steady_from_step" in r:
+            key = (r["steady_from_step"], r["scenario"]["steps"])
+            windows.setdefault(key, []).append(f"`{r['scenario']['name']}`")
+    notes.append((bool(windows), "Steady steps (each run's, for the medians): "
+                  + "; ".join(f"from step {first} of {steps}: {', '.join(names)}"
+                              for (first, steps), names in sorted(windows.items())) + "."))
     for shown, note in notes:
         if shown:
             lines += ["", note]
@@ -500,7 +516,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         [
             t * 1000
             for run in result["runs"][s]
-            for t in run["iteration_s"][len(run["iteration_s"]) // 5 :]
+            for t in _steady(run["iteration_s"])
         ]
         for s in systems
     ]

@@ -305,6 +305,7 @@ def run_control_straggler(
     extra["summary"] = summarize({k: r.times[tail:] for k, r in runs.items()}, bound,
                                  {k: [r] for k, r in runs.items()})
     return {
+        "steady_from_step": tail,  # the medians' steps: the second half, past the layout trial
         "scenario": {"name": "control-straggler", "hosts": 4, "speeds": STRAGGLER_SPEEDS,
                      "steps": steps, "workload": STRAGGLER_WORKLOAD, "link": "1gbit"},
         "without_control": {"iteration_s": without.times, "median_s": before},

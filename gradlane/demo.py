@@ -39,12 +39,25 @@ from rich.console import Console
 from rich.table import Table
 
 from gradlane.errors import TestbedError
+from gradlane.policies.chunks import trial_schedule
 
-__all__ = ["DemoResult", "MachineCpu", "SystemRun", "run_demo"]
+__all__ = ["DemoResult", "MachineCpu", "SystemRun", "run_demo", "steady_start"]
 
 WINDOW_S = 1.0  # the band-usage plot's window when no iteration can be picked
 SAMPLE_S = 0.01
 PHASE_BINS = 20  # parts of an iteration in the band-usage profile
+
+
+def steady_start(steps: int) -> int:
+    """The first steady step of a run of `steps`, the same for every system.
+
+    Past the first fifth (warm-up), and past the shim's layout trial
+    (`trial_schedule`: until it decides, it regroups and runs both layouts)
+    when that leaves at least half the run: a steady state is what a long
+    training run sees, after its tuning.
+    """
+    fifth, tuned = steps // 5, trial_schedule()[-1] + 1
+    return max(fifth, tuned) if steps - tuned >= steps // 2 else fifth
 
 
 class MachineCpu:
@@ -132,7 +145,7 @@ class SystemRun:
 
     @staticmethod
     def _past_warm_up(per_step: list[float]) -> list[float]:
-        return per_step[len(per_step) // 5 :]  # the first fifth warms up
+        return per_step[steady_start(len(per_step)) :]
 
     @property
     def steady(self) -> list[float]:
@@ -337,7 +350,7 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
                     for r in ranks],
         layout_trial=raw.get("layout_trial"),
         # From the end of the warm-up (see `SystemRun.steady`) to the last step.
-        machine_cpu=cpu.over(ends[max(0, len(ends) // 5 - 1)], ends[-1])
+        machine_cpu=cpu.over(ends[max(0, steady_start(len(ends)) - 1)], ends[-1])
         if cpu is not None and len(ends) >= 2 else None,
     )
 
@@ -633,11 +646,11 @@ def run_on_cluster(
 
 
 def steady_iterations(ends: list[float]) -> list[tuple[float, float]]:
-    """The (start, end) of every steady iteration of a run whose steps ended at `ends` (the
-    first fifth warms up); empty for too short a run."""
+    """The (start, end) of every steady iteration of a run whose steps ended at `ends`
+    (`steady_start`); empty for too short a run."""
     if len(ends) < 6:
         return []
-    return [(ends[k - 1], ends[k]) for k in range(max(1, len(ends) // 5), len(ends))]
+    return [(ends[k - 1], ends[k]) for k in range(max(1, steady_start(len(ends))), len(ends))]
 
 
 def run_cluster(

@@ -34,6 +34,7 @@ import numpy as np
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY
 from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
+from gradlane.demo import steady_start
 from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
 from gradlane.policies.base import DEFAULT_BANDS
@@ -226,7 +227,7 @@ def measured_compute(result: dict[str, Any], system: str) -> float | None:
         times, waited = run["iteration_s"], run.get("waited_s") or []
         if len(waited) != len(times):
             return None
-        skip = len(times) // 5
+        skip = steady_start(len(times))  # the bench's steady steps
         samples += [t - w for t, w in zip(times[skip:], waited[skip:], strict=True)]
     return statistics.median(samples) if samples else None
 

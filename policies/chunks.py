@@ -17,9 +17,9 @@ from gradlane.errors import ConfigError
 
 __all__ = [
     "COARSE_GROUP_BYTES", "DEFAULT_CHUNK_BYTES", "EXCHANGE_OPTIONS", "LAYOUTS", "MIN_CHUNK_BYTES",
-    "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD",
+    "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD", "TRIAL_BLOCK", "TRIAL_START",
     "all_reduction_parents", "assign_owners", "band_of", "exchange_kind", "group_consecutive",
-    "layout_sizes", "reduction_parents", "ring_routes", "uses_ring",
+    "layout_sizes", "reduction_parents", "ring_routes", "trial_schedule", "uses_ring",
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # `gradlane.shim.ShimConfig.chunk_bytes`
@@ -141,6 +141,24 @@ def layout_sizes(
     if layout == "coarse":
         return COARSE_GROUP_BYTES, max(fine, min(COARSE_GROUP_BYTES, model_bytes // (2 * world)))
     return MIN_GROUP_BYTES, fine
+
+
+# "auto": after TRIAL_START warm-up steps, blocks of TRIAL_BLOCK measured steps, fine,
+# coarse, coarse, fine (see `trial_schedule`).
+TRIAL_START, TRIAL_BLOCK = 3, 3
+
+
+def trial_schedule() -> tuple[range, int, range, int, range, int]:
+    """The shim's layout trial's steps (`gradlane.shim.ShimConfig.layout` "auto"):
+    (fine, to coarse, coarse, to fine, fine, decide).
+
+    "to coarse" and "to fine" regroup before their backward and are not
+    measured; "decide" is where the ranks agree (and regroup, if coarse won).
+    """
+    fine1 = range(TRIAL_START, TRIAL_START + TRIAL_BLOCK)
+    coarse = range(fine1.stop + 1, fine1.stop + 1 + 2 * TRIAL_BLOCK)
+    fine2 = range(coarse.stop + 1, coarse.stop + 1 + TRIAL_BLOCK)
+    return fine1, fine1.stop, coarse, coarse.stop, fine2, fine2.stop
 
 
 def group_consecutive(sizes: Sequence[int], bands: Sequence[int], least: int) -> list[range]:

@@ -69,7 +69,7 @@ class ShimConfig:
             fewer, larger chunks, about as few messages as DDP's buckets: what
             costs least CPU when communication hides behind backward anyway.
             "auto" (the default): each runs for a few steps after warm-up
-            (`gradlane.shim.sync.trial_schedule`: decided at step 17), and
+            (`gradlane.policies.chunks.trial_schedule`: decided at step 17), and
             the job keeps coarse only if its iterations (each step's slowest
             rank) were faster beyond chance (`gradlane.shim.sync.pick_layout`),
             fine otherwise; every rank takes the same decision. (`attach` only: the DDP comm hook

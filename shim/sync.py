@@ -51,7 +51,14 @@ import torch
 from torch import nn
 
 from gradlane.errors import ConfigError, ModelMismatch, TransportError
-from gradlane.policies.chunks import MIN_CHUNK_BYTES, group_consecutive, layout_sizes
+from gradlane.policies.chunks import (
+    MIN_CHUNK_BYTES,
+    TRIAL_BLOCK,
+    TRIAL_START,
+    group_consecutive,
+    layout_sizes,
+    trial_schedule,
+)
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
@@ -79,21 +86,6 @@ __all__ = [
     "trial_schedule",
 ]
 
-# "auto": after TRIAL_START warm-up steps, blocks of TRIAL_BLOCK measured steps, fine,
-# coarse, coarse, fine (see `trial_schedule`).
-TRIAL_START, TRIAL_BLOCK = 3, 3
-
-
-def trial_schedule() -> tuple[range, int, range, int, range, int]:
-    """The layout trial's steps: (fine, to coarse, coarse, to fine, fine, decide).
-
-    "to coarse" and "to fine" regroup before their backward and are not
-    measured; "decide" is where the ranks agree.
-    """
-    fine1 = range(TRIAL_START, TRIAL_START + TRIAL_BLOCK)
-    coarse = range(fine1.stop + 1, fine1.stop + 1 + 2 * TRIAL_BLOCK)
-    fine2 = range(coarse.stop + 1, coarse.stop + 1 + TRIAL_BLOCK)
-    return fine1, fine1.stop, coarse, coarse.stop, fine2, fine2.stop
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,9 @@ from gradlane.benchmark import (
     worker_args,
 )
 from gradlane.cli import cli
+from gradlane.demo import steady_start
 from gradlane.errors import ConfigError
+from gradlane.policies.chunks import trial_schedule
 from tests import examples
 
 SCENARIOS = sorted((Path(__file__).resolve().parents[2] / "bench/scenarios").glob("*.toml"))
@@ -156,6 +158,14 @@ def test_trace_compute_is_three_times_the_forward() -> None:
     assert size == pytest.approx(scenario.workload["model_mb"] * (1 << 20), rel=0.01)
 
 
+def test_steady_steps_begin_past_the_warm_up_and_the_shim_s_layout_trial() -> None:
+    decide = trial_schedule()[-1]  # 17: from the next step on, the layout is settled
+    assert steady_start(40) == decide + 1 == 18
+    assert steady_start(100) == 20  # the first fifth, later than the trial's end
+    # Too short a run to leave half of it past the trial: only the first fifth is dropped.
+    assert steady_start(30) == 6 and steady_start(10) == 2 and steady_start(0) == 0
+
+
 def result(name: str) -> dict[str, object]:
     return {
         "scenario": {"name": name},
@@ -196,6 +206,14 @@ def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
     table = markdown_table([ordered])
     assert "| s3 | gradlane | 150.0 ms | - | 1.50 | 1.20 | - |" in table
     assert "dependency bound: against the bound that also holds the layers' order" in table
+    assert "Steady steps" not in table  # no result says its window
+    windows = [result(n) for n in ("s6", "s7", "s8")]
+    for r, first in zip(windows, (18, 18, 20), strict=True):
+        r.update(scenario={"name": r["scenario"]["name"], "steps": 40},  # type: ignore[index]
+                 steady_from_step=first)
+    table = markdown_table(windows)
+    assert ("Steady steps (each run's, for the medians): from step 18 of 40: `s6`, `s7`; "
+            "from step 20 of 40: `s8`.") in table
     res = tmp_path / "s1.json"
     res.write_text(json.dumps(result("s1")))
     readme = tmp_path / "README.md"
