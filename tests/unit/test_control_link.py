@@ -148,6 +148,21 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
     asyncio.run(main())
 
 
+def _reported(hellos: list[protocol.Hello], features: tuple[str, ...]) -> dict[str, Any]:
+    """What a daemon whose shims said `hellos` reports of their job to a control plane
+    accepting `features`."""
+    registry = Registry(bands=4)
+    for hello in hellos:
+        registry.add(hello, Credentials(100 + hello.rank, 0, 0))
+    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                              registry, on_change=lambda: None)
+    link.features = frozenset(features)
+    report = link.report(1)
+    cp.parse_report(report)  # what the control plane accepts
+    job: dict[str, Any] = report["jobs"][0]
+    return job
+
+
 @pytest.mark.parametrize(
     ("said", "features", "reported"),
     [
@@ -164,31 +179,18 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
 def test_the_exchange_is_reported_as_the_control_plane_understands_it(
     said: tuple[str | None, ...], features: tuple[str, ...], reported: dict[str, object]
 ) -> None:
-    registry = Registry(bands=4)
-    for rank, kind in enumerate(said):
-        hello = protocol.Hello(version=1, job="j", rank=rank, world_size=2, flows=(),
-                               exchange=kind)
-        registry.add(hello, Credentials(100 + rank, 0, 0))
-    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
-                              registry, on_change=lambda: None)
-    link.features = frozenset(features)
-    job = link.report(1)["jobs"][0]
+    job = _reported([protocol.Hello(version=1, job="j", rank=rank, world_size=2, flows=(),
+                                    exchange=kind) for rank, kind in enumerate(said)], features)
     assert {k: v for k, v in job.items() if k in ("exchange", "in_leaf")} == reported
 
 
 @pytest.mark.parametrize("features", [cp.FEATURES, ("in_leaf", "exchange")])
 def test_the_job_s_agreed_batch_and_world_size_are_reported(features: tuple[str, ...]) -> None:
-    registry = Registry(bands=4)
-    for rank, said in enumerate((96, None)):  # rank 1's shim has not said yet
-        hello = protocol.Hello(version=1, job="j", rank=rank, world_size=4, flows=(),
-                               global_batch=said)
-        registry.add(hello, Credentials(100 + rank, 0, 0))
-    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
-                              registry, on_change=lambda: None)
-    link.features = frozenset(features)
-    job = link.report(1)["jobs"][0]
+    job = _reported([protocol.Hello(version=1, job="j", rank=rank, world_size=4, flows=(),
+                                    global_batch=said)
+                     for rank, said in enumerate((96, None))],  # rank 1 has not said yet
+                    features)
     assert job["global_batch"] == 96
     # Ranks 2 and 3 are on other hosts: the control plane plans no shares until it has
     # heard of all 4 (an older one, without the field, is not sent it).
     assert job.get("world_size") == (4 if "world_size" in features else None)
-    cp.parse_report(link.report(2))  # what the control plane accepts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,28 @@ def _said(daemon: _Daemon) -> list[dict[str, object]]:
             for m in daemon.got if m["type"] == "flows"]
 
 
+def _agreed(path: Path, before: bool, features: list[str],
+            agree: Callable[[DaemonClient], None]) -> tuple[DaemonClient, _Daemon]:
+    """A client whose ranks `agree` before its daemon is up (said right after the
+    welcome) or after, and that daemon, once it has had the client's messages."""
+    if before:
+        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+        agree(client)
+    daemon = _Daemon(path, features=features)
+    if not before:
+        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.welcomed.wait(10)
+        if not before:
+            agree(client)
+        client.timing(0.1, 0.0)  # queued after the flows messages: the daemon's cue to stop
+        assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        daemon.close()
+    return client, daemon
+
+
 @pytest.mark.parametrize("before", [False, True], ids=["agreed-after", "agreed-before"])
 @pytest.mark.parametrize(
     ("features", "kind", "said"),
@@ -92,22 +115,8 @@ def _said(daemon: _Daemon) -> list[dict[str, object]]:
 def test_the_job_s_exchange_reaches_a_daemon_that_lists_the_feature(
     tmp_path: Path, before: bool, features: list[str], kind: str, said: dict[str, object]
 ) -> None:
-    path = tmp_path / "gl.sock"
-    if before:  # agreed before the daemon is up: said right after its welcome
-        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
-        client.exchange_agreed(kind)
-    daemon = _Daemon(path, features=features)
-    if not before:
-        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
-    try:
-        assert client.welcomed.wait(10)
-        if not before:
-            client.exchange_agreed(kind)
-        client.timing(0.1, 0.0)  # queued after the flows message: the daemon's cue to stop
-        assert daemon.timed.wait(10)
-    finally:
-        client.close()
-        daemon.close()
+    _, daemon = _agreed(tmp_path / "gl.sock", before, features,
+                        lambda client: client.exchange_agreed(kind))
     assert _said(daemon) == [said]
 
 
@@ -122,24 +131,11 @@ def test_the_job_s_exchange_reaches_a_daemon_that_lists_the_feature(
 def test_the_job_s_global_batch_reaches_a_daemon_that_lists_the_feature(
     tmp_path: Path, before: bool, features: list[str], said: dict[str, object]
 ) -> None:
-    path = tmp_path / "gl.sock"
-    if before:  # agreed before the daemon is up: both said right after its welcome
-        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    def agree(client: DaemonClient) -> None:
         client.exchange_agreed("ring")
         client.batch_agreed(128)
-    daemon = _Daemon(path, features=features)
-    if not before:
-        client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
-    try:
-        assert client.welcomed.wait(10)
-        if not before:
-            client.exchange_agreed("ring")
-            client.batch_agreed(128)
-        client.timing(0.1, 0.0)
-        assert daemon.timed.wait(10)
-    finally:
-        client.close()
-        daemon.close()
+
+    client, daemon = _agreed(tmp_path / "gl.sock", before, features, agree)
     # Each flows message says all that was agreed so far; the last one says it all.
     assert _said(daemon)[-1] == said and client.global_batch == 128
 
