@@ -90,7 +90,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradlane.demo import steady_start
+from gradlane.demo import past_warm_up, steady_start
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
 from gradlane.policies.chunks import LAYOUTS
@@ -122,11 +122,6 @@ class Scenario:
     layout: str = "auto"  # `ShimConfig.layout` of the systems on gradlane's transport
     chunk_bytes: int | None = None  # `ShimConfig.chunk_bytes` of those systems; None: default
     exchange: str = "auto"  # `ShimConfig.exchange` of the gradlane system
-
-
-def _steady(times: list[float]) -> list[float]:
-    """A run's steady iterations (`gradlane.demo.steady_start`)."""
-    return times[steady_start(len(times)) :]
 
 
 def load_scenario(path: Path) -> Scenario:
@@ -371,7 +366,8 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                     }
                 )
     # Each round's warm-up dropped on its own, then all rounds pooled.
-    steady = {s: [t for run in rs for t in _steady(run["iteration_s"])] for s, rs in runs.items()}
+    steady = {s: [t for run in rs for t in past_warm_up(run["iteration_s"])]
+              for s, rs in runs.items()}
     measured = statistics.median(steady[REFERENCE])
     bound = lower_bound(scenario.hosts, measured, size, rate)
     layers = trace_layers(scenario, measured)
@@ -516,7 +512,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         [
             t * 1000
             for run in result["runs"][s]
-            for t in _steady(run["iteration_s"])
+            for t in past_warm_up(run["iteration_s"])
         ]
         for s in systems
     ]

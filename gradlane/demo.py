@@ -41,7 +41,7 @@ from rich.table import Table
 from gradlane.errors import TestbedError
 from gradlane.policies.chunks import trial_schedule
 
-__all__ = ["DemoResult", "MachineCpu", "SystemRun", "run_demo", "steady_start"]
+__all__ = ["DemoResult", "MachineCpu", "SystemRun", "past_warm_up", "run_demo", "steady_start"]
 
 WINDOW_S = 1.0  # the band-usage plot's window when no iteration can be picked
 SAMPLE_S = 0.01
@@ -58,6 +58,11 @@ def steady_start(steps: int) -> int:
     """
     fifth, tuned = steps // 5, trial_schedule()[-1] + 1
     return max(fifth, tuned) if steps - tuned >= steps // 2 else fifth
+
+
+def past_warm_up(per_step: list[float]) -> list[float]:
+    """A run's per-step series from its first steady step on (`steady_start`)."""
+    return per_step[steady_start(len(per_step)) :]
 
 
 class MachineCpu:
@@ -143,18 +148,14 @@ class SystemRun:
     rank_steps: list[dict[str, list[float]]] = field(default_factory=list)
     layout_trial: dict[str, Any] | None = None  # the shim's layout trial, if it ran one
 
-    @staticmethod
-    def _past_warm_up(per_step: list[float]) -> list[float]:
-        return per_step[steady_start(len(per_step)) :]
-
     @property
     def steady(self) -> list[float]:
-        return self._past_warm_up(self.times)
+        return past_warm_up(self.times)
 
     @property
     def steady_waits(self) -> tuple[list[float], list[float]]:
         """`exposed` and `slowest` over the steady steps (empty where not measured)."""
-        return self._past_warm_up(self.exposed), self._past_warm_up(self.slowest)
+        return past_warm_up(self.exposed), past_warm_up(self.slowest)
 
     def p(self, q: float) -> float:
         data = sorted(self.steady)

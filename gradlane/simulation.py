@@ -34,7 +34,7 @@ import numpy as np
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY
 from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
-from gradlane.demo import steady_start
+from gradlane.demo import past_warm_up
 from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
 from gradlane.policies.base import DEFAULT_BANDS
@@ -227,8 +227,8 @@ def measured_compute(result: dict[str, Any], system: str) -> float | None:
         times, waited = run["iteration_s"], run.get("waited_s") or []
         if len(waited) != len(times):
             return None
-        skip = steady_start(len(times))  # the bench's steady steps
-        samples += [t - w for t, w in zip(times[skip:], waited[skip:], strict=True)]
+        samples += [t - w for t, w in zip(past_warm_up(times), past_warm_up(waited),
+                                          strict=True)]  # the bench's steady steps
     return statistics.median(samples) if samples else None
 
 
