@@ -1,6 +1,6 @@
 """Two jobs across an oversubscribed uplink, with and without the control plane (needs root).
 
-    sudo .venv/bin/python bench/two_jobs.py [--steps 30] [--layout auto] [--json PATH]
+    sudo .venv/bin/python bench/two_jobs.py [--steps 50] [--layout auto] [--json PATH]
 
 Runs `gradlane.control_runs.run_two_jobs`: 9 hosts on two leaves under a
 4:1 uplink, jobs a and b with two workers on each leaf, both at once:
@@ -28,7 +28,8 @@ from gradlane.shim.config import LAYOUTS  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=50,
+                    help="per job; the medians are over steps 18 on (past the layout trial)")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/two_jobs.json")
     ap.add_argument("--layout", choices=LAYOUTS, default="auto",
                     help="the shims' gradient grouping (auto: the layout trial decides)")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY, REFERENCE, lower_bound, summarize
-from gradlane.demo import SystemRun, collect, launch, run_on_cluster
+from gradlane.demo import SystemRun, collect, launch, run_on_cluster, steady_start
 from gradlane.errors import TestbedError
 from gradlane.policies.profiles import trace_spec
 from gradlane.policies.straggler import proportional_shares
@@ -345,14 +345,23 @@ def _split(view: dict[str, Any], job: str) -> tuple[int, int]:
     return view["jobs"][job]["global_batch"], sum(view["plan"]["batch_shares"][job])
 
 
-def _spans(rank0: dict[str, dict[str, Any]], warmup: int) -> dict[str, list[tuple[float, float]]]:
-    """Per job, each iteration's (start, end) after `warmup`, on the monotonic clock."""
-    return {job: [(end - t, end) for t, end in zip(r["times"], r["ends"], strict=True)][warmup:]
-            for job, r in rank0.items()}
+def _spans(rank0: dict[str, dict[str, Any]],
+           warmup: int | None) -> dict[str, list[tuple[float, float]]]:
+    """Per job, each iteration's (start, end) from its first steady step, on the monotonic clock.
+
+    `warmup` None: each job's `steady_start` (past the shim's layout trial when the run is
+    long enough), as every other run is measured.
+    """
+    out = {}
+    for job, r in rank0.items():
+        skip = steady_start(len(r["times"])) if warmup is None else warmup
+        out[job] = [(end - t, end) for t, end in zip(r["times"], r["ends"], strict=True)][skip:]
+    return out
 
 
-def _shared_window(rank0: dict[str, dict[str, Any]], warmup: int = 2) -> tuple[float, float]:
-    """From when every job is past its `warmup` to when the first job ends."""
+def _shared_window(rank0: dict[str, dict[str, Any]],
+                   warmup: int | None = None) -> tuple[float, float]:
+    """From when every job is past its warm-up (`_spans`) to when the first job ends."""
     return _window(_spans(rank0, warmup))
 
 
@@ -360,8 +369,10 @@ def _window(spans: dict[str, list[tuple[float, float]]]) -> tuple[float, float]:
     return max(s[0][0] for s in spans.values()), min(s[-1][1] for s in spans.values())
 
 
-def _overlapping(rank0: dict[str, dict[str, Any]], warmup: int = 2) -> dict[str, list[float]]:
-    """Per job, the iterations (after `warmup`) that ran entirely while every job trained.
+def _overlapping(rank0: dict[str, dict[str, Any]],
+                 warmup: int | None = None) -> dict[str, list[float]]:
+    """Per job, the iterations (past its warm-up, `_spans`) that ran entirely while every
+    job trained.
 
     Raises:
         TestbedError: fewer than 3 such iterations for some job: the jobs hardly overlapped.
@@ -378,7 +389,7 @@ def _overlapping(rank0: dict[str, dict[str, Any]], warmup: int = 2) -> dict[str,
 
 def run_two_jobs(
     workdir: Path,
-    steps: int = 30,
+    steps: int = 50,
     say: Callable[[str], None] = lambda _: None,
     fifo: bool = True,
     reference: bool = False,
@@ -404,7 +415,9 @@ def run_two_jobs(
     grouping (`ShimConfig.layout`; "auto" runs the layout trial).
 
     Only iterations during which both jobs were training count (`_overlapping`):
-    the jobs' workers start a few seconds apart. Returns each job's rank-0
+    the jobs' workers start a few seconds apart; and of each job only its steady
+    steps (`steady_start`: from step 18 of 50, past the shims' layout trial, which
+    runs both groupings until it decides). Returns each job's rank-0
     iteration times per run, the shared ones, their medians, the average of
     the medians per run, the ratios, and the leaves the shims reduced within
     (None: the flat exchange).
@@ -491,6 +504,7 @@ def run_two_jobs(
         "scenario": {"name": "two-jobs-oversubscribed", "hosts": 9, "jobs": TWO_JOBS,
                      "host_link": TWO_JOB_HOST_BPS, "uplink": TWO_JOB_UPLINK_BPS,
                      "steps": steps, "workload": TWO_JOB_WORKLOAD, "layout": layout},
+        "steady_from_step": steady_start(steps),  # then only where both jobs trained
         "iteration_s": runs,
         "shared_iteration_s": shared,
         "leaves": leaves,  # per run and job: the ranks' leaves if reduced within leaves first

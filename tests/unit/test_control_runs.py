@@ -23,3 +23,21 @@ def test_jobs_that_hardly_overlap_are_an_error() -> None:
     rank0 = {"a": _rank0(0.0, 10, 1.0), "b": _rank0(8.0, 10, 1.0)}
     with pytest.raises(TestbedError, match="fewer than 3"):
         _overlapping(rank0)
+
+
+
+def _with_trial(start: float, steps: int) -> dict[str, list[float]]:
+    """Steps of 1 s but the first 18, the layout trial's, of 1.5 s."""
+    times = [1.5 if k < 18 else 1.0 for k in range(steps)]
+    ends = [start + sum(times[: k + 1]) for k in range(steps)]
+    return {"times": times, "ends": ends}
+
+
+def test_a_long_run_counts_only_steps_past_the_layout_trial() -> None:
+    # Of 50 steps each job counts from step 18 on (`steady_start`), b 0.5 s behind a:
+    # the trial's steps, which run both groupings, never enter the medians.
+    rank0 = {"a": _with_trial(0.0, 50), "b": _with_trial(0.5, 50)}
+    assert _shared_window(rank0) == (27.5, 59.0)  # b's step 18 begins .. a ends
+    assert _overlapping(rank0) == {"a": [1.0] * 31, "b": [1.0] * 31}
+    # A fixed warm-up of 2 steps would have counted them.
+    assert 1.5 in _overlapping(rank0, warmup=2)["a"]
