@@ -351,12 +351,11 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                         # Per rank: the training thread's wait for a core, per step.
                         "run_queue_s_per_step": run.run_queue_s,
                         "machine_cpu": run.machine_cpu,
-                        # Time rank 0 waited for gradients (0 for ddp, which cannot say):
-                        # iteration - waited is the compute the simulator replays.
-                        "waited_s": run.waited,
                         # Per step, the ranks' mean wait for averages and, of it, what the
                         # slowest rank's own work held back (shim systems), and per rank
-                        # the series they come from (`gradlane.demo.waits_for_slowest`).
+                        # the series they come from (`gradlane.demo.waits_for_slowest`;
+                        # 0 for ddp, which cannot say): rank 0's iteration - waited is
+                        # the compute the simulator replays (`simulation.rank0_waited`).
                         "exposed_s": run.exposed,
                         "slowest_compute_s": run.slowest,
                         "rank_steps": run.rank_steps,

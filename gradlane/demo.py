@@ -137,7 +137,6 @@ class SystemRun:
     run_queue_s: list[float] = field(default_factory=list)
     # The whole machine's CPU over rank 0's steady steps (`MachineCpu.over`).
     machine_cpu: dict[str, float] | None = None
-    waited: list[float] = field(default_factory=list)  # rank 0's exposed communication per step
     ends: list[float] = field(default_factory=list)  # when rank 0's steps ended (monotonic)
     # Systems on the shim, per step, the ranks' mean: the next forward's wait for averages,
     # and of it what the slowest rank's own work held back (`waits_for_slowest`).
@@ -343,7 +342,6 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
         cpu_sys_cores=[round(r["cpu_sys_cores"], 3) for r in ranks if "cpu_sys_cores" in r],
         run_queue_s=[round(r["run_queue_s_per_step"], 5) for r in ranks
                      if "run_queue_s_per_step" in r],
-        waited=raw.get("waited", []),
         ends=ends,
         exposed=exposed,
         slowest=slowest,

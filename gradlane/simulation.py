@@ -215,6 +215,14 @@ def run_heterogeneous(policies: tuple[str, ...], progress: Progress | None = Non
     }
 
 
+def rank0_waited(run: dict[str, Any]) -> list[float]:
+    """Rank 0's wait for averages per step in a bench run (`rank_steps`; results from
+    before it kept the series as ``waited_s``)."""
+    if run.get("rank_steps"):
+        return list(run["rank_steps"][0].get("waited", []))
+    return list(run.get("waited_s") or [])
+
+
 def measured_compute(result: dict[str, Any], system: str) -> float | None:
     """Median compute per iteration of `system` on the testbed: iteration minus waiting.
 
@@ -224,7 +232,7 @@ def measured_compute(result: dict[str, Any], system: str) -> float | None:
 
     samples = []
     for run in result["runs"].get(system, []):
-        times, waited = run["iteration_s"], run.get("waited_s") or []
+        times, waited = run["iteration_s"], rank0_waited(run)
         if len(waited) != len(times):
             return None
         samples += [t - w for t, w in zip(past_warm_up(times), past_warm_up(waited),

@@ -283,3 +283,18 @@ def test_bad_scenarios_are_refused() -> None:
         Scenario("bad", sc.topology, (replace(sc.jobs[0], hosts=(0, 9)),))
     with pytest.raises(ConfigError, match="whole leaves"):
         cluster(hosts=100)
+
+
+def test_measured_compute_is_iteration_minus_rank0s_wait_over_the_steady_steps() -> None:
+    # 40 steps of 0.2 s, rank 0 waiting 0.05 s in each steady one (another rank 0.1 s):
+    # the compute replayed is 0.15 s. Older results kept rank 0's series as `waited_s`.
+    from gradlane.simulation import measured_compute
+
+    times = [0.2] * 40
+    waited = [0.0] * 18 + [0.05] * 22
+    run = {"iteration_s": times,
+           "rank_steps": [{"waited": waited}, {"waited": [0.1] * 40}]}
+    assert measured_compute({"runs": {"gradlane": [run]}}, "gradlane") == pytest.approx(0.15)
+    old = {"iteration_s": times, "waited_s": waited}
+    assert measured_compute({"runs": {"gradlane": [old]}}, "gradlane") == pytest.approx(0.15)
+    assert measured_compute({"runs": {"gradlane": [{"iteration_s": times}]}}, "gradlane") is None
