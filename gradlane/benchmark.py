@@ -85,8 +85,8 @@ import statistics
 import tempfile
 import time
 import tomllib
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,7 +101,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CELL_NAMES", "Scenario", "cells", "dependency_bound", "load_scenario", "lower_bound",
-    "run_scenario", "summarize", "trace_layers", "waits_cell", "worker_args",
+    "narrowed", "run_scenario", "summarize", "trace_layers", "waits_cell", "worker_args",
 ]
 
 PAYLOAD_EFFICIENCY = 1448 / FRAME_BYTES
@@ -180,6 +180,30 @@ def load_scenario(path: Path) -> Scenario:
     if scenario.chunk_bytes is not None and not 4096 <= scenario.chunk_bytes <= 1 << 30:
         raise ConfigError(f"{path}: chunk_bytes must be 4096..{1 << 30}")
     return scenario
+
+
+def narrowed(
+    scenario: Scenario, systems: Sequence[str] = (), rounds: int | None = None
+) -> Scenario:
+    """`scenario` with only `systems` (in the scenario's order) and `rounds` rounds.
+
+    For quick comparisons (one system, one round) without editing the file;
+    `local`, the bound's compute, runs every round whatever the systems.
+
+    Raises:
+        ConfigError: a system the scenario does not compare, or rounds < 1.
+    """
+    unknown = [s for s in systems if s not in scenario.systems]
+    if unknown:
+        raise ConfigError(f"{scenario.name} compares {', '.join(scenario.systems)}; "
+                          f"not {', '.join(unknown)}")
+    if rounds is not None and rounds < 1:
+        raise ConfigError(f"rounds must be >= 1, got {rounds}")
+    return replace(
+        scenario,
+        systems=tuple(s for s in scenario.systems if s in systems) if systems else scenario.systems,
+        rounds=scenario.rounds if rounds is None else rounds,
+    )
 
 
 def worker_args(scenario: Scenario) -> list[str]:

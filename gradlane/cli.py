@@ -277,13 +277,41 @@ def bench() -> None:
     default=None,
     help="Result file (default: bench/results/<name>.json).",
 )
-def bench_run(scenario: Path, json_path: Path | None) -> None:
-    """Run SCENARIO (a TOML file) on an emulated cluster (needs root)."""
-    from gradlane.benchmark import CELL_NAMES, cells, load_scenario, run_scenario
+@click.option(
+    "--system",
+    "systems",
+    multiple=True,
+    help="Run only this one of the scenario's systems (repeatable); `local`, the bound's "
+    "compute, always runs. Needs --json: a partial run never replaces the scenario's result.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rounds instead of the scenario's (needs --json, as --system).",
+)
+def bench_run(
+    scenario: Path, json_path: Path | None, systems: tuple[str, ...], rounds: int | None
+) -> None:
+    """Run SCENARIO (a TOML file) on an emulated cluster (needs root).
+
+    \b
+    sudo gradlane bench run bench/scenarios/trace-vgg19.toml
+    sudo gradlane bench run bench/scenarios/trace-vgg19.toml --system gradlane \\
+        --rounds 1 --json /tmp/vgg19-gradlane.json   # a quick look at one system
+    """
+    from gradlane.benchmark import CELL_NAMES, cells, load_scenario, narrowed, run_scenario
     from gradlane.provenance import write_result
 
-    _require_root("gradlane bench run")
+    if (systems or rounds is not None) and json_path is None:
+        raise click.UsageError("--system and --rounds need --json: a partial run must not "
+                               "replace the scenario's result in bench/results/")
     spec = load_scenario(scenario)
+    try:
+        spec = narrowed(spec, systems, rounds)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    _require_root("gradlane bench run")
     out = _stdout_console()
     result = run_scenario(spec, say=lambda text: out.log(text))
     path = json_path or Path("bench/results") / f"{spec.name}.json"

@@ -25,6 +25,7 @@ from gradlane.benchmark import (
     load_scenario,
     lower_bound,
     markdown_table,
+    narrowed,
     summarize,
     trace_layers,
     worker_args,
@@ -86,6 +87,33 @@ def test_chunk_bytes_reach_every_worker(tmp_path: Path) -> None:
     path.write_text('name = "x"\nchunk_bytes = 262144\n[workload]\nkind = "cnn"\n')
     args = worker_args(load_scenario(path))
     assert args[args.index("--chunk-bytes") + 1] == "262144"
+
+
+def test_a_run_can_be_narrowed_to_some_systems_and_rounds(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\nrounds = 3\n[workload]\nkind = "cnn"\n')
+    scenario = load_scenario(path)
+    one = narrowed(scenario, ["gradlane", "ddp"], 1)
+    assert (one.systems, one.rounds) == (("ddp", "gradlane"), 1)  # the scenario's order
+    assert narrowed(scenario) == scenario
+    with pytest.raises(ConfigError, match="not nccl"):
+        narrowed(scenario, ["nccl"])
+    two = tmp_path / "y.toml"
+    two.write_text('name = "y"\nsystems = ["ddp", "gradlane"]\n[workload]\nkind = "cnn"\n')
+    with pytest.raises(ConfigError, match="compares ddp, gradlane; not fifo"):
+        narrowed(load_scenario(two), ["fifo"])
+
+
+def test_a_narrowed_run_must_not_replace_the_scenarios_result(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\n[workload]\nkind = "cnn"\n')
+    for args in (["--system", "gradlane"], ["--rounds", "1"]):
+        result = CliRunner().invoke(cli, ["bench", "run", str(path), *args])
+        assert result.exit_code == 2 and "need --json" in result.output, result.output
+    result = CliRunner().invoke(cli, ["bench", "run", str(path), "--system", "nccl",
+                                      "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 2 and "not nccl" in result.output, result.output
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_summary_speedups_are_over_ddp_and_skip_the_reference() -> None:
