@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import click
@@ -17,6 +16,7 @@ from rich.table import Table
 
 from gradlane import __version__
 from gradlane.errors import ConfigError, GradlaneError
+from gradlane.signals import unwind_on_sigterm
 from gradlane.units import format_rate, parse_rate
 
 __all__ = ["main"]
@@ -31,22 +31,9 @@ def _require_root(what: str) -> None:
         )
 
 
-_MAIN_PID = os.getpid()
-
-
 def _stdout_console() -> Console:
     """Tables on stdout; wide when piped, so that no cell wraps in a log or a test."""
     return Console(width=None if sys.stdout.isatty() else 160)
-
-
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    # Turn SIGTERM into an exception so `with Cluster(...)` blocks clean up.
-    # A forked child (pyroute2 forks to enter a namespace, and stops that
-    # child with SIGTERM) inherits this handler: it must leave at once instead
-    # of unwinding the parent's stack and removing the parent's clusters.
-    if os.getpid() != _MAIN_PID:
-        os._exit(128 + signum)
-    raise SystemExit(128 + signum)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -816,7 +803,7 @@ def daemon_main() -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _terminate)
+    unwind_on_sigterm()  # `with Cluster(...)` blocks clean up on SIGTERM as on Ctrl-C
     try:
         cli(standalone_mode=True)
     except GradlaneError as exc:

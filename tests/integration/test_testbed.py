@@ -7,10 +7,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from gradlane.testbed import Cluster, Topology
+from gradlane.testbed import Cluster, Topology, remove_cluster
 from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
 from tests.integration.helpers import max_goodput
 
@@ -148,6 +149,46 @@ def test_signal_during_a_run_cleans_up(sig: signal.Signals) -> None:
         ["pgrep", "-f", "gradlane.testbed.traffic"], capture_output=True, text=True
     ).stdout
     assert leftover == "", "traffic processes survived the clean-up"
+
+
+_SLEEPING_TEST = """
+import time
+from gradlane.testbed import Cluster, Topology
+
+def test_holds_a_cluster():
+    with Cluster(Topology.build("tterm", 2, "100mbit")) as c:
+        c.popen("h1", ["sleep", "61.5"])
+        time.sleep(60)
+"""
+
+
+def test_sigterm_to_the_test_suite_cleans_up(tmp_path: Path) -> None:
+    """A CI timeout's SIGTERM to pytest: the running test's cluster goes, and its processes."""
+    (tmp_path / "test_sleeper.py").write_text(_SLEEPING_TEST)
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-c", "/dev/null",
+         "--rootdir", str(tmp_path), str(tmp_path / "test_sleeper.py")],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(n.startswith("gl-tterm-") for n in namespaces()):
+            assert time.monotonic() < deadline and proc.poll() is None, "cluster never came up"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the sleeper starts in h1
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        left = remove_cluster("tterm")  # what the run left, removed even when this test fails
+    assert proc.returncode != 0, out
+    assert not left, out
+    assert "KeyboardInterrupt" in out, out
+    leftover = subprocess.run(["pgrep", "-f", "sleep 61.5"], capture_output=True, text=True)
+    assert leftover.stdout == "", "the test's process in h1 survived"
 
 
 def test_clean_removes_stale_namespaces_and_their_processes() -> None:
