@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, write_result  # noqa: E402
+from common import REPO, unwind_on_sigterm, write_result  # noqa: E402
 
 from gradlane.control_runs import run_control_straggler  # noqa: E402
 
@@ -41,4 +41,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
     main()
