@@ -345,39 +345,31 @@ def _split(view: dict[str, Any], job: str) -> tuple[int, int]:
     return view["jobs"][job]["global_batch"], sum(view["plan"]["batch_shares"][job])
 
 
-def _spans(rank0: dict[str, dict[str, Any]],
-           warmup: int | None) -> dict[str, list[tuple[float, float]]]:
-    """Per job, each iteration's (start, end) from its first steady step, on the monotonic clock.
-
-    `warmup` None: each job's `steady_start` (past the shim's layout trial when the run is
-    long enough), as every other run is measured.
-    """
-    out = {}
-    for job, r in rank0.items():
-        skip = steady_start(len(r["times"])) if warmup is None else warmup
-        out[job] = [(end - t, end) for t, end in zip(r["times"], r["ends"], strict=True)][skip:]
-    return out
+def _spans(rank0: dict[str, dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per job, each iteration's (start, end) from its first steady step (`steady_start`:
+    past the shim's layout trial when the run is long enough, as every run is measured),
+    on the monotonic clock."""
+    return {job: [(end - t, end) for t, end in zip(r["times"], r["ends"], strict=True)]
+            [steady_start(len(r["times"])):] for job, r in rank0.items()}
 
 
-def _shared_window(rank0: dict[str, dict[str, Any]],
-                   warmup: int | None = None) -> tuple[float, float]:
+def _shared_window(rank0: dict[str, dict[str, Any]]) -> tuple[float, float]:
     """From when every job is past its warm-up (`_spans`) to when the first job ends."""
-    return _window(_spans(rank0, warmup))
+    return _window(_spans(rank0))
 
 
 def _window(spans: dict[str, list[tuple[float, float]]]) -> tuple[float, float]:
     return max(s[0][0] for s in spans.values()), min(s[-1][1] for s in spans.values())
 
 
-def _overlapping(rank0: dict[str, dict[str, Any]],
-                 warmup: int | None = None) -> dict[str, list[float]]:
+def _overlapping(rank0: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
     """Per job, the iterations (past its warm-up, `_spans`) that ran entirely while every
     job trained.
 
     Raises:
         TestbedError: fewer than 3 such iterations for some job: the jobs hardly overlapped.
     """
-    spans = _spans(rank0, warmup)
+    spans = _spans(rank0)
     start, stop = _window(spans)
     out = {job: [b - a for a, b in s if a >= start and b <= stop] for job, s in spans.items()}
     short = [job for job, times in out.items() if len(times) < 3]
