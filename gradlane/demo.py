@@ -814,6 +814,8 @@ def run_demo(
     plot(result, png)
     console.print(f"figure: {png}")
     if json_path is not None:
-        json_path.write_text(json.dumps(result.as_json(), indent=1))
+        from gradlane.provenance import write_result
+
+        write_result(json_path, result.as_json())  # with the commit, kernel and CPU
         console.print(f"raw numbers: {json_path}")
     return result

@@ -45,6 +45,7 @@ def test_demo_runs_both_systems_and_writes_table_figure_and_json(tmp_path: Path)
     result = json.loads(raw.read_text())
     assert result["final_loss_relative_gap"] < 0.01
     assert result["loss_curve_max_relative_gap"] < 0.01  # same seed, same batches: same curve
+    assert result["environment"]["commit"] and result["environment"]["kernel"]
     for system in ("ddp", "gradlane"):
         run = result["systems"][system]
         assert len(run["iteration_s"]) == 15
