@@ -17,23 +17,28 @@ import contextlib
 import ipaddress
 import socket
 import struct
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.rtnl.tcmsg import cls_u32, tcmsg
 
 from gradlane.errors import TcError
 
 __all__ = [
     "ETH_P_ALL",
     "ETH_P_IP",
+    "TC_U32_ROOT",
+    "ByteMap",
     "HtbClass",
     "HtbParams",
     "U32Filter",
     "U32Key",
     "dscp_key",
     "fmt_handle",
+    "fmt_u32_handle",
     "handle",
     "htb_class_kwargs",
     "ipv4_tcp_keys",
@@ -43,6 +48,7 @@ __all__ = [
     "translated",
     "u32_bytemap",
     "u32_key_strings",
+    "u32_message",
 ]
 
 ETH_P_IP = 0x0800
@@ -64,6 +70,11 @@ def handle(major: int, minor: int) -> int:
 def fmt_handle(value: int) -> str:
     """Format a tc handle as tc prints it, e.g. ``474c:101``."""
     return f"{value >> 16:x}:{value & 0xFFFF:x}"
+
+
+def fmt_u32_handle(value: int) -> str:
+    """Format a u32 node handle as tc prints it: table, bucket, node (``474:c5:1``)."""
+    return f"{value >> 20:x}:{(value >> 12) & 0xFF:x}:{value & 0xFFF:x}"
 
 
 @contextlib.contextmanager
@@ -217,12 +228,22 @@ def u32_bytemap(keys: Iterable[U32Key]) -> ByteMap:
 
 @dataclass(frozen=True)
 class U32Filter:
-    """A terminal u32 filter as the kernel reports it."""
+    """A u32 node as the kernel reports it.
+
+    Three kinds: a terminal filter (`classid` set: a match sends the packet
+    there), a link (`link` set: a match looks the packet up in that hash
+    table, in the bucket its `hashkey` picks), and a hash table (`divisor`
+    buckets, no selector).
+    """
 
     pref: int
     classid: int
     bytemap: ByteMap
     handle: int = 0  # the kernel's node handle (e.g. 800::800); 0 when not known
+    link: int = 0  # the handle of the hash table a link leads to
+    divisor: int = 0  # a hash table's number of buckets
+    hashkey: tuple[int, int] = (0, 0)  # a link's (mask, offset) of the word it hashes
+    terminal: bool = True
 
 
 _SEL_HEADER = 16  # struct tc_u32_sel before its keys
@@ -230,24 +251,29 @@ _SEL_HEADER = 16  # struct tc_u32_sel before its keys
 _KEY_MASK_VAL = struct.Struct(">II")
 _KEY_OFF = struct.Struct("=i")
 _KEY_SIZE = 16
+TC_U32_TERMINAL = 1  # tc_u32_sel.flags: a match ends the classification
+TC_U32_ROOT = 0xFFF00000  # TCA_U32_HASH: the root table of the filter's priority
 
 
 def parse_u32_filter(msg: Any) -> U32Filter | None:
-    """Decode a u32 filter node from ``ipr.get_filters()``.
+    """Decode a u32 node from ``ipr.get_filters()``.
 
-    Returns None for the hash-table and root entries the kernel reports next
-    to each real filter. The keys are read from the raw attribute because
-    pyroute2 0.9 decodes them at the wrong offset.
+    Returns None for the entry the kernel reports for each filter priority
+    itself. The keys are read from the raw attribute because pyroute2 0.9
+    decodes them at the wrong offset.
     """
     if msg.get_attr("TCA_KIND") != "u32":
         return None
     options = msg.get_attr("TCA_OPTIONS")
     if options is None:
         return None
-    classid = options.get_attr("TCA_U32_CLASSID")
+    pref = msg["info"] >> 16
+    divisor = options.get_attr("TCA_U32_DIVISOR")
     sel = options.get_attr("TCA_U32_SEL")
-    if classid is None or sel is None:
-        return None
+    if sel is None:
+        if divisor is None:
+            return None
+        return U32Filter(pref, 0, frozenset(), handle=msg["handle"], divisor=divisor)
     start = sel.offset + 4 + _SEL_HEADER
     keys = []
     for i in range(sel["nkeys"]):
@@ -255,9 +281,86 @@ def parse_u32_filter(msg: Any) -> U32Filter | None:
         mask, val = _KEY_MASK_VAL.unpack_from(sel.data, at)
         (off,) = _KEY_OFF.unpack_from(sel.data, at + _KEY_MASK_VAL.size)
         keys.append((val, mask, off))
+    link = options.get_attr("TCA_U32_LINK")  # pyroute2 decodes it as "aa:bb:cc:dd"
     return U32Filter(
-        pref=msg["info"] >> 16, classid=classid, bytemap=u32_bytemap(keys), handle=msg["handle"]
+        pref=pref,
+        classid=options.get_attr("TCA_U32_CLASSID") or 0,
+        bytemap=u32_bytemap(keys),
+        handle=msg["handle"],
+        link=int.from_bytes(bytes.fromhex(link.replace(":", "")), sys.byteorder) if link else 0,
+        hashkey=(sel["hmask"], sel["hoff"]),
+        terminal=bool(sel["flags"] & TC_U32_TERMINAL),
     )
+
+
+class _U32Options(cls_u32.options):  # type: ignore[misc]
+    """pyroute2's u32 options with a selector that need not be terminal (a link)."""
+
+    class u32_sel(cls_u32.options.u32_sel):  # type: ignore[misc]
+        def encode(self) -> None:
+            terminal = self.get("terminal", True)
+            super().encode()  # always writes flags = TC_U32_TERMINAL
+            self.data[self.offset + 4] = TC_U32_TERMINAL if terminal else 0
+
+
+class _U32Message(tcmsg):  # type: ignore[misc]
+    @staticmethod
+    def get_options(self: Any, *argv: Any, **kwarg: Any) -> type:
+        return _U32Options
+
+
+# pyroute2 compiles a message class's attribute table once, and a subclass inherits
+# it compiled: without their own, these two would encode as their parents do.
+for _cls in (_U32Options, _U32Message):
+    _cls._nlmsg_base__compiled_nla = False
+
+
+def u32_message(
+    index: int,
+    parent: int,
+    pref: int,
+    handle: int,
+    *,
+    keys: Iterable[U32Key] | None = None,
+    classid: int = 0,
+    table: int = 0,
+    link: int = 0,
+    hashkey: tuple[int, int] = (0, 0),
+    divisor: int = 0,
+) -> Any:
+    """A u32 filter message for ``nlm_request_batch`` (the caller sets the header's
+    type and flags), for what ``ipr.tc`` cannot build: a hash table (`divisor`
+    buckets), a link to one (`link`, hashing the word at ``hashkey[1]`` masked by
+    ``hashkey[0]``; not terminal), a node in one of its buckets (`table`: its
+    handle plus the bucket << 12; or `TC_U32_ROOT`). `keys` None: no options
+    (a delete)."""
+    msg = _U32Message()
+    msg["family"] = socket.AF_UNSPEC
+    msg["index"] = index
+    msg["handle"] = handle
+    msg["parent"] = parent
+    msg["info"] = filter_info(pref)
+    options: list[list[Any]] = []
+    if divisor:
+        options.append(["TCA_U32_DIVISOR", divisor])
+    elif keys is not None:
+        if table:
+            options.append(["TCA_U32_HASH", table])
+        if link:
+            options.append(["TCA_U32_LINK", struct.pack("=I", link)])  # pyroute2: raw bytes
+        if classid:
+            options.append(["TCA_U32_CLASSID", classid])
+        sel = {
+            "keys": u32_key_strings(keys),
+            "terminal": not link,
+            "hmask": hashkey[0],
+            "hoff": hashkey[1],
+        }
+        options.append(["TCA_U32_SEL", sel])
+    msg["attrs"] = [["TCA_KIND", "u32"]]
+    if options:
+        msg["attrs"].append(["TCA_OPTIONS", {"attrs": options}])
+    return msg
 
 
 def filter_info(pref: int, protocol: int = ETH_P_IP) -> int:

@@ -42,6 +42,11 @@ def _daemon(r: dict[str, Any]) -> bool:
     return r["results"]["change_to_kernel_ms"]["median"] > 0
 
 
+def _flow_filters(r: dict[str, Any]) -> bool:
+    row = r["results"]["50"]
+    return all(v > 0 for v in row["median_goodput_bps"].values()) and row["hashed_apply_s"]
+
+
 SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
     ("policy_plan.py", ["--repeat", "1"], _plan, False),
     ("control.py", ["--daemons", "5", "--seconds", "1"], _control, False),
@@ -49,6 +54,7 @@ SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
     ("shim_overlap.py", ["--iters", "3", "--warmup", "1", "--rounds", "1", "--forward-ms", "5",
                          "--model-mb", "1"], _overlap, True),
     ("daemon.py", ["--samples", "5"], _daemon, True),
+    ("flow_filters.py", ["--flows", "50", "--rounds", "1", "--seconds", "2"], _flow_filters, True),
 ]
 
 

@@ -37,8 +37,10 @@ def classes(cluster: Cluster, host: str = "h1") -> list[str]:
 
 
 def filter_prefs(cluster: Cluster, host: str = "h1") -> list[int]:
+    """The priorities of the filters that classify, one per filter (registered flows
+    share one priority, each DSCP fallback has its own)."""
     shown = tc(cluster.ns(host), "filter", "show", "dev", "eth0")
-    return sorted({int(p) for p in re.findall(r"pref (\d+) u32 .*flowid", shown)})
+    return sorted(int(p) for p in re.findall(r"pref (\d+) u32 .*flowid", shown))
 
 
 def status(cluster: Cluster, host: str = "h1") -> dict[str, Any]:
@@ -137,7 +139,8 @@ def test_bands_land_in_their_leaves_and_sigterm_restores(cluster: Cluster, tmp_p
     try:
         assert worker.stdout.readline().strip() == "registered"
         wait_for(lambda: set(classes(cluster)) >= JOB_CLASSES, "the job's classes")
-        assert len(filter_prefs(cluster)) == 4 + 4  # one per band connection + DSCP fallbacks
+        # one per band connection, in the flow hash table, + the DSCP fallbacks
+        assert filter_prefs(cluster) == [0x100] * 4 + [0x8000, 0x8001, 0x8002, 0x8003]
         before = leaf_bytes(cluster)
         worker.stdin.write("\n")
         worker.stdin.flush()

@@ -79,6 +79,45 @@ def test_registered_5tuple_overrides_dscp(cluster: Cluster, manager: QdiscManage
     assert after["474c:2"] - before["474c:2"] < 1_000_000  # not in "other traffic"
 
 
+def test_thousands_of_flows_hash_and_classify(cluster: Cluster, manager: QdiscManager) -> None:
+    # More flows than the kernel has u32 filter priorities (2,047 a qdisc), as a
+    # priority per flow needed; among them the registered one, and neighbours
+    # in its hash bucket (same bits 1-8 of the destination port).
+    h1, h2 = cluster.addr("h1"), cluster.addr("h2")
+    others = tuple(
+        FlowMatch(band=i % 4, src=h1, sport=20000 + i, dst=h2, dport=5301 + 512 * (1 + i % 100))
+        for i in range(3000)
+    )
+    ours = FlowMatch(band=1, dst=h2, dport=5301)
+    changes = manager.apply(job_spec(flows=(*others[:1500], ours, *others[1500:])))
+    assert sum(c.startswith("add flow 474:") for c in changes) == 3001
+    assert manager.apply(job_spec(flows=(*others, ours)), verify=True) == []
+    before = {s.classid: s.bytes for s in manager.class_stats()}
+    run_flows(cluster, [Flow("h1", "h2", dscp=0, nbytes=4_000_000, label="reg")], port=5301)
+    after = {s.classid: s.bytes for s in manager.class_stats()}
+    assert after["474c:102"] - before["474c:102"] >= 4_000_000
+    assert after["474c:2"] - before["474c:2"] < 1_000_000  # not in "other traffic"
+    shown = tc(cluster.ns("h1"), "filter", "show", "dev", "eth0")
+    assert "hash mask 000001fe at 20" in shown and shown.count("flowid 474c:") == 3001 + 4
+
+
+def test_a_flow_table_left_behind_is_adopted(cluster: Cluster, manager: QdiscManager) -> None:
+    spec = job_spec(flows=(FlowMatch(band=1, dst=cluster.addr("h2"), dport=5301),))
+    manager.apply(spec)
+    # Deleting the flows' filter priority alone leaves its hash table in the kernel
+    # (the DSCP fallbacks keep the u32 classifier alive), flows and all.
+    tc(cluster.ns("h1"), "filter", "del", "dev", "eth0", "pref", str(0x100))
+    assert "ht 474" not in tc(cluster.ns("h1"), "filter", "show", "dev", "eth0")
+    moved = job_spec(flows=(FlowMatch(band=3, dst=cluster.addr("h2"), dport=5301),))
+    changes = manager.apply(moved, verify=True)
+    # the link adopts the table, whose flow is retargeted, not added twice
+    assert changes == ["add flow hash table", "change flow 474:5a:1 -> 474c:104"]
+    before = {s.classid: s.bytes for s in manager.class_stats()}
+    run_flows(cluster, [Flow("h1", "h2", dscp=0, nbytes=2_000_000, label="reg")], port=5301)
+    after = {s.classid: s.bytes for s in manager.class_stats()}
+    assert after["474c:104"] - before["474c:104"] >= 2_000_000
+
+
 def test_class_stats_count_traffic_and_derive_throughput(cluster: Cluster, tmp_path: Path) -> None:
     times = iter([100.0, 102.0])
     with QdiscManager(

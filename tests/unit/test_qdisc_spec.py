@@ -1,10 +1,16 @@
 """The qdisc manager's pure parts: spec validation, the wanted tree, the filter diff."""
 
+from dataclasses import replace
+
 import pytest
 from pyroute2.netlink.rtnl import TC_H_ROOT
 
 from gradlane.daemon.qdisc import (
     DSCP_PREF_BASE,
+    FLOW_HASHKEY,
+    FLOW_PREF,
+    FLOW_TABLE,
+    LINK_KEYS,
     FlowMatch,
     JobSpec,
     QdiscSpec,
@@ -68,27 +74,91 @@ def test_wanted_tree_shape() -> None:
     assert leaf.rate_bps <= leaf.ceil_bps // 1000  # leaves live on borrowed bandwidth
 
 
+FLOW = FlowMatch(1, src="10.0.0.1", sport=40000, dst="10.0.0.2", dport=5000)
+TABLE = U32Filter(FLOW_PREF, 0, frozenset(), FLOW_TABLE, divisor=256)
+LINK = U32Filter(FLOW_PREF, 0, u32_bytemap(LINK_KEYS), 0x80000001, link=FLOW_TABLE,
+                 hashkey=FLOW_HASHKEY, terminal=False)  # fmt: skip
+
+
+def flow_node(flow: FlowMatch, classid: int, node: int = 1) -> U32Filter:
+    """`flow` as the kernel reports it in its bucket of the hash table."""
+    bucket = flow.bucket()
+    assert bucket is not None
+    return U32Filter(FLOW_PREF, classid, u32_bytemap(flow.keys()), FLOW_TABLE | bucket << 12 | node)
+
+
 def test_filters_existing_in_kernel_are_kept_and_missing_ones_added() -> None:
-    s = spec(jobs=(JobSpec("a", M, 100 * M, flows=(FlowMatch(1, dport=5000),)),))
+    s = spec(jobs=(JobSpec("a", M, 100 * M, flows=(FLOW,)),))
     want = _wanted_filters(s, {"a": 1})
     dscp0 = U32Filter(DSCP_PREF_BASE, 0x474C0101, u32_bytemap([dscp_key(46)]))
-    flow = U32Filter(0x100, 0x474C0102, u32_bytemap(FlowMatch(1, dport=5000).keys()))
-    stale = U32Filter(0x101, 0x474C0103, u32_bytemap(FlowMatch(2, dport=6000).keys()))
+    flow = flow_node(FLOW, 0x474C0102)
+    gone = flow_node(FlowMatch(2, dport=6000), 0x474C0103)
+    older = U32Filter(0x101, 0x474C0103, u32_bytemap(FlowMatch(2, dport=6000).keys()))
     wrong_dscp = U32Filter(DSCP_PREF_BASE + 1, 0x474C0102, u32_bytemap([dscp_key(10)]))
-    keep, add, moved = _diff_filters(want, [dscp0, flow, stale, wrong_dscp])
-    assert keep == {DSCP_PREF_BASE, 0x100}  # stale and wrong_dscp get deleted
-    assert sorted(kind for kind, _, _ in add) == [1, 2, 3]  # DSCP bands 1..3 re-added
-    keep, add, moved = _diff_filters(want, [])
-    assert keep == set() and len(add) == 5 and moved == []
+    diff = _diff_filters(want, [dscp0, TABLE, LINK, flow, gone, older, wrong_dscp])
+    # a flow that left goes alone; a priority per flow (an older gradlane's) and a
+    # wrong DSCP fallback go whole; the table stays
+    assert diff.drop_prefs == {0x101, DSCP_PREF_BASE + 1} and diff.drop_nodes == [gone]
+    assert sorted(w.pref - DSCP_PREF_BASE for w in diff.add) == [1, 2, 3]  # DSCP bands 1..3
+    assert not diff.build_table and diff.retarget == []
+    diff = _diff_filters(want, [])
+    assert diff.build_table and len(diff.add) == 5 and diff.drop_prefs == set()
 
 
 def test_a_flow_moved_to_another_band_is_retargeted_in_place() -> None:
-    s = spec(jobs=(JobSpec("a", M, 100 * M, flows=(FlowMatch(3, dport=5000),)),))
-    want = _wanted_filters(s, {"a": 1})
-    node = U32Filter(0x100, 0x474C0102, u32_bytemap(FlowMatch(1, dport=5000).keys()), 0x80000800)
-    keep, add, moved = _diff_filters(want, [node])
-    assert 0x100 in keep and [item for item in add if item[0] < 0] == []
-    assert [(old.pref, target) for old, _, target in moved] == [(0x100, 0x474C0104)]
-    unknown = U32Filter(0x100, 0x474C0102, node.bytemap)  # handle not known: delete + add
-    keep, add, moved = _diff_filters(want, [unknown])
-    assert 0x100 not in keep and moved == [] and [i for i in add if i[0] < 0][0][2] == 0x474C0104
+    moved = FlowMatch(3, FLOW.src, FLOW.sport, FLOW.dst, FLOW.dport)
+    want = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(moved,)),)), {"a": 1})
+    node = flow_node(FLOW, 0x474C0102)
+    diff = _diff_filters(want, [TABLE, LINK, node])
+    assert [(old, item.classid) for old, item in diff.retarget] == [(node, 0x474C0104)]
+    assert [w for w in diff.add if w.pref == FLOW_PREF] == [] and diff.drop_nodes == []
+
+
+def test_a_flow_out_of_its_bucket_is_replaced() -> None:
+    want = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(FLOW,)),)), {"a": 1})
+    in_root = U32Filter(FLOW_PREF, 0x474C0102, u32_bytemap(FLOW.keys()), 0x80000002)
+    diff = _diff_filters(want, [TABLE, LINK, in_root])
+    assert diff.drop_nodes == [in_root]
+    assert [w.bucket for w in diff.add if w.pref == FLOW_PREF] == [FLOW.bucket()]
+
+
+@pytest.mark.parametrize(
+    "link",
+    [
+        replace(LINK, terminal=True),  # would end classification before the DSCP fallbacks
+        replace(LINK, hashkey=(0xFF, 20)),
+        replace(LINK, link=0x12300000),
+    ],
+)
+def test_a_broken_flow_table_is_rebuilt(link: U32Filter) -> None:
+    want = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(FLOW,)),)), {"a": 1})
+    diff = _diff_filters(want, [TABLE, link, flow_node(FLOW, 0x474C0102)])
+    assert diff.build_table and FLOW_PREF in diff.drop_prefs
+    assert [w.classid for w in diff.add if w.pref == FLOW_PREF] == [0x474C0102]
+
+
+def test_the_flow_table_stays_when_the_last_flow_goes() -> None:
+    want = _wanted_filters(spec(), {"a": 1, "b": 2})
+    node = flow_node(FLOW, 0x474C0102)
+    diff = _diff_filters(want, [TABLE, LINK, node])
+    assert FLOW_PREF not in diff.drop_prefs and diff.drop_nodes == [node]
+    assert not diff.build_table
+
+
+def test_flows_hash_on_bits_1_to_8_of_the_destination_port() -> None:
+    # the kernel's bucket: (port word & 0x1fe) >> 1, the port word being sport << 16 | dport
+    assert FlowMatch(0, dport=5301).bucket() == (5301 & 0x1FE) >> 1 == 0x5A
+    evens = {FlowMatch(0, dport=32768 + 2 * i).bucket() for i in range(256)}
+    assert evens == set(range(256))  # connect()'s even ephemeral ports fill every bucket
+    assert FlowMatch(0, sport=5301).bucket() is None  # no port to hash: the root table
+
+
+def test_a_bucket_holds_at_most_4095_flows() -> None:
+    same_bucket = tuple(FlowMatch(0, sport=1 + i, dport=5000) for i in range(4096))
+    with pytest.raises(ConfigError, match="at most 4095 registered flows in one hash bucket"):
+        spec(jobs=(JobSpec("a", M, 100 * M, flows=same_bucket),))
+    spread = tuple(FlowMatch(0, sport=1 + i % 60000, dport=1 + i % 65535) for i in range(40_000))
+    spec(jobs=(JobSpec("a", M, 100 * M, flows=spread),))  # far beyond 2,047 priorities
+    no_port = tuple(FlowMatch(0, sport=1 + i) for i in range(4095))
+    with pytest.raises(ConfigError, match="at most 4094 registered flows without a destination"):
+        spec(jobs=(JobSpec("a", M, 100 * M, flows=no_port),))

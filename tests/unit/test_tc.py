@@ -1,14 +1,23 @@
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
+from pyroute2.netlink.rtnl import RTM_NEWTFILTER
+from pyroute2.netlink.rtnl.tcmsg import cls_u32, tcmsg
 
 from gradlane.daemon.tc import (
+    TC_U32_ROOT,
+    U32Filter,
     dscp_key,
     fmt_handle,
+    fmt_u32_handle,
     handle,
     htb_class_kwargs,
     ipv4_tcp_keys,
+    parse_u32_filter,
     tos_class_key,
     u32_bytemap,
+    u32_message,
 )
 
 
@@ -68,3 +77,35 @@ def test_htb_kwargs_are_bytes_per_second_with_explicit_bursts() -> None:
     assert kw["burst"] == 25_000 and kw["cburst"] == 50_000
     small = htb_class_kwargs(8_000, 8_000, 0, 1514)
     assert small["burst"] == 2 * 1514  # never under two frames
+
+
+def _round_trip(msg: Any) -> U32Filter | None:
+    """`msg` encoded, then decoded as a dump of the kernel's would be."""
+    msg["header"]["type"] = RTM_NEWTFILTER
+    msg.encode()
+    echoed = tcmsg(bytes(msg.data))
+    echoed.decode()
+    return parse_u32_filter(echoed)
+
+
+def test_u32_messages_say_what_ipr_tc_cannot() -> None:
+    # pyroute2 compiles a message class's attribute table at first use, and a subclass
+    # would inherit the parent's: use the parents first, as a running daemon has.
+    tcmsg(), cls_u32.options()
+    link = _round_trip(
+        u32_message(3, 0x474C0000, 0x100, 1, keys=ipv4_tcp_keys(), table=TC_U32_ROOT,
+                    link=0x47400000, hashkey=(0x1FE, 20))
+    )  # fmt: skip
+    assert link is not None
+    assert (link.link, link.hashkey, link.terminal, link.classid) == (0x47400000, (0x1FE, 20),
+                                                                     False, 0)  # fmt: skip
+    assert link.bytemap == u32_bytemap(ipv4_tcp_keys()) and link.pref == 0x100
+    flow = _round_trip(
+        u32_message(3, 0x474C0000, 0x100, 0x4745A001, keys=ipv4_tcp_keys(dport=5301),
+                    classid=0x474C0102, table=0x4745A000)
+    )  # fmt: skip
+    assert flow is not None and flow.terminal and flow.classid == 0x474C0102
+    assert flow.handle == 0x4745A001 and fmt_u32_handle(flow.handle) == "474:5a:1"
+    table = _round_trip(u32_message(3, 0x474C0000, 0x100, 0x47400000, divisor=256))
+    assert table is not None and (table.divisor, table.handle) == (256, 0x47400000)
+    assert _round_trip(u32_message(3, 0x474C0000, 0x100, 0x4745A001)) is None  # a delete
