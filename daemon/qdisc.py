@@ -619,17 +619,25 @@ class QdiscManager:
             changes.append(f"delete filter pref {pref:#x}")
         for node in diff.drop_nodes:
             self._send_u32(RTM_DELTFILTER, index, FLOW_PREF, node.handle)
-            view.filters.remove(node)
             changes.append(f"delete flow {fmt_u32_handle(node.handle)}")
+        if diff.drop_nodes:  # one pass: thousands of flows may leave at once
+            gone = {node.handle for node in diff.drop_nodes}
+            view.filters = [f for f in view.filters if f.pref != FLOW_PREF or f.handle not in gone]
 
     def _add_filters(self, index: int, diff: _FilterDiff, view: _View, changes: list[str]) -> None:
         for node, item in diff.retarget:  # a registered flow moved to another band
             self._send_u32(
                 RTM_NEWTFILTER, index, FLOW_PREF, node.handle, keys=item.keys, classid=item.classid
             )
-            view.filters[view.filters.index(node)] = replace(node, classid=item.classid)
             target = fmt_handle(item.classid)
             changes.append(f"change flow {fmt_u32_handle(node.handle)} -> {target}")
+        if diff.retarget:
+            moved = {node.handle: item.classid for node, item in diff.retarget}
+            view.filters = [
+                replace(f, classid=moved[f.handle]) if f.pref == FLOW_PREF and f.handle in moved
+                else f
+                for f in view.filters
+            ]
         flow_nodes = [f for f in view.filters if f.pref == FLOW_PREF]
         used = {f.handle for f in flow_nodes}
         root = next((f.handle & 0xFFF00000 for f in flow_nodes if f.link), 0)
