@@ -39,6 +39,7 @@ file before gradlane replaces it, and `restore` puts it back exactly.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -578,7 +579,7 @@ class QdiscManager:
             self.ipr.tc("del-class", index=index, handle=classid)
 
     def _add_filter(
-        self, index: int, pref: int, keys: list[tuple[int, int, int]], classid: int
+        self, index: int, pref: int, keys: Iterable[tuple[int, int, int]], classid: int
     ) -> None:
         """Add a filter of its own priority (a DSCP fallback)."""
         with translated(self.ifname, f"add-filter pref {pref:#x} -> {fmt_handle(classid)}"):
@@ -644,7 +645,7 @@ class QdiscManager:
         for item in diff.add:
             if item.pref != FLOW_PREF:
                 self._add_filter(index, item.pref, item.keys, item.classid)
-                view.filters.append(U32Filter(item.pref, item.classid, u32_bytemap(item.keys)))
+                view.filters.append(U32Filter(item.pref, item.classid, item.bytemap))
                 changes.append(f"add filter pref {item.pref:#x} -> {fmt_handle(item.classid)}")
                 continue
             table = TC_U32_ROOT if item.bucket is None else FLOW_TABLE | item.bucket << 12
@@ -654,7 +655,7 @@ class QdiscManager:
                 table=table,
             )  # fmt: skip
             used.add(new)
-            view.filters.append(U32Filter(FLOW_PREF, item.classid, u32_bytemap(item.keys), new))
+            view.filters.append(U32Filter(FLOW_PREF, item.classid, item.bytemap, new))
             changes.append(f"add flow {fmt_u32_handle(new)} -> {fmt_handle(item.classid)}")
 
     def _build_flow_table(self, index: int) -> None:
@@ -760,7 +761,8 @@ class _Want:
     (`FLOW_PREF`, in `bucket` of the hash table; None: the root table)."""
 
     pref: int
-    keys: list[tuple[int, int, int]]
+    keys: tuple[tuple[int, int, int], ...]
+    bytemap: ByteMap
     classid: int
     bucket: int | None = None
 
@@ -779,12 +781,25 @@ def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[_Want]:
     for job in spec.jobs:
         base = handle(MARKER, slots[job.name] << 8)
         for flow in job.flows:
-            out.append(_Want(FLOW_PREF, flow.keys(), base + flow.band + 1, flow.bucket()))
+            keys, bytemap = _flow_match(flow.src, flow.sport, flow.dst, flow.dport)
+            out.append(_Want(FLOW_PREF, keys, bytemap, base + flow.band + 1, flow.bucket()))
     if spec.dscp_job is not None:
         base = handle(MARKER, slots[spec.dscp_job] << 8)
         for band, dscp in enumerate(spec.bands):
-            out.append(_Want(DSCP_PREF_BASE + band, [dscp_key(dscp)], base + band + 1))
+            key = dscp_key(dscp)
+            out.append(_Want(DSCP_PREF_BASE + band, (key,), u32_bytemap([key]), base + band + 1))
     return out
+
+
+@functools.lru_cache(maxsize=1 << 14)  # about 2.3 KB each: 37 MB at most
+def _flow_match(
+    src: str | None, sport: int | None, dst: str | None, dport: int | None
+) -> tuple[tuple[tuple[int, int, int], ...], ByteMap]:
+    """A 5-tuple's u32 keys and their byte map, computed once per flow: every
+    reconcile wants every registered flow again (parsing the addresses was most
+    of a reconcile's time with thousands of flows)."""
+    keys = tuple(ipv4_tcp_keys(src, sport, dst, dport))
+    return keys, u32_bytemap(keys)
 
 
 def _bucket_of(node: U32Filter) -> int | None:
@@ -832,10 +847,7 @@ def _diff_filters(want: list[_Want], have: list[U32Filter]) -> _FilterDiff:
         if item.pref == FLOW_PREF:
             continue
         found = [f for f in by_pref.get(item.pref, []) if f.classid]
-        if len(found) == 1 and (found[0].bytemap, found[0].classid) == (
-            u32_bytemap(item.keys),
-            item.classid,
-        ):
+        if len(found) == 1 and (found[0].bytemap, found[0].classid) == (item.bytemap, item.classid):
             keep.add(item.pref)
         else:
             diff.add.append(item)
@@ -843,7 +855,7 @@ def _diff_filters(want: list[_Want], have: list[U32Filter]) -> _FilterDiff:
     if nodes and _flow_table_ok(nodes):  # kept even when empty: see `_build_flow_table`
         keep.add(FLOW_PREF)
         wanted: dict[tuple[int | None, ByteMap], _Want]
-        wanted = {(w.bucket, u32_bytemap(w.keys)): w for w in flows}
+        wanted = {(w.bucket, w.bytemap): w for w in flows}
         for node in nodes:
             if not node.classid:
                 continue  # the table, the link
