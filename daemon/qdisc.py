@@ -57,14 +57,12 @@ from pyroute2.netlink.rtnl import RTM_DELTFILTER, RTM_NEWTFILTER, TC_H_ROOT
 
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.daemon.tc import (
-    ETH_P_IP,
     TC_U32_ROOT,
     ByteMap,
     HtbClass,
     HtbParams,
     U32Filter,
     dscp_key,
-    filter_info,
     fmt_handle,
     fmt_u32_handle,
     handle,
@@ -74,7 +72,6 @@ from gradlane.daemon.tc import (
     parse_u32_filter,
     translated,
     u32_bytemap,
-    u32_key_strings,
     u32_message,
 )
 from gradlane.errors import ConfigError, ForeignQdiscError, TcError
@@ -101,6 +98,7 @@ FLOW_PREF = 0x100  # the registered flows, tried first
 FLOW_TABLE = 0x474 << 20  # their hash table "474:" (a u32 table id: the top 12 bits)
 FLOW_BUCKETS = 256
 FLOW_HASHKEY = (0x000001FE, 20)  # bits 1-8 of the destination port (ephemeral ports are even)
+_HASH_SHIFT = (FLOW_HASHKEY[0] & -FLOW_HASHKEY[0]).bit_length() - 1  # the kernel's: to bit 0
 MAX_NODE = 0xFFF  # node ids per bucket: 1..0xFFF
 LINK_NODE = 1  # the link's node id in the root table: ahead of flows without a port
 DSCP_PREF_BASE = 0x8000  # + band: the DSCP fallbacks, tried after the flows
@@ -125,8 +123,7 @@ class FlowMatch:
         """Its bucket of the flow hash table (None: no port to hash, the root table)."""
         if self.dport is None:
             return None
-        mask, _ = FLOW_HASHKEY
-        return (self.dport & mask) >> ((mask & -mask).bit_length() - 1)
+        return (self.dport & FLOW_HASHKEY[0]) >> _HASH_SHIFT
 
 
 @dataclass(frozen=True)
@@ -578,48 +575,29 @@ class QdiscManager:
         with translated(self.ifname, f"delete class {fmt_handle(classid)}"):
             self.ipr.tc("del-class", index=index, handle=classid)
 
-    def _add_filter(
-        self, index: int, pref: int, keys: Iterable[tuple[int, int, int]], classid: int
-    ) -> None:
-        """Add a filter of its own priority (a DSCP fallback)."""
-        with translated(self.ifname, f"add-filter pref {pref:#x} -> {fmt_handle(classid)}"):
-            self.ipr.tc(
-                "add-filter",
-                "u32",
-                index,
-                parent=ROOT,
-                prio=pref,
-                protocol=ETH_P_IP,
-                target=classid,
-                keys=u32_key_strings(keys),
-            )
-
-    def _del_filter(self, index: int, pref: int) -> None:
-        with translated(self.ifname, f"delete filter pref {pref:#x}"):
-            self.ipr.tc("del-filter", index=index, parent=ROOT, info=filter_info(pref))
-
-    def _send_u32(self, kind: int, index: int, pref: int, node: int, **options: Any) -> None:
-        """Add (or with an existing node's handle, change) or delete one u32 node."""
-        if kind == RTM_DELTFILTER:
-            what, flags = "delete", NLM_F_REQUEST | NLM_F_ACK
-            msg = u32_message(index, ROOT, pref, node)
-        else:
-            new = options.get("table") is not None or options.get("divisor")
-            what = "add" if new else "change"
-            flags = NLM_F_REQUEST | NLM_F_ACK
-            flags |= NLM_F_CREATE | NLM_F_EXCL if new else NLM_F_REPLACE
-            msg = u32_message(index, ROOT, pref, node, **options)
-        msg["header"]["type"], msg["header"]["flags"] = kind, flags
-        with translated(self.ifname, f"{what} u32 node {fmt_u32_handle(node)} pref {pref:#x}"):
+    def _u32(self, op: str, index: int, pref: int, node: int, **options: Any) -> None:
+        """`op` ("add", "change" or "delete") one u32 node of priority `pref`
+        (`gradlane.daemon.tc.u32_message` for `options`). Node 0: the kernel picks
+        the handle of an added node; a delete removes the whole priority."""
+        flags = NLM_F_REQUEST | NLM_F_ACK
+        if op == "add":
+            flags |= NLM_F_CREATE | NLM_F_EXCL
+        elif op == "change":
+            flags |= NLM_F_REPLACE
+        msg = u32_message(index, ROOT, pref, node, **options)
+        msg["header"]["type"] = RTM_DELTFILTER if op == "delete" else RTM_NEWTFILTER
+        msg["header"]["flags"] = flags
+        what = f"{op} u32 node {fmt_u32_handle(node)}" if node else f"{op} filter"
+        with translated(self.ifname, f"{what} pref {pref:#x}"):
             self.ipr.nlm_request_batch([msg])
 
     def _drop_filters(self, index: int, diff: _FilterDiff, view: _View, changes: list[str]) -> None:
         for pref in sorted(diff.drop_prefs):
-            self._del_filter(index, pref)
+            self._u32("delete", index, pref, 0)
             view.filters = [f for f in view.filters if f.pref != pref]
             changes.append(f"delete filter pref {pref:#x}")
         for node in diff.drop_nodes:
-            self._send_u32(RTM_DELTFILTER, index, FLOW_PREF, node.handle)
+            self._u32("delete", index, FLOW_PREF, node.handle)
             changes.append(f"delete flow {fmt_u32_handle(node.handle)}")
         if diff.drop_nodes:  # one pass: thousands of flows may leave at once
             gone = {node.handle for node in diff.drop_nodes}
@@ -627,9 +605,7 @@ class QdiscManager:
 
     def _add_filters(self, index: int, diff: _FilterDiff, view: _View, changes: list[str]) -> None:
         for node, item in diff.retarget:  # a registered flow moved to another band
-            self._send_u32(
-                RTM_NEWTFILTER, index, FLOW_PREF, node.handle, keys=item.keys, classid=item.classid
-            )
+            self._u32("change", index, FLOW_PREF, node.handle, keys=item.keys, classid=item.classid)
             target = fmt_handle(item.classid)
             changes.append(f"change flow {fmt_u32_handle(node.handle)} -> {target}")
         if diff.retarget:
@@ -643,17 +619,16 @@ class QdiscManager:
         used = {f.handle for f in flow_nodes}
         root = next((f.handle & 0xFFF00000 for f in flow_nodes if f.link), 0)
         for item in diff.add:
-            if item.pref != FLOW_PREF:
-                self._add_filter(index, item.pref, item.keys, item.classid)
+            if item.pref != FLOW_PREF:  # a DSCP fallback, a priority of its own
+                self._u32("add", index, item.pref, 0, keys=item.keys, classid=item.classid,
+                          table=TC_U32_ROOT)  # fmt: skip
                 view.filters.append(U32Filter(item.pref, item.classid, item.bytemap))
                 changes.append(f"add filter pref {item.pref:#x} -> {fmt_handle(item.classid)}")
                 continue
             table = TC_U32_ROOT if item.bucket is None else FLOW_TABLE | item.bucket << 12
             new = _free_node(root if item.bucket is None else table, used)
-            self._send_u32(
-                RTM_NEWTFILTER, index, FLOW_PREF, new, keys=item.keys, classid=item.classid,
-                table=table,
-            )  # fmt: skip
+            self._u32("add", index, FLOW_PREF, new, keys=item.keys, classid=item.classid,
+                      table=table)  # fmt: skip
             used.add(new)
             view.filters.append(U32Filter(FLOW_PREF, item.classid, item.bytemap, new))
             changes.append(f"add flow {fmt_u32_handle(new)} -> {fmt_handle(item.classid)}")
@@ -661,7 +636,7 @@ class QdiscManager:
     def _build_flow_table(self, index: int) -> None:
         """Create the flows' hash table and, first in `FLOW_PREF`'s root table, the link to it."""
         try:
-            self._send_u32(RTM_NEWTFILTER, index, FLOW_PREF, FLOW_TABLE, divisor=FLOW_BUCKETS)
+            self._u32("add", index, FLOW_PREF, FLOW_TABLE, divisor=FLOW_BUCKETS)
         except TcError as exc:
             if exc.errno != errno.EEXIST:
                 raise
@@ -669,10 +644,8 @@ class QdiscManager:
             # other u32 filters share the qdisc (and frees one only some time after its
             # last link goes, so it is never deleted here). The link adopts it.
             logger.info("%s: adopting the flow hash table already in the kernel", self.ifname)
-        self._send_u32(
-            RTM_NEWTFILTER, index, FLOW_PREF, LINK_NODE, keys=LINK_KEYS, table=TC_U32_ROOT,
-            link=FLOW_TABLE, hashkey=FLOW_HASHKEY,
-        )  # fmt: skip
+        self._u32("add", index, FLOW_PREF, LINK_NODE, keys=LINK_KEYS, table=TC_U32_ROOT,
+                  link=FLOW_TABLE, hashkey=FLOW_HASHKEY)  # fmt: skip
 
     # -- persisted state -------------------------------------------------
 
@@ -753,6 +726,7 @@ def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, HtbPara
 
 
 LINK_KEYS = ipv4_tcp_keys()  # IPv4 TCP with a 20-byte header: the port word at offset 20
+_LINK = (FLOW_TABLE, FLOW_HASHKEY, False, 0, u32_bytemap(LINK_KEYS))  # what `_flow_table_ok` wants
 
 
 @dataclass(frozen=True)
@@ -819,13 +793,7 @@ def _flow_table_ok(nodes: list[U32Filter]) -> bool:
     if not table or not root:
         return False
     link = root[0]
-    return (link.link, link.hashkey, link.terminal, link.classid, link.bytemap) == (
-        FLOW_TABLE,
-        FLOW_HASHKEY,
-        False,
-        0,
-        u32_bytemap(LINK_KEYS),
-    )
+    return (link.link, link.hashkey, link.terminal, link.classid, link.bytemap) == _LINK
 
 
 def _diff_filters(want: list[_Want], have: list[U32Filter]) -> _FilterDiff:
