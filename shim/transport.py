@@ -15,6 +15,7 @@ so that only ``credit_bytes`` of unsent data sit in the kernel per band.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import struct
@@ -129,6 +130,12 @@ def local_address(toward: str) -> str:
     try:
         target = socket.gethostbyname(toward)
     except OSError as exc:
+        if _ipv6_only(toward):
+            raise TransportError(
+                f"MASTER_ADDR {toward!r} is IPv6 only, and gradlane's transport and "
+                "gradlaned's filters are IPv4 only: give the rendezvous an IPv4 address "
+                "(or a host name that has one)"
+            ) from exc
         raise TransportError(f"cannot resolve MASTER_ADDR {toward!r}: {exc}") from exc
     if target.startswith("127."):
         return "127.0.0.1"
@@ -139,6 +146,26 @@ def local_address(toward: str) -> str:
             raise TransportError(f"no route to {target} to pick a local address: {exc}") from exc
         address: str = probe.getsockname()[0]
         return address
+
+
+def _ipv6_only(host: str) -> bool:
+    """Whether `host` resolves to IPv6 addresses and no IPv4 one."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    families = {family for family, *_ in found}
+    return socket.AF_INET6 in families and socket.AF_INET not in families
+
+
+def _check_ipv4(address: str) -> None:
+    try:
+        ipaddress.IPv4Address(address)
+    except ValueError:
+        raise TransportError(
+            f"address {address!r} is not an IPv4 address: gradlane's transport and "
+            "gradlaned's filters are IPv4 only"
+        ) from None
 
 
 def _tune(sock: socket.socket, dscp: int, credit: int, sndbuf: int) -> None:
@@ -190,6 +217,7 @@ class Mesh:
         self.dscp = tuple(dscp)
         self.links: dict[tuple[int, int], Link] = {}
         bands = len(self.dscp)
+        _check_ipv4(address)
         deadline = time.monotonic() + timeout_s
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:

@@ -25,7 +25,8 @@ from torch import nn
 
 import gradlane.shim as gl
 import gradlane.shim.sync as sync_module
-from gradlane.errors import ConfigError
+from gradlane.errors import ConfigError, TransportError
+from gradlane.shim.transport import Mesh, local_address
 from tests import examples
 
 
@@ -427,6 +428,15 @@ def test_misuse_gets_clear_errors() -> None:
     elsewhere = model().to("meta")
     with pytest.raises(ConfigError, match="only dense CPU parameters"):
         attach(elsewhere, torch.optim.SGD(elsewhere.parameters(), lr=0.1))
+
+
+def test_an_ipv6_rendezvous_is_refused_saying_why() -> None:
+    # Resolving would say only "Address family for hostname not supported".
+    with pytest.raises(TransportError, match="IPv6 only.*IPv4 only"):
+        local_address("fd00::1")
+    never = object()  # refused before the store is used
+    with pytest.raises(TransportError, match="'::1' is not an IPv4 address"):
+        Mesh(0, 2, never, "::1", (46,), credit_bytes=1 << 17)  # type: ignore[arg-type]
 
 
 def test_a_job_is_named_by_its_rendezvous_address_unless_named(
