@@ -180,10 +180,20 @@ class ControlLink:
             if not (isinstance(job, str) and len(c) == 3 and all(isinstance(v, int) for v in c)
                     and 0 < c[0] <= c[1] and 0 <= c[2] <= 7):
                 raise ValueError(f"bad job class {job!r}: {c!r:.80}")
+        before = self.plan if self.fresh() else None
         self.plan, self.plan_at = message, self._clock()
-        self.on_change()
+        # The control plane re-plans every second or so; most plans change nothing
+        # for this host, and each change costs a reconcile and a message to every shim.
+        if before is None or _host_part(before) != _host_part(message):
+            self.on_change()
         # Tell the daemon again when this plan runs out, so it falls back by itself.
-        asyncio.get_running_loop().call_later(float(message["ttl_s"]) + 0.01, self.on_change)
+        asyncio.get_running_loop().call_later(
+            float(message["ttl_s"]) + 0.01, self._expire, message
+        )
+
+    def _expire(self, plan: dict[str, Any]) -> None:
+        if plan is self.plan and not self.fresh():  # not superseded by a later plan
+            self.on_change()
 
     async def _report_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         seq, seen = 0, -1
@@ -230,3 +240,9 @@ class ControlLink:
                 job["world_size"] = max(w.world_size for w in workers)
             jobs.append(job)
         return {"type": "report", "seq": seq, "jobs": jobs}
+
+
+def _host_part(plan: dict[str, Any]) -> dict[str, Any]:
+    """What of a plan message acts on this host: all but when and which version it is."""
+    return {k: v for k, v in plan.items() if k not in ("version", "computed_at")}
+

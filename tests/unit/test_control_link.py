@@ -19,6 +19,7 @@ from gradlane.daemon import protocol, uplink
 from gradlane.daemon.control import ControlConfig, ControlPlane
 from gradlane.daemon.registry import Credentials, Registry
 from gradlane.daemon.service import Daemon
+from gradlane.policies import JobClassPlan
 from tests.fakes import FakeBackend, fake_config
 
 TOKEN = "t0ken-for-tests-0123456789"
@@ -194,3 +195,38 @@ def test_the_job_s_agreed_batch_and_world_size_are_reported(features: tuple[str,
     # Ranks 2 and 3 are on other hosts: the control plane plans no shares until it has
     # heard of all 4 (an older one, without the field, is not sent it).
     assert job.get("world_size") == (4 if "world_size" in features else None)
+
+
+def test_only_a_plan_that_changes_this_host_s_part_re_plans_it() -> None:
+    told: list[float] = []
+
+    async def main() -> None:
+        link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                                  Registry(bands=4),
+                                  on_change=lambda: told.append(time.monotonic()))
+        plan = {"type": "plan", "version": 1, "ttl_s": 0.3, "source": "gradlane",
+                "job_classes": {"j": [10**6, 10**7, 1]}, "batch_shares": {"j": [16, 16]},
+                "ownership": {}, "leaf": None, "computed_at": 1.0}
+        link._take(plan)
+        assert len(told) == 1
+        # The next re-plan, the same for this host: nothing to do.
+        link._take({**plan, "version": 2, "computed_at": 2.0})
+        assert len(told) == 1
+        # The shares moved (news for the shims), then the job's class.
+        link._take({**plan, "version": 3, "batch_shares": {"j": [24, 8]}})
+        assert len(told) == 2
+        link._take({**plan, "version": 4, "job_classes": {"j": [10**6, 2 * 10**7, 1]}})
+        assert len(told) == 3
+        assert link.job_classes() == {"j": JobClassPlan(10**6, 2 * 10**7, 1)}
+        # No more plans: told once when the last one runs out (not by the earlier
+        # plans' timers), and the daemon falls back.
+        started = time.monotonic()
+        await _until(lambda: len(told) == 4, timeout=5)
+        await asyncio.sleep(0.2)
+        assert len(told) == 4 and link.job_classes() is None
+        assert told[-1] - started >= 0.25
+        # A plan after the expiry is news even when it is the same as the last one.
+        link._take({**plan, "version": 5, "job_classes": {"j": [10**6, 2 * 10**7, 1]}})
+        assert len(told) == 5
+
+    asyncio.run(main())
