@@ -19,7 +19,10 @@ Conversation (client = a training process's shim)::
 
 A flow is one band connection: ``{"band", "src", "sport", "dst", "dport"}``
 (IPv4, TCP). A chunk event is ``[layer, nbytes, band, t]`` with t the
-sender's clock in seconds. ``exchange`` says how the job's ranks agreed to
+sender's clock in seconds. A band past the daemon's last (a shim with more
+bands than the daemon has, whose hello goes before it hears how many; or one
+that has not heard of a reload yet) counts as the last, as the shim's own
+connections are mapped once it knows (`parse`). ``exchange`` says how the job's ranks agreed to
 reduce: ``"leaf"`` within leaves first (each rank told its leaf, e.g. by the
 welcome's ``leaf``), ``"ring"`` around the ring of ranks, ``"flat"`` the
 flat exchange; absent, not agreed yet. The control plane's demand of the
@@ -54,6 +57,7 @@ from gradlane.errors import ProtocolError
 DEFAULT_BAND_DSCP: tuple[int, ...] = (46, 34, 26, 18)
 
 __all__ = [
+    "BAND_NUMBERS",
     "DEFAULT_BAND_DSCP",
     "FEATURES",
     "MAX_FRAME",
@@ -77,6 +81,7 @@ FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch")
 MAX_FRAME = 1 << 20
 MAX_FLOWS = 1024
 MAX_EVENTS = 16384
+BAND_NUMBERS = 64  # band numbers a message may carry (no more bands than DSCP values)
 _LEN = struct.Struct(">I")
 
 
@@ -204,7 +209,8 @@ Message = Hello | SetFlows | Chunks | Timing | Bye
 def parse(raw: dict[str, Any], bands: int) -> Message:
     """Validate one decoded map and return the message it holds.
 
-    `bands` is how many bands the daemon has (band numbers are checked).
+    `bands` is how many bands the daemon has: a flow's or a chunk's band past
+    the last (up to `BAND_NUMBERS`) is taken as the last.
 
     Raises:
         ProtocolError: the map is not a valid message; the text names the field.
@@ -266,7 +272,7 @@ def _flows(raw: dict[str, Any], bands: int) -> tuple[FlowSpec, ...]:
         only(where, {"type", "band", "src", "sport", "dst", "dport"})
         out.append(
             FlowSpec(
-                band=integer(where, "band", 0, bands - 1),
+                band=min(integer(where, "band", 0, BAND_NUMBERS - 1), bands - 1),
                 src=_ipv4(where, "src"),
                 sport=integer(where, "sport", 1, 65535),
                 dst=_ipv4(where, "dst"),
@@ -298,8 +304,8 @@ def _event(item: Any, i: int, bands: int) -> ChunkEvent:
         and not any(isinstance(v, bool) for v in item)
         and 0 <= layer < 1 << 20
         and 0 <= nbytes < 1 << 40
-        and 0 <= band < bands
+        and 0 <= band < BAND_NUMBERS
     )
     if not ok:
         raise ProtocolError("bad_message", f"chunks: events[{i}] has a bad value: {item!r:.80}")
-    return ChunkEvent(layer, nbytes, band, float(t))
+    return ChunkEvent(layer, nbytes, min(band, bands - 1), float(t))

@@ -145,6 +145,15 @@ class Registry:
         self.version += 1
         return worker
 
+    def set_bands(self, bands: int) -> None:
+        """A new number of bands (a reload): every worker's bytes per band follow, those of
+        bands past the last counted with it, as their connections now are."""
+        self.bands = bands
+        for worker in self._workers.values():
+            counted = worker.chunk_bytes
+            worker.chunk_bytes = counted[:bands] + [0] * (bands - len(counted))
+            worker.chunk_bytes[-1] += sum(counted[bands:])
+
     def set_flows(self, worker_id: str, flows: tuple[FlowSpec, ...],
                   exchange: str | None = None, global_batch: int | None = None) -> None:
         """Replace a worker's band connections; `exchange` and `global_batch`, when given,

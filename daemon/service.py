@@ -142,7 +142,7 @@ class Daemon:
                 config.control_leaf,
                 [(i.name, i.rate_bps) for i in config.interfaces],
                 self.registry,
-                self._control_changed,
+                self._plan_changed,
                 clock=clock,
                 band_throughput=self._band_throughput,
             )
@@ -215,9 +215,8 @@ class Daemon:
             return
         policy = get_policy(config.policy)
         self.config, self.policy = config, policy
-        self.registry.bands = len(config.bands)
-        self._plan_version += 1
-        self._dirty.set()
+        self.registry.set_bands(len(config.bands))
+        self._plan_changed()  # the shims mark their connections by the new bands
         logger.info("configuration reloaded from %s", config.source)
 
     # -- traffic control -------------------------------------------------
@@ -269,10 +268,13 @@ class Daemon:
         # Unregistered but DSCP-marked traffic keeps its band order, on borrowed bandwidth.
         trickle = max(shaped // 1000, 8_000)
         jobs = [JobSpec(DSCP_JOB, rate_bps=trickle, ceil_bps=shaped, prio=0)]
+        top = len(self.config.bands) - 1
         for name, workers in sorted(self.registry.jobs().items()):
             cls = plan.job_classes[name]
+            # A flow registered before a reload to fewer bands goes with the last one, as
+            # its shim maps its connections (`DaemonClient._band`) once it hears of them.
             flows = tuple(
-                FlowMatch(f.band, src=f.src, sport=f.sport, dst=f.dst, dport=f.dport)
+                FlowMatch(min(f.band, top), src=f.src, sport=f.sport, dst=f.dst, dport=f.dport)
                 for w in workers
                 for f in w.flows
                 if only_one or f.src in local
@@ -467,8 +469,9 @@ class Daemon:
             "ownership": owners,
         }
 
-    def _control_changed(self) -> None:
-        """A control plan arrived or expired: re-plan, and tell every shim its part."""
+    def _plan_changed(self) -> None:
+        """A control plan arrived or expired, or a reload: re-plan, and tell every shim
+        its part."""
         self._plan_version += 1
         self._dirty.set()
         workers = {w.id: w for w in self.registry.workers()}

@@ -202,6 +202,7 @@ class DaemonClient:
             sock.settimeout(5.0)
             sock.connect(path)
             decoder = protocol.FrameDecoder()
+            said = self._flows()
             sock.sendall(
                 protocol.encode(
                     {
@@ -210,7 +211,7 @@ class DaemonClient:
                         "job": self.config.job,
                         "rank": self.rank,
                         "world_size": self.world,
-                        "flows": self._flows(),
+                        "flows": said,
                     }
                 )
             )
@@ -221,8 +222,10 @@ class DaemonClient:
             self.advised_leaf = _leaf(welcome.get("leaf"))
             self._features = features(welcome)  # an older daemon refuses fields it lacks
             self.connected, self._said_absent = True, False
-            # Agreed before this session (or while it began): say it now.
-            if self._agreed_fields():
+            # Agreed before this session (or while it began): say it now. So too the
+            # connections' bands, if the welcome's table maps them otherwise than the
+            # hello did (the daemon gained bands since the last session).
+            if self._agreed_fields() or self._flows() != said:
                 sock.sendall(protocol.encode(self._flows_message()))
             self.welcomed.set()
             logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))
@@ -265,21 +268,24 @@ class DaemonClient:
         kind = message.get("type")
         if kind == "plan":
             self.plan = message
-            self._adopt_bands(message.get("bands"))
+            if self._adopt_bands(message.get("bands")):  # a reload: the daemon's bands changed
+                self._post(self._flows_message())
             share = message.get("batch_share")
             self.advised_batch_share = float(share) if isinstance(share, int | float) else None
         elif kind == "error":
             raise ProtocolError(str(message.get("code")), str(message.get("message")))
 
-    def _adopt_bands(self, bands: object) -> None:
+    def _adopt_bands(self, bands: object) -> bool:
+        """Mark the connections with the daemon's DSCP table; True if it changed."""
         if not (isinstance(bands, list) and bands and all(isinstance(b, int) for b in bands)):
-            return
+            return False
         table = tuple(bands)
         if table == self.daemon_bands:
-            return
+            return False
         self.daemon_bands = table
         ours = tuple(table[self._band(b)] for b in range(len(self.mesh.dscp)))
         self.mesh.remark(ours)
+        return True
 
     def _flows(self) -> list[dict[str, object]]:
         flows = self.mesh.flows()

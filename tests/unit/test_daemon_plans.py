@@ -1,11 +1,12 @@
 """gradlaned takes whatever plan it is given without falling over: floors, and tc errors."""
 
 import asyncio
+import dataclasses
 import os
 import struct
 from pathlib import Path
 
-from gradlane.daemon.protocol import Hello
+from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
 from gradlane.daemon.qdisc import QdiscSpec
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import Daemon
@@ -52,5 +53,35 @@ def test_a_tc_error_of_any_kind_is_counted_and_the_next_change_retried(tmp_path:
         await daemon._reconcile()
         assert backend.spec is not None and any(j.name == "j" for j in backend.spec.jobs)
         assert daemon._reconcile_errors == 1
+
+    asyncio.run(main())
+
+
+def test_a_reload_to_another_number_of_bands_keeps_registered_workers_working(
+    tmp_path: Path,
+) -> None:
+    daemon = _daemon(tmp_path)
+    backend = daemon._backends[0]
+    me = Credentials(os.getpid(), os.getuid(), os.getgid())
+    flows = tuple(FlowSpec(b, "10.0.0.1", 40000 + b, "10.0.0.2", 5000) for b in range(4))
+    worker = daemon.registry.add(Hello(1, "k", 0, 2, flows), me)
+
+    async def main() -> None:
+        await daemon._reconcile()
+        assert backend.spec is not None and daemon._reconcile_errors == 0
+        # Two bands (SIGHUP): the flows of bands 2 and 3 go with band 1, as the shims'
+        # own connections do once they hear of the new table.
+        await daemon.reload(dataclasses.replace(daemon.config, bands=(46, 10)))
+        await daemon._reconcile()
+        assert daemon._reconcile_errors == 0
+        job = next(j for j in backend.spec.jobs if j.name == "k")
+        assert [f.band for f in job.flows] == [0, 1, 1, 1]
+        daemon.registry.record_chunks(worker.id, 1, (ChunkEvent(0, 100, 1, 0.0),))
+        # Back to four: a chunk of band 3 from a worker registered under two.
+        await daemon.reload(dataclasses.replace(daemon.config, bands=(46, 34, 26, 18)))
+        daemon.registry.record_chunks(worker.id, 2, (ChunkEvent(0, 100, 3, 0.0),))
+        await daemon._reconcile()
+        assert daemon._reconcile_errors == 0
+        assert worker.chunk_bytes == [0, 100, 0, 100]
 
     asyncio.run(main())

@@ -27,6 +27,15 @@ def test_roundtrip_in_pieces() -> None:
     assert hello.flows == (protocol.FlowSpec(1, "10.0.0.1", 40000, "10.0.0.2", 5201),)
 
 
+def test_a_band_past_the_daemon_s_last_counts_as_the_last() -> None:
+    # A shim with four bands says hello before it hears that this daemon has two.
+    flows = [{**FLOW, "band": b} for b in range(4)]
+    hello = protocol.parse({**HELLO, "flows": flows}, bands=2)
+    assert [f.band for f in hello.flows] == [0, 1, 1, 1]  # type: ignore[union-attr]
+    chunks = protocol.parse({"type": "chunks", "iteration": 1, "events": [[0, 1, 3, 0.0]]}, 2)
+    assert chunks.events[0].band == 1  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("said", "kind"),
     [({}, None), ({"exchange": "ring"}, "ring"), ({"exchange": "leaf"}, "leaf"),
@@ -67,7 +76,8 @@ def test_chunks_and_timing() -> None:
         ({**HELLO, "job": ""}, "bad_message", "job"),
         ({**HELLO, "extra": 1}, "bad_message", "unknown fields"),
         ({k: v for k, v in HELLO.items() if k != "flows"}, "bad_message", "missing field 'flows'"),
-        ({**HELLO, "flows": [{**FLOW, "band": 4}]}, "bad_message", "band"),
+        ({**HELLO, "flows": [{**FLOW, "band": 64}]}, "bad_message", "band"),
+        ({**HELLO, "flows": [{**FLOW, "band": -1}]}, "bad_message", "band"),
         ({**HELLO, "flows": [{**FLOW, "src": "nowhere"}]}, "bad_message", "IPv4"),
         ({**HELLO, "flows": [{**FLOW, "dport": 0}]}, "bad_message", "dport"),
         ({**HELLO, "rank": True}, "bad_message", "rank"),
@@ -77,7 +87,7 @@ def test_chunks_and_timing() -> None:
         ({**HELLO, "global_batch": 0}, "bad_message", "global_batch must be an integer in 1"),
         ({"type": "flows", "flows": [], "global_batch": "64"}, "bad_message", "global_batch"),
         ({"type": "flows", "flows": [], "global_batch": True}, "bad_message", "global_batch"),
-        ({"type": "chunks", "iteration": 1, "events": [[0, 1, 9, 0.0]]}, "bad_message",
+        ({"type": "chunks", "iteration": 1, "events": [[0, 1, 64, 0.0]]}, "bad_message",
          r"events\[0\]"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1]]}, "bad_message", r"events\[0\]"),
         ({"type": "timing", "iteration": 1, "compute_s": -1, "comm_s": 0, "samples": 1},

@@ -7,6 +7,8 @@ unknown ``exchange`` field and close the connection).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import socket
 import threading
 from collections.abc import Callable
@@ -16,8 +18,10 @@ from typing import Any
 import pytest
 
 from gradlane.daemon import protocol
+from gradlane.daemon.service import Daemon
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
+from tests.fakes import FakeBackend, fake_config
 
 
 class _Mesh:
@@ -183,3 +187,55 @@ def test_a_worker_s_leaf_is_configured_or_advised(
         client.close()
         if daemon is not None:
             daemon.close()
+
+
+class _FourBands:
+    """A worker's four band connections to one peer; the marks it was given."""
+
+    dscp = (46, 34, 26, 18)
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, ...]] = []
+
+    def flows(self) -> list[dict[str, object]]:
+        return [{"band": b, "src": "10.0.0.1", "sport": 40000 + b, "dst": "10.0.0.2",
+                 "dport": 5201} for b in range(4)]
+
+    def remark(self, dscp: tuple[int, ...]) -> None:
+        self.marks.append(dscp)
+
+
+def test_a_shim_with_more_bands_than_gradlaned_registers_and_follows_a_reload(
+    tmp_path: Path,
+) -> None:
+    # A gradlaned with two bands: the shim's hello (before the welcome says so) names
+    # four. Then the daemon is reloaded with four: the shim re-marks and re-registers.
+    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), bands=(46, 10))
+    mesh = _FourBands()
+
+    def registered(daemon: Daemon) -> list[int]:
+        return [f.band for w in daemon.registry.workers() for f in w.flows]
+
+    async def until(check: Callable[[], bool]) -> None:
+        async with asyncio.timeout(10):
+            while not check():
+                await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        daemon = Daemon(config, backend_factory=FakeBackend)
+        serving = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(daemon.ready.wait(), 10)
+        client = DaemonClient(ShimConfig(daemon_socket=str(config.socket_path)), 0, 2, mesh)
+        try:
+            await until(lambda: registered(daemon) == [0, 1, 1, 1])
+            assert client.connected and mesh.marks == [(46, 10, 10, 10)]
+            await daemon.reload(dataclasses.replace(config, bands=(46, 34, 26, 18)))
+            await until(lambda: registered(daemon) == [0, 1, 2, 3])
+            assert mesh.marks[-1] == (46, 34, 26, 18)
+            assert daemon._reconcile_errors == 0
+        finally:
+            await asyncio.to_thread(client.close)
+            daemon.stop()
+            await asyncio.wait_for(serving, 10)
+
+    asyncio.run(main())
