@@ -79,7 +79,9 @@ VERSION = 1
 # Optional fields this daemon accepts beyond those of VERSION (its welcome lists them).
 FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch")
 MAX_FRAME = 1 << 20
-MAX_FLOWS = 1024
+# A worker's band connections: the shim's most bands (8) to each peer of a
+# 1,025-rank flat job (about 530 KB of flows, under MAX_FRAME).
+MAX_FLOWS = 8 * 1024
 MAX_EVENTS = 16384
 BAND_NUMBERS = 64  # band numbers a message may carry (no more bands than DSCP values)
 _LEN = struct.Struct(">I")

@@ -27,6 +27,17 @@ def test_roundtrip_in_pieces() -> None:
     assert hello.flows == (protocol.FlowSpec(1, "10.0.0.1", 40000, "10.0.0.2", 5201),)
 
 
+def test_a_worker_of_a_large_flat_job_registers_every_connection_in_one_frame() -> None:
+    # The shim's most bands to each of 1,024 peers, with the longest addresses.
+    flow = {"band": 7, "src": "192.168.100.200", "sport": 65535, "dst": "192.168.100.201",
+            "dport": 65535}
+    hello = {**HELLO, "flows": [flow] * protocol.MAX_FLOWS}
+    (decoded,) = decode_all(protocol.encode(hello))  # within MAX_FRAME
+    assert len(protocol.parse(decoded, bands=8).flows) == 8 * 1024  # type: ignore[union-attr]
+    with pytest.raises(ProtocolError, match="flows must be a list"):
+        protocol.parse({**hello, "flows": [flow] * (protocol.MAX_FLOWS + 1)}, bands=8)
+
+
 def test_a_band_past_the_daemon_s_last_counts_as_the_last() -> None:
     # A shim with four bands says hello before it hears that this daemon has two.
     flows = [{**FLOW, "band": b} for b in range(4)]
