@@ -234,7 +234,6 @@ class Daemon:
                     await self._tc(backend.restore)
                 else:
                     logger.warning("%s: taking over a tree left by a previous run", backend.ifname)
-            self._addresses[backend.ifname] = await self._tc(backend.addresses)
         await self._reconcile()
 
     async def _restore_tc(self) -> None:
@@ -313,6 +312,8 @@ class Daemon:
         planned = time.perf_counter()
         try:
             for backend in self._backends:
+                if verify:  # an address may come or go after the start (DHCP, a late NIC)
+                    self._addresses[backend.ifname] = await self._tc(backend.addresses)
                 spec = self.spec_for(backend, plan)
                 changes += await self._tc(partial(backend.apply, spec, verify=verify))
         except Exception:  # netlink's own errors included: the daemon must keep running

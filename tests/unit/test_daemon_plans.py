@@ -1,4 +1,5 @@
-"""gradlaned takes whatever plan it is given without falling over: floors, and tc errors."""
+"""gradlaned takes whatever it is given without falling over: plans (floors, tc errors), reloads
+and addresses that change while it runs."""
 
 import asyncio
 import dataclasses
@@ -6,10 +7,13 @@ import os
 import struct
 from pathlib import Path
 
+import pytest
+
+from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
 from gradlane.daemon.qdisc import QdiscSpec
 from gradlane.daemon.registry import Credentials
-from gradlane.daemon.service import Daemon
+from gradlane.daemon.service import VERIFY_EVERY, Daemon
 from gradlane.policies import JobClassPlan, Plan
 from tests.fakes import FakeBackend, fake_config
 
@@ -83,5 +87,46 @@ def test_a_reload_to_another_number_of_bands_keeps_registered_workers_working(
         await daemon._reconcile()
         assert daemon._reconcile_errors == 0
         assert worker.chunk_bytes == [0, 100, 0, 100]
+
+    asyncio.run(main())
+
+
+class MovingBackend(FakeBackend):
+    """An interface whose addresses change while the daemon runs."""
+
+    held: dict[str, set[str]] = {"fake0": {"10.0.0.1"}, "fake1": set()}
+
+    def addresses(self) -> set[str]:
+        return set(self.held[self.ifname])
+
+
+def test_an_address_that_comes_after_the_start_takes_its_flows_to_its_interface(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two interfaces: a flow goes to the one that holds its source address. The
+    # second gets its address (DHCP, a late NIC) after gradlaned started.
+    config = dataclasses.replace(
+        fake_config(tmp_path / "gl.sock"),
+        interfaces=(InterfaceConfig("fake0", 10**9), InterfaceConfig("fake1", 10**9)))
+    now = [0.0]
+    daemon = Daemon(config, backend_factory=MovingBackend, clock=lambda: now[0])
+    first, second = daemon._backends
+    me = Credentials(os.getpid(), os.getuid(), os.getgid())
+    flows = (FlowSpec(0, "10.0.0.1", 40000, "10.0.0.2", 5000),
+             FlowSpec(0, "10.1.0.1", 40001, "10.1.0.2", 5000))
+    daemon.registry.add(Hello(1, "k", 0, 2, flows), me)
+    monkeypatch.setitem(MovingBackend.held, "fake1", set())
+
+    def sources(backend: FakeBackend) -> list[str]:
+        assert backend.spec is not None
+        return [f.src for j in backend.spec.jobs for f in j.flows if f.src is not None]
+
+    async def main() -> None:
+        await daemon._reconcile()
+        assert (sources(first), sources(second)) == (["10.0.0.1"], [])
+        MovingBackend.held["fake1"] = {"10.1.0.1"}
+        now[0] += VERIFY_EVERY  # the next verifying reconcile reads the addresses again
+        await daemon._reconcile()
+        assert (sources(first), sources(second)) == (["10.0.0.1"], ["10.1.0.1"])
 
     asyncio.run(main())
