@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -69,6 +70,9 @@ class DaemonClient:
         self._step = 0
         self._samples = 0
         self._outbox: queue.Queue[dict[str, Any]] = queue.Queue(_MAX_QUEUED)
+        # What the daemon must hold (the flows message: connections, their bands, what the
+        # ranks agreed) changed: never dropped as reports are; a new session says it anyway.
+        self._restate = threading.Event()
         self._stop = threading.Event()
         self._said_absent = False
         self._thread = threading.Thread(target=self._run, name="gl-daemon-client", daemon=True)
@@ -138,14 +142,14 @@ class DaemonClient:
         gradlaned."""
         self.exchange = kind  # before the post: a session starting now sends it itself
         if exchange_fields(kind, self._features):
-            self._post(self._flows_message())
+            self._restate.set()
 
     def batch_agreed(self, samples: int) -> None:
         """The job's ranks agreed on its global batch (samples per step, all ranks): tell
         gradlaned, which passes it on to the control plane."""
         self.global_batch = samples  # before the post, as in `exchange_agreed`
         if "global_batch" in self._features:
-            self._post(self._flows_message())
+            self._restate.set()
 
     def _agreed_fields(self) -> dict[str, Any]:
         """What the ranks agreed, in the optional fields the daemon accepts."""
@@ -158,9 +162,10 @@ class DaemonClient:
         return {"type": "flows", "flows": self._flows(), **self._agreed_fields()}
 
     def _post(self, message: dict[str, Any]) -> None:
+        """Queue a report (advisory: dropped while no daemon listens, or when it is behind)."""
         if not self.connected:
             return
-        with contextlib.suppress(queue.Full):  # the daemon is behind; reports are advisory
+        with contextlib.suppress(queue.Full):
             self._outbox.put_nowait(message)
 
     def close(self) -> None:
@@ -225,29 +230,36 @@ class DaemonClient:
             # Agreed before this session (or while it began): say it now. So too the
             # connections' bands, if the welcome's table maps them otherwise than the
             # hello did (the daemon gained bands since the last session).
+            self._restate.clear()  # what follows says it all
             if self._agreed_fields() or self._flows() != said:
                 sock.sendall(protocol.encode(self._flows_message()))
             self.welcomed.set()
             logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))
-            sock.settimeout(0.2)
             while not self._stop.is_set():
                 try:
                     message = self._outbox.get(timeout=0.2)
                 except queue.Empty:
                     message = None
-                if message is not None:
-                    sock.settimeout(5.0)
-                    sock.sendall(protocol.encode(message))
-                    sock.settimeout(0.2)
+                # The state first: a report queued after a change follows it.
+                restate = None
+                if self._restate.is_set():
+                    self._restate.clear()  # before reading the state: a later change resends
+                    restate = self._flows_message()
+                for out in (restate, message):
+                    if out is not None:
+                        sock.sendall(protocol.encode(out))
                 self._poll(sock, decoder)
             sock.settimeout(1.0)
             sock.sendall(protocol.encode({"type": "bye"}))
 
     def _poll(self, sock: socket.socket, decoder: protocol.FrameDecoder) -> None:
-        try:
-            data = sock.recv(65536, socket.MSG_DONTWAIT)
-        except (BlockingIOError, TimeoutError):
+        """Take what the daemon sent, without waiting. (A socket with a timeout waits
+        for it before every recv, MSG_DONTWAIT or not: the reports queued behind,
+        one per 0.2 s.)"""
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
             return
+        data = sock.recv(65536)
         if not data:
             raise ConnectionError("gradlaned closed the connection")
         for message in decoder.feed(data):
@@ -269,7 +281,7 @@ class DaemonClient:
         if kind == "plan":
             self.plan = message
             if self._adopt_bands(message.get("bands")):  # a reload: the daemon's bands changed
-                self._post(self._flows_message())
+                self._restate.set()
             share = message.get("batch_share")
             self.advised_batch_share = float(share) if isinstance(share, int | float) else None
         elif kind == "error":

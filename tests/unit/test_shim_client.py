@@ -11,8 +11,10 @@ import asyncio
 import dataclasses
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,6 +42,8 @@ class _Daemon:
     def __init__(self, path: Path, features: list[str] | None, leaf: int | None = None) -> None:
         self.got: list[dict[str, Any]] = []
         self.timed = threading.Event()
+        self.reading = threading.Event()  # cleared: reads nothing after the welcome (busy)
+        self.reading.set()
         self._release = threading.Event()  # hold the connection open until `close`
         self._server = socket.socket(socket.AF_UNIX)
         self._server.bind(str(path))
@@ -68,6 +72,7 @@ class _Daemon:
                             welcome["features"] = self._features
                         conn.sendall(protocol.encode(welcome))
                         welcomed = True
+                        self.reading.wait(10)
                     if message["type"] == "timing":
                         self.timed.set()
             self._release.wait(10)
@@ -142,6 +147,58 @@ def test_the_job_s_global_batch_reaches_a_daemon_that_lists_the_feature(
     client, daemon = _agreed(tmp_path / "gl.sock", before, features, agree)
     # Each flows message says all that was agreed so far; the last one says it all.
     assert _said(daemon)[-1] == said and client.global_batch == 128
+
+
+def test_reports_go_out_as_fast_as_the_daemon_reads_them(tmp_path: Path) -> None:
+    # The session used to wait 0.2 s for the daemon's messages after every report sent
+    # (a socket timeout applies before a MSG_DONTWAIT recv too): five reports a second,
+    # fewer than a training job makes (two a step), so they queued and were dropped.
+    path = tmp_path / "gl.sock"
+    daemon = _Daemon(path, features=list(protocol.FEATURES))
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    group, chunk = SimpleNamespace(priority=0, band=0), SimpleNamespace(nbytes=1 << 16)
+    try:
+        assert client.welcomed.wait(10)
+        for step in range(1, 101):
+            client.chunk_event(group, chunk, "ready")  # type: ignore[arg-type]
+            client.begin(step, 32)
+        client.timing(0.1, 0.0)  # the daemon's cue to stop
+        # A liveness bound, not a speed target: the old pace needed 20 s for these.
+        assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        daemon.close()
+    assert [m["iteration"] for m in daemon.got if m["type"] == "chunks"] == list(range(100))
+
+
+def test_what_the_ranks_agreed_reaches_a_daemon_too_busy_for_reports(tmp_path: Path) -> None:
+    # The daemon stops reading after its welcome: the shim's reports fill its socket,
+    # then its queue, and the next ones are dropped. What the ranks agreed is not.
+    path = tmp_path / "gl.sock"
+    daemon = _Daemon(path, features=list(protocol.FEATURES))
+    daemon.reading.clear()
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.welcomed.wait(10)
+        group, chunk = SimpleNamespace(priority=0, band=0), SimpleNamespace(nbytes=1 << 16)
+        step = 0
+        while not client._outbox.full() and step < 100_000:
+            for _ in range(100):
+                client.chunk_event(group, chunk, "ready")  # type: ignore[arg-type]
+            step += 1
+            client.begin(step, 32)
+        assert client._outbox.full()
+        client.exchange_agreed("ring")
+        daemon.reading.set()
+        deadline = time.monotonic() + 10
+        while not client._outbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.timing(0.1, 0.0)  # the daemon's cue to stop
+        assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        daemon.close()
+    assert _said(daemon) == [{"exchange": "ring"}]
 
 
 def test_an_older_daemon_is_not_sent_a_field_it_would_refuse(tmp_path: Path) -> None:
