@@ -8,10 +8,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gradlane import __version__
@@ -300,7 +301,7 @@ def bench_run(
         raise click.UsageError(str(exc)) from exc
     _require_root("gradlane bench run")
     out = _stdout_console()
-    result = run_scenario(spec, say=lambda text: out.log(text))
+    result = run_scenario(spec, say=lambda text: out.log(text, markup=False))
     path = json_path or Path("bench/results") / f"{spec.name}.json"
     write_result(path, result)
     title = f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms"
@@ -794,12 +795,17 @@ def gradlaned(verbose: int, **kwargs: Any) -> None:
     run_daemon(*_load_daemon_config(**kwargs))
 
 
+def _fail(exc: GradlaneError) -> NoReturn:
+    # The message as it is: rich would take "[[interface]]" for markup.
+    console.print("[red]error:[/red]", escape(str(exc)))
+    sys.exit(1)
+
+
 def daemon_main() -> None:
     try:
         gradlaned(standalone_mode=True)
     except GradlaneError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        sys.exit(1)
+        _fail(exc)
 
 
 def main() -> None:
@@ -807,8 +813,7 @@ def main() -> None:
     try:
         cli(standalone_mode=True)
     except GradlaneError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        sys.exit(1)
+        _fail(exc)
 
 
 if __name__ == "__main__":

@@ -798,7 +798,7 @@ def run_demo(
         os.chmod(out, 0o755)
 
         def say(text: str) -> None:
-            console.log(text)
+            console.log(text, markup=False)
 
         if os.geteuid() == 0:
             result = run_cluster(hosts, rate, steps, out, say)

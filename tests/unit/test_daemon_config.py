@@ -70,3 +70,18 @@ def test_missing_file_and_undetectable_rate(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="cannot detect the line rate of nosuch0"):
         load_config(None, {"interface": ["nosuch0"]})
+
+
+def test_the_command_line_shows_a_config_error_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradlane import cli
+
+    config = write(tmp_path, "[network]\nbands = [46]\n")  # no [[interface]]
+    monkeypatch.setattr("sys.argv", ["gradlaned", "--config", str(config)])
+    with pytest.raises(SystemExit) as exit_:
+        cli.daemon_main()
+    assert exit_.value.code == 1
+    # Not "at least one [] with a name": rich took the table's name for markup.
+    shown = " ".join(capsys.readouterr().err.split())  # rich wraps at the terminal's width
+    assert "at least one [[interface]] with a name" in shown
