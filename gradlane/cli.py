@@ -33,8 +33,9 @@ def _require_root(what: str) -> None:
 
 
 def _stdout_console() -> Console:
-    """Tables on stdout; wide when piped, so that no cell wraps in a log or a test."""
-    return Console(width=None if sys.stdout.isatty() else 160)
+    """Tables on stdout; wide when piped, so that no cell wraps in a log or a test. No
+    markup: job and host names are the users' ("a[/]b" would end the command)."""
+    return Console(width=None if sys.stdout.isatty() else 160, markup=False)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -301,7 +302,7 @@ def bench_run(
         raise click.UsageError(str(exc)) from exc
     _require_root("gradlane bench run")
     out = _stdout_console()
-    result = run_scenario(spec, say=lambda text: out.log(text, markup=False))
+    result = run_scenario(spec, say=lambda text: out.log(text))
     path = json_path or Path("bench/results") / f"{spec.name}.json"
     write_result(path, result)
     title = f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms"
