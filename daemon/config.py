@@ -81,10 +81,19 @@ class DaemonConfig:
 
     @property
     def http_address(self) -> tuple[str, int] | None:
-        if not self.http:
-            return None
-        host, _, port = self.http.rpartition(":")
-        return host.strip("[]") or "127.0.0.1", int(port)
+        return host_port(self.http) if self.http else None
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (host default 127.0.0.1; brackets around an IPv6 host dropped).
+
+    Raises:
+        ConfigError: no port, or one outside 1..65535.
+    """
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f'expected "host:port" with a port in 1..65535, got {text!r}')
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
@@ -207,8 +216,14 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
     if on_start not in ON_START:
         raise fail("daemon.on_start", f"must be one of {ON_START}, got {on_start!r}")
     http = daemon.get("http", DEFAULT_HTTP)
-    if not isinstance(http, str) or (http and not http.rpartition(":")[2].isdigit()):
-        raise fail("daemon.http", f'must be "host:port" or "" (off), got {http!r}')
+    try:
+        if not isinstance(http, str):
+            raise ConfigError(f"got {http!r}")
+        if http:
+            host_port(http)
+    except ConfigError:
+        raise fail("daemon.http", f'must be "host:port" (a port in 1..65535) or "" (off), '
+                                  f"got {http!r}") from None
     max_clients = daemon.get("max_clients", 256)
     if not isinstance(max_clients, int) or not 1 <= max_clients <= 65536:
         raise fail("daemon.max_clients", f"must be an integer in 1..65536, got {max_clients!r}")

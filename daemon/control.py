@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.fields import agreed_exchange
-from gradlane.errors import ConfigError, ProtocolError
+from gradlane.errors import ConfigError, GradlaneError, ProtocolError
 from gradlane.policies import (
     Coflow,
     FlowTable,
@@ -90,6 +90,20 @@ class ControlConfig:
             raise ConfigError("ttl_s must exceed cadence_s, or plans expire between pushes")
         if self.uplink_bps is not None and self.uplink_bps <= 0:
             raise ConfigError("the uplink rate must be positive")
+
+
+async def start_site(runner: web.AppRunner, host: str, port: int, what: str) -> None:
+    """Serve `runner` on host:port (`what` it serves, for the error).
+
+    Raises:
+        GradlaneError: the address is not this host's, or the port is taken.
+    """
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise GradlaneError(f"cannot listen on {host}:{port} for {what}: "
+                            f"{exc.strerror or exc}") from None
 
 
 def read_token(path: Path) -> str:
@@ -593,7 +607,7 @@ async def serve(config: ControlConfig, ready: asyncio.Event | None = None) -> No
     runner = web.AppRunner(plane.app(), access_log=None, shutdown_timeout=2)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
+        await start_site(runner, config.host, config.port, "daemons and the API")
         logger.info("gradlane control %s listening on %s:%d, policy %s",
                     __version__, config.host, config.port, plane.policy.name)
         if ready is not None:

@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gradlane import __version__
 from gradlane.daemon import protocol
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
-from gradlane.daemon.control import read_token
+from gradlane.daemon.control import read_token, start_site
 from gradlane.daemon.qdisc import ClassStats, FlowMatch, JobSpec, QdiscManager, QdiscSpec
 from gradlane.daemon.registry import Credentials, Registry, Worker
 from gradlane.daemon.uplink import ControlLink
@@ -501,7 +501,7 @@ class Daemon:
         app.router.add_get("/metrics", self._metrics_handler)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=2)
         await runner.setup()
-        await web.TCPSite(runner, address[0], address[1]).start()
+        await start_site(runner, *address, "/status and /metrics")
         return runner
 
     def status(self) -> dict[str, Any]:

@@ -499,13 +499,15 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
     """
     import asyncio
 
+    from gradlane.daemon.config import host_port
     from gradlane.daemon.control import ControlConfig, read_token, serve
 
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise click.BadParameter(f"expected host:port, got {listen!r}", param_hint="--listen")
     try:
-        config = ControlConfig(token=read_token(token_file), host=host, port=int(port),
+        host, port = host_port(listen)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
+    try:
+        config = ControlConfig(token=read_token(token_file), host=host, port=port,
                                policy=policy, cadence_s=cadence, ttl_s=ttl,
                                uplink_bps=None if uplink is None else parse_rate(uplink))
     except ConfigError as exc:

@@ -1,9 +1,13 @@
+import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from gradlane.daemon.config import load_config
-from gradlane.errors import ConfigError
+from gradlane.daemon.service import Daemon
+from gradlane.errors import ConfigError, GradlaneError
+from tests.fakes import FakeBackend, fake_config
 
 GOOD = """
 [daemon]
@@ -49,6 +53,8 @@ def test_file_values_and_overrides(tmp_path: Path) -> None:
         (GOOD.replace('on_start = "restore"', 'on_start = "maybe"'), "daemon.on_start"),
         (GOOD.replace('socket_mode = "0600"', 'socket_mode = "rw"'), "daemon.socket_mode"),
         (GOOD.replace('http = "127.0.0.1:9999"', 'http = "localhost"'), "daemon.http"),
+        (GOOD.replace('http = "127.0.0.1:9999"', 'http = "127.0.0.1:99999"'), "daemon.http"),
+        (GOOD.replace('http = "127.0.0.1:9999"', 'http = "127.0.0.1:0"'), "daemon.http"),
         (GOOD + "\n[extra]\n", "extra: unknown section"),
         (GOOD.replace("[daemon]", "[daemon]\nsokcet = 1"), "daemon.sokcet: unknown key"),
         (GOOD.replace('name = "eth0"', 'name = "eth0"\nspeed = 1'), "unknown keys"),
@@ -85,3 +91,14 @@ def test_the_command_line_shows_a_config_error_as_it_is(
     # Not "at least one [] with a name": rich took the table's name for markup.
     shown = " ".join(capsys.readouterr().err.split())  # rich wraps at the terminal's width
     assert "at least one [[interface]] with a name" in shown
+
+
+def test_an_address_not_of_this_host_is_refused_by_name(tmp_path: Path) -> None:
+    # 192.0.2.1 (TEST-NET-1) is no interface's here: binding fails, the tree is restored.
+    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), http="192.0.2.1:9464")
+    daemon = Daemon(config, backend_factory=FakeBackend)
+    backend = daemon._backends[0]
+    assert isinstance(backend, FakeBackend)
+    with pytest.raises(GradlaneError, match="cannot listen on 192.0.2.1:9464 for /status"):
+        asyncio.run(daemon.serve())
+    assert backend.restored and not config.socket_path.exists()
