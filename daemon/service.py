@@ -168,9 +168,11 @@ class Daemon:
         """Run until `stop()`; restore every interface on the way out, whatever happens."""
         try:
             await self._start_tc()
-            server = await self._start_socket()
-            runner = await self._start_http()
+            server: asyncio.Server | None = None
+            runner: web.AppRunner | None = None
             try:
+                server = await self._start_socket()
+                runner = await self._start_http()
                 self.ready.set()
                 _sd_notify(notify_socket, "READY=1")
                 logger.info(
@@ -191,12 +193,13 @@ class Daemon:
                 pass
             finally:
                 _sd_notify(notify_socket, "STOPPING=1")
-                server.close()
-                for writer in list(self._clients):
-                    writer.close()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(SHUTDOWN_TIMEOUT):
-                        await server.wait_closed()
+                if server is not None:
+                    server.close()
+                    for writer in list(self._clients):
+                        writer.close()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(SHUTDOWN_TIMEOUT):
+                            await server.wait_closed()
                 if runner is not None:
                     await runner.cleanup()
         finally:
