@@ -284,8 +284,9 @@ def test_a_shim_with_more_bands_than_gradlaned_registers_and_follows_a_reload(
         await asyncio.wait_for(daemon.ready.wait(), 10)
         client = DaemonClient(ShimConfig(daemon_socket=str(config.socket_path)), 0, 2, mesh)
         try:
-            await until(lambda: registered(daemon) == [0, 1, 1, 1])
-            assert client.connected and mesh.marks == [(46, 10, 10, 10)]
+            # Registered at the hello; marked once the shim has read the welcome.
+            await until(lambda: registered(daemon) == [0, 1, 1, 1] and client.connected)
+            assert mesh.marks == [(46, 10, 10, 10)]
             await daemon.reload(dataclasses.replace(config, bands=(46, 34, 26, 18)))
             await until(lambda: registered(daemon) == [0, 1, 2, 3])
             assert mesh.marks[-1] == (46, 34, 26, 18)
