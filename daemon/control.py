@@ -137,6 +137,7 @@ class _Daemon:
     connected: bool = True
     seen: float = field(default_factory=time.monotonic)
     plan_version: int = 0
+    remote: str | None = None  # the peer's address, as the control plane sees it
 
 
 class ControlPlane:
@@ -210,7 +211,7 @@ class ControlPlane:
         except ProtocolError as exc:
             self._rejected.labels(exc.code).inc()
             raise web.HTTPBadRequest(text=f"{exc.code}: {exc}\n") from None
-        self._accept(register, None, binary).report = report
+        self._accept(register, None, binary, request.remote).report = report
         self._changed.set()
         message = self.message_for(register.host)
         if binary:
@@ -226,7 +227,7 @@ class ControlPlane:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
                 first = await ws.receive()
-            daemon = self._register(first, ws)
+            daemon = self._register(first, ws, request.remote)
             await self._send(daemon, {"type": "welcome", "version": cp.VERSION,
                                       "host": daemon.register.host,
                                       "features": list(cp.FEATURES)})
@@ -255,21 +256,31 @@ class ControlPlane:
                                daemon.register.host)
         return ws
 
-    def _register(self, msg: Any, ws: web.WebSocketResponse) -> _Daemon:
+    def _register(self, msg: Any, ws: web.WebSocketResponse, remote: str | None) -> _Daemon:
         if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
             raise ProtocolError("bad_message", "the first message must be a register")
         register = cp.parse_register(cp.decode(_payload(msg)))
-        daemon = self._accept(register, ws, msg.type == WSMsgType.BINARY)
+        daemon = self._accept(register, ws, msg.type == WSMsgType.BINARY, remote)
         self._changed.set()
         logger.info("daemon %s registered (%s)", register.host, register.gradlane)
         return daemon
 
     def _accept(self, register: cp.Register, ws: web.WebSocketResponse | None,
-                binary: bool) -> _Daemon:
+                binary: bool, remote: str | None) -> _Daemon:
         old = self.daemons.get(register.host)
         if old is None and len(self.daemons) >= self.config.max_daemons:
             raise ProtocolError("full", f"already {self.config.max_daemons} daemons")
-        daemon = _Daemon(register, old.report if old else cp.Report(0, ()), ws, binary)
+        if (old is not None and old.ws is not None and not old.ws.closed
+                and None not in (old.remote, remote) and old.remote != remote):
+            # Two hosts with one name (a cloned image's hostname) would take the name from
+            # each other at every reconnect; the daemon that came first keeps it.
+            raise ProtocolError(
+                "conflict",
+                f"host name {register.host!r} is taken by the daemon connected from "
+                f"{old.remote}; give each daemon its own name (control.host in gradlaned.toml)",
+            )
+        daemon = _Daemon(register, old.report if old else cp.Report(0, ()), ws, binary,
+                         remote=remote)
         if old is not None and old.ws is not None and old.ws is not ws:
             asyncio.get_running_loop().create_task(old.ws.close())  # a newer session wins
         self.daemons[register.host] = daemon

@@ -6,6 +6,7 @@ import json
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -19,7 +20,7 @@ from gradlane import cli
 from gradlane.daemon import control
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
-from gradlane.errors import ConfigError
+from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import check_plan
 
 TOKEN = "t0ken-for-tests-0123456789"
@@ -431,3 +432,29 @@ def test_the_global_batch_is_the_one_the_ranks_agreed_and_shares_wait_for_every_
     # Older shims state no global batch: the sum of the batches, once each measured one.
     assert _batches(plane, 0, 4, {0: 32, 1: 32, 2: 32, 3: 0}) == (0, None)
     assert _batches(plane, 0, 0, {0: 32, 1: 32, 2: 32, 3: 32})[0] == 128
+
+
+def test_two_hosts_with_one_name_do_not_take_it_from_each_other() -> None:
+    def connected() -> Any:  # a daemon's open WebSocket, as far as `_accept` looks
+        return SimpleNamespace(closed=False, close=lambda: asyncio.sleep(0))
+
+    async def main() -> None:
+        plane = ControlPlane(_config())
+        register = cp.parse_register(_register("ubuntu"))
+        first = connected()
+        plane._accept(register, first, False, "10.0.0.1")
+        # A second machine by the same name (a cloned image) is refused, saying why ...
+        with pytest.raises(ProtocolError, match=r"'ubuntu' is taken by the daemon connected "
+                                                r"from 10\.0\.0\.1.*control\.host") as refused:
+            plane._accept(register, connected(), False, "10.0.0.2")
+        assert refused.value.code == "conflict" and plane.daemons["ubuntu"].ws is first
+        # ... the first one's next session (a restart) takes over, as before ...
+        again = connected()
+        plane._accept(register, again, False, "10.0.0.1")
+        assert plane.daemons["ubuntu"].ws is again
+        # ... and once it is gone, the name is free for another machine.
+        again.closed = True
+        plane._accept(register, connected(), False, "10.0.0.2")
+        assert plane.daemons["ubuntu"].remote == "10.0.0.2"
+
+    asyncio.run(main())
