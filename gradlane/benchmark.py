@@ -81,6 +81,7 @@ a worker's lateness from its own longer wait for the step before's averages.
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -100,8 +101,9 @@ if TYPE_CHECKING:
     from gradlane.demo import SystemRun
 
 __all__ = [
-    "CELL_NAMES", "Scenario", "cells", "dependency_bound", "load_scenario", "lower_bound",
-    "narrowed", "run_scenario", "summarize", "trace_layers", "waits_cell", "worker_args",
+    "CELL_NAMES", "Scenario", "cells", "dependency_bound", "is_bench_result", "load_scenario",
+    "lower_bound", "narrowed", "read_result", "run_scenario", "summarize", "trace_layers",
+    "waits_cell", "worker_args",
 ]
 
 PAYLOAD_EFFICIENCY = 1448 / FRAME_BYTES
@@ -453,6 +455,28 @@ CELL_NAMES = ["vs DDP", "achieved / bound", "/ dependency bound", "worker CPU", 
               "waiting for a core", "waiting for averages"]
 
 
+def read_result(path: Path) -> dict[str, Any]:
+    """A results file's JSON.
+
+    Raises:
+        ConfigError: unreadable, or not a JSON object.
+    """
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not a results file: {exc}") from None
+    if not isinstance(result, dict):
+        raise ConfigError(f"{path}: not a results file: a JSON {type(result).__name__}")
+    return result
+
+
+def is_bench_result(result: dict[str, Any]) -> bool:
+    """Whether `result` holds per-system results against a lower bound (what
+    `gradlane bench run` and the control plane's benchmarks write), not the
+    simulator's or a micro-benchmark's."""
+    return "summary" in result and "lower_bound_s" in result
+
+
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The README's results table, from result files (never typed by hand).
 
@@ -461,7 +485,7 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     left out, so ``bench/results/*.json`` can be passed as it is.
     """
     # In scenario order, whatever order a shell's glob gave the files in.
-    results = sorted((r for r in results if "summary" in r and "lower_bound_s" in r),
+    results = sorted(filter(is_bench_result, results),
                      key=lambda r: r["scenario"]["name"])
     lines = [
         "| " + " | ".join(["scenario", "system", "median iteration", *CELL_NAMES]) + " |",

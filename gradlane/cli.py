@@ -329,12 +329,14 @@ def bench_run(
 )
 def bench_plot(result: Path, png: Path | None) -> None:
     """Draw RESULT's iteration times per system with the lower bound."""
-    import json
+    from gradlane.benchmark import is_bench_result, plot, read_result
 
-    from gradlane.benchmark import plot
-
+    data = read_result(result)
+    if not is_bench_result(data):
+        raise click.ClickException(f"{result}: not a result of `gradlane bench run` (no "
+                                   "per-system summary against a lower bound)")
     target = png or result.with_suffix(".png")
-    plot(json.loads(result.read_text()), target)
+    plot(data, target)
     click.echo(target)
 
 
@@ -349,12 +351,16 @@ def bench_plot(result: Path, png: Path | None) -> None:
     help="Replace the table between the README's bench markers.",
 )
 def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
-    """The results table (Markdown) from RESULTS files; never typed by hand."""
-    import json
+    """The results table (Markdown) from RESULTS files; never typed by hand.
 
-    from gradlane.benchmark import markdown_table
+    Files of other benchmarks (the simulator's, the daemon's) are left out, so
+    ``bench/results/*.json`` can be given as it is."""
+    from gradlane.benchmark import is_bench_result, markdown_table, read_result
 
-    text = markdown_table([json.loads(p.read_text()) for p in results])
+    data = [read_result(p) for p in results]
+    if not any(map(is_bench_result, data)):
+        raise click.ClickException("none of these is a result of `gradlane bench run`")
+    text = markdown_table(data)
     if readme is None:
         click.echo(text)
         return

@@ -25,14 +25,13 @@ Three experiments, each one command:
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gradlane.benchmark import PAYLOAD_EFFICIENCY
+from gradlane.benchmark import PAYLOAD_EFFICIENCY, is_bench_result, read_result
 from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
 from gradlane.demo import past_warm_up
 from gradlane.errors import ConfigError
@@ -303,10 +302,11 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
     """
     rows = []
     for path in sorted(results_dir.glob("*.json")):
-        measured = json.loads(path.read_text())
-        wl = measured.get("scenario", {}).get("workload", {})
+        measured = read_result(path)
+        scenario = measured.get("scenario")
+        wl = scenario.get("workload") if isinstance(scenario, dict) else None
         # `gradlane bench` scenarios only (the control runs give their workload as argv).
-        if not isinstance(wl, dict) or wl.get("kind") != "trace" or "summary" not in measured:
+        if not isinstance(wl, dict) or wl.get("kind") != "trace" or not is_bench_result(measured):
             continue
         for policy, system in VALIDATED.items():
             if system not in measured["summary"]:

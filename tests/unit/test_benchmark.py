@@ -467,3 +467,16 @@ def test_the_demo_s_band_profile_does_not_read_above_a_link_sent_in_whole_segmen
     ends = [0.107 * (k + 1) for k in range(50)]
     usage = _sampler(samples).band_usage(1, list(itertools.pairwise(ends)))
     assert usage["band0"] == pytest.approx([rate] * len(usage["band0"]), rel=0.05)
+
+
+def test_table_and_plot_refuse_files_that_are_not_bench_results(tmp_path: Path) -> None:
+    garbled, other = tmp_path / "garbled.json", tmp_path / "sim.json"
+    garbled.write_text("nope")
+    other.write_text(json.dumps({"experiment": "cluster", "results": {}}))  # the simulator's
+    shown = CliRunner().invoke(cli, ["bench", "table", str(other)])
+    assert shown.exit_code == 1 and "none of these is a result of" in shown.output
+    shown = CliRunner().invoke(cli, ["bench", "plot", str(other)])
+    assert shown.exit_code == 1 and "not a result of `gradlane bench run`" in shown.output
+    shown = CliRunner().invoke(cli, ["bench", "table", str(garbled)])
+    assert isinstance(shown.exception, ConfigError)
+    assert "garbled.json: not a results file" in str(shown.exception)
