@@ -32,6 +32,22 @@ def _require_root(what: str) -> None:
         )
 
 
+def _writable(path: Path, option: str) -> Path:
+    """`path`, once it is known a file can be written there: checked before a long
+    run, not after it, when the results would be lost."""
+    where = path.parent
+    if not where.is_dir():
+        raise click.BadParameter(f"{where} is not a directory", param_hint=option)
+    if not os.access(where, os.W_OK):
+        raise click.BadParameter(f"cannot write in {where}", param_hint=option)
+    return path
+
+
+def _output(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """Click callback of the options naming a file to write (`_writable`)."""
+    return None if value is None else _writable(value, param.opts[0])
+
+
 def _stdout_console() -> Console:
     """Tables on stdout; wide when piped, so that no cell wraps in a log or a test. No
     markup: job and host names are the users' ("a[/]b" would end the command)."""
@@ -218,6 +234,7 @@ def smoke(rate: str, seconds: float, name: str) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("gradlane-demo.png"),
     show_default=True,
+    callback=_output,
     help="Figure to write.",
 )
 @click.option(
@@ -225,6 +242,7 @@ def smoke(rate: str, seconds: float, name: str) -> None:
     "json_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
+    callback=_output,
     help="Also write the raw numbers as JSON.",
 )
 def demo(hosts: int, rate: str | None, steps: int, png: Path, json_path: Path | None) -> None:
@@ -264,6 +282,7 @@ def bench() -> None:
     "json_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
+    callback=_output,
     help="Result file (default: bench/results/<name>.json).",
 )
 @click.option(
@@ -300,10 +319,10 @@ def bench_run(
         spec = narrowed(spec, systems, rounds)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    path = json_path or _writable(Path("bench/results") / f"{spec.name}.json", "--json")
     _require_root("gradlane bench run")
     out = _stdout_console()
     result = run_scenario(spec, say=lambda text: out.log(text))
-    path = json_path or Path("bench/results") / f"{spec.name}.json"
     write_result(path, result)
     title = f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms"
     if result.get("dependency_bound_s"):
@@ -325,6 +344,7 @@ def bench_run(
     "--png",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
+    callback=_output,
     help="Figure to write (default: next to RESULT).",
 )
 def bench_plot(result: Path, png: Path | None) -> None:
@@ -393,9 +413,10 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
               type=click.Path(file_okay=False, path_type=Path),
               help="Testbed results that 'validate' replays.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="Result file (default: bench/results/sim-EXPERIMENT.json).")
+              default=None, callback=_output,
+              help="Result file (default: bench/results/sim-EXPERIMENT.json).")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Figure (default: next to the JSON).")
+              callback=_output, help="Figure (default: next to the JSON).")
 def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed: float,
         load: float, buckets: int | None, results_dir: Path, json_path: Path | None,
         png: Path | None) -> None:
@@ -412,6 +433,13 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
     from gradlane.provenance import write_result
     from gradlane.simulation import plot, run_experiment
 
+    suffix = "-mixed" if experiment == "cluster" and mixed else ""
+    if experiment == "coflows" and load != 0.8:
+        suffix = f"-load{load:g}"
+    if buckets is not None and experiment in ("cluster", "coflows"):
+        suffix += f"-buckets{buckets}"
+    path = json_path or _writable(Path("bench/results") / f"sim-{experiment}{suffix}.json",
+                                  "--json")
     out = _stdout_console()
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=out, transient=True) as bar:
@@ -427,12 +455,6 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
                                     mixed, progress, load, buckets)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
-    suffix = "-mixed" if experiment == "cluster" and mixed else ""
-    if experiment == "coflows" and load != 0.8:
-        suffix = f"-load{load:g}"
-    if buckets is not None and experiment in ("cluster", "coflows"):
-        suffix += f"-buckets{buckets}"
-    path = json_path or Path("bench/results") / f"sim-{experiment}{suffix}.json"
     write_result(path, result)
     figure = png or path.with_suffix(".png")
     plot(result, figure)

@@ -1,8 +1,10 @@
-"""`gradlane sim`: one command writes the JSON and the figure."""
+"""`gradlane sim` (and the other commands that write results): one command writes the JSON and the
+figure, and a place it cannot write to is refused before the run."""
 
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from gradlane.cli import cli
@@ -97,3 +99,16 @@ def test_validate_replays_the_exchange_the_testbed_ran() -> None:
     assert ring(4, exchange="auto") and ring(4, exchange="ring")
     assert not ring(4, exchange="flat") and not ring(2, exchange="auto")
     assert not ring(4)  # results from before the ring recorded no exchange: flat
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "heterogeneous", "--json", "/nonexistent/sim.json"],
+    ["sim", "heterogeneous", "--png", "/nonexistent/sim.png"],
+    ["demo", "--png", "/nonexistent/demo.png"],
+    ["demo", "--json", "/nonexistent/demo.json"],
+    ["bench", "run", "bench/scenarios/trace-vgg19.toml", "--json", "/nonexistent/r.json"],
+])
+def test_a_file_that_could_not_be_written_is_refused_before_the_run(argv: list[str]) -> None:
+    # Not after a run of minutes, its results lost.
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 2 and "/nonexistent is not a directory" in result.output
