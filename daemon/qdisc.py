@@ -75,6 +75,7 @@ from gradlane.daemon.tc import (
     u32_message,
 )
 from gradlane.errors import ConfigError, ForeignQdiscError, TcError
+from gradlane.units import MIN_RATE_BPS
 
 __all__ = [
     "DEFAULT_BAND_DSCP",
@@ -690,7 +691,7 @@ def _is_ours(root: Any) -> bool:
 
 def _leaf_rate(ceil_bps: int) -> int:
     # Tiny guaranteed rate: leaves live on borrowed bandwidth, arbitrated by prio.
-    return max(ceil_bps // 1000, 8_000)
+    return max(ceil_bps // 1000, MIN_RATE_BPS)
 
 
 def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, HtbParams]:

@@ -50,6 +50,7 @@ from gradlane.daemon.registry import Credentials, Registry, Worker
 from gradlane.daemon.uplink import ControlLink
 from gradlane.errors import ConfigError, GradlaneError, ProtocolError
 from gradlane.policies import JobState, Plan, State, get_policy
+from gradlane.units import MIN_RATE_BPS
 
 __all__ = ["DSCP_JOB", "Backend", "Daemon"]
 
@@ -268,7 +269,7 @@ class Daemon:
         local = self._addresses.get(backend.ifname, set())
         only_one = len(self._backends) == 1
         # Unregistered but DSCP-marked traffic keeps its band order, on borrowed bandwidth.
-        trickle = max(shaped // 1000, 8_000)
+        trickle = max(shaped // 1000, MIN_RATE_BPS)
         jobs = [JobSpec(DSCP_JOB, rate_bps=trickle, ceil_bps=shaped, prio=0)]
         top = len(self.config.bands) - 1
         for name, workers in sorted(self.registry.jobs().items()):

@@ -6,7 +6,7 @@ import re
 
 from gradlane.errors import ConfigError
 
-__all__ = ["format_rate", "parse_rate"]
+__all__ = ["MIN_RATE_BPS", "format_rate", "parse_rate"]
 
 _SUFFIXES = {
     "": 1,
@@ -21,6 +21,9 @@ _SUFFIXES = {
     "gbps": 8 * 10**9,
 }
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
+# The slowest rate gradlane shapes at: slower, HTB's time per burst overflows the
+# 32 bits netlink carries it in.
+MIN_RATE_BPS = 8_000
 
 
 def parse_rate(text: str | int) -> int:
@@ -30,7 +33,8 @@ def parse_rate(text: str | int) -> int:
     ``kbps``/``mbps``/``gbps`` are *bytes* per second. A bare number is bit/s.
 
     Raises:
-        ConfigError: the text is not a positive rate with a known unit.
+        ConfigError: the text is not a rate with a known unit, of at least
+            `MIN_RATE_BPS`.
     """
     if isinstance(text, bool):
         raise ConfigError(f"rate must be a number or text like '1gbit', not {text!r}")
@@ -44,8 +48,9 @@ def parse_rate(text: str | int) -> int:
                 f"'100mbit' or '10gbit' (units: {', '.join(s for s in _SUFFIXES if s)})"
             )
         value = round(float(match.group(1)) * _SUFFIXES[match.group(2)])
-    if value <= 0:
-        raise ConfigError(f"rate must be positive, got {text!r}")
+    if value < MIN_RATE_BPS:
+        raise ConfigError(f"rate must be at least {format_rate(MIN_RATE_BPS)} (HTB shapes "
+                          f"nothing slower), got {text!r}")
     return value
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gradlane.errors import ConfigError
-from gradlane.units import parse_rate
+from gradlane.units import MIN_RATE_BPS, parse_rate
 
 __all__ = ["NS_PREFIX", "Topology"]
 
@@ -51,14 +51,15 @@ class Topology:
             )
         if not 2 <= len(self.rates) <= MAX_HOSTS:
             raise ConfigError(f"a cluster needs 2..{MAX_HOSTS} hosts, got {len(self.rates)}")
-        if any(rate <= 0 for rate in self.rates):
-            raise ConfigError(f"host rates must be positive, got {self.rates}")
+        if any(rate < MIN_RATE_BPS for rate in self.rates):
+            raise ConfigError(f"host rates must be at least {MIN_RATE_BPS} bit/s, got {self.rates}")
         if self.leaves not in (1, 2):
             raise ConfigError(f"leaves must be 1 or 2, got {self.leaves}")
         if self.leaves == 2 and len(self.rates) < 2:
             raise ConfigError("two leaves need at least two hosts")
-        if self.leaves == 2 and (self.uplink_bps is None or self.uplink_bps <= 0):
-            raise ConfigError("a two-leaf topology needs a positive uplink rate")
+        if self.leaves == 2 and (self.uplink_bps is None or self.uplink_bps < MIN_RATE_BPS):
+            raise ConfigError(f"a two-leaf topology needs an uplink rate of at least "
+                              f"{MIN_RATE_BPS} bit/s")
         if self.leaves == 1 and self.uplink_bps is not None:
             raise ConfigError("an uplink rate only applies with two leaves (--leaves 2)")
         if self.nics not in (1, 2):

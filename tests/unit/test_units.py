@@ -12,7 +12,8 @@ from gradlane.units import format_rate, parse_rate
         ("200Mbit", 200_000_000),
         ("1.5gbit", 1_500_000_000),
         ("64kbit", 64_000),
-        ("1000", 1000),
+        ("10000", 10_000),  # a bare number is bit/s
+        ("8kbit", 8_000),  # the slowest HTB shapes at
         ("10mbps", 80_000_000),  # tc: bps = bytes per second
         (2_000_000, 2_000_000),
     ],
@@ -25,6 +26,14 @@ def test_parse_rate(text: str | int, bps: int) -> None:
 def test_parse_rate_rejects_bad_input_with_a_clear_message(bad: object) -> None:
     with pytest.raises(ConfigError, match="rate"):
         parse_rate(bad)  # type: ignore[arg-type]
+
+
+def test_a_rate_htb_cannot_shape_is_refused() -> None:
+    # Slower than 8 kbit/s, HTB's time per burst overflows netlink's 32 bits (pyroute2
+    # raised struct.error deep in building the testbed or the daemon's tree).
+    with pytest.raises(ConfigError, match=r"at least 8Kbit \(HTB shapes nothing slower\), "
+                                          r"got '1bit'"):
+        parse_rate("1bit")
 
 
 def test_format_rate() -> None:
