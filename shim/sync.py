@@ -43,6 +43,7 @@ import math
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,6 +167,11 @@ PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 )
 
 
+# The models and optimizers of open Syncs: a second Sync on one would hook its
+# gradients and patch its step twice.
+_ATTACHED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def attach(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -190,6 +196,10 @@ def attach(
         TransportError: rendezvous or connections failed.
     """
     config = ShimConfig(**options)
+    for thing in (model, optimizer):
+        if thing in _ATTACHED:
+            raise ConfigError(f"this {type(thing).__name__} is attached already: close() its "
+                              "Sync (or leave its `with` block) before attaching it again")
     env = os.environ
     try:
         rank = int(env["RANK"]) if rank is None else rank
@@ -342,6 +352,7 @@ class Sync:
         self._gates: list[Any] = []  # the per-module forward hooks (order, then gating)
         self._install_hooks()
         self._patch_optimizer()
+        _ATTACHED.update((model, optimizer))
 
     # -- set-up -------------------------------------------------------------
 
@@ -953,6 +964,7 @@ class Sync:
                 self.flush()
         finally:
             self.optimizer.__class__ = self._base_class
+            _ATTACHED.difference_update((self.model, self.optimizer))
             for hook in self._hooks:
                 hook.remove()
             self._remove_gates()

@@ -424,6 +424,17 @@ def test_misuse_gets_clear_errors() -> None:
         attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), chunk_bytes=10)
     with pytest.raises(ConfigError, match="RANK"):
         gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), world_size=1)
+    # A model or an optimizer attached twice would have its gradients hooked and its
+    # step patched twice; after close() it may be attached again.
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with attach(m, opt):
+        with pytest.raises(ConfigError, match="Sequential is attached already"):
+            attach(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        with pytest.raises(ConfigError, match="SGD is attached already"):
+            attach(model(), opt)
+    with attach(m, opt):
+        pass
     # Parameters off the CPU (here the meta device, as a CUDA one would be) are refused.
     elsewhere = model().to("meta")
     with pytest.raises(ConfigError, match="only dense CPU parameters"):
