@@ -140,14 +140,14 @@ class DaemonClient:
     def exchange_agreed(self, kind: str) -> None:
         """The job's ranks agreed how to reduce (`gradlane.daemon.fields.EXCHANGES`): tell
         gradlaned."""
-        self.exchange = kind  # before the post: a session starting now sends it itself
+        self.exchange = kind  # before the flag: a session starting now says it itself
         if exchange_fields(kind, self._features):
             self._restate.set()
 
     def batch_agreed(self, samples: int) -> None:
         """The job's ranks agreed on its global batch (samples per step, all ranks): tell
         gradlaned, which passes it on to the control plane."""
-        self.global_batch = samples  # before the post, as in `exchange_agreed`
+        self.global_batch = samples  # before the flag, as in `exchange_agreed`
         if "global_batch" in self._features:
             self._restate.set()
 
