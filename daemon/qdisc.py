@@ -511,7 +511,7 @@ class QdiscManager:
             found = self.ipr.link_lookup(ifname=self.ifname)
         if not found:
             where = f" in netns {self.netns}" if self.netns else ""
-            raise TcError(errno.ENODEV, self.ifname, f"interface {self.ifname}{where}")
+            raise TcError(errno.ENODEV, self.ifname, "", f"no such interface{where}")
         self._ifindex = int(found[0])
         return self._ifindex
 

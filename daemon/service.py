@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import json
 import logging
@@ -48,7 +49,7 @@ from gradlane.daemon.control import read_token, start_site
 from gradlane.daemon.qdisc import ClassStats, FlowMatch, JobSpec, QdiscManager, QdiscSpec
 from gradlane.daemon.registry import Credentials, Registry, Worker
 from gradlane.daemon.uplink import ControlLink
-from gradlane.errors import ConfigError, GradlaneError, ProtocolError
+from gradlane.errors import ConfigError, GradlaneError, ProtocolError, TcError
 from gradlane.policies import JobState, Plan, State, get_policy
 from gradlane.units import MIN_RATE_BPS
 
@@ -244,8 +245,11 @@ class Daemon:
         for backend in self._backends:
             try:
                 await self._tc(backend.restore)
-            except GradlaneError:
-                logger.exception("%s: could not restore the original qdisc", backend.ifname)
+            except GradlaneError as exc:
+                if isinstance(exc, TcError) and exc.errno == errno.ENODEV:
+                    logger.warning("%s; nothing to restore", exc)  # gone, or never there
+                else:
+                    logger.exception("%s: could not restore the original qdisc", backend.ifname)
             finally:
                 await self._tc(backend.close)
         self._tc_thread.shutdown(wait=True)

@@ -96,8 +96,8 @@ class TcError(GradlaneError):
         self.detail = detail
         name = _errno.errorcode.get(errno, str(errno))
         text = detail or os.strerror(errno)
-        where = f" on {ifname}" if ifname else ""
-        super().__init__(f"{obj}{where}: {text} ({name})")
+        head = f"{obj} on {ifname}" if obj and ifname else obj or ifname  # no obj: the interface
+        super().__init__(f"{head}: {text} ({name})")
 
 
 class ForeignQdiscError(TcError):

@@ -3,6 +3,7 @@ and addresses that change while it runs."""
 
 import asyncio
 import dataclasses
+import errno
 import os
 import struct
 from pathlib import Path
@@ -14,6 +15,7 @@ from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
 from gradlane.daemon.qdisc import QdiscSpec
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import VERIFY_EVERY, Daemon
+from gradlane.errors import TcError
 from gradlane.policies import JobClassPlan, Plan
 from tests.fakes import FakeBackend, fake_config
 
@@ -130,3 +132,19 @@ def test_an_address_that_comes_after_the_start_takes_its_flows_to_its_interface(
         assert (sources(first), sources(second)) == (["10.0.0.1"], ["10.1.0.1"])
 
     asyncio.run(main())
+
+
+class VanishedBackend(FakeBackend):
+    """An interface that is gone by the time gradlaned restores it."""
+
+    def restore(self) -> bool:
+        raise TcError(errno.ENODEV, self.ifname, "", "no such interface")
+
+
+def test_an_interface_gone_at_shutdown_is_a_warning_not_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    daemon = _daemon(tmp_path, VanishedBackend)
+    asyncio.run(daemon._restore_tc())
+    said = [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records]
+    assert said == [("WARNING", "fake0: no such interface (ENODEV); nothing to restore", None)]
