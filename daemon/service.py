@@ -324,7 +324,10 @@ class Daemon:
                     self._addresses[backend.ifname] = await self._tc(backend.addresses)
                 spec = self.spec_for(backend, plan)
                 changes += await self._tc(partial(backend.apply, spec, verify=verify))
-        except Exception:  # netlink's own errors included: the daemon must keep running
+        except Exception as exc:  # netlink's own errors included: the daemon must keep running
+            if isinstance(exc, TcError) and exc.errno == errno.EPERM:  # would never succeed
+                raise GradlaneError(f"{exc}: gradlaned needs CAP_NET_ADMIN (run it as root, "
+                                    "or as systemd/gradlaned.service does)") from None
             self._reconcile_errors += 1
             logger.exception("reconcile failed; retrying on the next change")
             return

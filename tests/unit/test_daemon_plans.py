@@ -15,7 +15,7 @@ from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
 from gradlane.daemon.qdisc import QdiscSpec
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import VERIFY_EVERY, Daemon
-from gradlane.errors import TcError
+from gradlane.errors import GradlaneError, TcError
 from gradlane.policies import JobClassPlan, Plan
 from tests.fakes import FakeBackend, fake_config
 
@@ -148,3 +148,17 @@ def test_an_interface_gone_at_shutdown_is_a_warning_not_a_traceback(
     asyncio.run(daemon._restore_tc())
     said = [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records]
     assert said == [("WARNING", "fake0: no such interface (ENODEV); nothing to restore", None)]
+
+
+class UnprivilegedBackend(FakeBackend):
+    """The kernel's answer to a daemon without CAP_NET_ADMIN."""
+
+    def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]:
+        raise TcError(errno.EPERM, self.ifname, "install root qdisc htb 474c:")
+
+
+def test_a_daemon_without_cap_net_admin_stops_saying_so(tmp_path: Path) -> None:
+    # Retrying could never succeed: it used to log a failed reconcile at every change.
+    daemon = _daemon(tmp_path, UnprivilegedBackend)
+    with pytest.raises(GradlaneError, match=r"\(EPERM\): gradlaned needs CAP_NET_ADMIN"):
+        asyncio.run(daemon._reconcile())
