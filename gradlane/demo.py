@@ -807,7 +807,8 @@ def run_demo(
                 "[yellow]not root:[/] the emulated cluster needs root "
                 "(network namespaces, qdiscs). Running both systems on loopback "
                 "instead, without traffic control: the numbers show the shim's "
-                "overlap only."
+                "overlap only.",
+                markup=True,  # the caller's console may take none (names are the users')
             )
             result = run_loopback(hosts, steps, out, say)
     report(result, console)

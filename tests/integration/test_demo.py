@@ -65,7 +65,7 @@ def test_demo_without_root_runs_both_systems_on_loopback(tmp_path: Path) -> None
                          timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     said = out.stdout + out.stderr
-    assert "not root" in said and "loopback" in said
+    assert "not root" in said and "loopback" in said and "[yellow]" not in said
     result = json.loads(raw.read_text())
     assert result["link_bps"] is None  # no traffic control
     assert result["final_loss_relative_gap"] < 0.01
