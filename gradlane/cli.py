@@ -402,7 +402,7 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
 @click.option("--seed", default=0, show_default=True, help="Placement and job-mix seed.")
 @click.option("--hosts", default=1024, show_default=True,
               help="Cluster size for 'cluster' (a multiple of 32).")
-@click.option("--mixed", default=0.0, show_default=True,
+@click.option("--mixed", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="'cluster': fraction of servers of an older GPU generation (0.68x speed).")
 @click.option("--load", default=0.8, show_default=True,
               help="'coflows': how busy the busiest link is on average (0..1, exclusive).")

@@ -279,7 +279,9 @@ def cluster(
        policy (`job_buckets`; `buckets` for about that many DDP-like ones).
     """
     if hosts % hosts_per_leaf or hosts_per_leaf % group or hosts // group < jobs:
-        raise ConfigError("hosts must fill whole leaves, leaves whole groups, one group per job")
+        raise ConfigError(
+            f"hosts must fill whole leaves of {hosts_per_leaf}, leaves whole groups of "
+            f"{group}, and give each of the {jobs} jobs a group: got {hosts} hosts")
     rng = random.Random(seed)
     leaves = hosts // hosts_per_leaf
     uplink = int(hosts_per_leaf * nic_bps / oversubscription)

@@ -281,7 +281,7 @@ def test_bad_scenarios_are_refused() -> None:
     sc = _one_job([(1e6, 0.01, 0.02)])
     with pytest.raises(ConfigError, match="outside"):
         Scenario("bad", sc.topology, (replace(sc.jobs[0], hosts=(0, 9)),))
-    with pytest.raises(ConfigError, match="whole leaves"):
+    with pytest.raises(ConfigError, match="whole leaves of 32, .* got 100 hosts"):
         cluster(hosts=100)
 
 
