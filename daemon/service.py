@@ -53,7 +53,12 @@ from gradlane.errors import ConfigError, GradlaneError, ProtocolError, TcError
 from gradlane.policies import JobState, Plan, State, get_policy
 from gradlane.units import MIN_RATE_BPS
 
-__all__ = ["DSCP_JOB", "Backend", "Daemon"]
+__all__ = ["DSCP_JOB", "RESTART_FIELDS", "Backend", "Daemon"]
+
+# What gradlaned sets up once, at start: a reload (SIGHUP) cannot change these.
+RESTART_FIELDS = ("interfaces", "socket_path", "socket_group", "socket_mode", "http",
+                  "state_dir", "control_url", "control_token_file", "control_host",
+                  "control_leaf")
 
 logger = logging.getLogger(__name__)
 
@@ -211,12 +216,12 @@ class Daemon:
             logger.info("gradlaned stopped; original qdiscs restored")
 
     async def reload(self, config: DaemonConfig) -> None:
-        """Take a new config (SIGHUP). Interfaces and the socket need a restart."""
-        if (
-            config.interfaces != self.config.interfaces
-            or config.socket_path != self.config.socket_path
-        ):
-            logger.error("reload: interfaces or socket changed; restart gradlaned to apply that")
+        """Take a new config (SIGHUP): bands, shares, the policy and the limits apply at
+        once; a change to what is set up at start (`RESTART_FIELDS`) reloads nothing."""
+        changed = [f for f in RESTART_FIELDS if getattr(config, f) != getattr(self.config, f)]
+        if changed:
+            logger.error("reload: %s changed; restart gradlaned to apply it (nothing reloaded)",
+                         ", ".join(changed))
             return
         policy = get_policy(config.policy)
         self.config, self.policy = config, policy

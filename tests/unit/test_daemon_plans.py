@@ -14,7 +14,7 @@ from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
 from gradlane.daemon.qdisc import QdiscSpec
 from gradlane.daemon.registry import Credentials
-from gradlane.daemon.service import VERIFY_EVERY, Daemon
+from gradlane.daemon.service import RESTART_FIELDS, VERIFY_EVERY, Daemon
 from gradlane.errors import GradlaneError, TcError
 from gradlane.policies import JobClassPlan, Plan
 from tests.fakes import FakeBackend, fake_config
@@ -162,3 +162,18 @@ def test_a_daemon_without_cap_net_admin_stops_saying_so(tmp_path: Path) -> None:
     daemon = _daemon(tmp_path, UnprivilegedBackend)
     with pytest.raises(GradlaneError, match=r"\(EPERM\): gradlaned needs CAP_NET_ADMIN"):
         asyncio.run(daemon._reconcile())
+
+
+def test_a_reload_that_changes_what_is_set_up_at_start_reloads_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The control plane's address, say: its link was made at start. Before, the new
+    # config was taken (status showing a URL the daemon did not use) with no word.
+    daemon = _daemon(tmp_path)
+    before = daemon.config
+    moved = dataclasses.replace(before, control_url="http://10.0.0.9:7800", bands=(46, 10))
+    asyncio.run(daemon.reload(moved))
+    assert daemon.config is before and daemon.registry.bands == len(before.bands)
+    assert "reload: control_url changed; restart gradlaned to apply it" in caplog.text
+    for name in RESTART_FIELDS:  # every one is a field of the config
+        assert hasattr(before, name)
