@@ -168,7 +168,7 @@ def test_a_reload_that_changes_what_is_set_up_at_start_reloads_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The control plane's address, say: its link was made at start. Before, the new
-    # config was taken (status showing a URL the daemon did not use) with no word.
+    # config was taken with no word, as if applied.
     daemon = _daemon(tmp_path)
     before = daemon.config
     moved = dataclasses.replace(before, control_url="http://10.0.0.9:7800", bands=(46, 10))
