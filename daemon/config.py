@@ -217,13 +217,12 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
         raise fail("daemon.on_start", f"must be one of {ON_START}, got {on_start!r}")
     http = daemon.get("http", DEFAULT_HTTP)
     try:
-        if not isinstance(http, str):
-            raise ConfigError(f"got {http!r}")
-        if http:
-            host_port(http)
+        ok = isinstance(http, str) and (not http or bool(host_port(http)))
     except ConfigError:
+        ok = False
+    if not ok:
         raise fail("daemon.http", f'must be "host:port" (a port in 1..65535) or "" (off), '
-                                  f"got {http!r}") from None
+                                  f"got {http!r}")
     max_clients = daemon.get("max_clients", 256)
     if not isinstance(max_clients, int) or not 1 <= max_clients <= 65536:
         raise fail("daemon.max_clients", f"must be an integer in 1..65536, got {max_clients!r}")

@@ -43,6 +43,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<4sII")
+_IPV4_ONLY = "gradlane's transport and gradlaned's filters are IPv4 only"
 _MAGIC = b"GLS1"
 
 
@@ -132,9 +133,8 @@ def local_address(toward: str) -> str:
     except OSError as exc:
         if _ipv6_only(toward):
             raise TransportError(
-                f"MASTER_ADDR {toward!r} is IPv6 only, and gradlane's transport and "
-                "gradlaned's filters are IPv4 only: give the rendezvous an IPv4 address "
-                "(or a host name that has one)"
+                f"MASTER_ADDR {toward!r} is IPv6 only, and {_IPV4_ONLY}: give the "
+                "rendezvous an IPv4 address (or a host name that has one)"
             ) from exc
         raise TransportError(f"cannot resolve MASTER_ADDR {toward!r}: {exc}") from exc
     if target.startswith("127."):
@@ -162,10 +162,7 @@ def _check_ipv4(address: str) -> None:
     try:
         ipaddress.IPv4Address(address)
     except ValueError:
-        raise TransportError(
-            f"address {address!r} is not an IPv4 address: gradlane's transport and "
-            "gradlaned's filters are IPv4 only"
-        ) from None
+        raise TransportError(f"address {address!r} is not an IPv4 address: {_IPV4_ONLY}") from None
 
 
 def _tune(sock: socket.socket, dscp: int, credit: int, sndbuf: int) -> None:
