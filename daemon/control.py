@@ -409,9 +409,10 @@ class ControlPlane:
         by_name = tuple(sorted(jobs.values(), key=lambda j: j.name))
         ordered = tuple(sorted(workers, key=lambda w: (w.job, w.rank)))
         agreed = _agreed_exchanges(report for _, _, report in seen.daemons)
-        coflows, flows = self._demand(by_name, ordered, topology, seen.plan, agreed, world)
+        coflows, flows, kinds = self._demand(by_name, ordered, topology, seen.plan, agreed,
+                                             world)
         return State(
-            jobs=by_name,
+            jobs=tuple(replace(j, ring=kinds.get(j.name) == "ring") for j in by_name),
             topology=topology,
             workers=ordered,
             coflows=coflows,
@@ -426,8 +427,9 @@ class ControlPlane:
     def _demand(
         self, jobs: tuple[JobState, ...], workers: tuple[Worker, ...], topology: Topology,
         plan: Plan | None, agreed: dict[str, str], world: dict[str, int],
-    ) -> tuple[tuple[Coflow, ...], FlowTable]:
-        """Per job, its next iteration's exchange as one coflow of demand flows.
+    ) -> tuple[tuple[Coflow, ...], FlowTable, dict[str, str]]:
+        """Per job, its next iteration's exchange as one coflow of demand flows, and
+        how its ranks exchange (`gradlane.daemon.fields.EXCHANGES`).
 
         Built from what the shims reported (each chunk's bytes and layer) and
         what they enforce: the current plan's chunk owners, and the exchange
@@ -443,6 +445,7 @@ class ControlPlane:
         """
         coflows: list[Coflow] = []
         tables: list[FlowTable] = []
+        kinds: dict[str, str] = {}
         advised = bool(plan is not None and plan.reduce_in_leaf)
         by_job: dict[str, list[Worker]] = {}
         for w in workers:
@@ -460,7 +463,7 @@ class ControlPlane:
                                else range(len(job.chunk_bytes)), dtype=np.int64)
             n_layers = max(job.layers, int(layer.max()) + 1)
             starts = bucket_starts(layer * DEMAND_BUCKETS // n_layers)
-            kind = agreed.get(job.name) or _expected_exchange(
+            kind = kinds[job.name] = agreed.get(job.name) or _expected_exchange(
                 len(mine), len({topology.hosts[h].leaf for h in hosts}), advised)
             exchange = self._exchange(topology, hosts, ring=kind == "ring")
             local, remote = exchange.loads(
@@ -468,7 +471,7 @@ class ControlPlane:
             tables.append(exchange.demand_flows(hosts, local, remote, len(coflows), starts,
                                                 priority=layer[starts[:-1]]))
             coflows.append(Coflow(job.name, job.name))
-        return tuple(coflows), FlowTable.concat(tables)
+        return tuple(coflows), FlowTable.concat(tables), kinds
 
     def _exchange(self, topology: Topology, hosts: list[int], ring: bool) -> Exchange:
         """The reduction trees (or the ring) of ranks on `hosts` (cached: placements

@@ -69,6 +69,7 @@ class JobState:
     chunk_bytes: tuple[int, ...] = ()  # gradient chunks in forward order (ownership plans these)
     layers: int = 0  # distinct flow priorities (layers in forward order); 0: one per chunk
     chunk_layers: tuple[int, ...] = ()  # the layer of each chunk, when known
+    ring: bool = False  # its chunks go around the ring of ranks (`chunks.ring_routes`)
     # configurations tried so far: (chunk bytes, credit bytes, measured iteration s)
     tuning: tuple[tuple[int, int, float], ...] = ()
 

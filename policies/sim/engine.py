@@ -376,7 +376,7 @@ class _Sim:
             spec = job.spec
             jobs.append(JobState(spec.name, job.w, global_batch=spec.global_batch,
                                  chunk_bytes=job.chunk_bytes, layers=job.nb,
-                                 chunk_layers=job.chunk_layer))
+                                 chunk_layers=job.chunk_layer, ring=spec.ring))
             busy = job.last_busy
             for r in range(job.w):
                 # Samples per second of compute, as the shim measures it: what the last

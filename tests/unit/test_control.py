@@ -40,9 +40,12 @@ def _run(test: Callable[[ControlPlane, TestClient], Awaitable[None]], **kw: Any)
     asyncio.run(main())
 
 
-def _register(host: str, leaf: int = 0) -> dict[str, Any]:
+G10 = 10_000_000_000
+
+
+def _register(host: str, leaf: int = 0, rate_bps: int = 10_000_000_000) -> dict[str, Any]:
     return {"type": "register", "version": 1, "host": host, "leaf": leaf, "gradlane": "0.1.0",
-            "interfaces": [{"name": "eth0", "rate_bps": 10_000_000_000}]}
+            "interfaces": [{"name": "eth0", "rate_bps": rate_bps}]}
 
 
 def _report(ranks: list[int], throughput: float, batch: int = 64) -> dict[str, Any]:
@@ -287,9 +290,10 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
     assert read_token(path) == TOKEN
 
 
-def _reported(plane: ControlPlane, host: str, leaf: int, jobs: list[dict[str, Any]]) -> None:
+def _reported(plane: ControlPlane, host: str, leaf: int, jobs: list[dict[str, Any]],
+              rate_bps: int = 10_000_000_000) -> None:
     """`host`'s daemon registered and reported `jobs`, as if over its socket."""
-    register = cp.parse_register(_register(host, leaf))
+    register = cp.parse_register(_register(host, leaf, rate_bps))
     plane.daemons[host] = control._Daemon(
         register, cp.parse_report({"type": "report", "seq": 1, "jobs": jobs}), ws=None)
 
@@ -386,6 +390,23 @@ def test_demand_of_a_job_on_the_ring(said: str | None, busiest: int) -> None:
     sent = np.bincount(state.flows.src, state.flows.bytes, minlength=4)
     assert sent.sum() == 6000 and sent.max() == busiest
     assert plane.view()["jobs"]["j"]["exchange"] == said
+
+
+@pytest.mark.parametrize(("said", "owned"), [("ring", [0, 0, 0, 8]), (None, [0, 0, 0, 8]),
+                                             ("flat", [3, 3, 2, 0])])
+def test_chunk_owners_follow_the_exchange_the_shims_say(said: str | None,
+                                                        owned: list[int]) -> None:
+    # Four ranks under one leaf, the last on a link half as fast. On the ring a rank's own
+    # chunks skip its links: the slow one owns them all. Flat, its link would carry S plus
+    # twice what it owns: it owns none. Not said yet: shims at their default take the ring.
+    plane = ControlPlane(_config())
+    for rank in range(4):
+        job = {**_job("j", [rank], [1000] * 8), **({"exchange": said} if said else {})}
+        _reported(plane, f"h{rank}", 0, [job], rate_bps=5_000_000_000 if rank == 3 else G10)
+    state = plane.build_state()
+    assert state.jobs[0].ring == (said != "flat")
+    owners = plane.policy.plan(state).ownership["j"]
+    assert [owners.count(r) for r in range(4)] == owned
 
 
 def test_a_job_missing_ranks_has_no_demand_yet() -> None:

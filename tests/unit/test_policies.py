@@ -1,7 +1,12 @@
 """Table-driven tests of each policy's algorithm, on small hand-made states."""
 
+import itertools
+from dataclasses import replace
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
 from gradlane.policies import (
@@ -19,8 +24,10 @@ from gradlane.policies import (
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.coflow import bssi_order, levels
 from gradlane.policies.fifo import FairPolicy
+from gradlane.policies.loadbalance import flat_shares, ring_shares
 from gradlane.policies.priority import CHUNK_GRID, next_tuning
 from gradlane.policies.straggler import proportional_shares
+from tests import examples
 
 G = 1_000_000_000
 
@@ -117,13 +124,77 @@ def test_priority_bands_follow_forward_order() -> None:
 
 
 def test_loadbalance_gives_a_faster_link_more_chunks() -> None:
-    topo = Topology((Host("fast", 0, 2 * G), Host("slow", 0, G), Host("slow2", 0, G)))
+    rates = (3 * G, 2 * G, 2 * G, G)
+    topo = Topology(tuple(Host(f"h{i}", 0, r) for i, r in enumerate(rates)))
     state = State(jobs=(JobState("j", 3, chunk_bytes=(1,) * 400),), topology=topo,
-                  workers=(Worker("j", 0, 0), Worker("j", 1, 1), Worker("j", 2, 2)))
+                  workers=tuple(Worker("j", i, i) for i in range(4)))
     owners = get_policy("loadbalance").plan(state).ownership["j"]
-    assert owners.count(0) == pytest.approx(200, abs=2)
-    assert owners.count(1) == pytest.approx(100, abs=2)
-    assert get_policy("fifo").plan(state).ownership["j"].count(0) == pytest.approx(134, abs=1)
+    # flat_shares: the 1 G link needs S / G alone, more than T = 5/7 S / G of the other
+    # three with shares (T r - S) / (W - 2): 8/14, 3/14 and 3/14 of S. Shares following the
+    # rates (3/8, 2/8, 2/8, 1/8) would leave the 1 G link at 1.25 S / G.
+    assert [owners.count(i) for i in range(4)] == pytest.approx([229, 86, 86, 0], abs=1)
+    assert get_policy("fifo").plan(state).ownership["j"].count(0) == 100
+
+
+def test_loadbalance_gives_a_ring_s_slow_link_more_chunks() -> None:
+    """On the ring, a rank's own chunks skip its links: the slow one should own them."""
+    topo = Topology(tuple(Host(f"h{i}", 0, r) for i, r in enumerate((G, G, G, G // 2))))
+    job = JobState("j", 4, chunk_bytes=(1,) * 400, ring=True)
+    state = State(jobs=(job,), topology=topo, workers=tuple(Worker("j", i, i) for i in range(4)))
+    owners = get_policy("loadbalance").plan(state).ownership["j"]
+    assert [owners.count(i) for i in range(4)] == [0, 0, 0, 400]
+    even = Topology(tuple(Host(f"h{i}", 0, G) for i in range(4)))
+    owners = get_policy("loadbalance").plan(replace(state, topology=even)).ownership["j"]
+    assert [owners.count(i) for i in range(4)] == [100] * 4
+
+
+def ring_exchange_time(rates: list[float], shares: list[float]) -> float:
+    """The slowest ring link's time for a model of 1 byte: link i (rank i to i+1, at the
+    slower of the two) carries ``2 - share_i - share_i+1``."""
+    world = len(rates)
+    return max((2 - shares[i] - shares[(i + 1) % world]) / min(rates[i], rates[(i + 1) % world])
+               for i in range(world))
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0]), min_size=3, max_size=4))
+def test_ring_shares_finish_no_later_than_any_shares_on_a_grid(rates: list[float]) -> None:
+    shares = ring_shares(rates)
+    assert sum(shares) == pytest.approx(1) and min(shares) >= 0
+    world, steps = len(rates), 20
+    best = min(ring_exchange_time(rates, [p / steps for p in parts] + [1 - sum(parts) / steps])
+               for parts in itertools.product(range(steps + 1), repeat=world - 1)
+               if sum(parts) <= steps)
+    assert ring_exchange_time(rates, shares) <= best * (1 + 1e-9)
+
+
+def flat_exchange_time(rates: list[float], shares: list[float]) -> float:
+    """The slowest link's time for a model of 1 byte: ``(1 + (W - 2) share) / rate``."""
+    world = len(rates)
+    return max((1 + (world - 2) * s) / r for r, s in zip(rates, shares, strict=True))
+
+
+@given(st.lists(st.floats(0.1, 10), min_size=1, max_size=12))
+def test_flat_shares_finish_the_flat_exchange_no_later_than_other_shares(
+    rates: list[float],
+) -> None:
+    shares = flat_shares(rates)
+    assert sum(shares) == pytest.approx(1) and min(shares) >= 0
+    best = flat_exchange_time(rates, shares)
+    world = len(rates)
+    for other in ([1 / world] * world, [r / sum(rates) for r in rates]):  # bytes, rates
+        assert best <= flat_exchange_time(rates, other) * (1 + 1e-9)
+    if world > 2:
+        # Optimal: either the slowest links own nothing (so no shares could speed them up:
+        # each carries its own gradient and the results), or every owning link finishes
+        # with them (any share moved would finish later).
+        times = [(1 + (world - 2) * s) / r for r, s in zip(rates, shares, strict=True)]
+        slowest = [i for i, t in enumerate(times) if t == pytest.approx(best)]
+        if any(shares[i] > 1e-12 for i in slowest):
+            assert all(t == pytest.approx(best) for t, s in zip(times, shares, strict=True)
+                       if s > 1e-12)
+        else:
+            assert best == pytest.approx(max(1 / r for r in rates))
 
 
 def test_assign_owners_equal_and_weighted_paths_agree_on_equal_weights() -> None:
