@@ -155,6 +155,10 @@ def main() -> None:
             sync.flush()
             # What the grouping trial measured and kept (`ShimConfig.layout`).
             record["layout_trial"] = sync.layout_trial
+            # Whose chunks: the bytes each rank owns, and the step the ranks took the
+            # control plan's owners (None: they kept their own).
+            record["owned_bytes"] = sync.owned_bytes()
+            record["owners_taken_at"] = sync.owners_taken_at
     (args.out / f"{args.system}-rank{rank}.json").write_text(json.dumps(record))
 
 

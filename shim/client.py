@@ -45,6 +45,9 @@ class DaemonClient:
         connected: whether a daemon accepted our hello.
         plan: the last plan message, or None.
         advised_batch_share: the batch share the plan advises (None: keep yours).
+        advised_owners: the owner rank of each of the job's chunks (in priority
+            order, as reported) the plan advises; None: none. Ranks take it
+            together (`Sync`): owners must agree on every rank.
         advised_leaf: this host's leaf switch when, at the welcome, the
             control plane advised reducing within leaves first (None: the flat
             exchange). Read once at attach: reduction trees never change mid-run.
@@ -60,6 +63,7 @@ class DaemonClient:
         self.connected = False
         self.plan: dict[str, Any] | None = None
         self.advised_batch_share: float | None = None
+        self.advised_owners: tuple[int, ...] | None = None
         self.advised_leaf: int | None = None
         self.exchange: str | None = None
         self.global_batch: int | None = None
@@ -284,6 +288,7 @@ class DaemonClient:
                 self._restate.set()
             share = message.get("batch_share")
             self.advised_batch_share = float(share) if isinstance(share, int | float) else None
+            self.advised_owners = _owners(message.get("ownership"), self.world)
         elif kind == "error":
             raise ProtocolError(str(message.get("code")), str(message.get("message")))
 
@@ -308,3 +313,12 @@ class DaemonClient:
 
 def _leaf(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _owners(value: object, world: int) -> tuple[int, ...] | None:
+    """A plan's chunk owners for this job, if they are ranks of it (else None)."""
+    if not (isinstance(value, list) and value):
+        return None
+    if all(type(o) is int and 0 <= o < world for o in value):
+        return tuple(value)
+    return None

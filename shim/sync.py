@@ -5,8 +5,9 @@ What happens to a training loop after ``sync = attach(model, optimizer)``:
 1. The first forward pass records the order in which modules run; a module's
    parameters form a *layer* whose priority is that order (first used =
    highest; rank 0's order, which every rank takes). Layers are cut into
-   chunks (`layout.split`) with balanced owners (`layout.assign_owners`) and
-   bands by forward order (`layout.band_of`).
+   chunks (`layout.split`) with balanced owners (`layout.assign_owners`; the
+   control plan's, weighed by link rate, once it advises them:
+   `Sync._follow_plan_owners`) and bands by forward order (`layout.band_of`).
 2. During backward, a hook per parameter copies its gradient into the layer's
    flat buffer; a complete layer goes to the `Engine` at once, so
    communication starts while backward still runs, highest priority first.
@@ -93,6 +94,9 @@ logger = logging.getLogger(__name__)
 
 # Coarse replaces fine only when the trial's timings make it faster at this confidence.
 TRIAL_P = 0.05
+# Every this many steps (after the layout trial), the ranks take the chunk owners the
+# control plan advises rank 0, if they differ from theirs (`Sync._follow_plan_owners`).
+OWNERS_EVERY = 10
 
 
 def p_faster(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -328,6 +332,10 @@ class Sync:
         # What the trial measured (each layout's median iteration, the job's slowest rank
         # per step; how likely coarse looked this much faster by chance) and chose.
         self.layout_trial: dict[str, Any] | None = None
+        # The control plan's chunk owners the ranks took, and the layout they are for.
+        self._planned: tuple[str, tuple[int, ...]] | None = None
+        # The step the ranks last took the control plan's chunk owners (None: never).
+        self.owners_taken_at: int | None = None
         self._order: list[_Layer] = []
         self._laid_out = False
         self._state = "idle"  # idle -> backward -> reduced -> (step) idle
@@ -540,7 +548,11 @@ class Sync:
             for (_, dtype, _, _, _), ranges in zip(specs, ranges_of, strict=True)
             for start, stop in ranges
         ]
-        owners = iter(assign_owners(sizes, self.world))
+        planned = self._planned
+        if planned is not None and planned[0] == self.layout and len(planned[1]) == len(sizes):
+            owners = iter(planned[1])
+        else:
+            owners = iter(assign_owners(sizes, self.world))
         for gid, ((layers, dtype, params, numel, band), ranges) in enumerate(
             zip(specs, ranges_of, strict=True), start=self._next_gid
         ):
@@ -617,6 +629,40 @@ class Sync:
         if self.rank == 0:
             logger.info("gradlane: %s layout from step %d: %d groups", layout, self.step,
                         len(self._groups))
+
+    def _follow_plan_owners(self) -> None:
+        """Take the chunk owners the control plan advises, on every rank at this step.
+
+        The `loadbalance` policy weighs owners by link rate: a worker on a
+        slower link owns fewer bytes. Owners must be the same on every rank,
+        and plans reach the hosts at different times, so rank 0 says which:
+        the owners its daemon passed on, when they cover this layout's chunks
+        (one per chunk reported, in priority order) and differ from the ones
+        in use; else none, and nothing changes. A plan that expires leaves
+        the owners taken. The regrouping costs one step's overlap.
+        """
+        key = f"{self._prefix}/owners/{self.step}"
+        if self.rank == 0:
+            advised = self.client.advised_owners
+            current = tuple(chunk.owner for group in self._groups for chunk in group.chunks)
+            take = advised is not None and len(advised) == len(current) and advised != current
+            self._store.set(key, json.dumps(list(advised) if take and advised else None))
+        posted = json.loads(self._store.get(key))
+        if posted is None:
+            return
+        self._planned = (self.layout, tuple(int(o) for o in posted))
+        self.owners_taken_at = self.step
+        if self.rank == 0:
+            logger.info("gradlane: the control plan's chunk owners from step %d", self.step)
+        self._relayout(self.layout)
+
+    def owned_bytes(self) -> list[int]:
+        """The gradient bytes each rank owns (reduces and sends back), by rank."""
+        owned = [0] * self.world
+        for group in self._groups:
+            for chunk in group.chunks:
+                owned[chunk.owner] += chunk.nbytes
+        return owned
 
     def _try_layouts(self, samples: int) -> None:
         """`ShimConfig.layout` "auto": measure fine and coarse groups, keep the faster.
@@ -750,6 +796,8 @@ class Sync:
                 self.client.batch_agreed(self.global_batch)
         if self._trying:
             self._try_layouts(samples)
+        elif self.world > 1 and self.step and self.step % OWNERS_EVERY == 0:
+            self._follow_plan_owners()
         self._counted, self.samples = 0, None
         self.engine.begin(self.step, samples)
         self.client.begin(self.step, known)  # 0: gradlaned is told the count is not known

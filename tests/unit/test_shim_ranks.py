@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradlane.shim as gl
+import gradlane.shim.sync as sync_module
 from gradlane.shim.transport import agree_batch
 from tests import examples
 from tests.ranks import on_every_rank
@@ -275,3 +276,55 @@ def test_the_global_batch_is_agreed_only_when_every_rank_knows_its_own(
 
     on_every_rank(len(mine), body)
     assert got == [agreed] * len(mine)
+
+
+def test_the_ranks_take_the_plans_chunk_owners_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0's daemon passes on a plan whose owners put every chunk on the last rank
+    (a plan of the wrong length comes first, and is ignored). At the next check every
+    rank regroups with those owners, and training stays exact."""
+    monkeypatch.setattr(sync_module, "OWNERS_EVERY", 4)
+    case = Case(widths=(40, 120, 30), twice=False, unused=False, dtype=torch.float64,
+                optimizer="sgd", overlap=True, layout="fine", exchange="flat",
+                batches=(2, 3, 1), steps=12)
+    store, job, world = dist.HashStore(), f"ranks{next(_jobs)}", len(case.batches)
+    models = [Net(case) for _ in range(world)]
+    owners: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
+    states: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+
+    def body(rank: int) -> None:
+        model, (opt, _) = models[rank], optimizer(case, models[rank])
+        start = sum(case.batches[:rank])
+        with gl.attach(model, opt, rank=rank, world_size=world, store=store,
+                       address="127.0.0.1", daemon_socket="/nonexistent/gl.sock", job=job,
+                       timeout_s=30, layout="fine") as sync:
+            for step in range(case.steps):
+                x, y = batch(case, step)
+                mine = slice(start, start + case.batches[rank])
+                nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+                opt.step()
+                opt.zero_grad()
+                chunks = tuple(c.owner for g in sync._groups for c in g.chunks)
+                owners[rank].append(chunks)
+                if rank == 0 and step in (1, 5):  # what gradlaned passes on from a plan
+                    advised = [world - 1] * (len(chunks) + (1 if step == 1 else 0))
+                    sync.client._handle({"type": "plan", "version": step, "bands": None,
+                                         "batch_share": None, "ownership": advised})
+            sync.flush()
+            assert sync.owners_taken_at == 8
+            assert sync.owned_bytes()[:-1] == [0] * (world - 1)
+        states[rank] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    on_every_rank(world, body)
+    last = (world - 1,) * len(owners[0][0])
+    for rank in range(world):
+        # Steps 4 and 8 began with a check: the first plan's length did not fit; the second did.
+        assert owners[rank][:8] == [owners[0][0]] * 8, rank
+        assert owners[rank][8:] == [last] * 4, rank
+    assert owners[0][0] != last  # balanced at first
+    ref = reference(case)
+    for name, value in ref.items():
+        assert all(torch.equal(states[0][name], s[name]) for s in states[1:]), name
+        error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
+        assert error <= 1e-9, f"{name} is {error:.2e} off plain PyTorch"
