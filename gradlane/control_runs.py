@@ -7,6 +7,8 @@ so both figures come from the same machine state. Needs root.
 
 - `run_control_straggler`: one job on workers at speeds 1, 1, 1, 0.5 (batch
   shares), then a SIGKILL of the control plane mid-training and its restart.
+- `run_slow_link`: one job on 4 hosts, one on a link half as fast (the
+  plan's chunk owners, weighed by link rate).
 - `run_two_jobs`: two jobs whose workers straddle an oversubscribed uplink
   (reduction within leaves first), against `fifo` too.
 
@@ -37,7 +39,8 @@ from gradlane.policies.straggler import proportional_shares
 from gradlane.testbed import Cluster, Topology
 from gradlane.units import parse_rate
 
-__all__ = ["run_control_straggler", "run_two_jobs"]
+__all__ = ["flat_exchange_s", "ring_exchange_s", "run_control_straggler", "run_slow_link",
+           "run_two_jobs"]
 
 CONTROL_PORT = 7800
 
@@ -326,6 +329,127 @@ def run_control_straggler(
         # After the control plane's host is cut off: when each daemon's /status said its
         # plan had expired and the local policy is back (the plan's TTL is 10 s).
         "partition_local_policy_after_s": expired,
+        "daemon_exit_codes": codes,
+        **extra,
+    }
+
+
+# One job on 4 hosts, the last on a link half as fast (h5 runs the control plane). A
+# VGG-19 trace whose exchange outlasts its compute: who owns what decides the iteration.
+SLOW_LINK_RATES = ["1gbit", "1gbit", "1gbit", "500mbit", "1gbit"]
+SLOW_LINK_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "8",
+                      "--forward-ms", "20"]
+
+
+def flat_exchange_s(model_bytes: int, rates_bps: Sequence[float],
+                    shares: Sequence[float]) -> float:
+    """The slowest link's time in the flat exchange, each worker owning `shares` of the
+    bytes: ``S + (W - 2) * owned`` each way (`gradlane.policies.loadbalance`), at the
+    payload rate."""
+    world = len(rates_bps)
+    return max((model_bytes * (1 + (world - 2) * share)) * 8 / (rate * PAYLOAD_EFFICIENCY)
+               for rate, share in zip(rates_bps, shares, strict=True))
+
+
+def ring_exchange_s(model_bytes: int, rates_bps: Sequence[float],
+                    shares: Sequence[float]) -> float:
+    """The slowest link's time on the ring, each rank owning `shares` of the bytes: rank
+    i to i+1 carries ``2 S - owned_i - owned_i+1`` at the slower of their rates
+    (`gradlane.policies.loadbalance.ring_shares`), at the payload rate."""
+    world = len(rates_bps)
+    return max(model_bytes * (2 - shares[i] - shares[(i + 1) % world]) * 8
+               / (min(rates_bps[i], rates_bps[(i + 1) % world]) * PAYLOAD_EFFICIENCY)
+               for i in range(world))
+
+
+def run_slow_link(
+    workdir: Path,
+    steps: int = 50,
+    say: Callable[[str], None] = lambda _: None,
+    reference: bool = False,
+) -> dict[str, Any]:
+    """One job on 4 hosts, one on a link half as fast: gradlane without and with the
+    control plane, whose `loadbalance` owners the shims take (`Sync._follow_plan_owners`).
+
+    Without the control plane every worker owns a quarter of the gradient, so
+    the slow link carries as much as the others at half the rate. With it, the
+    plan weighs the owners by link rate (`flat_shares`: here the slow
+    worker owns nothing, and its link carries its gradient out and the
+    average in, the least any scheme could). Both runs in one cluster; with
+    `reference`, the workers first compute alone (``local``) for the bound's
+    compute. Medians from two steps after the ranks took the plan's owners
+    (past the layout trial and the regrouping), over the same steps in both
+    runs. Returns each run's rank-0 iteration
+    times, their medians, the ratio, the bytes each rank owned and when the
+    ranks took the plan's owners, the bound, and the flat exchange's
+    modelled times.
+
+    Raises:
+        TestbedError: the cluster, a daemon, a training step or the control plane failed,
+            or the ranks did not take the plan's owners with 10 steps left to measure.
+    """
+    from gradlane.policies.loadbalance import flat_shares, ring_shares
+
+    args = ["--steps", str(steps), *SLOW_LINK_WORKLOAD]
+    workers = [f"h{i}" for i in range(1, 5)]
+    rates = [parse_rate(r) for r in SLOW_LINK_RATES[:4]]
+    with Cluster(Topology.build("slow", 5, SLOW_LINK_RATES)) as c:
+        ctl = _controlled(c, workdir, workers, "h5")
+        sockets = [ctl.sockets[h] for h in workers]
+        runs: dict[str, SystemRun] = {}
+        if reference:
+            say("compute alone (the bound's reference)")
+            runs[REFERENCE] = collect(c, launch(c, REFERENCE, args, port=29830, out=workdir,
+                                                hosts=workers))
+        say("without the control plane")
+        runs["gradlane"], _ = run_on_cluster(c, "gradlane", args, port=29831,
+                                             out=workdir / "local", sockets=sockets, workers=4)
+        ctl.start_control()
+        ctl.wait_view(lambda v: len(v["hosts"]) == len(workers), "all 4 daemons register")
+        say("with the control plane")
+        runs["gradlane+control"], _ = run_on_cluster(c, "gradlane", args, port=29832,
+                                                     out=workdir / "control", sockets=sockets,
+                                                     workers=4)
+        codes = ctl.stop_daemons()
+    ranks = {label: [json.loads((workdir / label / f"gradlane-rank{r}.json").read_text())
+                     for r in range(4)] for label in ("local", "control")}
+    taken = {r["owners_taken_at"] for r in ranks["control"]}
+    if len(taken) != 1 or None in taken or steps - (min(taken) + 2) < 10:
+        raise TestbedError(f"the ranks took the control plan's owners at steps {sorted(taken)}"
+                           f" of {steps} (None: never): nothing to measure")
+    steady = taken.pop() + 2
+    medians = {k: statistics.median(r.times[steady:]) for k, r in runs.items()}
+    compute, size = _trace(SLOW_LINK_WORKLOAD)
+    extra: dict[str, Any] = {}
+    if reference:
+        extra["compute_s"] = compute = medians[REFERENCE]
+    # The bound: every host sends its whole gradient out and takes the whole average in,
+    # whatever the scheme; the slowest link needs that long at least.
+    bound = max(compute, size * 8 / (min(rates) * PAYLOAD_EFFICIENCY))
+    return {
+        "scenario": {"name": "control-slow-link", "hosts": 4, "rates": SLOW_LINK_RATES[:4],
+                     "steps": steps, "workload": SLOW_LINK_WORKLOAD},
+        "steady_from_step": steady,
+        "without_control": {"iteration_s": runs["gradlane"].times,
+                            "median_s": medians["gradlane"],
+                            "owned_bytes": ranks["local"][0]["owned_bytes"],
+                            "owners_taken_at": ranks["local"][0]["owners_taken_at"]},
+        "with_control": {"iteration_s": runs["gradlane+control"].times,
+                         "median_s": medians["gradlane+control"],
+                         "owned_bytes": ranks["control"][0]["owned_bytes"],
+                         # every rank's: they must agree
+                         "owners_taken_at": [r["owners_taken_at"] for r in ranks["control"]]},
+        "speedup": medians["gradlane"] / medians["gradlane+control"],
+        # The slowest link, modelled, owned bytes equal and as the plan shares them by link
+        # rate: the shims' ring (4 ranks, one switch), and the flat exchange.
+        "model_exchange_s": {
+            "ring": {"equal": ring_exchange_s(size, rates, [0.25] * 4),
+                     "by_rate": ring_exchange_s(size, rates, ring_shares(rates))},
+            "flat": {"equal": flat_exchange_s(size, rates, [0.25] * 4),
+                     "by_rate": flat_exchange_s(size, rates, flat_shares(rates))}},
+        "lower_bound_s": bound,
+        "summary": summarize({k: r.times[steady:] for k, r in runs.items()}, bound,
+                             {k: [r] for k, r in runs.items()}),
         "daemon_exit_codes": codes,
         **extra,
     }

@@ -1,0 +1,45 @@
+"""Chunk owners weighed by link rate, on the emulated cluster (needs root).
+
+    sudo .venv/bin/python bench/slow_link.py [--steps 50] [--json PATH]
+
+Runs `gradlane.control_runs.run_slow_link`: one VGG-19 trace job on 4 hosts,
+the last on a link half as fast; the workers compute alone (the bound's
+measured compute), then gradlane runs without `gradlane control` (owned bytes
+equal) and with it (the shims take the plan's owners, weighed by link rate),
+in one cluster. Writes both runs' iteration times, their medians, the ratio,
+the bytes each rank owned and the flat exchange's modelled times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, unwind_on_sigterm, write_result  # noqa: E402
+
+from gradlane.control_runs import run_slow_link  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/slow_link.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gradlane-slow-link-") as tmp:
+        result = run_slow_link(Path(tmp), args.steps, say=print, reference=True)
+    write_result(args.json, {"benchmark": "slow_link", **result})
+    without, with_control = result["without_control"], result["with_control"]
+    print(f"median iteration {without['median_s'] * 1000:.1f} ms with owned bytes "
+          f"{without['owned_bytes']}, {with_control['median_s'] * 1000:.1f} ms with the "
+          f"plan's {with_control['owned_bytes']} (taken at step "
+          f"{with_control['owners_taken_at'][0]}): {result['speedup']:.2f}x; bound "
+          f"{result['lower_bound_s'] * 1000:.1f} ms -> {args.json}")
+
+
+if __name__ == "__main__":
+    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
+    main()
