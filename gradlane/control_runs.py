@@ -39,8 +39,7 @@ from gradlane.policies.straggler import proportional_shares
 from gradlane.testbed import Cluster, Topology
 from gradlane.units import parse_rate
 
-__all__ = ["flat_exchange_s", "ring_exchange_s", "run_control_straggler", "run_slow_link",
-           "run_two_jobs"]
+__all__ = ["run_control_straggler", "run_slow_link", "run_two_jobs"]
 
 CONTROL_PORT = 7800
 
@@ -341,27 +340,6 @@ SLOW_LINK_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "
                       "--forward-ms", "20"]
 
 
-def flat_exchange_s(model_bytes: int, rates_bps: Sequence[float],
-                    shares: Sequence[float]) -> float:
-    """The slowest link's time in the flat exchange, each worker owning `shares` of the
-    bytes: ``S + (W - 2) * owned`` each way (`gradlane.policies.loadbalance`), at the
-    payload rate."""
-    world = len(rates_bps)
-    return max((model_bytes * (1 + (world - 2) * share)) * 8 / (rate * PAYLOAD_EFFICIENCY)
-               for rate, share in zip(rates_bps, shares, strict=True))
-
-
-def ring_exchange_s(model_bytes: int, rates_bps: Sequence[float],
-                    shares: Sequence[float]) -> float:
-    """The slowest link's time on the ring, each rank owning `shares` of the bytes: rank
-    i to i+1 carries ``2 S - owned_i - owned_i+1`` at the slower of their rates
-    (`gradlane.policies.loadbalance.ring_shares`), at the payload rate."""
-    world = len(rates_bps)
-    return max(model_bytes * (2 - shares[i] - shares[(i + 1) % world]) * 8
-               / (min(rates_bps[i], rates_bps[(i + 1) % world]) * PAYLOAD_EFFICIENCY)
-               for i in range(world))
-
-
 def run_slow_link(
     workdir: Path,
     steps: int = 50,
@@ -388,7 +366,7 @@ def run_slow_link(
         TestbedError: the cluster, a daemon, a training step or the control plane failed,
             or the ranks did not take the plan's owners with 10 steps left to measure.
     """
-    from gradlane.policies.loadbalance import flat_shares, ring_shares
+    from gradlane.policies.loadbalance import exchange_time, flat_shares, ring_shares
 
     args = ["--steps", str(steps), *SLOW_LINK_WORKLOAD]
     workers = [f"h{i}" for i in range(1, 5)]
@@ -425,7 +403,8 @@ def run_slow_link(
         extra["compute_s"] = compute = medians[REFERENCE]
     # The bound: every host sends its whole gradient out and takes the whole average in,
     # whatever the scheme; the slowest link needs that long at least.
-    bound = max(compute, size * 8 / (min(rates) * PAYLOAD_EFFICIENCY))
+    per_byte = size * 8 / PAYLOAD_EFFICIENCY  # the model's bits, at the payload rate
+    bound = max(compute, per_byte / min(rates))
     return {
         "scenario": {"name": "control-slow-link", "hosts": 4, "rates": SLOW_LINK_RATES[:4],
                      "steps": steps, "workload": SLOW_LINK_WORKLOAD},
@@ -443,10 +422,9 @@ def run_slow_link(
         # The slowest link, modelled, owned bytes equal and as the plan shares them by link
         # rate: the shims' ring (4 ranks, one switch), and the flat exchange.
         "model_exchange_s": {
-            "ring": {"equal": ring_exchange_s(size, rates, [0.25] * 4),
-                     "by_rate": ring_exchange_s(size, rates, ring_shares(rates))},
-            "flat": {"equal": flat_exchange_s(size, rates, [0.25] * 4),
-                     "by_rate": flat_exchange_s(size, rates, flat_shares(rates))}},
+            kind: {"equal": per_byte * exchange_time(rates, [0.25] * 4, ring),
+                   "by_rate": per_byte * exchange_time(rates, shares(rates), ring)}
+            for kind, ring, shares in (("ring", True, ring_shares), ("flat", False, flat_shares))},
         "lower_bound_s": bound,
         "summary": summarize({k: r.times[steady:] for k, r in runs.items()}, bound,
                              {k: [r] for k, r in runs.items()}),

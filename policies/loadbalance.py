@@ -58,10 +58,23 @@ from gradlane.policies.base import Plan, Policy, State, register
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.priority import PriorityPolicy
 
-__all__ = ["LoadBalancePolicy", "balanced_ownership", "flat_shares", "ring_shares"]
+__all__ = ["LoadBalancePolicy", "balanced_ownership", "exchange_time", "flat_shares",
+           "ring_shares"]
 
 # `ring_shares` hands the bytes out in this many equal parts.
 RING_SHARE_UNITS = 1000
+
+
+def exchange_time(rates: Sequence[float], shares: Sequence[float], ring: bool) -> float:
+    """The slowest link's time per byte of model when each worker owns `shares` of
+    it, workers at `rates`: flat, worker i's link carries ``1 + (W - 2) * share_i``
+    each way; on the ring, the link from rank i to i+1 (the slower of their two)
+    carries ``2 - share_i - share_i+1``."""
+    r = np.asarray(rates, dtype=np.float64)
+    o = np.asarray(shares, dtype=np.float64)
+    if ring:
+        return float(np.max((2 - o - np.roll(o, -1)) / np.minimum(r, np.roll(r, -1))))
+    return float(np.max((1 + (r.size - 2) * o) / r))
 
 
 def flat_shares(rates: Sequence[float]) -> list[float]:

@@ -24,7 +24,7 @@ from gradlane.policies import (
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.coflow import bssi_order, levels
 from gradlane.policies.fifo import FairPolicy
-from gradlane.policies.loadbalance import flat_shares, ring_shares
+from gradlane.policies.loadbalance import exchange_time, flat_shares, ring_shares
 from gradlane.policies.priority import CHUNK_GRID, next_tuning
 from gradlane.policies.straggler import proportional_shares
 from tests import examples
@@ -148,30 +148,19 @@ def test_loadbalance_gives_a_ring_s_slow_link_more_chunks() -> None:
     assert [owners.count(i) for i in range(4)] == [100] * 4
 
 
-def ring_exchange_time(rates: list[float], shares: list[float]) -> float:
-    """The slowest ring link's time for a model of 1 byte: link i (rank i to i+1, at the
-    slower of the two) carries ``2 - share_i - share_i+1``."""
-    world = len(rates)
-    return max((2 - shares[i] - shares[(i + 1) % world]) / min(rates[i], rates[(i + 1) % world])
-               for i in range(world))
-
-
 @settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0]), min_size=3, max_size=4))
 def test_ring_shares_finish_no_later_than_any_shares_on_a_grid(rates: list[float]) -> None:
     shares = ring_shares(rates)
     assert sum(shares) == pytest.approx(1) and min(shares) >= 0
     world, steps = len(rates), 20
-    best = min(ring_exchange_time(rates, [p / steps for p in parts] + [1 - sum(parts) / steps])
-               for parts in itertools.product(range(steps + 1), repeat=world - 1)
-               if sum(parts) <= steps)
-    assert ring_exchange_time(rates, shares) <= best * (1 + 1e-9)
-
-
-def flat_exchange_time(rates: list[float], shares: list[float]) -> float:
-    """The slowest link's time for a model of 1 byte: ``(1 + (W - 2) share) / rate``."""
-    world = len(rates)
-    return max((1 + (world - 2) * s) / r for r, s in zip(rates, shares, strict=True))
+    grid = np.array([[*parts, steps - sum(parts)]
+                     for parts in itertools.product(range(steps + 1), repeat=world - 1)
+                     if sum(parts) <= steps]) / steps
+    # Rank i to i+1 carries 2 - o_i - o_i+1 of the model, at the slower of the two rates.
+    r = np.array(rates)
+    times = (2 - grid - np.roll(grid, -1, axis=1)) / np.minimum(r, np.roll(r, -1))
+    assert exchange_time(rates, shares, ring=True) <= times.max(axis=1).min() * (1 + 1e-9)
 
 
 @given(st.lists(st.floats(0.1, 10), min_size=1, max_size=12))
@@ -180,10 +169,10 @@ def test_flat_shares_finish_the_flat_exchange_no_later_than_other_shares(
 ) -> None:
     shares = flat_shares(rates)
     assert sum(shares) == pytest.approx(1) and min(shares) >= 0
-    best = flat_exchange_time(rates, shares)
+    best = exchange_time(rates, shares, ring=False)
     world = len(rates)
     for other in ([1 / world] * world, [r / sum(rates) for r in rates]):  # bytes, rates
-        assert best <= flat_exchange_time(rates, other) * (1 + 1e-9)
+        assert best <= exchange_time(rates, other, ring=False) * (1 + 1e-9)
     if world > 2:
         # Optimal: either the slowest links own nothing (so no shares could speed them up:
         # each carries its own gradient and the results), or every owning link finishes
