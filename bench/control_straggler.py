@@ -12,27 +12,21 @@ half of the steps), the ratio, and every rank's batch per step.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, unwind_on_sigterm, write_result  # noqa: E402
+from common import cluster_args, record_cluster_run, unwind_on_sigterm  # noqa: E402
 
 from gradlane.control_runs import run_control_straggler  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--json", type=Path, default=REPO / "bench/results/control_straggler.json")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gradlane-straggler-") as tmp:
-        result = run_control_straggler(Path(tmp), args.steps, say=print, ddp=True,
-                                       reference=True)
-    write_result(args.json, {"benchmark": "control_straggler", **result})
+    args = cluster_args(__doc__, "control_straggler", 40).parse_args()
+    result = record_cluster_run("control_straggler", args.json, lambda workdir:
+                                run_control_straggler(workdir, args.steps, say=print, ddp=True,
+                                                      reference=True))
     print(f"median iteration {result['without_control']['median_s'] * 1000:.1f} ms without "
           f"the control plane, {result['with_control']['median_s'] * 1000:.1f} ms with it: "
           f"{result['speedup']:.2f}x (DDP {result['ddp']['median_s'] * 1000:.1f} ms: "

@@ -12,26 +12,20 @@ the bytes each rank owned and the flat exchange's modelled times.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, unwind_on_sigterm, write_result  # noqa: E402
+from common import cluster_args, record_cluster_run, unwind_on_sigterm  # noqa: E402
 
 from gradlane.control_runs import run_slow_link  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--json", type=Path, default=REPO / "bench/results/slow_link.json")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gradlane-slow-link-") as tmp:
-        result = run_slow_link(Path(tmp), args.steps, say=print, reference=True)
-    write_result(args.json, {"benchmark": "slow_link", **result})
+    args = cluster_args(__doc__, "slow_link", 50).parse_args()
+    result = record_cluster_run("slow_link", args.json, lambda workdir: run_slow_link(
+        workdir, args.steps, say=print, reference=True))
     without, with_control = result["without_control"], result["with_control"]
     print(f"median iteration {without['median_s'] * 1000:.1f} ms with owned bytes "
           f"{without['owned_bytes']}, {with_control['median_s'] * 1000:.1f} ms with the "

@@ -13,31 +13,25 @@ ratios and the bound (measured and nominal).
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, unwind_on_sigterm, write_result  # noqa: E402
+from common import cluster_args, record_cluster_run, unwind_on_sigterm  # noqa: E402
 
 from gradlane.control_runs import run_two_jobs  # noqa: E402
 from gradlane.shim.config import LAYOUTS  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=50,
-                    help="per job; the medians are over steps 18 on (past the layout trial)")
-    ap.add_argument("--json", type=Path, default=REPO / "bench/results/two_jobs.json")
+    ap = cluster_args(__doc__, "two_jobs", 50,
+                      "per job; the medians are over steps 18 on (past the layout trial)")
     ap.add_argument("--layout", choices=LAYOUTS, default="auto",
                     help="the shims' gradient grouping (auto: the layout trial decides)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gradlane-two-jobs-") as tmp:
-        result = run_two_jobs(Path(tmp), args.steps, say=print, reference=True,
-                              layout=args.layout)
-    write_result(args.json, {"benchmark": "two_jobs", **result})
+    result = record_cluster_run("two_jobs", args.json, lambda workdir: run_two_jobs(
+        workdir, args.steps, say=print, reference=True, layout=args.layout))
     average = result["average_median_s"]
     print(", ".join(f"{k} {v * 1000:.1f} ms" for k, v in average.items())
           + f": the control plane {result['control_speedup']:.2f}x, gradlane+control vs fifo "
