@@ -6,6 +6,7 @@ import pytest
 
 from gradlane.errors import ConfigError
 from gradlane.policies import Plan, Policy, State, check_plan, get_policy
+from gradlane.policies.base import Host, Topology
 from gradlane.policies.sim import (
     Bucket,
     Scenario,
@@ -64,6 +65,27 @@ def test_a_job_s_buckets_share_the_links_flat_or_ring(ring: bool) -> None:
     assert len(sc.jobs[0].buckets) == 4
     for t in simulate(sc, get_policy("fifo")).iteration_s["job0-x"]:
         assert t == pytest.approx(4 * step + 6 * c * 8 / G, rel=1e-6)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_loadbalance_owners_relieve_a_slow_link_flat_or_ring(ring: bool) -> None:
+    # Four workers, the last at half the rate, an 8 MB model in eight buckets. With even
+    # owners (`fifo`) the slow link carries 1.5 models each way either way. `loadbalance`
+    # plans for the exchange: flat, the slow worker owns nothing and its link carries one
+    # model each way, the least possible (`flat_shares`); on the ring it owns everything,
+    # which also leaves it one model (`ring_shares`), the ring's hops adding their latency.
+    size = 8e6
+    sc = _one_job([(size / 8, 0.001, 0.002)] * 8, 4)
+    rates = (G, G, G, G / 2)
+    sc = replace(sc, topology=Topology(tuple(Host(f"h{i}", 0, int(r))
+                                             for i, r in enumerate(rates))),
+                 jobs=(replace(sc.jobs[0], ring=ring),))
+    even = simulate(sc, get_policy("fifo")).mean_iteration_s
+    planned = simulate(sc, get_policy("loadbalance")).mean_iteration_s
+    least = size * 8 / (G / 2)  # the slow link: its gradient out, the average in
+    assert even >= 1.5 * least
+    assert least <= planned <= (1.35 if ring else 1.05) * least
+    assert even / planned > (1.2 if ring else 1.45)
 
 
 def test_priority_overlaps_the_exchange_with_the_next_forward() -> None:
