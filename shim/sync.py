@@ -647,6 +647,9 @@ class Sync:
             current = tuple(chunk.owner for group in self._groups for chunk in group.chunks)
             take = advised is not None and len(advised) == len(current) and advised != current
             self._store.set(key, json.dumps(list(advised) if take and advised else None))
+            # Every rank read the last check's: each gave its gradients of a later step.
+            with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without
+                self._store.delete_key(f"{self._prefix}/owners/{self.step - OWNERS_EVERY}")
         posted = json.loads(self._store.get(key))
         if posted is None:
             return

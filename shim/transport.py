@@ -54,6 +54,8 @@ class Store(Protocol):
 
     def get(self, key: str) -> bytes: ...
 
+    def delete_key(self, key: str) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Link:

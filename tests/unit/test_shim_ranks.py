@@ -317,6 +317,8 @@ def test_the_ranks_take_the_plans_chunk_owners_together(
         states[rank] = {k: v.clone() for k, v in model.state_dict().items()}
 
     on_every_rank(world, body)
+    # Rank 0 deletes each check's key at the next one: the store does not grow with steps.
+    assert [store.check([f"gradlane/{job}/owners/{s}"]) for s in (4, 8)] == [False, True]
     last = (world - 1,) * len(owners[0][0])
     for rank in range(world):
         # Steps 4 and 8 began with a check: the first plan's length did not fit; the second did.
