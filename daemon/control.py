@@ -528,10 +528,16 @@ class ControlPlane:
                     j["band_bps"][band] += bps
                 j["degraded"] |= h in lost
         plan, state = self.plan, self.state
+        owned: dict[str, list[float]] = {}  # per job, each rank's share of the bytes it owns
         if state is not None:  # what each job's next exchange puts on the network
             for job_state in state.jobs:  # what its batch shares split (0: none planned yet)
                 if job_state.name in jobs:
                     jobs[job_state.name]["global_batch"] = job_state.global_batch
+                owners = plan.ownership.get(job_state.name, ()) if plan is not None else ()
+                if owners and len(owners) == len(job_state.chunk_bytes):
+                    per_rank = np.bincount(owners, job_state.chunk_bytes, job_state.workers)
+                    owned[job_state.name] = [round(float(b), 3)
+                                             for b in per_rank / per_rank.sum()]
             sent = np.bincount(state.flows.coflow, state.flows.bytes, len(state.coflows))
             for coflow, total in zip(state.coflows, sent.tolist(), strict=True):
                 if coflow.job in jobs:
@@ -551,6 +557,7 @@ class ControlPlane:
                 "version": plan.version, "source": plan.source, "ttl_s": self.config.ttl_s,
                 "age_s": round(time.time() - self.planned_at, 3),
                 "batch_shares": {j: list(s) for j, s in plan.batch_shares.items()},
+                "owned_shares": owned,  # the chunk owners', as the shims take them
                 "job_level": plan.job_level,
                 "coflow_order": list(plan.coflow_order),
                 "reduce_in_leaf": plan.reduce_in_leaf,

@@ -604,12 +604,13 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
     out.print(hosts)
     jobs = Table(title="jobs")
     for column in ("job", "workers", "hosts", "state", "exchange", "sending",
-                   "demand / iteration", "coflow order", "batch shares"):
+                   "demand / iteration", "coflow order", "batch shares", "owned bytes"):
         jobs.add_column(column)
     order = (plan or {}).get("coflow_order", [])
     level = (plan or {}).get("job_level", {})  # `gradlane` reports an order, keeps one level
     for name, j in sorted(data["jobs"].items()):
         shares = (plan or {}).get("batch_shares", {}).get(name)
+        owned = (plan or {}).get("owned_shares", {}).get(name)  # by rank, of the model
         sending = sum(j.get("band_bps", []))  # what its classes carry now (gradlaned measures)
         jobs.add_row(name, str(j["workers"]), str(len(j["hosts"])),
                      "DEGRADED" if j["degraded"] else "ok",
@@ -619,7 +620,8 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
                      f"{order.index(name) + 1} (level {level.get(name, 0)})" if name in order
                      else "-",
                      f"{shares} of {j['global_batch']}" if shares and j.get("global_batch")
-                     else str(shares or "-"))
+                     else str(shares or "-"),
+                     "/".join(f"{share * 100:.0f}" for share in owned) + "%" if owned else "-")
     out.print(jobs)
 
 

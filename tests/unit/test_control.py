@@ -337,6 +337,7 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     assert "8.00 MB" in a and "1 (level 0)" in a and "3.5Mbit" in a  # sending now
     assert "64.00 MB" in b and "2 (level 1)" in b
     assert view["jobs"]["a"]["global_batch"] == 64 and "[32, 32] of 64" in a  # its shares
+    assert view["plan"]["owned_shares"]["a"] == [0.5, 0.5] and "50/50%" in a  # owned bytes
 
 
 def test_ranks_sharing_a_host_put_only_what_crosses_hosts_in_the_demand() -> None:
@@ -405,8 +406,10 @@ def test_chunk_owners_follow_the_exchange_the_shims_say(said: str | None,
         _reported(plane, f"h{rank}", 0, [job], rate_bps=5_000_000_000 if rank == 3 else G10)
     state = plane.build_state()
     assert state.jobs[0].ring == (said != "flat")
-    owners = plane.policy.plan(state).ownership["j"]
+    plane.state, plane.plan = state, plane.policy.plan(state)
+    owners = plane.plan.ownership["j"]
     assert [owners.count(r) for r in range(4)] == owned
+    assert plane.view()["plan"]["owned_shares"]["j"] == [n / 8 for n in owned]
 
 
 def test_a_job_missing_ranks_has_no_demand_yet() -> None:
