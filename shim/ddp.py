@@ -7,7 +7,9 @@ For users who keep ``DistributedDataParallel``::
     ...
     state.close()
 
-What it gives: each bucket is cut into chunks with balanced owners, ordered by
+What it gives: each bucket is cut into chunks with balanced owners (with a
+control plane, its plan's, taken by every rank at one step as `attach` takes
+them), ordered by
 the forward order of its parameters (first used = first sent) and sent over
 the DSCP-marked band connections that gradlaned schedules; when every rank
 knows its leaf switch (``leaf=``, `ShimConfig.leaf`, or the control plane's
@@ -38,12 +40,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
-from gradlane.errors import ConfigError, PeerLost
+from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
-from gradlane.shim.layout import assign_owners, band_of, split
-from gradlane.shim.transport import Mesh, agree_batch, agree_leaves, local_address
+from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
+from gradlane.shim.transport import Mesh, agree_batch, agree_leaves, local_address, rank0_says
 
 __all__ = ["HookState", "comm_hook"]
 
@@ -114,6 +116,15 @@ class HookState:
         self.step = 0
         self._in_step = False
         self._groups: dict[int, Group] = {}
+        self._keys: dict[int, str] = {}  # each group's bucket, as `_bucket_key` names it
+        # The groups in the order this step made them ready, and the last step's.
+        self._ready: list[int] = []
+        self._last_ready: list[int] = []
+        # The control plan's owners the ranks took, by bucket; groups made since use them.
+        self._planned: dict[str, list[int]] = {}
+        self._generation = 0  # new groups (new ids) each time the ranks take owners
+        # The step the ranks last took the control plan's chunk owners (None: never).
+        self.owners_taken_at: int | None = None
         self._order: dict[torch.Tensor, int] = {}
         inner = getattr(model, "module", model)
         assert isinstance(inner, nn.Module)
@@ -157,7 +168,7 @@ class HookState:
     def _group(self, bucket: GradBucket) -> Group:
         buffer = bucket.buffer()
         key = f"{bucket.index()}:{buffer.numel()}:{buffer.dtype}"
-        gid = zlib.crc32(key.encode()) & 0x7FFFFFFF
+        gid = zlib.crc32(f"{self._generation}:{key}".encode()) & 0x7FFFFFFF
         group = self._groups.get(gid)
         if group is None:
             order = min(
@@ -165,7 +176,10 @@ class HookState:
             )
             ranges = split(buffer.numel(), buffer.element_size(), self.config.chunk_bytes)
             sizes = [(b - a) * buffer.element_size() for a, b in ranges]
-            owners = [(o + bucket.index()) % self.world for o in assign_owners(sizes, self.world)]
+            owners = self._planned.get(key)
+            if owners is None or len(owners) != len(ranges):
+                owners = [(o + bucket.index()) % self.world
+                          for o in assign_owners(sizes, self.world)]
             band = band_of(order, max(1, len(self._order)), self.config.bands)
             group = self.engine.add_group(
                 gid,
@@ -177,7 +191,53 @@ class HookState:
                 band=band,
             )
             self._groups[gid] = group
+            self._keys[gid] = key
         return group
+
+    def _follow_plan_owners(self) -> None:
+        """Take the chunk owners the control plan advises, on every rank at this step
+        (as `gradlane.shim.Sync` does; called as the step's first bucket arrives, when
+        DDP has every average of the step before).
+
+        The plan's owners are one per chunk gradlaned heard of in the last step,
+        by forward order and then the order they were ready; rank 0 maps them
+        onto its buckets and says, through the store, which owners each bucket's
+        chunks take. Groups are made anew, under new ids, as buckets arrive.
+        """
+        said = None
+        advised = self.client.advised_owners if self.rank == 0 else None
+        if advised is not None:
+            # As gradlaned orders a step's chunk events: by priority, then as they came.
+            ordered = sorted(self._last_ready, key=lambda gid: self._groups[gid].priority)
+            current = [c.owner for gid in ordered for c in self._groups[gid].chunks]
+            if len(advised) == len(current) and list(advised) != current:
+                said, at = {}, 0
+                for gid in ordered:
+                    n = len(self._groups[gid].chunks)
+                    said[self._keys[gid]] = list(advised[at : at + n])
+                    at += n
+        posted = rank0_says(self._store, f"{self._prefix}/owners/{self.step}", self.rank,
+                            said, f"{self._prefix}/owners/{self.step - OWNERS_EVERY}")
+        if not isinstance(posted, dict):
+            return
+        if not self.engine.drain(self.config.timeout_s):  # an owner's results still queued
+            self.engine.raise_error()
+            raise TransportError(f"rank {self.rank}: sends did not drain before regrouping")
+        self.engine.retire(list(self._groups.values()))
+        self._groups, self._keys = {}, {}
+        self._planned = {str(k): [int(o) for o in v] for k, v in posted.items()}
+        self._generation += 1
+        self.owners_taken_at = self.step
+        if self.rank == 0:
+            logger.info("gradlane: the control plan's chunk owners from step %d", self.step)
+
+    def owned_bytes(self) -> list[int]:
+        """The gradient bytes each rank owns in the last step's buckets, by rank."""
+        owned = [0] * self.world
+        for gid in self._last_ready:
+            for chunk in self._groups[gid].chunks:
+                owned[chunk.owner] += chunk.nbytes
+        return owned
 
     def _fail_pending(self, error: Exception) -> None:
         """Fail every bucket DDP waits on, so backward() raises instead of hanging."""
@@ -221,10 +281,13 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
                 state.client.batch_agreed(state.global_batch)
         # Without `samples`, the plain mean; gradlaned is told 0 (not known), so no batch
         # shares are planned from step rates taken for sample rates.
+        if state.world > 1 and state.step and state.step % OWNERS_EVERY == 0:
+            state._follow_plan_owners()
         state.engine.begin(state.step, state.samples if state.samples is not None else 1)
         state.client.begin(state.step, state.samples or 0)  # ships the last step's chunk events
         state._in_step = True
     group = state._group(bucket)
+    state._ready.append(group.gid)
     group.grad.copy_(bucket.buffer().reshape(-1))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
@@ -244,6 +307,7 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
         state._backward_ended()
         state._in_step = False
         state.step += 1
+        state._last_ready, state._ready = state._ready, []
     try:
         state.engine.ready(group)
     except Exception as exc:  # surfaces in backward() as DDP's error

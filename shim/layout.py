@@ -3,13 +3,19 @@
 Pure functions of the model's shapes, so every worker computes the same
 layout without talking to the others. Ownership and bands come from
 `gradlane.policies.chunks`, the same code the cluster policies plan with.
+With a control plane, the ranks take its plan's owners instead, together,
+at a check every `OWNERS_EVERY` steps (`gradlane.shim.Sync`, the DDP hook).
 """
 
 from __future__ import annotations
 
 from gradlane.policies.chunks import assign_owners, band_of
 
-__all__ = ["assign_owners", "band_of", "split"]
+__all__ = ["OWNERS_EVERY", "assign_owners", "band_of", "split"]
+
+# Every this many steps, the ranks take the chunk owners the control plan advises rank 0,
+# if they cover the job's chunks and differ from theirs (one regrouping when they do).
+OWNERS_EVERY = 10
 
 
 def split(numel: int, elem_size: int, chunk_bytes: int, tail: int = 0) -> list[tuple[int, int]]:

@@ -64,7 +64,7 @@ from gradlane.policies.chunks import (
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group
-from gradlane.shim.layout import assign_owners, band_of, split
+from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
     Mesh,
     Store,
@@ -72,6 +72,7 @@ from gradlane.shim.transport import (
     agree_leaves,
     gather,
     local_address,
+    rank0_says,
     tensor_bytes,
 )
 
@@ -94,9 +95,6 @@ logger = logging.getLogger(__name__)
 
 # Coarse replaces fine only when the trial's timings make it faster at this confidence.
 TRIAL_P = 0.05
-# Every this many steps (after the layout trial), the ranks take the chunk owners the
-# control plan advises rank 0, if they differ from theirs (`Sync._follow_plan_owners`).
-OWNERS_EVERY = 10
 
 
 def p_faster(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -641,17 +639,16 @@ class Sync:
         in use; else none, and nothing changes. A plan that expires leaves
         the owners taken. The regrouping costs one step's overlap.
         """
-        key = f"{self._prefix}/owners/{self.step}"
+        said = None
         if self.rank == 0:
             advised = self.client.advised_owners
             current = tuple(chunk.owner for group in self._groups for chunk in group.chunks)
-            take = advised is not None and len(advised) == len(current) and advised != current
-            self._store.set(key, json.dumps(list(advised) if take and advised else None))
-            # Every rank read the last check's: each gave its gradients of a later step.
-            with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without
-                self._store.delete_key(f"{self._prefix}/owners/{self.step - OWNERS_EVERY}")
-        posted = json.loads(self._store.get(key))
-        if posted is None:
+            if advised is not None and len(advised) == len(current) and advised != current:
+                said = list(advised)
+        # Every rank read the last check's key: each gave its gradients of a later step.
+        posted = rank0_says(self._store, f"{self._prefix}/owners/{self.step}", self.rank, said,
+                            f"{self._prefix}/owners/{self.step - OWNERS_EVERY}")
+        if not isinstance(posted, list):
             return
         self._planned = (self.layout, tuple(int(o) for o in posted))
         self.owners_taken_at = self.step

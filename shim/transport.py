@@ -15,7 +15,9 @@ so that only ``credit_bytes`` of unsent data sit in the kernel per band.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import json
 import logging
 import socket
 import struct
@@ -82,6 +84,27 @@ def gather(store: Store, key: str, rank: int, world: int, mine: str) -> list[str
     try:
         store.set(f"{key}/{rank}", mine)
         return [store.get(f"{key}/{r}").decode() for r in range(world)]
+    except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
+        raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
+
+
+def rank0_says(store: Store, key: str, rank: int, said: object, previous: str | None = None
+               ) -> object:
+    """What rank 0 says under `key` (JSON): rank 0 posts `said`, every rank reads it.
+
+    Rank 0 then deletes `previous`, the key of its last such post, when every
+    rank is known to have read it (a store that cannot delete keeps it).
+
+    Raises:
+        TransportError: rank 0 or the store is gone (the store's timeout bounds the wait).
+    """
+    try:
+        if rank == 0:
+            store.set(key, json.dumps(said))
+            if previous is not None:
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    store.delete_key(previous)
+        return json.loads(store.get(key))
     except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
         raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
 

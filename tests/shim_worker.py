@@ -94,6 +94,9 @@ def main() -> None:
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
     ap.add_argument("--exchange", default="auto", help="ShimConfig.exchange")
+    ap.add_argument("--advise-owners", type=int, default=-1,
+                    help="with --ddp-hook: after this step, rank 0 is advised (as if by a "
+                         "control plan) that the last rank owns every chunk")
     args = ap.parse_args()
 
     import gradlane.shim as gl
@@ -188,8 +191,13 @@ def run_ddp_hook(
         scheduler.step()
         opt.zero_grad()
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+        if rank == 0 and step == args.advise_owners:  # what gradlaned passes on from a plan
+            chunks = sum(len(state._groups[gid].chunks) for gid in state._last_ready)
+            state.client.advised_owners = (len(sizes) - 1,) * chunks
         time.sleep(args.step_sleep)
     print(f"rank {rank} leaves {state.leaves}", flush=True)
+    print(f"rank {rank} owners taken at {state.owners_taken_at}, owned {state.owned_bytes()}",
+          flush=True)
     state.close()
     dist.destroy_process_group()
     torch.save(

@@ -93,6 +93,10 @@ CASES = {
                                 False),
     "ddp-comm-hook-flat": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook", "--exchange", "flat"),
                            False),
+    # Rank 0 is advised, as by a control plan, that rank 3 owns every chunk: all ranks take
+    # it at step 10 (`OWNERS_EVERY`) and regroup, and training stays exact.
+    "ddp-comm-hook-plan-owners": ("sgd", "float32", "3,5,2,6", True,
+                                  ("--ddp-hook", "--advise-owners", "3"), False),
 }
 LEAVES = (0, 0, 1, 1)
 
@@ -111,6 +115,9 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
         if leaves:
             assert f"rank {rank} leaves {LEAVES}" in log, log[-3000:]
+        if "--advise-owners" in flags:
+            owned = re.search(r"owners taken at 10, owned \[0, 0, 0, (\d+)\]", log)
+            assert owned and int(owned.group(1)) > 0, log[-3000:]
     if "--ddp-hook" not in flags:
         # 20 steps: the layout trial regrouped twice or once (at steps 9 and 16), the
         # same way on every rank, and the replicas still match (below).
