@@ -47,7 +47,7 @@ class DaemonClient:
         advised_batch_share: the batch share the plan advises (None: keep yours).
         advised_owners: the owner rank of each of the job's chunks (in priority
             order, as reported) the plan advises; None: none. Ranks take it
-            together (`Sync`): owners must agree on every rank.
+            together (`Sync`, the DDP hook): owners must agree on every rank.
         advised_leaf: this host's leaf switch when, at the welcome, the
             control plane advised reducing within leaves first (None: the flat
             exchange). Read once at attach: reduction trees never change mid-run.

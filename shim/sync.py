@@ -631,8 +631,9 @@ class Sync:
     def _follow_plan_owners(self) -> None:
         """Take the chunk owners the control plan advises, on every rank at this step.
 
-        The `loadbalance` policy weighs owners by link rate: a worker on a
-        slower link owns fewer bytes. Owners must be the same on every rank,
+        The `loadbalance` policy weighs owners by link rate, for the exchange
+        the ranks agreed (a slow link owns less on the flat exchange, more on
+        the ring). Owners must be the same on every rank,
         and plans reach the hosts at different times, so rank 0 says which:
         the owners its daemon passed on, when they cover this layout's chunks
         (one per chunk reported, in priority order) and differ from the ones
