@@ -47,6 +47,7 @@ link of its own. Bands and rates are `priority`'s.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -118,14 +119,21 @@ def ring_shares(rates: Sequence[float]) -> list[float]:
     ends also relieves the slower other link. Equal rates give equal shares
     (every link then carries ``2 (W - 1) / W S``, ring all-reduce's figure).
     Greedy, not a solved linear programme: the property tests bound it
-    against a fine grid of all shares for up to 4 ranks.
+    against a fine grid of all shares for up to 4 ranks. About 2 ms for
+    unequal rates, so plans, which see the same rates again and again,
+    reuse it (cached).
     """
+    return list(_ring_shares(tuple(float(x) for x in rates)))
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_shares(rates: tuple[float, ...]) -> tuple[float, ...]:
     r = np.asarray(rates, dtype=np.float64)
     if r.size == 0 or not np.all(r > 0):
         raise ConfigError(f"need positive rates, got {list(rates)}")
     world = r.size
     if world <= 2 or np.all(r == r[0]):  # two ranks: each link carries S whoever owns
-        return [1 / world] * world
+        return (1 / world,) * world
     link = np.minimum(r, np.roll(r, -1))  # link i: rank i -> rank i+1
     load = np.full(world, 2.0)  # in units of S
     owned = np.zeros(world)
@@ -138,7 +146,7 @@ def ring_shares(rates: Sequence[float]) -> list[float]:
         owned[owner] += unit
         load[owner] -= unit
         load[(owner - 1) % world] -= unit
-    return [float(x) for x in owned / owned.sum()]
+    return tuple(float(x) for x in owned / owned.sum())
 
 
 def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
