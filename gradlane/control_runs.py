@@ -37,9 +37,10 @@ from gradlane.errors import TestbedError
 from gradlane.policies.profiles import trace_spec
 from gradlane.policies.straggler import proportional_shares
 from gradlane.testbed import Cluster, Topology
+from gradlane.testbed.links import line_rate
 from gradlane.units import parse_rate
 
-__all__ = ["run_control_straggler", "run_slow_link", "run_two_jobs"]
+__all__ = ["run_control_straggler", "run_slow_link", "run_two_jobs", "trace_workload"]
 
 CONTROL_PORT = 7800
 
@@ -163,13 +164,18 @@ class _Controlled:
         return codes
 
 
-def _trace(workload: Sequence[str]) -> tuple[float, int]:
-    """Compute seconds per iteration (batch 32, speed 1) and model bytes of a trace workload."""
+def trace_workload(workload: Sequence[str]) -> tuple[str, float, float]:
+    """(model, model MB, forward ms) of a trace workload given as the worker's argv."""
     def option(name: str) -> str:
         return workload[list(workload).index(name) + 1]
 
-    spec = trace_spec(option("--model"), float(option("--model-mb")),
-                      float(option("--forward-ms")) / 1000)
+    return option("--model"), float(option("--model-mb")), float(option("--forward-ms"))
+
+
+def _trace(workload: Sequence[str]) -> tuple[float, int]:
+    """Compute seconds per iteration (batch 32, speed 1) and model bytes of a trace workload."""
+    model, megabytes, forward_ms = trace_workload(workload)
+    spec = trace_spec(model, megabytes, forward_ms / 1000)
     return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
 
 
@@ -409,11 +415,17 @@ def run_slow_link(
         "scenario": {"name": "control-slow-link", "hosts": 4, "rates": SLOW_LINK_RATES[:4],
                      "steps": steps, "workload": SLOW_LINK_WORKLOAD},
         "steady_from_step": steady,
+        # What gradlaned on each host was told its NIC's line rate is (it shapes under it).
+        "daemon_line_bps": [line_rate(r) for r in rates],
         "without_control": {"iteration_s": runs["gradlane"].times,
+                            "waited_s": ranks["local"][0]["waited"],  # rank 0's, per step
+                            "layout_trial": ranks["local"][0]["layout_trial"],
                             "median_s": medians["gradlane"],
                             "owned_bytes": ranks["local"][0]["owned_bytes"],
                             "owners_taken_at": ranks["local"][0]["owners_taken_at"]},
         "with_control": {"iteration_s": runs["gradlane+control"].times,
+                         "waited_s": ranks["control"][0]["waited"],
+                         "layout_trial": ranks["control"][0]["layout_trial"],
                          "median_s": medians["gradlane+control"],
                          "owned_bytes": ranks["control"][0]["owned_bytes"],
                          # every rank's: they must agree

@@ -19,7 +19,9 @@ Three experiments, each one command:
   policy against the ideal (global batch over the sum of throughputs, plus
   the communication time).
 - ``validate``: the testbed's trace scenarios (bench/results/*.json) replayed
-  in the simulator; simulated vs measured median iteration time per system.
+  in the simulator; simulated vs measured median iteration time per system
+  (and per run of the slow-link control run: owned bytes even, and as the
+  plan weighs them by link rate).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
 from gradlane.demo import past_warm_up
 from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
-from gradlane.policies.base import DEFAULT_BANDS
+from gradlane.policies.base import DEFAULT_BANDS, Host, Topology
 from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES
 from gradlane.policies.sim import (
     Scenario,
@@ -47,6 +49,7 @@ from gradlane.policies.sim import (
     shim_buckets,
     simulate,
 )
+from gradlane.units import parse_rate
 
 __all__ = ["EXPERIMENTS", "plot", "run_experiment"]
 
@@ -251,20 +254,14 @@ def testbed_scenario(
     Chunks are sized by today's rule (`layout_sizes`): on the ring, results measured
     before the ring's chunks were made W-1 times smaller (2026-11-25) had larger ones.
     """
-    from gradlane.policies.profiles import trace_spec
-
     wl = result["scenario"]["workload"]
-    spec = trace_spec(wl["model"], wl["model_mb"], wl["forward_ms"] / 1000)
-    nominal = sum(f + b for _, f, b in spec)
-    scale = (compute_s or nominal) / nominal
-    layers = [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
+    layers = _trace_layers(wl["model"], wl["model_mb"], wl["forward_ms"], compute_s)
     hosts = int(result["scenario"]["hosts"])
     # gradlaned (default config on the testbed) shapes every host's egress under the line
     # rate it was told (results from before it was recorded: the link's rate).
     link = result["link_bps"] * PAYLOAD_EFFICIENCY
     if system == "gradlane":
-        line = result.get("daemon_line_bps", result["link_bps"])
-        link = min(link, line * DEFAULT_SHAPE_FRACTION * PAYLOAD_EFFICIENCY)
+        link = _shaped(result["link_bps"], result.get("daemon_line_bps", result["link_bps"]))
     scenario = one_switch(
         result["scenario"]["name"], [(wl["model"], layers, [1.0] * hosts)], hosts, link,
         # Results from before the ring (no "exchange" recorded) ran flat.
@@ -279,6 +276,76 @@ def testbed_scenario(
     job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk,
                               overlap=system != "fifo")
     return dataclasses.replace(scenario, jobs=(job,))
+
+
+def _trace_layers(model: str, model_mb: float, forward_ms: float, compute_s: float | None
+                  ) -> list[tuple[float, float, float]]:
+    """A trace workload's layers (bytes, forward s, backward s), compute scaled to
+    `compute_s` (None: as the trace gives it)."""
+    from gradlane.policies.profiles import trace_spec
+
+    spec = trace_spec(model, model_mb, forward_ms / 1000)
+    nominal = sum(f + b for _, f, b in spec)
+    scale = (compute_s or nominal) / nominal
+    return [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
+
+
+def _shaped(link_bps: float, line_bps: float) -> float:
+    """The payload rate of a testbed link at `link_bps` whose gradlaned shapes under the
+    NIC line rate `line_bps` it was told."""
+    return min(link_bps, line_bps * DEFAULT_SHAPE_FRACTION) * PAYLOAD_EFFICIENCY
+
+
+# The slow-link control run (`gradlane.control_runs.run_slow_link`): each run, the system
+# it shows as, and the policy that plans as it ran (`priority`: bands, owned bytes even;
+# `gradlane`: the control plane's, owners weighed by link rate).
+SLOW_LINK_RUNS = {"without_control": ("gradlane", "priority"),
+                  "with_control": ("gradlane+control", "gradlane")}
+
+
+def slow_link_scenario(result: dict[str, Any], compute_s: float, layout: str) -> Scenario:
+    """The slow-link control run in the simulator: its trace at `compute_s`, every host
+    at gradlaned's shaped rate under its own NIC, the shim's ring with `layout`'s groups."""
+    from gradlane.control_runs import trace_workload
+
+    layers = _trace_layers(*trace_workload(result["scenario"]["workload"]), compute_s)
+    rates = [parse_rate(r) for r in result["scenario"]["rates"]]
+    hosts = len(rates)
+    scenario = one_switch(result["scenario"]["name"], [("trace", layers, [1.0] * hosts)],
+                          hosts, max(rates), exchange="auto", iterations=20, warmup=3)
+    topology = Topology(tuple(Host(f"h{i}", 0, int(_shaped(rate, line)))
+                              for i, (rate, line) in enumerate(
+                                  zip(rates, result["daemon_line_bps"], strict=True))))
+    buckets, chunk = shim_buckets(layers, hosts, layout=layout, ring=scenario.jobs[0].ring)
+    job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk)
+    return dataclasses.replace(scenario, topology=topology, jobs=(job,))
+
+
+def _slow_link_rows(measured: dict[str, Any], progress: Progress | None) -> list[dict[str, Any]]:
+    """Validation rows of a slow-link control run, one per run (none from results made
+    before they recorded the waits)."""
+    import statistics
+
+    rows = []
+    first = measured["steady_from_step"]
+    for key, (system, policy) in SLOW_LINK_RUNS.items():
+        run = measured[key]
+        if "waited_s" not in run or "daemon_line_bps" not in measured:
+            continue
+        compute = statistics.median(t - w for t, w in zip(
+            run["iteration_s"][first:], run["waited_s"][first:], strict=True))
+        layout = (run.get("layout_trial") or {}).get("chosen") or "fine"
+        scenario = slow_link_scenario(measured, compute, layout)
+        sim = _run_policies(scenario, (policy,), progress)[policy]["mean_iteration_s"]
+        real = measured["summary"][system]["median_s"]
+        rows.append({
+            "scenario": measured["scenario"]["name"], "system": system,
+            "measured_s": real, "simulated_s": sim, "error": sim / real - 1,
+            "compute_s": compute,
+            "link_bps": min(parse_rate(r) for r in measured["scenario"]["rates"]),
+            "measured_commit": measured["environment"]["commit"],
+        })
+    return rows
 
 
 def layout_kept(result: dict[str, Any], system: str) -> str:
@@ -305,7 +372,10 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
         measured = read_result(path)
         scenario = measured.get("scenario")
         wl = scenario.get("workload") if isinstance(scenario, dict) else None
-        # `gradlane bench` scenarios only (the control runs give their workload as argv).
+        if isinstance(scenario, dict) and scenario.get("name") == "control-slow-link":
+            rows += _slow_link_rows(measured, progress)
+            continue
+        # `gradlane bench` scenarios (the other control runs replay no single trace).
         if not isinstance(wl, dict) or wl.get("kind") != "trace" or not is_bench_result(measured):
             continue
         for policy, system in VALIDATED.items():
