@@ -1,6 +1,6 @@
 """Chunk owners weighed by link rate, on the emulated cluster (needs root).
 
-    sudo .venv/bin/python bench/slow_link.py [--steps 50] [--json PATH]
+    sudo .venv/bin/python bench/slow_link.py [--steps 60] [--json PATH]
 
 Runs `gradlane.control_runs.run_slow_link`: one VGG-19 trace job on 4 hosts,
 the last on a link half as fast; the workers compute alone (the bound's
@@ -23,7 +23,7 @@ from gradlane.control_runs import run_slow_link  # noqa: E402
 
 
 def main() -> None:
-    args = cluster_args(__doc__, "slow_link", 50).parse_args()
+    args = cluster_args(__doc__, "slow_link", 60).parse_args()
     result = record_cluster_run("slow_link", args.json, lambda workdir: run_slow_link(
         workdir, args.steps, say=print, reference=True))
     without, with_control = result["without_control"], result["with_control"]

@@ -503,7 +503,11 @@ class ControlPlane:
             "source": plan.source,
             "job_classes": {j: [c.rate_bps, c.ceil_bps, c.prio] for j, c in classes.items()},
             "batch_shares": {j: list(s) for j, s in plan.batch_shares.items() if j in jobs},
-            "ownership": {j: list(o) for j, o in plan.ownership.items() if j in jobs},
+            # Owners only for jobs whose every rank is reported (those with demand): the
+            # shims take them, and a plan over some of the ranks would be taken and then
+            # replaced.
+            "ownership": {j: list(o) for j, o in plan.ownership.items()
+                          if j in jobs and j in {c.job for c in state.coflows}},
             # The host's leaf switch when shims should reduce within leaves first.
             "leaf": state.topology.hosts[mine].leaf if plan.reduce_in_leaf and mine >= 0 else None,
             "computed_at": self.planned_at,

@@ -348,7 +348,7 @@ SLOW_LINK_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "
 
 def run_slow_link(
     workdir: Path,
-    steps: int = 50,
+    steps: int = 60,
     say: Callable[[str], None] = lambda _: None,
     reference: bool = False,
 ) -> dict[str, Any]:
@@ -363,7 +363,9 @@ def run_slow_link(
     `reference`, the workers first compute alone (``local``) for the bound's
     compute. Medians from two steps after the ranks took the plan's owners
     (past the layout trial and the regrouping), over the same steps in both
-    runs. Returns each run's rank-0 iteration
+    runs: the ranks check every 10 steps, and the plan can miss a check
+    while gradlaned's reports (every 2 s) still hold the trial's chunks, so
+    the default runs long enough for a take at step 40. Returns each run's rank-0 iteration
     times, their medians, the ratio, the bytes each rank owned and when the
     ranks took the plan's owners, the bound, and the flat exchange's
     modelled times.

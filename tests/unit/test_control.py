@@ -412,6 +412,21 @@ def test_chunk_owners_follow_the_exchange_the_shims_say(said: str | None,
     assert plane.view()["plan"]["owned_shares"]["j"] == [n / 8 for n in owned]
 
 
+def test_the_shims_are_told_owners_only_once_every_rank_is_reported() -> None:
+    # Owners over ranks 0 and 1 of a job of 3 would be taken, then replaced.
+    plane = ControlPlane(_config())
+    _reported(plane, "h0", 0, [{**_job("j", [0], [1000] * 6), "world_size": 3}])
+    _reported(plane, "h1", 0, [{**_job("j", [1], [1000] * 6), "world_size": 3}])
+    plane.state = plane.build_state()
+    plane.plan = plane.policy.plan(plane.state)
+    assert plane.plan.ownership["j"] and plane.message_for("h0")["ownership"] == {}
+    _reported(plane, "h2", 0, [{**_job("j", [2], [1000] * 6), "world_size": 3}])
+    plane.state = plane.build_state()
+    plane.plan = plane.policy.plan(plane.state)
+    assert plane.message_for("h0")["ownership"]["j"] == list(plane.plan.ownership["j"])
+    assert sorted(set(plane.plan.ownership["j"])) == [0, 1, 2]
+
+
 def test_a_job_missing_ranks_has_no_demand_yet() -> None:
     plane = ControlPlane(_config())
     _reported(plane, "h0", 0, [_job("j", [0], [1000] * 4)])
