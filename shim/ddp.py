@@ -116,7 +116,7 @@ class HookState:
         self.step = 0
         self._in_step = False
         self._groups: dict[int, Group] = {}
-        self._keys: dict[int, str] = {}  # each group's bucket, as `_bucket_key` names it
+        self._keys: dict[int, str] = {}  # each group's bucket key: index, size, dtype
         # The groups in the order this step made them ready, and the last step's.
         self._ready: list[int] = []
         self._last_ready: list[int] = []
@@ -235,7 +235,7 @@ class HookState:
         """The gradient bytes each rank owns in the last step's buckets, by rank."""
         owned = [0] * self.world
         for gid in self._last_ready:
-            for chunk in self._groups[gid].chunks:
+            for chunk in self._groups[gid].chunks if gid in self._groups else ():
                 owned[chunk.owner] += chunk.nbytes
         return owned
 
@@ -279,10 +279,10 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
                                              state.world, state.samples)
             if state.global_batch is not None:
                 state.client.batch_agreed(state.global_batch)
-        # Without `samples`, the plain mean; gradlaned is told 0 (not known), so no batch
-        # shares are planned from step rates taken for sample rates.
         if state.world > 1 and state.step and state.step % OWNERS_EVERY == 0:
             state._follow_plan_owners()
+        # Without `samples`, the plain mean; gradlaned is told 0 (not known), so no batch
+        # shares are planned from step rates taken for sample rates.
         state.engine.begin(state.step, state.samples if state.samples is not None else 1)
         state.client.begin(state.step, state.samples or 0)  # ships the last step's chunk events
         state._in_step = True
