@@ -357,16 +357,17 @@ def run_slow_link(
 
     Without the control plane every worker owns a quarter of the gradient, so
     the slow link carries as much as the others at half the rate. With it, the
-    plan weighs the owners by link rate (`flat_shares`: here the slow
-    worker owns nothing, and its link carries its gradient out and the
-    average in, the least any scheme could). Both runs in one cluster; with
+    plan weighs the owners by link rate for the shims' ring (`ring_shares`:
+    here the slow rank owns every chunk, and its links carry its gradient
+    out and the average in, the least any scheme could). Both runs in one
+    cluster; with
     `reference`, the workers first compute alone (``local``) for the bound's
     compute. Medians from two steps after the ranks took the plan's owners
     (past the layout trial and the regrouping), over the same steps in both
     runs: the ranks check every 10 steps, and the plan can miss a check
     while gradlaned's reports (every 2 s) still hold the trial's chunks, so
-    the default runs long enough for a take at step 40. Returns each run's rank-0 iteration
-    times, their medians, the ratio, the bytes each rank owned and when the
+    the default runs long enough for a take at step 40. Returns each run's
+    rank-0 iteration times, their medians, the ratio, the bytes each rank owned and when the
     ranks took the plan's owners, the bound, and the flat exchange's
     modelled times.
 
