@@ -367,9 +367,9 @@ def run_slow_link(
     runs: the ranks check every 10 steps, and the plan can miss a check
     while gradlaned's reports (every 2 s) still hold the trial's chunks, so
     the default runs long enough for a take at step 40. Returns each run's
-    rank-0 iteration times, their medians, the ratio, the bytes each rank owned and when the
-    ranks took the plan's owners, the bound, and the flat exchange's
-    modelled times.
+    rank-0 iteration times and waits, their medians, the ratio, the bytes
+    each rank owned and when the ranks took the plan's owners, the bound,
+    and the slowest link's modelled times on the ring and flat.
 
     Raises:
         TestbedError: the cluster, a daemon, a training step or the control plane failed,
