@@ -7,7 +7,7 @@ the last on a link half as fast; the workers compute alone (the bound's
 measured compute), then gradlane runs without `gradlane control` (owned bytes
 equal) and with it (the shims take the plan's owners, weighed by link rate),
 in one cluster. Writes both runs' iteration times, their medians, the ratio,
-the bytes each rank owned and the flat exchange's modelled times.
+the bytes each rank owned and the slowest link's modelled times.
 """
 
 from __future__ import annotations
