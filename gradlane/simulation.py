@@ -335,17 +335,25 @@ def _slow_link_rows(measured: dict[str, Any], progress: Progress | None) -> list
         compute = statistics.median(t - w for t, w in zip(
             run["iteration_s"][first:], run["waited_s"][first:], strict=True))
         layout = (run.get("layout_trial") or {}).get("chosen") or "fine"
-        scenario = slow_link_scenario(measured, compute, layout)
-        sim = _run_policies(scenario, (policy,), progress)[policy]["mean_iteration_s"]
-        real = measured["summary"][system]["median_s"]
-        rows.append({
-            "scenario": measured["scenario"]["name"], "system": system,
-            "measured_s": real, "simulated_s": sim, "error": sim / real - 1,
-            "compute_s": compute,
-            "link_bps": min(parse_rate(r) for r in measured["scenario"]["rates"]),
-            "measured_commit": measured["environment"]["commit"],
-        })
+        rows.append(_validation_row(
+            measured, system, policy, slow_link_scenario(measured, compute, layout), compute,
+            min(parse_rate(r) for r in measured["scenario"]["rates"]), progress))
     return rows
+
+
+def _validation_row(measured: dict[str, Any], system: str, policy: str, scenario: Scenario,
+                    compute_s: float | None, link_bps: float, progress: Progress | None
+                    ) -> dict[str, Any]:
+    """`system`'s measured median against `scenario` simulated under `policy`."""
+    sim = _run_policies(scenario, (policy,), progress)[policy]["mean_iteration_s"]
+    real = measured["summary"][system]["median_s"]
+    return {
+        "scenario": measured["scenario"]["name"], "system": system,
+        "measured_s": real, "simulated_s": sim, "error": sim / real - 1,
+        "compute_s": compute_s if compute_s is not None else "nominal",
+        "link_bps": link_bps,
+        "measured_commit": measured["environment"]["commit"],
+    }
 
 
 def layout_kept(result: dict[str, Any], system: str) -> str:
@@ -382,16 +390,9 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
             if system not in measured["summary"]:
                 continue
             compute = measured_compute(measured, system)
-            scenario = testbed_scenario(measured, compute, system)
-            sim = _run_policies(scenario, (policy,), progress)[policy]["mean_iteration_s"]
-            real = measured["summary"][system]["median_s"]
-            rows.append({
-                "scenario": measured["scenario"]["name"], "system": system,
-                "measured_s": real, "simulated_s": sim, "error": sim / real - 1,
-                "compute_s": compute if compute is not None else "nominal",
-                "link_bps": measured["link_bps"],
-                "measured_commit": measured["environment"]["commit"],
-            })
+            rows.append(_validation_row(
+                measured, system, policy, testbed_scenario(measured, compute, system), compute,
+                measured["link_bps"], progress))
     if not rows:
         raise ConfigError(f"no trace-scenario results in {results_dir}")
     return {
