@@ -496,6 +496,7 @@ class ControlPlane:
         mine = names.index(host) if host in names else -1
         classes = plan.host_classes.get(mine, {})
         jobs = {w.job for w in state.workers if w.host == mine}
+        complete = {c.job for c in state.coflows}  # every rank reported: jobs with demand
         return {
             "type": "plan",
             "version": plan.version,
@@ -507,7 +508,7 @@ class ControlPlane:
             # shims take them, and a plan over some of the ranks would be taken and then
             # replaced.
             "ownership": {j: list(o) for j, o in plan.ownership.items()
-                          if j in jobs and j in {c.job for c in state.coflows}},
+                          if j in jobs and j in complete},
             # The host's leaf switch when shims should reduce within leaves first.
             "leaf": state.topology.hosts[mine].leaf if plan.reduce_in_leaf and mine >= 0 else None,
             "computed_at": self.planned_at,

@@ -78,6 +78,13 @@ def exchange_time(rates: Sequence[float], shares: Sequence[float], ring: bool) -
     return float(np.max((1 + (r.size - 2) * o) / r))
 
 
+def _positive(rates: Sequence[float]) -> np.ndarray:
+    r = np.asarray(rates, dtype=np.float64)
+    if r.size == 0 or not np.all(r > 0):
+        raise ConfigError(f"need positive rates, got {list(rates)}")
+    return r
+
+
 def flat_shares(rates: Sequence[float]) -> list[float]:
     """Each worker's share of the owned bytes (summing to 1) for workers at `rates`.
 
@@ -89,9 +96,7 @@ def flat_shares(rates: Sequence[float]) -> list[float]:
     until every share left is positive. Two workers load their links with
     ``S`` whoever owns what: shares follow the rates.
     """
-    r = np.asarray(rates, dtype=np.float64)
-    if r.size == 0 or not np.all(r > 0):
-        raise ConfigError(f"need positive rates, got {list(rates)}")
+    r = _positive(rates)
     world = r.size
     if world <= 2:
         return [float(x) for x in r / r.sum()]
@@ -128,9 +133,7 @@ def ring_shares(rates: Sequence[float]) -> list[float]:
 
 @functools.lru_cache(maxsize=256)
 def _ring_shares(rates: tuple[float, ...]) -> tuple[float, ...]:
-    r = np.asarray(rates, dtype=np.float64)
-    if r.size == 0 or not np.all(r > 0):
-        raise ConfigError(f"need positive rates, got {list(rates)}")
+    r = _positive(rates)
     world = r.size
     if world <= 2 or np.all(r == r[0]):  # two ranks: each link carries S whoever owns
         return (1 / world,) * world

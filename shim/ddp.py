@@ -43,7 +43,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
-from gradlane.shim.engine import Engine, Group
+from gradlane.shim.engine import Engine, Group, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import Mesh, agree_batch, agree_leaves, local_address, rank0_says
 
@@ -233,11 +233,8 @@ class HookState:
 
     def owned_bytes(self) -> list[int]:
         """The gradient bytes each rank owns in the last step's buckets, by rank."""
-        owned = [0] * self.world
-        for gid in self._last_ready:
-            for chunk in self._groups[gid].chunks if gid in self._groups else ():
-                owned[chunk.owner] += chunk.nbytes
-        return owned
+        return owned_bytes((self._groups[gid] for gid in self._last_ready if gid in self._groups),
+                           self.world)
 
     def _fail_pending(self, error: Exception) -> None:
         """Fail every bucket DDP waits on, so backward() raises instead of hanging."""

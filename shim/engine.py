@@ -54,7 +54,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +63,7 @@ from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import exchange_kind, reduction_parents, ring_routes
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
-__all__ = ["Chunk", "Engine", "Group"]
+__all__ = ["Chunk", "Engine", "Group", "owned_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -604,6 +604,15 @@ class Engine:
             self._sent.notify_all()
         if first and self.on_failure is not None:
             self.on_failure(error)
+
+
+def owned_bytes(groups: Iterable[Group], world: int) -> list[int]:
+    """The gradient bytes each rank owns (reduces and sends back) in `groups`, by rank."""
+    owned = [0] * world
+    for group in groups:
+        for chunk in group.chunks:
+            owned[chunk.owner] += chunk.nbytes
+    return owned
 
 
 def _send_all(sock: socket.socket, header: bytes, payload: memoryview) -> None:

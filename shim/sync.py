@@ -63,7 +63,7 @@ from gradlane.policies.chunks import (
 )
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
-from gradlane.shim.engine import Engine, Group
+from gradlane.shim.engine import Engine, Group, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
     Mesh,
@@ -659,11 +659,7 @@ class Sync:
 
     def owned_bytes(self) -> list[int]:
         """The gradient bytes each rank owns (reduces and sends back), by rank."""
-        owned = [0] * self.world
-        for group in self._groups:
-            for chunk in group.chunks:
-                owned[chunk.owner] += chunk.nbytes
-        return owned
+        return owned_bytes(self._groups, self.world)
 
     def _try_layouts(self, samples: int) -> None:
         """`ShimConfig.layout` "auto": measure fine and coarse groups, keep the faster.
