@@ -139,6 +139,9 @@ def test_bands_land_in_their_leaves_and_sigterm_restores(cluster: Cluster, tmp_p
     try:
         assert worker.stdout.readline().strip() == "registered"
         wait_for(lambda: set(classes(cluster)) >= JOB_CLASSES, "the job's classes")
+        # One reconcile adds the classes, then the filters: look once they are in (a fresh
+        # clone's run once looked in between and saw only the DSCP fallbacks).
+        wait_for(lambda: filter_prefs(cluster).count(0x100) == 4, "the flows' filters")
         # one per band connection, in the flow hash table, + the DSCP fallbacks
         assert filter_prefs(cluster) == [0x100] * 4 + [0x8000, 0x8001, 0x8002, 0x8003]
         before = leaf_bytes(cluster)
