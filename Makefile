@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile | sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) '$(TORCH)'
-	$(BIN)/python -m pip install --quiet -e '.[shim,bench,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[shim,control,bench,dev]'
 	touch $@
 
 # iproute2 gives tests an independent look at the kernel (`ip`, `tc`);

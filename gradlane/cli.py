@@ -430,9 +430,14 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from gradlane.policies.loadbalance import require_solver
     from gradlane.provenance import write_result
     from gradlane.simulation import plot, run_experiment
 
+    try:
+        require_solver()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     suffix = "-mixed" if experiment == "cluster" and mixed else ""
     if experiment == "coflows" and load != 0.8:
         suffix = f"-load{load:g}"
@@ -529,7 +534,12 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
 
     from gradlane.daemon.config import host_port
     from gradlane.daemon.control import ControlConfig, read_token, serve
+    from gradlane.policies.loadbalance import require_solver
 
+    try:
+        require_solver()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     try:
         host, port = host_port(listen)
     except ConfigError as exc:

@@ -357,7 +357,7 @@ def run_slow_link(
 
     Without the control plane every worker owns a quarter of the gradient, so
     the slow link carries as much as the others at half the rate. With it, the
-    plan weighs the owners by link rate for the shims' ring (`ring_shares`:
+    plan weighs the owners by link rate for the shims' ring (`owner_shares`:
     here the slow rank owns every chunk, and its links carry its gradient
     out and the average in, the least any scheme could). Both runs in one
     cluster; with
@@ -375,7 +375,7 @@ def run_slow_link(
         TestbedError: the cluster, a daemon, a training step or the control plane failed,
             or the ranks did not take the plan's owners with 10 steps left to measure.
     """
-    from gradlane.policies.loadbalance import exchange_time, flat_shares, ring_shares
+    from gradlane.policies.loadbalance import exchange_time, one_switch, owner_shares
 
     args = ["--steps", str(steps), *SLOW_LINK_WORKLOAD]
     workers = [f"h{i}" for i in range(1, 5)]
@@ -437,9 +437,10 @@ def run_slow_link(
         # The slowest link, modelled, owned bytes equal and as the plan shares them by link
         # rate: the shims' ring (4 ranks, one switch), and the flat exchange.
         "model_exchange_s": {
-            kind: {"equal": per_byte * exchange_time(rates, [0.25] * 4, ring),
-                   "by_rate": per_byte * exchange_time(rates, shares(rates), ring)}
-            for kind, ring, shares in (("ring", True, ring_shares), ("flat", False, flat_shares))},
+            kind: {"equal": per_byte * exchange_time(*links, [0.25] * 4),
+                   "by_rate": per_byte * exchange_time(*links, owner_shares(*links))}
+            for kind, links in (("ring", one_switch(rates, ring=True)),
+                                ("flat", one_switch(rates, ring=False)))},
         "lower_bound_s": bound,
         "summary": summarize({k: r.times[steady:] for k, r in runs.items()}, bound,
                              {k: [r] for k, r in runs.items()}),

@@ -27,6 +27,7 @@ control plane (`gradlane control`) build their states with it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 
 import numpy as np
 
@@ -114,6 +115,22 @@ class Exchange:
                               minlength=w * w).astype(np.float64)
         self._trees[in_leaf] = per_owner.reshape(w, cols), crossed.reshape(w, w)
         return self._trees[in_leaf]
+
+    @cached_property
+    def hosts(self) -> IntArray:
+        """The job's hosts, each once, in increasing order (`link_loads`' columns)."""
+        return np.unique(self.host)
+
+    def link_loads(self, in_leaf: bool) -> FloatArray:
+        """Per owner rank, the bytes one byte it owns puts on each host link the job uses.
+
+        Columns: each of `hosts`' egress, then each one's ingress. Ranks of one
+        host share its links; what they send each other is loopback and on none.
+        """
+        per_owner, _ = self.trees(in_leaf)
+        w = self.w
+        on = (self.host[:, None] == self.hosts[None, :]).astype(np.float64)  # rank -> host
+        return np.concatenate([per_owner[:, :w] @ on, per_owner[:, w : 2 * w] @ on], axis=1)
 
     def owned(self, owners: Sequence[int], starts: IntArray,
               weights: Sequence[float] | None = None) -> FloatArray:

@@ -5,24 +5,38 @@ data path, and BytePS's co-located servers), what each link carries per
 iteration depends on the bytes each worker owns (``S`` is the model), and
 a link finishes at that over its rate, so:
 
-1. Each worker's rate ``r`` is what its NIC can give this job: the NIC
-   rate divided by the number of jobs with workers on that host.
-2. Each worker's share of the bytes makes the most loaded link finish
-   first. Equal rates give equal shares; otherwise it depends on how the
-   job's ranks exchange:
-   - flat (`flat_shares`): worker i's link carries ``S + (W - 2) * owned``
-     each way; the least ``T`` with that ``<= T * r`` for every worker,
-     filled like water (a worker whose link needs more than ``T`` just for
-     its own gradient and the results owns nothing). With rates 2, 1, 1
-     the fast worker owns everything: every link then carries ``S`` per
-     rate unit, where shares following the rates (1/2, 1/4, 1/4) would
-     leave the slow links at ``1.25 S``.
-   - the ring (`ring_shares`): the link from rank i to i+1 carries
-     ``2 S - owned_i - owned_i+1`` (each chunk passes every link but one
-     each way, and the owner's own links are the ones it skips), so a
-     worker on a slow link should own *more*: with one worker of 4 at half
-     the rate, it owns everything, and its links carry ``S`` instead of
-     ``1.5 S`` at half the rate. Measured on the testbed (`bench/slow_link.py`).
+1. A worker's links are its host's: what its NIC can give this job (the
+   NIC rate divided by the number of jobs with workers on that host), each
+   way. Ranks of one host share them; what they send each other is
+   loopback. (Leaf uplinks are shared by every job of the leaf: their
+   order is `coflow`'s business, and reducing within leaves keeps one copy
+   per leaf on them whoever owns.)
+2. Per owner rank, what one byte it owns puts on each of those links
+   follows from how the job's ranks exchange (`Exchange.link_loads`: the
+   flat exchange's trees, reduced within leaves first where the plan asks,
+   or the ring). The owned shares are the ones that make the slowest link
+   finish first (`owner_shares`), a linear programme solved exactly; among
+   equally fast shares, the most even. Examples, S the model:
+   - flat, one rank a host: worker i's link carries ``S + (W - 2) * owned``
+     each way, so a worker on a slow link owns less. With rates 2, 1, 1 the
+     fast worker owns everything: every link then carries ``S`` per rate
+     unit, where shares following the rates (1/2, 1/4, 1/4) would leave the
+     slow links at ``1.25 S``.
+   - the ring: the link from rank i to i+1 carries ``2 S - owned_i -
+     owned_i+1`` (each chunk passes every link but one each way, and the
+     owner's own links are the ones it skips), so a worker on a slow link
+     owns *more*: with one worker of 4 at half the rate, it owns
+     everything, and its links carry ``S`` instead of ``1.5 S`` at half the
+     rate. Measured on the testbed (`bench/slow_link.py`).
+   - the ring with several ranks a host: only the links between hosts
+     count, so the ranks at either end of a host's run own the bytes; with
+     4 ranks on each of 2 hosts, each host link carries ``1.5 S`` where
+     equal shares leave ``1.75 S`` (ring all-reduce's ``2 (W - 1) / W``).
+   Equal rates and one rank a host give equal shares without solving (they
+   are among the best by symmetry, and the most even), and the flat
+   exchange with one rank a host, not reduced within leaves, water-filled
+   shares (`flat_shares`, the same solution in closed form, for jobs of
+   hundreds of ranks where the programme takes 40 ms and more).
 3. Chunks go to owners by list scheduling on uniform machines
    (`assign_owners`): in priority order, each chunk to the worker whose
    owned bytes / share would be smallest after taking it.
@@ -37,66 +51,110 @@ a link finishes at that over its rate, so:
    Horovod and PLink (which finds the locality by probing; here the daemons
    report their leaf).
 
-Departures from TicTac/BytePS-style balancing: ownership is by link rate,
-not only bytes, and by how the ranks exchange (reducing within leaves first
-takes the flat exchange's shares); hosts have one NIC here, so there is no
-path to choose (with several NICs the weight would be their sum and the
-path the least loaded one). Ranks sharing a host count as if each had a
-link of its own. Bands and rates are `priority`'s.
+Departures from TicTac/BytePS-style balancing: ownership is by link rate
+and placement, not only bytes, and by how the ranks exchange; hosts have
+one NIC here, so there is no path to choose (with several NICs the weight
+would be their sum and the path the least loaded one). Bands and rates are
+`priority`'s.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any, cast
 
 import numpy as np
 
 from gradlane.errors import ConfigError
 from gradlane.policies import fabric
-from gradlane.policies.base import Plan, Policy, State, register
+from gradlane.policies.base import FloatArray, Plan, Policy, State, Topology, Worker, register
 from gradlane.policies.chunks import assign_owners
+from gradlane.policies.demand import Exchange
 from gradlane.policies.priority import PriorityPolicy
 
 __all__ = ["LoadBalancePolicy", "balanced_ownership", "exchange_time", "flat_shares",
-           "ring_shares"]
+           "job_shares", "one_switch", "owner_shares", "require_solver"]
 
-# `ring_shares` hands the bytes out in this many equal parts.
-RING_SHARE_UNITS = 1000
-
-
-def exchange_time(rates: Sequence[float], shares: Sequence[float], ring: bool) -> float:
-    """The slowest link's time per byte of model when each worker owns `shares` of
-    it, workers at `rates`: flat, worker i's link carries ``1 + (W - 2) * share_i``
-    each way; on the ring, the link from rank i to i+1 (the slower of their two)
-    carries ``2 - share_i - share_i+1``."""
-    r = np.asarray(rates, dtype=np.float64)
-    o = np.asarray(shares, dtype=np.float64)
-    if ring:
-        return float(np.max((2 - o - np.roll(o, -1)) / np.minimum(r, np.roll(r, -1))))
-    return float(np.max((1 + (r.size - 2) * o) / r))
+# `owner_shares` takes shares this small (of 1) as none: below a solver's tolerance.
+MIN_SHARE = 1e-5
 
 
-def _positive(rates: Sequence[float]) -> np.ndarray:
-    r = np.asarray(rates, dtype=np.float64)
-    if r.size == 0 or not np.all(r > 0):
-        raise ConfigError(f"need positive rates, got {list(rates)}")
-    return r
+def _linprog() -> Callable[..., Any]:
+    # SciPy is the `control` extra (some 110 MB): gradlaned's local plans never solve.
+    try:
+        from scipy.optimize import linprog
+    except ImportError:
+        raise ConfigError("planning chunk owners for unequal links needs SciPy: "
+                          "pip install 'gradlane[control]'") from None
+    return cast("Callable[..., Any]", linprog)
+
+
+def require_solver() -> None:
+    """Fail now, not at the first plan that needs it, if SciPy (`control` extra) is missing."""
+    _linprog()
+
+
+def exchange_time(loads: FloatArray, rates: FloatArray, shares: Sequence[float]) -> float:
+    """The slowest link's time per byte of model when each rank owns `shares` of it:
+    `loads` per owner rank and link (`Exchange.link_loads`), links at `rates`."""
+    return float(np.max(np.asarray(shares, dtype=np.float64) @ loads / rates))
+
+
+def owner_shares(loads: FloatArray, rates: FloatArray) -> list[float]:
+    """Each rank's share of the owned bytes (summing to 1), ranks' loads per owned byte on
+    each link `loads` (`Exchange.link_loads`), links at `rates`.
+
+    Two linear programmes (HiGHS, through SciPy): the least time ``T`` of the
+    slowest link, ``max_l (shares @ loads)_l / rate_l``, over shares summing to
+    1; then, of the shares that reach ``T``, those whose largest share is
+    least, so equally good owners share the bytes instead of one taking all.
+    """
+    loads = np.asarray(loads, dtype=np.float64)
+    rates = np.asarray(rates, dtype=np.float64)
+    if loads.ndim != 2 or loads.shape[1] != rates.size or not np.all(rates > 0):
+        raise ConfigError(f"need positive rates, one per link: {loads.shape} loads, "
+                          f"{rates.size} rates")
+    w = loads.shape[0]
+    used = loads.any(axis=0)
+    if w == 1 or not used.any():
+        return [1 / w] * w
+    per_share = (loads[:, used] / (rates[used] / rates[used].max())).T  # links x ranks
+    n_links = per_share.shape[0]
+    linprog = _linprog()
+    minimise_last = np.append(np.zeros(w), 1.0)
+    one = (np.append(np.ones(w), 0.0)[None, :], [1.0])  # the shares sum to 1
+    slowest = linprog(minimise_last, A_ub=np.hstack([per_share, -np.ones((n_links, 1))]),
+                      b_ub=np.zeros(n_links), A_eq=one[0], b_eq=one[1], method="highs")
+    if not slowest.success:
+        raise ConfigError(f"owner shares: {slowest.message}")
+    spread = linprog(
+        minimise_last,
+        A_ub=np.vstack([np.hstack([per_share, np.zeros((n_links, 1))]),
+                        np.hstack([np.eye(w), -np.ones((w, 1))])]),
+        b_ub=np.concatenate([np.full(n_links, slowest.fun * (1 + 1e-8) + 1e-9), np.zeros(w)]),
+        A_eq=one[0], b_eq=one[1], method="highs")
+    x = spread.x[:w] if spread.success else slowest.x[:w]
+    shares = np.where(x < MIN_SHARE, 0.0, x)
+    return [float(v) for v in shares / shares.sum()]
 
 
 def flat_shares(rates: Sequence[float]) -> list[float]:
-    """Each worker's share of the owned bytes (summing to 1) for workers at `rates`.
+    """`owner_shares` of the flat exchange, ranks each on a host of its own under one
+    switch at `rates`, in closed form.
 
-    The flat exchange loads worker i's link with ``S + (W - 2) * o_i`` bytes
-    each way (its gradient of the chunks others own, the others' gradients
-    of its own chunks, and the results back), ``S`` the model. The shares
-    minimise the slowest link's time ``T``: ``o_i = max(0, (T r_i - S) / (W - 2))``
-    with the ``o_i`` summing to ``S``, found by dropping the slowest workers
-    until every share left is positive. Two workers load their links with
-    ``S`` whoever owns what: shares follow the rates.
+    Worker i's link carries ``S + (W - 2) * o_i`` bytes each way (its gradient
+    of the chunks others own, the others' gradients of its own chunks, and the
+    results back), ``S`` the model. The shares minimise the slowest link's
+    time ``T``: ``o_i = max(0, (T r_i - S) / (W - 2))`` with the ``o_i``
+    summing to ``S``, found by dropping the slowest workers until every share
+    left is positive. Two workers load their links with ``S`` whoever owns
+    what: shares follow the rates.
     """
-    r = _positive(rates)
+    r = np.asarray(rates, dtype=np.float64)
+    if r.size == 0 or not np.all(r > 0):
+        raise ConfigError(f"need positive rates, got {list(rates)}")
     world = r.size
     if world <= 2:
         return [float(x) for x in r / r.sum()]
@@ -112,60 +170,57 @@ def flat_shares(rates: Sequence[float]) -> list[float]:
     return [float(x) for x in shares / shares.sum()]
 
 
-def ring_shares(rates: Sequence[float]) -> list[float]:
-    """Each rank's share of the owned bytes (summing to 1) for ranks at `rates`
-    exchanging around the ring (rank i sends to rank i+1, over the slower of their
-    two links).
-
-    The link from i to i+1 carries ``2 S - o_i - o_i+1`` (`ring_routes`: a
-    chunk's partial sum skips the link out of its owner, its average the link
-    into it). The shares are handed out `RING_SHARE_UNITS` parts at a time,
-    each to relieve the link that would finish last: to whichever of its two
-    ends also relieves the slower other link. Equal rates give equal shares
-    (every link then carries ``2 (W - 1) / W S``, ring all-reduce's figure).
-    Greedy, not a solved linear programme: the property tests bound it
-    against a fine grid of all shares for up to 4 ranks. About 2 ms for
-    unequal rates, so plans, which see the same rates again and again,
-    reuse it (cached).
-    """
-    return list(_ring_shares(tuple(float(x) for x in rates)))
+def one_switch(rates: Sequence[float], ring: bool) -> tuple[FloatArray, FloatArray]:
+    """`owner_shares`' loads and link rates for ranks each on a host of its own under one
+    switch, host i's link at ``rates[i]`` each way."""
+    r = np.asarray(rates, dtype=np.float64)
+    exchange = Exchange(np.zeros(r.size, dtype=np.int64), uplinks=False, ring=ring)
+    return exchange.link_loads(in_leaf=False), np.concatenate([r, r])
 
 
 @functools.lru_cache(maxsize=256)
-def _ring_shares(rates: tuple[float, ...]) -> tuple[float, ...]:
-    r = _positive(rates)
-    world = r.size
-    if world <= 2 or np.all(r == r[0]):  # two ranks: each link carries S whoever owns
-        return (1 / world,) * world
-    link = np.minimum(r, np.roll(r, -1))  # link i: rank i -> rank i+1
-    load = np.full(world, 2.0)  # in units of S
-    owned = np.zeros(world)
-    unit = 1 / RING_SHARE_UNITS
-    for _ in range(RING_SHARE_UNITS):
-        times = load / link
-        i = int(np.argmax(times))
-        before, after = (i - 1) % world, (i + 1) % world
-        owner = i if times[before] >= times[after] else after  # relieves i and that one
-        owned[owner] += unit
-        load[owner] -= unit
-        load[(owner - 1) % world] -= unit
-    return tuple(float(x) for x in owned / owned.sum())
+def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, ring: bool,
+            in_leaf: bool, host_bps: tuple[float, ...]) -> tuple[float, ...]:
+    """`owner_shares` for ranks on `hosts` (in `leaves`), the hosts' links (sorted host
+    order) at `host_bps` (cached: plans see the same placement and rates again and again)."""
+    world = len(hosts)
+    if len(set(hosts)) == world:
+        if len(set(host_bps)) == 1:
+            return (1 / world,) * world
+        if not ring and not (in_leaf and uplinks and len(set(leaves)) > 1):
+            order = np.argsort(hosts)  # host_bps is in host order, shares in rank order
+            rates = np.empty(world)
+            rates[order] = host_bps
+            return tuple(flat_shares(rates.tolist()))
+    loads = Exchange(leaves, uplinks=uplinks, host=hosts, ring=ring).link_loads(in_leaf)
+    return tuple(owner_shares(loads, np.array(host_bps + host_bps, dtype=np.float64)))
+
+
+def job_shares(topology: Topology, workers: Sequence[Worker], ring: bool, in_leaf: bool,
+               jobs_on_host: dict[int, int]) -> list[float]:
+    """The owned shares of a job's `workers` (rank order), each host's NIC divided among
+    the jobs on it (`jobs_on_host`)."""
+    hosts = tuple(w.host for w in workers)
+    host_bps = tuple(topology.hosts[h].nic_bps / jobs_on_host[h] for h in sorted(set(hosts)))
+    return list(_shares(hosts, tuple(topology.hosts[h].leaf for h in hosts),
+                        bool(topology.uplink_bps), ring, in_leaf and not ring, host_bps))
 
 
 def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
     """Per job with known chunks, an owner rank per chunk weighted by link rate."""
     out: dict[str, tuple[int, ...]] = {}
-    if state.topology is None:
+    topology = state.topology
+    if topology is None:
         return out
-    jobs_on_host: dict[int, set[str]] = {}
+    on_host: dict[int, set[str]] = {}
     for w in state.workers:
-        jobs_on_host.setdefault(w.host, set()).add(w.job)
-    nic = [h.nic_bps for h in state.topology.hosts]
+        on_host.setdefault(w.host, set()).add(w.job)
+    jobs_on_host = {h: len(jobs) for h, jobs in on_host.items()}
+    reduce_in_leaf = fabric.oversubscribed(topology)
     for job in state.jobs:
         workers = state.workers_of(job.name)
         if workers and job.chunk_bytes:
-            rates = [nic[w.host] / len(jobs_on_host[w.host]) for w in workers]
-            shares = ring_shares(rates) if job.ring else flat_shares(rates)
+            shares = job_shares(topology, workers, job.ring, reduce_in_leaf, jobs_on_host)
             owning = [w for w, share in zip(workers, shares, strict=True) if share > 0]
             layers = job.chunk_layers if len(job.chunk_layers) == len(job.chunk_bytes) else None
             owners = assign_owners(job.chunk_bytes, len(owning),

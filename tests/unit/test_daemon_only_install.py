@@ -1,9 +1,10 @@
 """A node that runs only gradlaned (and perhaps the control plane, or the simulator) has no
 torch.
 
-torch is the ``shim`` extra and matplotlib the ``bench`` one (pyproject.toml);
-a daemon-only install has neither. Each check runs in a fresh interpreter
-whose imports of them fail, as they would there.
+torch is the ``shim`` extra, SciPy the ``control`` one and matplotlib the
+``bench`` one (pyproject.toml); a daemon-only install has none of them, the
+control plane's host SciPy. Each check runs in a fresh interpreter whose
+imports of the missing ones fail, as they would there.
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ from pathlib import Path
 
 import pytest
 
-# Put first in a child's sys.meta_path: importing the extras fails as if not installed.
-WITHOUT_EXTRAS = """
+DAEMON_ONLY = ("torch", "matplotlib", "scipy")
+CONTROL_HOST = ("torch", "matplotlib")  # the control extra installed
+
+
+def without(missing: tuple[str, ...]) -> str:
+    """Code to put first in a child: importing `missing` fails as if not installed."""
+    return f"""
 import sys
 class _NotInstalled:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "matplotlib"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        if name.split(".")[0] in {missing!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return None
 sys.meta_path.insert(0, _NotInstalled())
 """
@@ -38,14 +44,31 @@ DAEMON_SIDE = [
 ]
 
 
-def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS + code], capture_output=True,
+def _python(code: str, missing: tuple[str, ...] = DAEMON_ONLY,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", without(missing) + code], capture_output=True,
                           text=True, timeout=timeout)
 
 
-def test_the_extras_really_are_missing_in_the_child() -> None:
-    out = _python("import torch")
-    assert out.returncode != 0 and "No module named 'torch'" in out.stderr
+@pytest.mark.parametrize("module", DAEMON_ONLY)
+def test_the_extras_really_are_missing_in_the_child(module: str) -> None:
+    out = _python(f"import {module}")
+    assert out.returncode != 0 and f"No module named '{module}'" in out.stderr
+
+
+@pytest.mark.parametrize("command", [["control", "--token-file", "/nonexistent"],
+                                     ["sim", "heterogeneous", "--json", "/tmp/unwritten.json"]])
+def test_the_control_plane_and_simulator_say_they_need_the_control_extra(
+        command: list[str]) -> None:
+    code = f"""
+from click.testing import CliRunner
+from gradlane.cli import cli
+result = CliRunner().invoke(cli, {command!r})
+print(result.exit_code, result.output)
+"""
+    out = _python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("1 ") and "pip install 'gradlane[control]'" in out.stdout
 
 
 def test_the_daemon_side_imports_and_its_commands_answer_without_torch() -> None:
@@ -58,7 +81,7 @@ from gradlane.cli import cli
 for command in ("daemon", "control", "status", "testbed", "sim"):
     result = CliRunner().invoke(cli, [command, "--help"])
     assert result.exit_code == 0, (command, result.output, result.exception)
-assert not any(m.split(".")[0] in ("torch", "matplotlib") for m in sys.modules)
+assert not any(m.split(".")[0] in {DAEMON_ONLY!r} for m in sys.modules)
 print("fine")
 """
     out = _python(code)
@@ -78,7 +101,7 @@ def test_the_control_plane_serves_without_torch(tmp_path: Path) -> None:
     port = _free_port()
     argv = ["gradlane", "control", "--listen", f"127.0.0.1:{port}", "--token-file", str(token)]
     code = f"sys.argv = {argv!r}\nfrom gradlane.cli import main\nmain()"
-    proc = subprocess.Popen([sys.executable, "-c", WITHOUT_EXTRAS + code],
+    proc = subprocess.Popen([sys.executable, "-c", without(CONTROL_HOST) + code],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -23,8 +23,9 @@ from gradlane.policies import (
 )
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.coflow import bssi_order, levels
+from gradlane.policies.demand import Exchange
 from gradlane.policies.fifo import FairPolicy
-from gradlane.policies.loadbalance import exchange_time, flat_shares, ring_shares
+from gradlane.policies.loadbalance import exchange_time, flat_shares, one_switch, owner_shares
 from gradlane.policies.priority import CHUNK_GRID, next_tuning
 from gradlane.policies.straggler import proportional_shares
 from tests import examples
@@ -148,36 +149,94 @@ def test_loadbalance_gives_a_ring_s_slow_link_more_chunks() -> None:
     assert [owners.count(i) for i in range(4)] == [100] * 4
 
 
+def test_loadbalance_gives_the_ends_of_co_located_runs_the_chunks_on_the_ring() -> None:
+    """Ranks 0-3 on one host, 4-7 on another: only ranks 3 -> 4 and 7 -> 0 cross a NIC,
+    and a chunk owned at either end of a crossing skips it one way."""
+    topo = Topology((Host("a", 0, G), Host("b", 0, G)))
+    job = JobState("j", 8, chunk_bytes=(1,) * 400, ring=True)
+    state = State(jobs=(job,), topology=topo,
+                  workers=tuple(Worker("j", i, i // 4) for i in range(8)))
+    owners = get_policy("loadbalance").plan(state).ownership["j"]
+    assert [owners.count(i) for i in range(8)] == [100, 0, 0, 100, 100, 0, 0, 100]
+    loads, rates = Exchange(np.zeros(8), uplinks=False, host=[0] * 4 + [1] * 4,
+                            ring=True).link_loads(in_leaf=False), np.full(4, float(G))
+    # Each host's link carries 1.5 models each way, where ring all-reduce's equal shares
+    # leave 1.75 (2 (W - 1) / W).
+    assert exchange_time(loads, rates, [owners.count(i) / 400 for i in range(8)]) * G == (
+        pytest.approx(1.5, rel=1e-5))
+    assert exchange_time(loads, rates, [1 / 8] * 8) * G == pytest.approx(1.75)
+
+
+def test_link_loads_keep_co_located_ranks_off_the_nic() -> None:
+    # Ring of 4 ranks, 0 and 1 on host 0: a chunk owned by 1 skips 1 -> 2 going round
+    # (host 0's egress, host 1's ingress) and its average skips 0 -> 1 (loopback).
+    loads = Exchange(np.zeros(4), uplinks=False, host=[0, 0, 1, 2],
+                     ring=True).link_loads(in_leaf=False)
+    # Columns: egress of hosts 0, 1, 2, then their ingress.
+    assert loads[1].tolist() == [1, 2, 2, 2, 1, 2]
+    # Flat, owner 0: rank 1's gradient and result stay on host 0; ranks 2 and 3 send one
+    # each and take one back.
+    loads = Exchange(np.zeros(4), uplinks=False, host=[0, 0, 1, 2]).link_loads(in_leaf=False)
+    assert loads[0].tolist() == [2, 1, 1, 2, 1, 1]
+
+
+placements = st.integers(3, 5).flatmap(lambda world: st.tuples(
+    st.lists(st.integers(0, 2), min_size=world, max_size=world),
+    st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0]), min_size=3, max_size=3), st.booleans()))
+
+
 @settings(max_examples=examples(40), deadline=None)
-@given(st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0]), min_size=3, max_size=4))
-def test_ring_shares_finish_no_later_than_any_shares_on_a_grid(rates: list[float]) -> None:
-    shares = ring_shares(rates)
+@given(placements)
+def test_owner_shares_finish_no_later_than_any_shares_on_a_grid(
+    placement: tuple[list[int], list[float], bool],
+) -> None:
+    hosts, host_rates, ring = placement
+    used = sorted(set(hosts))
+    loads = Exchange(np.zeros(len(hosts)), uplinks=False, host=hosts,
+                     ring=ring).link_loads(in_leaf=False)
+    rates = np.array([host_rates[h] for h in used] * 2)
+    shares = owner_shares(loads, rates)
     assert sum(shares) == pytest.approx(1) and min(shares) >= 0
-    world, steps = len(rates), 20
+    world, steps = len(hosts), 12
     grid = np.array([[*parts, steps - sum(parts)]
                      for parts in itertools.product(range(steps + 1), repeat=world - 1)
                      if sum(parts) <= steps]) / steps
-    # Rank i to i+1 carries 2 - o_i - o_i+1 of the model, at the slower of the two rates.
-    r = np.array(rates)
-    times = (2 - grid - np.roll(grid, -1, axis=1)) / np.minimum(r, np.roll(r, -1))
-    assert exchange_time(rates, shares, ring=True) <= times.max(axis=1).min() * (1 + 1e-9)
+    best_on_grid = (grid @ loads / rates).max(axis=1).min()
+    assert exchange_time(loads, rates, shares) <= best_on_grid * (1 + 1e-5)
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0]), min_size=3, max_size=4))
+def test_ring_loads_are_two_models_less_each_end_s_share(rates: list[float]) -> None:
+    """One rank a host: the link from rank i to i+1 carries 2 - o_i - o_i+1 of the model
+    (`ring_routes`), at the slower of the two rates."""
+    shares = owner_shares(*one_switch(rates, ring=True))
+    o, r = np.array(shares), np.array(rates)
+    by_hand = ((2 - o - np.roll(o, -1)) / np.minimum(r, np.roll(r, -1))).max()
+    assert exchange_time(*one_switch(rates, ring=True), shares) == pytest.approx(by_hand)
+
+
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.floats(0.1, 10), min_size=1, max_size=12))
 def test_flat_shares_finish_the_flat_exchange_no_later_than_other_shares(
     rates: list[float],
 ) -> None:
     shares = flat_shares(rates)
     assert sum(shares) == pytest.approx(1) and min(shares) >= 0
-    best = exchange_time(rates, shares, ring=False)
+    loads, link_rates = one_switch(rates, ring=False)
+    best = exchange_time(loads, link_rates, shares)
     world = len(rates)
+    # The closed form and the linear programme agree.
+    assert best <= exchange_time(loads, link_rates, owner_shares(loads, link_rates)) * (
+        1 + 1e-9)
     for other in ([1 / world] * world, [r / sum(rates) for r in rates]):  # bytes, rates
-        assert best <= exchange_time(rates, other, ring=False) * (1 + 1e-9)
+        assert best <= exchange_time(loads, link_rates, other) * (1 + 1e-9)
     if world > 2:
         # Optimal: either the slowest links own nothing (so no shares could speed them up:
         # each carries its own gradient and the results), or every owning link finishes
         # with them (any share moved would finish later).
         times = [(1 + (world - 2) * s) / r for r, s in zip(rates, shares, strict=True)]
+        assert max(times) == pytest.approx(best)
         slowest = [i for i, t in enumerate(times) if t == pytest.approx(best)]
         if any(shares[i] > 1e-12 for i in slowest):
             assert all(t == pytest.approx(best) for t, s in zip(times, shares, strict=True)

@@ -73,7 +73,7 @@ def test_loadbalance_owners_relieve_a_slow_link_flat_or_ring(ring: bool) -> None
     # owners (`fifo`) the slow link carries 1.5 models each way either way. `loadbalance`
     # plans for the exchange: flat, the slow worker owns nothing and its link carries one
     # model each way, the least possible (`flat_shares`); on the ring it owns everything,
-    # which also leaves it one model (`ring_shares`), the ring's hops adding their latency.
+    # which also leaves it one model (`owner_shares`), the ring's hops adding their latency.
     size = 8e6
     sc = _one_job([(size / 8, 0.001, 0.002)] * 8, 4)
     rates = (G, G, G, G / 2)
