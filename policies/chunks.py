@@ -35,6 +35,9 @@ MIN_GROUP_BYTES = 64 << 10
 COARSE_GROUP_BYTES = 4 << 20
 
 
+TIE = 1e-9  # `assign_owners`: finish times this close (relative) are a tie
+
+
 def assign_owners(
     sizes: Sequence[int],
     world: int,
@@ -64,9 +67,11 @@ def assign_owners(
         raise ConfigError(f"need {world} positive owner weights, got {list(weights)}")
     if groups is not None and len(groups) != len(sizes):
         raise ConfigError(f"need one group per chunk: {len(groups)} groups, {len(sizes)} chunks")
-    if weights is None or len(set(weights)) == 1:
+    # Weights a solver computed carry rounding noise (0.24999999999999992 next to 0.25):
+    # within `TIE` of each other they count as equal, so ties still go to the lowest rank.
+    w = np.ones(world) if weights is None else np.asarray(weights, dtype=np.float64)
+    if np.all(w <= w.min() * (1 + TIE)):
         return _equal_weights(sizes, world, groups)
-    w = np.asarray(weights, dtype=np.float64)
     total = np.zeros(world)
     group_load = np.zeros(world)
     out = []
@@ -75,8 +80,9 @@ def assign_owners(
         if groups is not None and groups[i] != current:
             current, group_load = groups[i], np.zeros(world)
         finish = (group_load + size) / w
-        tied = np.flatnonzero(finish == finish.min())
-        best = int(tied[np.argmin((total[tied] + size) / w[tied])])  # first = lowest rank
+        tied = np.flatnonzero(finish <= finish.min() * (1 + TIE))
+        overall = (total[tied] + size) / w[tied]
+        best = int(tied[np.flatnonzero(overall <= overall.min() * (1 + TIE))[0]])  # lowest rank
         group_load[best] += size
         total[best] += size
         out.append(best)

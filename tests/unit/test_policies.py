@@ -255,6 +255,17 @@ def test_assign_owners_equal_and_weighted_paths_agree_on_equal_weights() -> None
     assert abs(owned - sum(sizes) / 2) <= max(sizes)
 
 
+def test_assign_owners_takes_weights_a_rounding_apart_as_equal() -> None:
+    # What a solver hands back for equal shares: the lowest rank must not lose every tie.
+    sizes = [5, 3, 8, 1, 1, 9, 2] * 10
+    noisy = [0.24999999999999992, 0.25000000000000006, 0.25000000000000006, 0.25]
+    assert assign_owners(sizes, 4, noisy) == assign_owners(sizes, 4)
+    layers = [i // 7 for i in range(len(sizes))]
+    assert assign_owners(sizes, 4, noisy, layers) == assign_owners(sizes, 4, None, layers)
+    assert assign_owners(sizes, 3, [0.5, 0.25000000000000006, 0.24999999999999992]) == (
+        assign_owners(sizes, 3, [0.5, 0.25, 0.25]))
+
+
 def test_straggler_shares_follow_throughput() -> None:
     assert proportional_shares(64, [1, 1, 1, 0.5]) == (19, 18, 18, 9)
     assert sum(proportional_shares(7, [100, 1, 1])) == 7
