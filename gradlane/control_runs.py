@@ -7,8 +7,9 @@ so both figures come from the same machine state. Needs root.
 
 - `run_control_straggler`: one job on workers at speeds 1, 1, 1, 0.5 (batch
   shares), then a SIGKILL of the control plane mid-training and its restart.
-- `run_slow_link`: one job on 4 hosts, one on a link half as fast (the
-  plan's chunk owners, weighed by link rate).
+- `run_slow_link`: one job on 4 hosts, one on a link half as fast, and
+  `run_co_located`: one job of 8 ranks on 2 hosts (the plan's chunk owners,
+  weighed by what each host link carries).
 - `run_two_jobs`: two jobs whose workers straddle an oversubscribed uplink
   (reduction within leaves first), against `fifo` too.
 
@@ -40,7 +41,9 @@ from gradlane.testbed import Cluster, Topology
 from gradlane.testbed.links import line_rate
 from gradlane.units import parse_rate
 
-__all__ = ["run_control_straggler", "run_slow_link", "run_two_jobs", "trace_workload"]
+__all__ = ["CO_LOCATED", "SLOW_LINK", "OwnersScenario", "run_co_located",
+           "run_control_straggler", "run_planned_owners", "run_slow_link", "run_two_jobs",
+           "trace_workload"]
 
 CONTROL_PORT = 7800
 
@@ -339,28 +342,59 @@ def run_control_straggler(
     }
 
 
+@dataclass(frozen=True)
+class OwnersScenario:
+    """One job whose chunk owners the control plan decides (`run_planned_owners`)."""
+
+    name: str
+    cluster: str  # the emulated cluster's name (short: it names links)
+    rates: tuple[str, ...]  # per host; the last runs the control plane
+    placement: tuple[str, ...]  # each rank's host, rank order
+    workload: tuple[str, ...]
+
+
 # One job on 4 hosts, the last on a link half as fast (h5 runs the control plane). A
 # VGG-19 trace whose exchange outlasts its compute: who owns what decides the iteration.
-SLOW_LINK_RATES = ["1gbit", "1gbit", "1gbit", "500mbit", "1gbit"]
-SLOW_LINK_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "8",
-                      "--forward-ms", "20"]
+SLOW_LINK = OwnersScenario(
+    "control-slow-link", "slow", ("1gbit", "1gbit", "1gbit", "500mbit", "1gbit"),
+    ("h1", "h2", "h3", "h4"),
+    ("--workload", "trace", "--model", "vgg19", "--model-mb", "8", "--forward-ms", "20"))
+# Eight ranks, four on each of two hosts (h3 runs the control plane), on the shims'
+# default ring: only two of its eight links cross a NIC.
+CO_LOCATED = OwnersScenario(
+    "control-co-located", "coloc", ("100mbit", "100mbit", "1gbit"), ("h1",) * 4 + ("h2",) * 4,
+    ("--workload", "trace", "--model", "vgg19", "--model-mb", "2", "--forward-ms", "20"))
 
 
-def run_slow_link(
+def run_slow_link(workdir: Path, steps: int = 60, say: Callable[[str], None] = lambda _: None,
+                  reference: bool = False) -> dict[str, Any]:
+    """`run_planned_owners` of `SLOW_LINK`: without the control plane the slow link carries
+    1.5 models each way at half the rate; the plan gives the slow rank every chunk, and its
+    links carry its gradient out and the average in, the least any scheme could."""
+    return run_planned_owners(SLOW_LINK, workdir, steps, say, reference)
+
+
+def run_co_located(workdir: Path, steps: int = 60, say: Callable[[str], None] = lambda _: None,
+                   reference: bool = False) -> dict[str, Any]:
+    """`run_planned_owners` of `CO_LOCATED`: with equal owners each host link carries 1.75
+    models each way; the plan gives the ranks at either end of each host's run every
+    chunk, and each link carries 1.5 (a chunk owned there skips it one way)."""
+    return run_planned_owners(CO_LOCATED, workdir, steps, say, reference)
+
+
+def run_planned_owners(
+    scenario: OwnersScenario,
     workdir: Path,
     steps: int = 60,
     say: Callable[[str], None] = lambda _: None,
     reference: bool = False,
 ) -> dict[str, Any]:
-    """One job on 4 hosts, one on a link half as fast: gradlane without and with the
-    control plane, whose `loadbalance` owners the shims take (`Sync._follow_plan_owners`).
+    """One job: gradlane without and with the control plane, whose `loadbalance` owners
+    the shims take (`Sync._follow_plan_owners`).
 
-    Without the control plane every worker owns a quarter of the gradient, so
-    the slow link carries as much as the others at half the rate. With it, the
-    plan weighs the owners by link rate for the shims' ring (`owner_shares`:
-    here the slow rank owns every chunk, and its links carry its gradient
-    out and the average in, the least any scheme could). Both runs in one
-    cluster; with
+    Without the control plane every rank owns an equal share of the gradient.
+    With it, the plan weighs the owners by what each host link carries for
+    the shims' exchange (`owner_shares`). Both runs in one cluster; with
     `reference`, the workers first compute alone (``local``) for the bound's
     compute. Medians from two steps after the ranks took the plan's owners
     (past the layout trial and the regrouping), over the same steps in both
@@ -375,48 +409,70 @@ def run_slow_link(
         TestbedError: the cluster, a daemon, a training step or the control plane failed,
             or the ranks did not take the plan's owners with 10 steps left to measure.
     """
-    from gradlane.policies.loadbalance import exchange_time, one_switch, owner_shares
+    import numpy as np
 
-    args = ["--steps", str(steps), *SLOW_LINK_WORKLOAD]
-    workers = [f"h{i}" for i in range(1, 5)]
-    rates = [parse_rate(r) for r in SLOW_LINK_RATES[:4]]
-    with Cluster(Topology.build("slow", 5, SLOW_LINK_RATES)) as c:
-        ctl = _controlled(c, workdir, workers, "h5")
-        sockets = [ctl.sockets[h] for h in workers]
+    from gradlane.policies.demand import Exchange
+    from gradlane.policies.loadbalance import exchange_time, owner_shares
+
+    args = ["--steps", str(steps), *scenario.workload]
+    hosts = sorted(set(scenario.placement))
+    world = len(scenario.placement)
+    control_host = f"h{len(scenario.rates)}"
+    with Cluster(Topology.build(scenario.cluster, len(scenario.rates),
+                                list(scenario.rates))) as c:
+        ctl = _controlled(c, workdir, hosts, control_host)
+        sockets = [ctl.sockets[h] for h in scenario.placement]
         runs: dict[str, SystemRun] = {}
+
+        def run(system: str, port: int, out: Path, with_sockets: bool) -> SystemRun:
+            return collect(c, launch(c, system, args, port=port, out=out,
+                                     sockets=sockets if with_sockets else None,
+                                     hosts=list(scenario.placement)))
+
         if reference:
             say("compute alone (the bound's reference)")
-            runs[REFERENCE] = collect(c, launch(c, REFERENCE, args, port=29830, out=workdir,
-                                                hosts=workers))
+            runs[REFERENCE] = run(REFERENCE, 29830, workdir, with_sockets=False)
         say("without the control plane")
-        runs["gradlane"], _ = run_on_cluster(c, "gradlane", args, port=29831,
-                                             out=workdir / "local", sockets=sockets, workers=4)
+        runs["gradlane"] = run("gradlane", 29831, workdir / "local", with_sockets=True)
         ctl.start_control()
-        ctl.wait_view(lambda v: len(v["hosts"]) == len(workers), "all 4 daemons register")
+        ctl.wait_view(lambda v: len(v["hosts"]) == len(hosts),
+                      f"all {len(hosts)} daemons register")
         say("with the control plane")
-        runs["gradlane+control"], _ = run_on_cluster(c, "gradlane", args, port=29832,
-                                                     out=workdir / "control", sockets=sockets,
-                                                     workers=4)
+        runs["gradlane+control"] = run("gradlane", 29832, workdir / "control",
+                                       with_sockets=True)
         codes = ctl.stop_daemons()
     ranks = {label: [json.loads((workdir / label / f"gradlane-rank{r}.json").read_text())
-                     for r in range(4)] for label in ("local", "control")}
+                     for r in range(world)] for label in ("local", "control")}
     taken = {r["owners_taken_at"] for r in ranks["control"]}
     if len(taken) != 1 or None in taken or steps - (min(taken) + 2) < 10:
         raise TestbedError(f"the ranks took the control plan's owners at steps {sorted(taken)}"
                            f" of {steps} (None: never): nothing to measure")
     steady = taken.pop() + 2
     medians = {k: statistics.median(r.times[steady:]) for k, r in runs.items()}
-    compute, size = _trace(SLOW_LINK_WORKLOAD)
+    compute, size = _trace(scenario.workload)
     extra: dict[str, Any] = {}
     if reference:
         extra["compute_s"] = compute = medians[REFERENCE]
-    # The bound: every host sends its whole gradient out and takes the whole average in,
-    # whatever the scheme; the slowest link needs that long at least.
+    # The bound: every host sends at least one model out (what the others need of its
+    # ranks' gradients, or of the averages it reduced) and takes one in, whatever the
+    # scheme; the slowest host link needs that long at least.
+    rates = [parse_rate(scenario.rates[c.host_index(h) - 1]) for h in hosts]
     per_byte = size * 8 / PAYLOAD_EFFICIENCY  # the model's bits, at the payload rate
     bound = max(compute, per_byte / min(rates))
+    rank_host = [hosts.index(h) for h in scenario.placement]
+
+    def modelled(ring: bool) -> dict[str, float]:
+        loads = Exchange(np.zeros(world, dtype=np.int64), uplinks=False, host=rank_host,
+                         ring=ring).link_loads(in_leaf=False)
+        link_bps = np.array(rates * 2, dtype=np.float64)
+        return {"equal": per_byte * exchange_time(loads, link_bps, [1 / world] * world),
+                "by_rate": per_byte * exchange_time(loads, link_bps,
+                                                    owner_shares(loads, link_bps))}
+
     return {
-        "scenario": {"name": "control-slow-link", "hosts": 4, "rates": SLOW_LINK_RATES[:4],
-                     "steps": steps, "workload": SLOW_LINK_WORKLOAD},
+        "scenario": {"name": scenario.name, "hosts": len(hosts), "rates": list(scenario.rates[:-1]),
+                     "placement": list(scenario.placement), "steps": steps,
+                     "workload": list(scenario.workload)},
         "steady_from_step": steady,
         # What gradlaned on each host was told its NIC's line rate is (it shapes under it).
         "daemon_line_bps": [line_rate(r) for r in rates],
@@ -434,13 +490,9 @@ def run_slow_link(
                          # every rank's: they must agree
                          "owners_taken_at": [r["owners_taken_at"] for r in ranks["control"]]},
         "speedup": medians["gradlane"] / medians["gradlane+control"],
-        # The slowest link, modelled, owned bytes equal and as the plan shares them by link
-        # rate: the shims' ring (4 ranks, one switch), and the flat exchange.
-        "model_exchange_s": {
-            kind: {"equal": per_byte * exchange_time(*links, [0.25] * 4),
-                   "by_rate": per_byte * exchange_time(*links, owner_shares(*links))}
-            for kind, links in (("ring", one_switch(rates, ring=True)),
-                                ("flat", one_switch(rates, ring=False)))},
+        # The slowest host link, modelled, owned bytes equal and as the plan shares them:
+        # the shims' ring, and the flat exchange.
+        "model_exchange_s": {"ring": modelled(True), "flat": modelled(False)},
         "lower_bound_s": bound,
         "summary": summarize({k: r.times[steady:] for k, r in runs.items()}, bound,
                              {k: [r] for k, r in runs.items()}),

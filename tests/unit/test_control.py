@@ -412,6 +412,21 @@ def test_chunk_owners_follow_the_exchange_the_shims_say(said: str | None,
     assert plane.view()["plan"]["owned_shares"]["j"] == [n / 8 for n in owned]
 
 
+def test_chunk_owners_of_ranks_sharing_a_host_sit_where_the_ring_crosses_a_nic() -> None:
+    # Eight ranks, 0-3 reported by h0's daemon and 4-7 by h1's, on the ring (the shims'
+    # default): of its eight links only 3 -> 4 and 7 -> 0 cross a NIC, and a chunk owned
+    # at either end of one skips it one way. The control plane sends those owners.
+    plane = ControlPlane(_config())
+    _reported(plane, "h0", 0, [_job("j", [0, 1, 2, 3], [1000] * 8)])
+    _reported(plane, "h1", 0, [_job("j", [4, 5, 6, 7], [1000] * 8)])
+    plane.state = plane.build_state()
+    assert plane.state.jobs[0].ring and [w.host for w in plane.state.workers] == [0] * 4 + [1] * 4
+    plane.plan = plane.policy.plan(plane.state)
+    owners = plane.plan.ownership["j"]
+    assert [owners.count(r) for r in range(8)] == [2, 0, 0, 2, 2, 0, 0, 2]
+    assert plane.message_for("h1")["ownership"]["j"] == list(owners)
+
+
 def test_the_shims_are_told_owners_only_once_every_rank_is_reported() -> None:
     # Owners over ranks 0 and 1 of a job of 3 would be taken, then replaced.
     plane = ControlPlane(_config())
