@@ -3,12 +3,13 @@
     sudo .venv/bin/python bench/co_located.py [--steps 60] [--json PATH]
 
 Runs `gradlane.control_runs.run_co_located`: one VGG-19 trace job of 8 ranks,
-4 on each of 2 hosts, on the shims' default ring; the workers compute alone
-(the bound's measured compute), then gradlane runs without `gradlane control`
-(owned bytes equal) and with it (the shims take the plan's owners: the ranks
-at either end of each host's run), in one cluster. Writes both runs'
-iteration times, their medians, the ratio, the bytes each rank owned and the
-slowest link's modelled times.
+4 on each of 2 hosts; the workers compute alone (the bound's measured
+compute), then gradlane on the ring runs without `gradlane control` (owned
+bytes equal) and with it (the shims take the plan's owners: the ranks at
+either end of each host's run), then with the shims' default for ranks
+sharing hosts (reduced within hosts first), in one cluster. Writes every
+run's iteration times, their medians, the ratio, the bytes each rank owned
+and the slowest link's modelled times.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main() -> None:
     result = record_cluster_run("co_located", args.json, lambda workdir: run_co_located(
         workdir, args.steps, say=print, reference=True))
     print_summary(result, args.json)
+    for label, run in result["also"].items():
+        print(f"{label} ({run['exchange']}): median iteration {run['median_s'] * 1000:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from gradlane.policies import (
     Worker,
     get_policy,
 )
-from gradlane.policies.chunks import assign_owners, exchange_kind
+from gradlane.policies.chunks import assign_owners, exchange_kind, host_groups
 from gradlane.policies.demand import Exchange, bucket_starts
 
 __all__ = ["ControlConfig", "ControlPlane", "read_token", "serve"]
@@ -151,7 +151,7 @@ class ControlPlane:
         self.state: State | None = None
         self.version = 0
         self.planned_at = 0.0
-        self._exchanges: dict[tuple[tuple[int, ...], tuple[int, ...], bool, bool], Exchange] = {}
+        self._exchanges: dict[tuple[tuple[int, ...], tuple[int, ...], bool, str], Exchange] = {}
         self._changed = asyncio.Event()
         self.metrics = CollectorRegistry(auto_describe=True)
         self._plans = Counter("gradlane_control_plans", "Plans computed", registry=self.metrics)
@@ -412,7 +412,8 @@ class ControlPlane:
         coflows, flows, kinds = self._demand(by_name, ordered, topology, seen.plan, agreed,
                                              world)
         return State(
-            jobs=tuple(replace(j, ring=kinds.get(j.name) == "ring") for j in by_name),
+            jobs=tuple(replace(j, ring=kinds.get(j.name) == "ring",
+                               by_host=kinds.get(j.name) == "host") for j in by_name),
             topology=topology,
             workers=ordered,
             coflows=coflows,
@@ -464,24 +465,25 @@ class ControlPlane:
             n_layers = max(job.layers, int(layer.max()) + 1)
             starts = bucket_starts(layer * DEMAND_BUCKETS // n_layers)
             kind = kinds[job.name] = agreed.get(job.name) or _expected_exchange(
-                len(mine), len({topology.hosts[h].leaf for h in hosts}), advised)
-            exchange = self._exchange(topology, hosts, ring=kind == "ring")
+                hosts, len({topology.hosts[h].leaf for h in hosts}), advised)
+            exchange = self._exchange(topology, hosts, kind)
             local, remote = exchange.loads(
-                exchange.owned(owners, starts, job.chunk_bytes), kind == "leaf")
+                exchange.owned(owners, starts, job.chunk_bytes), kind in ("leaf", "host"))
             tables.append(exchange.demand_flows(hosts, local, remote, len(coflows), starts,
                                                 priority=layer[starts[:-1]]))
             coflows.append(Coflow(job.name, job.name))
         return tuple(coflows), FlowTable.concat(tables), kinds
 
-    def _exchange(self, topology: Topology, hosts: list[int], ring: bool) -> Exchange:
-        """The reduction trees (or the ring) of ranks on `hosts` (cached: placements
-        rarely change)."""
+    def _exchange(self, topology: Topology, hosts: list[int], kind: str) -> Exchange:
+        """The reduction trees (or the ring) of ranks on `hosts` exchanging as `kind`
+        (cached: placements rarely change)."""
         leaf = tuple(topology.hosts[h].leaf for h in hosts)
-        key = (tuple(hosts), leaf, bool(topology.uplink_bps), ring)
+        key = (tuple(hosts), leaf, bool(topology.uplink_bps), kind)
         if key not in self._exchanges:
             if len(self._exchanges) >= 64:
                 self._exchanges.clear()
-            self._exchanges[key] = Exchange(leaf, uplinks=key[2], host=hosts, ring=ring)
+            self._exchanges[key] = Exchange(leaf, uplinks=key[2], host=hosts,
+                                            ring=kind == "ring", by_host=kind == "host")
         return self._exchanges[key]
 
     def message_for(self, host: str) -> dict[str, Any]:
@@ -603,13 +605,19 @@ def _agreed_exchanges(reports: Iterable[cp.Report]) -> dict[str, str]:
     return {name: agreed_exchange(kinds) or "flat" for name, kinds in said.items()}
 
 
-def _expected_exchange(world: int, leaves: int, advised: bool) -> str:
-    """What a job's shims agree on by default (``exchange="auto"``) before they say it.
+def _expected_exchange(hosts: Sequence[int], leaves: int, advised: bool) -> str:
+    """What a job's shims agree on by default (``exchange="auto"``) before they say it,
+    its ranks on `hosts` (rank order).
 
     They learn their leaves only from a plan advising reduction within
-    leaves (`advised`); until then they count as under one leaf.
+    leaves (`advised`); until then they count as under one leaf, and ranks
+    sharing hosts reduce within hosts first (`host_groups`).
     """
-    return exchange_kind("auto", world, leaves if advised else 1)
+    if advised and leaves > 1:
+        return exchange_kind("auto", len(hosts), leaves)
+    groups = host_groups([str(h) for h in hosts], "auto")
+    return exchange_kind("auto", len(hosts), 1 if groups is None else len(set(groups)),
+                         by_host=groups is not None)
 
 
 def _payload(msg: Any) -> str | bytes:

@@ -26,7 +26,8 @@ A report lists the jobs with workers on the host: ``{"name", "global_batch",
 "exchange", "world_size", "workers": [{"rank", "throughput", "batch"}]}``: the
 job's demand (one iteration's chunks in forward order and each one's layer,
 as a shim reported them), how its shims agreed to reduce (``"flat"``, ``"leaf"``:
-within leaves first, ``"ring"``; absent: not known yet; older daemons say
+within leaves first, ``"ring"``, ``"host"``: within hosts first, said only to a
+control plane listing ``host_exchange``; absent: not known yet; older daemons say
 ``in_leaf``, true or false, which is still accepted) and its class's
 measured throughput on this host per band. ``global_batch`` is the job's
 samples per step as its ranks agreed (0: not said; the control plane then
@@ -54,7 +55,7 @@ from typing import Any
 
 import msgpack
 
-from gradlane.daemon.fields import exchange, integer, listed, number, only, text
+from gradlane.daemon.fields import HOST_EXCHANGE, exchange, integer, listed, number, only, text
 from gradlane.errors import ProtocolError
 
 __all__ = [
@@ -74,7 +75,7 @@ __all__ = [
 
 VERSION = 1
 # Optional report fields this control plane accepts beyond VERSION's (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "world_size")
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "world_size", HOST_EXCHANGE)
 MAX_MESSAGE = 1 << 20
 MAX_JOBS = 256
 MAX_WORKERS = 4096

@@ -14,6 +14,7 @@ from gradlane.errors import ProtocolError
 
 __all__ = [
     "EXCHANGES",
+    "HOST_EXCHANGE",
     "MAX_NAME",
     "agreed_exchange",
     "exchange",
@@ -30,8 +31,11 @@ __all__ = [
 
 MAX_NAME = 128
 # How a job's ranks agreed to exchange gradients (`gradlane.policies.demand.Exchange`):
-# the flat reduction tree, within leaves first, or around the ring of ranks.
-EXCHANGES: tuple[str, ...] = ("flat", "leaf", "ring")
+# the flat reduction tree, within leaves first, around the ring of ranks, or within hosts
+# first (ranks sharing hosts).
+EXCHANGES: tuple[str, ...] = ("flat", "leaf", "ring", "host")
+# The feature a peer lists when it accepts "host" (newer than ``exchange`` itself).
+HOST_EXCHANGE = "host_exchange"
 
 
 def only(raw: dict[str, Any], allowed: set[str]) -> None:
@@ -95,10 +99,13 @@ def exchange_fields(kind: str | None, accepted: frozenset[str]) -> dict[str, Any
 
     ``exchange`` when the peer lists it; to an older one that knows only
     ``in_leaf``, the ring is said as flat (the nearest exchange it can plan
-    for); nothing when `kind` is None or the peer knows neither.
+    for), and within hosts first as flat to one that does not list
+    `HOST_EXCHANGE`; nothing when `kind` is None or the peer knows neither.
     """
     if kind is None:
         return {}
+    if kind == "host" and HOST_EXCHANGE not in accepted:
+        kind = "flat"
     if "exchange" in accepted:
         return {"exchange": kind}
     if "in_leaf" in accepted:

@@ -22,16 +22,18 @@ A flow is one band connection: ``{"band", "src", "sport", "dst", "dport"}``
 sender's clock in seconds. A band past the daemon's last (a shim with more
 bands than the daemon has, whose hello goes before it hears how many; or one
 that has not heard of a reload yet) counts as the last, as the shim's own
-connections are mapped once it knows (`parse`). ``exchange`` says how the job's ranks agreed to
-reduce: ``"leaf"`` within leaves first (each rank told its leaf, e.g. by the
-welcome's ``leaf``), ``"ring"`` around the ring of ranks, ``"flat"`` the
-flat exchange; absent, not agreed yet. The control plane's demand of the
-job follows it. Older shims say ``in_leaf`` (true or false) instead, which
-is still accepted. ``global_batch`` is the job's samples per step over all
-its ranks, as they agreed at their first step; the control plane splits it
-into batch shares (absent: not agreed yet). A daemon refuses fields it
-does not know, so a shim sends an optional field only when the welcome's
-``features`` lists it (`FEATURES`; an older daemon's welcome has none).
+connections are mapped once it knows (`parse`). ``exchange`` says how the
+job's ranks agreed to reduce: ``"leaf"`` within leaves first (each rank told
+its leaf, e.g. by the welcome's ``leaf``), ``"ring"`` around the ring of
+ranks, ``"host"`` within hosts first (ranks sharing hosts; said only to a
+daemon listing ``host_exchange``), ``"flat"`` the flat exchange; absent, not
+agreed yet. The control plane's demand of the job follows it. Older shims say
+``in_leaf`` (true or false) instead, which is still accepted. ``global_batch``
+is the job's samples per step over all its ranks, as they agreed at their
+first step; the control plane splits it into batch shares (absent: not agreed
+yet). A daemon refuses fields it does not know, so a shim sends an optional
+field only when the welcome's ``features`` lists it (`FEATURES`; an older
+daemon's welcome has none).
 `hello` must come first and only once. Anything else (bad framing, a wrong
 type, an out-of-order message) gets one ``error {code, message}`` and the
 connection is closed.
@@ -49,7 +51,16 @@ from typing import Any
 
 import msgpack
 
-from gradlane.daemon.fields import exchange, get, integer, listed, number, only, text
+from gradlane.daemon.fields import (
+    HOST_EXCHANGE,
+    exchange,
+    get,
+    integer,
+    listed,
+    number,
+    only,
+    text,
+)
 from gradlane.errors import ProtocolError
 
 # EF, AF41, AF31, AF21: band 0 (needed first) to band 3. Shims mark their band
@@ -77,7 +88,7 @@ __all__ = [
 
 VERSION = 1
 # Optional fields this daemon accepts beyond those of VERSION (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch")
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch", HOST_EXCHANGE)
 MAX_FRAME = 1 << 20
 # A worker's band connections: the shim's most bands (8) to each peer of a
 # 1,025-rank flat job (about 530 KB of flows, under MAX_FRAME).

@@ -351,6 +351,8 @@ class OwnersScenario:
     rates: tuple[str, ...]  # per host; the last runs the control plane
     placement: tuple[str, ...]  # each rank's host, rank order
     workload: tuple[str, ...]
+    # Further runs with the control plane up, after the others: (label, worker args added).
+    also: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 # One job on 4 hosts, the last on a link half as fast (h5 runs the control plane). A
@@ -359,11 +361,14 @@ SLOW_LINK = OwnersScenario(
     "control-slow-link", "slow", ("1gbit", "1gbit", "1gbit", "500mbit", "1gbit"),
     ("h1", "h2", "h3", "h4"),
     ("--workload", "trace", "--model", "vgg19", "--model-mb", "8", "--forward-ms", "20"))
-# Eight ranks, four on each of two hosts (h3 runs the control plane), on the shims'
-# default ring: only two of its eight links cross a NIC.
+# Eight ranks, four on each of two hosts (h3 runs the control plane), on the ring: only
+# two of its eight links cross a NIC. Then the shims' default for ranks sharing hosts,
+# within hosts first.
 CO_LOCATED = OwnersScenario(
     "control-co-located", "coloc", ("100mbit", "100mbit", "1gbit"), ("h1",) * 4 + ("h2",) * 4,
-    ("--workload", "trace", "--model", "vgg19", "--model-mb", "2", "--forward-ms", "20"))
+    ("--workload", "trace", "--model", "vgg19", "--model-mb", "2", "--forward-ms", "20",
+     "--exchange", "ring"),
+    also=(("gradlane+control, within hosts", ("--exchange", "auto")),))
 
 
 def run_slow_link(workdir: Path, steps: int = 60, say: Callable[[str], None] = lambda _: None,
@@ -376,9 +381,10 @@ def run_slow_link(workdir: Path, steps: int = 60, say: Callable[[str], None] = l
 
 def run_co_located(workdir: Path, steps: int = 60, say: Callable[[str], None] = lambda _: None,
                    reference: bool = False) -> dict[str, Any]:
-    """`run_planned_owners` of `CO_LOCATED`: with equal owners each host link carries 1.75
-    models each way; the plan gives the ranks at either end of each host's run every
-    chunk, and each link carries 1.5 (a chunk owned there skips it one way)."""
+    """`run_planned_owners` of `CO_LOCATED`: on the ring, with equal owners each host link
+    carries 1.75 models each way; the plan gives the ranks at either end of each host's
+    run every chunk, and each link carries 1.5 (a chunk owned there skips it one way).
+    Then the shims' default, reduced within hosts first: one model each way."""
     return run_planned_owners(CO_LOCATED, workdir, steps, say, reference)
 
 
@@ -424,8 +430,9 @@ def run_planned_owners(
         sockets = [ctl.sockets[h] for h in scenario.placement]
         runs: dict[str, SystemRun] = {}
 
-        def run(system: str, port: int, out: Path, with_sockets: bool) -> SystemRun:
-            return collect(c, launch(c, system, args, port=port, out=out,
+        def run(system: str, port: int, out: Path, with_sockets: bool,
+                added: Sequence[str] = ()) -> SystemRun:
+            return collect(c, launch(c, system, [*args, *added], port=port, out=out,
                                      sockets=sockets if with_sockets else None,
                                      hosts=list(scenario.placement)))
 
@@ -440,6 +447,10 @@ def run_planned_owners(
         say("with the control plane")
         runs["gradlane+control"] = run("gradlane", 29832, workdir / "control",
                                        with_sockets=True)
+        for i, (label, added) in enumerate(scenario.also):
+            say(label)
+            runs[label] = run("gradlane", 29833 + i, workdir / f"also{i}", with_sockets=True,
+                              added=added)
         codes = ctl.stop_daemons()
     ranks = {label: [json.loads((workdir / label / f"gradlane-rank{r}.json").read_text())
                      for r in range(world)] for label in ("local", "control")}
@@ -490,6 +501,11 @@ def run_planned_owners(
                          # every rank's: they must agree
                          "owners_taken_at": [r["owners_taken_at"] for r in ranks["control"]]},
         "speedup": medians["gradlane"] / medians["gradlane+control"],
+        # The further runs (`OwnersScenario.also`), with how their ranks exchanged.
+        "also": {label: {"iteration_s": runs[label].times, "median_s": medians[label],
+                         "exchange": json.loads((workdir / f"also{i}" / "gradlane-rank0.json"
+                                                 ).read_text()).get("exchange")}
+                 for i, (label, _) in enumerate(scenario.also)},
         # The slowest host link, modelled, owned bytes equal and as the plan shares them:
         # the shims' ring, and the flat exchange.
         "model_exchange_s": {"ring": modelled(True), "flat": modelled(False)},

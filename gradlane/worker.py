@@ -149,8 +149,10 @@ def main() -> None:
         if args.system == "gradlane":
             options.update(daemon_socket=args.daemon_socket, exchange=args.exchange)
         with gl.attach(model, opt, **options) as sync:
-            # The leaf of every rank when chunks are reduced within leaves first.
+            # Each rank's group (leaf switch or host) when chunks are reduced within them
+            # first, and how the ranks exchange (`gradlane.daemon.fields.EXCHANGES`).
             record["leaves"] = list(sync.leaves) if sync.leaves else None
+            record["exchange"] = sync.engine.kind
             train(model, sync)
             sync.flush()
             # What the grouping trial measured and kept (`ShimConfig.layout`).

@@ -70,6 +70,7 @@ class JobState:
     layers: int = 0  # distinct flow priorities (layers in forward order); 0: one per chunk
     chunk_layers: tuple[int, ...] = ()  # the layer of each chunk, when known
     ring: bool = False  # its chunks go around the ring of ranks (`chunks.ring_routes`)
+    by_host: bool = False  # its chunks are reduced within each host first (`chunks.host_groups`)
     # configurations tried so far: (chunk bytes, credit bytes, measured iteration s)
     tuning: tuple[tuple[int, int, float], ...] = ()
 

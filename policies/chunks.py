@@ -19,7 +19,8 @@ __all__ = [
     "COARSE_GROUP_BYTES", "DEFAULT_CHUNK_BYTES", "EXCHANGE_OPTIONS", "LAYOUTS", "MIN_CHUNK_BYTES",
     "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD", "TRIAL_BLOCK", "TRIAL_START",
     "all_reduction_parents", "assign_owners", "band_of", "exchange_kind", "group_consecutive",
-    "layout_sizes", "reduction_parents", "ring_routes", "trial_schedule", "uses_ring",
+    "host_groups", "layout_sizes", "reduction_parents", "ring_routes", "trial_schedule",
+    "uses_ring",
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # `gradlane.shim.ShimConfig.chunk_bytes`
@@ -265,14 +266,35 @@ def uses_ring(exchange: str, world: int, leaves: int) -> bool:
     return exchange == "ring" or (exchange == "auto" and world <= RING_AUTO_MAX_WORLD)
 
 
-def exchange_kind(exchange: str, world: int, leaves: int) -> str:
+def exchange_kind(exchange: str, world: int, leaves: int, by_host: bool = False) -> str:
     """What a job's ranks on `exchange` do, as they tell gradlaned
     (`gradlane.daemon.fields.EXCHANGES`): "ring" where `uses_ring` says so,
-    "leaf" across several leaf switches (reduction trees within leaves
-    first), else "flat"."""
+    across several groups reduction trees within them first: "host" when the
+    groups are the ranks' hosts (`by_host`, `host_groups`), "leaf" when
+    their leaf switches; else "flat"."""
     if uses_ring(exchange, world, leaves):
         return "ring"
-    return "leaf" if leaves > 1 else "flat"
+    if leaves > 1:
+        return "host" if by_host else "leaf"
+    return "flat"
+
+
+def host_groups(addresses: Sequence[str], exchange: str) -> tuple[int, ...] | None:
+    """Each rank's host as a group for reducing within hosts first, or None.
+
+    `addresses`: every rank's, rank order (ranks of one host listen on one).
+    When some ranks share a host but not all do, each chunk is best reduced
+    within each host first: one copy per host crosses its NIC each way
+    instead of one per rank (the ring, the alternative, carries ``2 - 1/H``
+    models per host link at best, H hosts, against ``2 (H - 1) / H``). Not
+    with ``exchange == "ring"``, which asks for the ring whatever the
+    placement. Groups are numbered in order of first appearance.
+    """
+    seen: dict[str, int] = {}
+    groups = tuple(seen.setdefault(a, len(seen)) for a in addresses)
+    if exchange == "ring" or not 1 < len(seen) < len(addresses):
+        return None
+    return groups
 
 
 def all_reduction_parents(leaves: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

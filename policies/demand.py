@@ -59,15 +59,19 @@ class Exchange:
         ring: every chunk around the ring of ranks (`ring_routes`) instead of
             its reduction tree; the caller decides
             (`gradlane.policies.chunks.uses_ring`).
+        by_host: `trees` ``in_leaf`` reduces within each host first instead of
+            each leaf (`gradlane.policies.chunks.host_groups`, ranks sharing hosts).
     """
 
     def __init__(self, leaf: Sequence[int] | IntArray, uplinks: bool,
-                 host: Sequence[int] | IntArray | None = None, ring: bool = False) -> None:
+                 host: Sequence[int] | IntArray | None = None, ring: bool = False,
+                 by_host: bool = False) -> None:
         self.leaf = np.asarray(leaf, dtype=np.int64)
         self.w = len(self.leaf)
         self.host = np.arange(self.w) if host is None else np.asarray(host, dtype=np.int64)
         self.uplinks = uplinks
         self.ring = ring
+        self.by_host = by_host
         self.leaves = np.unique(self.leaf) if uplinks else np.zeros(0, dtype=np.int64)
         self.peer_in_leaf, self.peer_next_leaf = self._peers()
         self._trees: dict[bool, tuple[FloatArray, FloatArray]] = {}
@@ -80,8 +84,9 @@ class Exchange:
         uplinks and downlinks (`leaves` order). Each tree edge carries one flow
         up (the contribution) and one down (the result); on the ring, every rank
         but the owner sends the partial sum to its successor, and every rank but
-        the owner's predecessor the average (`ring_routes`). `in_leaf` does not
-        apply to the ring.
+        the owner's predecessor the average (`ring_routes`). `in_leaf` (reduce
+        within each leaf first; with `by_host`, within each host) does not apply
+        to the ring.
         """
         if in_leaf in self._trees:
             return self._trees[in_leaf]
@@ -92,8 +97,10 @@ class Exchange:
             owner, rank = np.nonzero(~np.eye(w, dtype=bool))  # every rank but the owner
             edges += [(owner, rank, (rank + 1) % w), (owner, (rank - 1) % w, rank)]
         else:
-            parents = all_reduction_parents(
-                self.leaf if in_leaf and self.uplinks else np.zeros(w, dtype=np.int64))
+            groups = (self.host if self.by_host else self.leaf if self.uplinks else None
+                      ) if in_leaf else None
+            parents = all_reduction_parents(np.zeros(w, dtype=np.int64) if groups is None
+                                            else groups)
             owner, child = np.nonzero(parents >= 0)  # every tree edge: (owner, child)
             parent = parents[owner, child]
             edges += [(owner, child, parent), (owner, parent, child)]  # up, then down

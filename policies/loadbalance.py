@@ -69,13 +69,22 @@ import numpy as np
 
 from gradlane.errors import ConfigError
 from gradlane.policies import fabric
-from gradlane.policies.base import FloatArray, Plan, Policy, State, Topology, Worker, register
+from gradlane.policies.base import (
+    FloatArray,
+    JobState,
+    Plan,
+    Policy,
+    State,
+    Topology,
+    Worker,
+    register,
+)
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.demand import Exchange
 from gradlane.policies.priority import PriorityPolicy
 
 __all__ = ["LoadBalancePolicy", "balanced_ownership", "exchange_time", "flat_shares",
-           "job_shares", "one_switch", "owner_shares", "require_solver"]
+           "exchange_of", "job_shares", "one_switch", "owner_shares", "require_solver"]
 
 # `owner_shares` takes shares this small (of 1) as none: below a solver's tolerance.
 MIN_SHARE = 1e-5
@@ -179,31 +188,44 @@ def one_switch(rates: Sequence[float], ring: bool) -> tuple[FloatArray, FloatArr
 
 
 @functools.lru_cache(maxsize=256)
-def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, ring: bool,
-            in_leaf: bool, host_bps: tuple[float, ...]) -> tuple[float, ...]:
-    """`owner_shares` for ranks on `hosts` (in `leaves`), the hosts' links (sorted host
-    order) at `host_bps` (cached: plans see the same placement and rates again and again)."""
+def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind: str,
+            host_bps: tuple[float, ...]) -> tuple[float, ...]:
+    """`owner_shares` for ranks on `hosts` (in `leaves`) exchanging as `kind`
+    (`gradlane.daemon.fields.EXCHANGES`), the hosts' links (sorted host order) at
+    `host_bps` (cached: plans see the same placement and rates again and again)."""
     world = len(hosts)
     if len(set(hosts)) == world:
         if len(set(host_bps)) == 1:
             return (1 / world,) * world
-        if not ring and not (in_leaf and uplinks and len(set(leaves)) > 1):
+        if kind == "flat" or (kind == "leaf" and not (uplinks and len(set(leaves)) > 1)):
             order = np.argsort(hosts)  # host_bps is in host order, shares in rank order
             rates = np.empty(world)
             rates[order] = host_bps
             return tuple(flat_shares(rates.tolist()))
-    loads = Exchange(leaves, uplinks=uplinks, host=hosts, ring=ring).link_loads(in_leaf)
+    exchange = Exchange(leaves, uplinks=uplinks, host=hosts, ring=kind == "ring",
+                        by_host=kind == "host")
+    loads = exchange.link_loads(in_leaf=kind in ("leaf", "host"))
     return tuple(owner_shares(loads, np.array(host_bps + host_bps, dtype=np.float64)))
 
 
-def job_shares(topology: Topology, workers: Sequence[Worker], ring: bool, in_leaf: bool,
+def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,
                jobs_on_host: dict[int, int]) -> list[float]:
-    """The owned shares of a job's `workers` (rank order), each host's NIC divided among
-    the jobs on it (`jobs_on_host`)."""
+    """The owned shares of a job's `workers` (rank order) exchanging as `kind`, each
+    host's NIC divided among the jobs on it (`jobs_on_host`)."""
     hosts = tuple(w.host for w in workers)
     host_bps = tuple(topology.hosts[h].nic_bps / jobs_on_host[h] for h in sorted(set(hosts)))
     return list(_shares(hosts, tuple(topology.hosts[h].leaf for h in hosts),
-                        bool(topology.uplink_bps), ring, in_leaf and not ring, host_bps))
+                        bool(topology.uplink_bps), kind, host_bps))
+
+
+def exchange_of(job: JobState, reduce_in_leaf: bool) -> str:
+    """How `job`'s ranks exchange, as far as a state says: the ring, within hosts first,
+    within leaves first where the plan asks (`reduce_in_leaf`), else flat."""
+    if job.ring:
+        return "ring"
+    if job.by_host:
+        return "host"
+    return "leaf" if reduce_in_leaf else "flat"
 
 
 def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
@@ -220,7 +242,8 @@ def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
     for job in state.jobs:
         workers = state.workers_of(job.name)
         if workers and job.chunk_bytes:
-            shares = job_shares(topology, workers, job.ring, reduce_in_leaf, jobs_on_host)
+            shares = job_shares(topology, workers, exchange_of(job, reduce_in_leaf),
+                                jobs_on_host)
             owning = [w for w, share in zip(workers, shares, strict=True) if share > 0]
             layers = job.chunk_layers if len(job.chunk_layers) == len(job.chunk_bytes) else None
             owners = assign_owners(job.chunk_bytes, len(owning),

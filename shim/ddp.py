@@ -45,7 +45,13 @@ from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
-from gradlane.shim.transport import Mesh, agree_batch, agree_leaves, local_address, rank0_says
+from gradlane.shim.transport import (
+    Mesh,
+    agree_batch,
+    local_address,
+    rank0_says,
+    reduction_groups,
+)
 
 __all__ = ["HookState", "comm_hook"]
 
@@ -90,12 +96,14 @@ class HookState:
         )
         self.client = DaemonClient(self.config, self.rank, self.world, self.mesh)
         try:
-            # Reduction within leaves first when every rank knows its leaf.
-            self.leaves = agree_leaves(store, self._prefix, self.rank, self.world,
-                                       self.client.leaf())
+            # Reduction within leaves first when every rank knows its leaf, else within
+            # hosts first when ranks share some.
+            self.leaves, by_host = reduction_groups(
+                store, self._prefix, self.rank, self.world, self.client.leaf(),
+                self.mesh.addresses, self.config.exchange)
             self.engine = Engine(
                 self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
-                leaves=self.leaves, exchange=self.config.exchange,
+                leaves=self.leaves, exchange=self.config.exchange, by_host=by_host,
             )
         except BaseException:
             self.client.close()

@@ -136,7 +136,8 @@ class Engine:
         on_event: called ``(group, chunk, kind)`` when a chunk is queued
             ("ready") and when it is averaged ("done"); for the daemon client.
         leaves: each rank's leaf switch, the same on every rank (default: one
-            leaf, the flat exchange); see the module docstring.
+            leaf, the flat exchange); see the module docstring. With
+            `by_host`, each rank's host instead (reduced within hosts first).
         exchange: `ShimConfig.exchange`; where
             `gradlane.policies.chunks.uses_ring` says so, every chunk goes
             around the ring of ranks (`gradlane.policies.chunks.ring_routes`).
@@ -149,6 +150,7 @@ class Engine:
         on_event: Callable[[Group, Chunk, str], None] | None = None,
         leaves: Sequence[int] | None = None,
         exchange: str = "flat",
+        by_host: bool = False,
     ) -> None:
         self.mesh = mesh
         self.rank, self.world = mesh.rank, mesh.world
@@ -156,7 +158,7 @@ class Engine:
             raise TransportError(f"need one leaf per rank: {len(leaves)} for {self.world}")
         self.leaves = tuple(leaves) if leaves is not None else (0,) * self.world
         # What gradlaned and the control plane are told.
-        self.kind = exchange_kind(exchange, self.world, len(set(self.leaves)))
+        self.kind = exchange_kind(exchange, self.world, len(set(self.leaves)), by_host)
         self.ring = self.kind == "ring"
         self._route_cache: dict[int, tuple[list[int], list[int]]] = {}
         self.timeout_s = timeout_s

@@ -69,10 +69,10 @@ from gradlane.shim.transport import (
     Mesh,
     Store,
     agree_batch,
-    agree_leaves,
     gather,
     local_address,
     rank0_says,
+    reduction_groups,
     tensor_bytes,
 )
 
@@ -302,13 +302,14 @@ class Sync:
         try:
             self._broadcast_state()
             self.client = client = DaemonClient(config, rank, world, self.mesh)
-            self.leaves = self._agree_leaves(store)
+            self.leaves, by_host = self._agree_groups(store)
             self.engine = Engine(
                 self.mesh,
                 config.timeout_s,
                 on_event=self.client.chunk_event,
                 leaves=self.leaves,
                 exchange=config.exchange,
+                by_host=by_host,
             )
             self.client.exchange_agreed(self.engine.kind)
         except BaseException:
@@ -425,12 +426,16 @@ class Sync:
             if verdict != "ok":
                 raise ModelMismatch(verdict)
 
-    def _agree_leaves(self, store: Store) -> tuple[int, ...] | None:
-        """Every rank's leaf switch (`DaemonClient.leaf`), or None (see `agree_leaves`)."""
-        leaves = agree_leaves(store, self._prefix, self.rank, self.world, self.client.leaf())
-        if leaves and self.rank == 0:
-            logger.info("gradlane: reducing within leaves first: %s", leaves)
-        return leaves
+    def _agree_groups(self, store: Store) -> tuple[tuple[int, ...] | None, bool]:
+        """The groups chunks are reduced within first (`reduction_groups`: leaf switches,
+        `DaemonClient.leaf`, or hosts), and whether they are hosts."""
+        groups, by_host = reduction_groups(store, self._prefix, self.rank, self.world,
+                                           self.client.leaf(), self.mesh.addresses,
+                                           self.config.exchange)
+        if groups and self.rank == 0:
+            logger.info("gradlane: reducing within %s first: %s",
+                        "hosts" if by_host else "leaves", groups)
+        return groups, by_host
 
     def _broadcast_state(self) -> None:
         """Copy rank 0's parameters and buffers to every rank (band-0 connections)."""

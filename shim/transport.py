@@ -22,13 +22,14 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from gradlane.errors import TransportError
+from gradlane.policies.chunks import host_groups
 
 __all__ = [
     "Link",
@@ -38,6 +39,7 @@ __all__ = [
     "agree_leaves",
     "gather",
     "local_address",
+    "reduction_groups",
     "mark",
     "tensor_bytes",
 ]
@@ -123,6 +125,23 @@ def agree_leaves(
     if min(leaves) < 0 or len(set(leaves)) == 1:
         return None
     return leaves
+
+
+def reduction_groups(store: Store, prefix: str, rank: int, world: int, leaf: int | None,
+                     addresses: Sequence[str], exchange: str
+                     ) -> tuple[tuple[int, ...] | None, bool]:
+    """The groups each chunk is reduced within first, and whether they are hosts.
+
+    Every rank's leaf switch when all know theirs and there are several
+    (`agree_leaves`, `leaf` this rank's); else, when ranks share hosts
+    (`addresses`, `Mesh.addresses`), their hosts
+    (`gradlane.policies.chunks.host_groups`); else None (one group).
+    """
+    leaves = agree_leaves(store, prefix, rank, world, leaf)
+    if leaves is not None:
+        return leaves, False
+    hosts = host_groups(addresses, exchange)
+    return hosts, hosts is not None
 
 
 def agree_batch(store: Store, prefix: str, rank: int, world: int, mine: int | None
@@ -278,6 +297,13 @@ class Mesh:
                 _tune(sock, self.dscp[band], credit_bytes, sndbuf_bytes)
                 self.links[(peer, band)] = Link(peer, band, sock)
                 expected -= 1
+            try:  # every later rank posted its address before it connected
+                later = [store.get(f"{prefix}/addr/{p}").decode() for p in range(rank + 1, world)]
+            except RuntimeError as exc:
+                raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
+            # Every rank's listening address, rank order: ranks of one host share one.
+            self.addresses = tuple(w.rpartition(":")[0]
+                                   for w in [*where, f"{address}:{port}", *later])
         except BaseException:
             self.close()
             raise

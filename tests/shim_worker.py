@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
     ap.add_argument("--exchange", default="auto", help="ShimConfig.exchange")
+    ap.add_argument("--address", default=None,
+                    help="the loopback address this rank listens on (127.0.0.x: as if a host)")
     ap.add_argument("--advise-owners", type=int, default=-1,
                     help="with --ddp-hook: after this step, rank 0 is advised (as if by a "
                          "control plan) that the last rank owns every chunk")
@@ -130,6 +132,7 @@ def main() -> None:
             job="test",
             leaf=args.leaf,
             exchange=args.exchange,
+            address=args.address,
         ) as sync:
             for step in range(args.steps):
                 x, y = batch(step, sum(sizes), dtype)
@@ -144,7 +147,7 @@ def main() -> None:
                 print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
                 time.sleep(args.step_sleep)
             sync.flush()
-            print(f"rank {rank} leaves {sync.leaves}", flush=True)
+            print(f"rank {rank} leaves {sync.leaves} {sync.engine.kind}", flush=True)
             trial = sync.layout_trial["chosen"] if sync.layout_trial else None
             print(f"rank {rank} layout {sync.layout} trial {trial}", flush=True)
     except PeerLost as exc:
@@ -176,7 +179,7 @@ def run_ddp_hook(
     ddp = DistributedDataParallel(model)
     state = gl.HookState(ddp, chunk_bytes=args.chunk_bytes, timeout_s=args.timeout, job="test",
                          leaf=args.leaf, exchange=args.exchange,
-                         daemon_socket=args.daemon_socket)
+                         daemon_socket=args.daemon_socket, address=args.address)
     ddp.register_comm_hook(state, gl.comm_hook)
     start = sum(sizes[:rank])
     for step in range(args.steps):
@@ -195,7 +198,7 @@ def run_ddp_hook(
             chunks = sum(len(state._groups[gid].chunks) for gid in state._last_ready)
             state.client.advised_owners = (len(sizes) - 1,) * chunks
         time.sleep(args.step_sleep)
-    print(f"rank {rank} leaves {state.leaves}", flush=True)
+    print(f"rank {rank} leaves {state.leaves} {state.engine.kind}", flush=True)
     print(f"rank {rank} owners taken at {state.owners_taken_at}, owned {state.owned_bytes()}",
           flush=True)
     state.close()

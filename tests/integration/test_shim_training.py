@@ -76,45 +76,52 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-# (optimizer, dtype, per-rank batches, lr schedule, worker flags, ranks on two leaves)
+# (optimizer, dtype, per-rank batches, lr schedule, worker flags, where the ranks are:
+# "leaves" on two leaf switches, "hosts" two on each of two hosts, "" one host)
 CASES = {
-    "sgd-momentum-fp32": ("sgd", "float32", "4,4,4,4", False, (), False),
-    "adamw-fp64": ("adamw", "float64", "4,4,4,4", False, (), False),
-    "sgd-unequal-batches-lr-schedule": ("sgd", "float32", "3,5,2,6", True, (), False),
+    "sgd-momentum-fp32": ("sgd", "float32", "4,4,4,4", False, (), ""),
+    "adamw-fp64": ("adamw", "float64", "4,4,4,4", False, (), ""),
+    "sgd-unequal-batches-lr-schedule": ("sgd", "float32", "3,5,2,6", True, (), ""),
     "adamw-fp64-unequal-no-overlap": ("adamw", "float64", "6,2,5,3", True, ("--no-overlap",),
-                                      False),
-    "ddp-comm-hook-sgd-unequal": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), False),
+                                      ""),
+    "ddp-comm-hook-sgd-unequal": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), ""),
     # Ranks 0, 1 on one leaf and 2, 3 on another: reduced within each leaf first.
-    "sgd-two-leaves-unequal": ("sgd", "float32", "3,5,2,6", True, (), True),
-    "ddp-comm-hook-two-leaves": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), True),
+    "sgd-two-leaves-unequal": ("sgd", "float32", "3,5,2,6", True, (), "leaves"),
+    "ddp-comm-hook-two-leaves": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), "leaves"),
+    # Ranks 0, 1 listening on 127.0.0.1 and 2, 3 on 127.0.0.2, as if on two hosts: the
+    # shims see it and reduce within each host first.
+    "adamw-fp64-two-hosts-unequal": ("adamw", "float64", "6,2,5,3", True, (), "hosts"),
+    "ddp-comm-hook-two-hosts": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), "hosts"),
     # The default ("auto") sends every chunk around the ring of four ranks (partial sums
     # three hops deep); these send each part straight to the chunk's owner.
     "adamw-fp64-unequal-flat": ("adamw", "float64", "6,2,5,3", True, ("--exchange", "flat"),
-                                False),
+                                ""),
     "ddp-comm-hook-flat": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook", "--exchange", "flat"),
-                           False),
+                           ""),
     # Rank 0 is advised, as by a control plan, that rank 3 owns every chunk: all ranks take
     # it at step 10 (`OWNERS_EVERY`) and regroup, and training stays exact.
     "ddp-comm-hook-plan-owners": ("sgd", "float32", "3,5,2,6", True,
-                                  ("--ddp-hook", "--advise-owners", "3"), False),
+                                  ("--ddp-hook", "--advise-owners", "3"), ""),
 }
 LEAVES = (0, 0, 1, 1)
+PLACEMENTS = {  # per-rank flags, and what every rank says it reduces within first
+    "leaves": ({r: ["--leaf", str(leaf)] for r, leaf in enumerate(LEAVES)}, f"{LEAVES} leaf"),
+    "hosts": ({r: ["--address", f"127.0.0.{1 + leaf}"] for r, leaf in enumerate(LEAVES)},
+              f"{LEAVES} host"),
+}
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> None:
-    optimizer, dtype, batches, sched, flags, leaves = CASES[case]
+    optimizer, dtype, batches, sched, flags, placement = CASES[case]
     args = ["--optimizer", optimizer, "--dtype", dtype, "--batches", batches, "--steps", "20"]
     args += ["--sched", *flags] if sched else [*flags]
-    per_rank = None
-    if leaves:
-        per_rank = {r: ["--leaf", str(leaf)] for r, leaf in enumerate(LEAVES)}
+    per_rank, groups = PLACEMENTS.get(placement, (None, "None"))
     results = finish(launch(tmp_path, *args, per_rank=per_rank))
     for rank, (code, log) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
-        if leaves:
-            assert f"rank {rank} leaves {LEAVES}" in log, log[-3000:]
+        assert f"rank {rank} leaves {groups}" in log, log[-3000:]
         if "--advise-owners" in flags:
             owned = re.search(r"owners taken at 10, owned \[0, 0, 0, (\d+)\]", log)
             assert owned and int(owned.group(1)) > 0, log[-3000:]

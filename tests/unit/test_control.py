@@ -417,14 +417,32 @@ def test_chunk_owners_of_ranks_sharing_a_host_sit_where_the_ring_crosses_a_nic()
     # default): of its eight links only 3 -> 4 and 7 -> 0 cross a NIC, and a chunk owned
     # at either end of one skips it one way. The control plane sends those owners.
     plane = ControlPlane(_config())
-    _reported(plane, "h0", 0, [_job("j", [0, 1, 2, 3], [1000] * 8)])
-    _reported(plane, "h1", 0, [_job("j", [4, 5, 6, 7], [1000] * 8)])
+    _reported(plane, "h0", 0, [{**_job("j", [0, 1, 2, 3], [1000] * 8), "exchange": "ring"}])
+    _reported(plane, "h1", 0, [{**_job("j", [4, 5, 6, 7], [1000] * 8), "exchange": "ring"}])
     plane.state = plane.build_state()
     assert plane.state.jobs[0].ring and [w.host for w in plane.state.workers] == [0] * 4 + [1] * 4
     plane.plan = plane.policy.plan(plane.state)
     owners = plane.plan.ownership["j"]
     assert [owners.count(r) for r in range(8)] == [2, 0, 0, 2, 2, 0, 0, 2]
     assert plane.message_for("h1")["ownership"]["j"] == list(owners)
+
+
+@pytest.mark.parametrize("said", ["host", None])
+def test_ranks_sharing_hosts_reduce_within_them_first(said: str | None) -> None:
+    # Eight ranks, four on each of two hosts, one chunk of 1000 bytes. Within hosts first,
+    # one copy crosses each host's NIC each way, whoever owns it: 1000 bytes out of the
+    # owner's host (the result) and 1000 out of the other (its host's partial sum). Not
+    # said yet: what shims at their default do with ranks sharing hosts.
+    plane = ControlPlane(_config())
+    for host, ranks in (("h0", [0, 1, 2, 3]), ("h1", [4, 5, 6, 7])):
+        job = {**_job("j", ranks, [1000]), **({"exchange": said} if said else {})}
+        _reported(plane, host, 0, [job])
+    state = plane.build_state()
+    assert state.jobs[0].by_host and not state.jobs[0].ring
+    sent = np.bincount(state.flows.src, state.flows.bytes, minlength=2)
+    assert sent.tolist() == [1000, 1000]
+    assert plane.view()["jobs"]["j"]["exchange"] == said
+    assert check_plan(state, plane.policy.plan(state)) == []
 
 
 def test_the_shims_are_told_owners_only_once_every_rank_is_reported() -> None:

@@ -169,6 +169,8 @@ def _reported(hellos: list[protocol.Hello], features: tuple[str, ...]) -> dict[s
     [
         (("leaf", "leaf"), cp.FEATURES, {"exchange": "leaf"}),
         (("ring", "ring"), cp.FEATURES, {"exchange": "ring"}),
+        (("host", "host"), cp.FEATURES, {"exchange": "host"}),
+        (("host", "host"), ("in_leaf", "exchange"), {"exchange": "flat"}),  # an older one
         (("ring", None), cp.FEATURES, {}),  # not every rank here has said
         (("ring", "leaf"), cp.FEATURES, {"exchange": "flat"}),  # ranks disagree: flat
         # A control plane of the last version knows only the flag; the oldest, neither.

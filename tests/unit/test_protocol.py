@@ -50,7 +50,7 @@ def test_a_band_past_the_daemon_s_last_counts_as_the_last() -> None:
 @pytest.mark.parametrize(
     ("said", "kind"),
     [({}, None), ({"exchange": "ring"}, "ring"), ({"exchange": "leaf"}, "leaf"),
-     ({"exchange": "flat"}, "flat"),
+     ({"exchange": "flat"}, "flat"), ({"exchange": "host"}, "host"),
      # An older shim's flag.
      ({"in_leaf": True}, "leaf"), ({"in_leaf": False}, "flat")],
 )

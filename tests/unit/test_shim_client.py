@@ -116,6 +116,9 @@ def _agreed(path: Path, before: bool, features: list[str],
     [
         (list(protocol.FEATURES), "ring", {"exchange": "ring"}),
         (list(protocol.FEATURES), "leaf", {"exchange": "leaf"}),
+        (list(protocol.FEATURES), "host", {"exchange": "host"}),
+        # A daemon without "host" (older): within hosts first is said as flat.
+        (["in_leaf", "exchange"], "host", {"exchange": "flat"}),
         # A daemon that knows only the older flag: the ring is said as flat.
         (["in_leaf"], "ring", {"in_leaf": False}),
         (["in_leaf"], "leaf", {"in_leaf": True}),

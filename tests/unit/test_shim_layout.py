@@ -13,6 +13,7 @@ from gradlane.policies.chunks import (
     RING_AUTO_MAX_WORLD,
     exchange_kind,
     group_consecutive,
+    host_groups,
     layout_sizes,
     reduction_parents,
     ring_routes,
@@ -162,3 +163,16 @@ def test_layout_sizes_of_a_big_and_a_small_model() -> None:
         MIN_GROUP_BYTES, (10 << 20) // 48)
     assert layout_sizes(10 << 20, 4, 1 << 20, "coarse", ring=True)[1] == 10 << 20 >> 3
     assert layout_sizes(4 << 20, 2, 1 << 20, "fine", ring=True)[1] == 4 << 20 >> 3  # 2 hops
+
+
+def test_ranks_sharing_some_hosts_reduce_within_them_first() -> None:
+    four = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
+    assert host_groups(four, "auto") == (0, 0, 1, 1)
+    assert host_groups(four, "flat") == (0, 0, 1, 1)
+    assert host_groups(four, "ring") is None  # asked for the ring, whatever the placement
+    assert host_groups(["10.0.0.2", "10.0.0.1", "10.0.0.2"], "auto") == (0, 1, 0)
+    assert host_groups(["10.0.0.1"] * 4, "auto") is None  # one host: nothing to group
+    assert host_groups(["10.0.0.1", "10.0.0.2", "10.0.0.3"], "auto") is None  # one rank a host
+    assert exchange_kind("auto", 4, 2, by_host=True) == "host"
+    assert exchange_kind("auto", 4, 2) == "leaf"
+    assert exchange_kind("auto", 4, 1, by_host=True) == "ring"
