@@ -534,7 +534,7 @@ class Launched:
     out: Path
     hosts: list[str]
     procs: list[subprocess.Popen[str]]
-    tx_before: list[int]
+    tx_before: dict[str, int]  # per host (once, however many ranks it runs)
     started: float
     cpu: MachineCpu
 
@@ -552,7 +552,8 @@ def launch(
     job: str | None = None,
     batches: list[int] | None = None,
 ) -> Launched:
-    """Start `system` with one torchrun worker per host of `hosts` (default: all of `c`).
+    """Start `system` with one torchrun worker per entry of `hosts` (default: every host of
+    `c`; a host named twice runs two ranks, in that order).
 
     `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
     sockets (gradlane only), `speeds` each rank's `--speed`, `batches` its
@@ -564,7 +565,7 @@ def launch(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o755)
-    before = [_tx_bytes(c.ns(h)) for h in names]
+    before = {h: _tx_bytes(c.ns(h)) for h in dict.fromkeys(names)}
     procs = []
     for rank, host in enumerate(names):
         extra = list(worker_args)
@@ -598,10 +599,8 @@ def collect(c: Any, job: Launched, timeout: float = 300) -> SystemRun:
     finally:
         job.cpu.stop()
     run = _collect(job.system, job.out, time.monotonic() - job.started, job.cpu)
-    run.wire_bytes = sum(
-        _tx_bytes(c.ns(h)) - b for h, b in zip(job.hosts, job.tx_before, strict=True)
-    )
-    rate = sum(c.topology.rates[c.host_index(h) - 1] for h in job.hosts)
+    run.wire_bytes = sum(_tx_bytes(c.ns(h)) - b for h, b in job.tx_before.items())
+    rate = sum(c.topology.rates[c.host_index(h) - 1] for h in job.tx_before)
     busy = sum(run.times)  # training time, without start-up
     run.utilization = run.wire_bytes * 8 / (rate * busy) if busy else None
     return run
