@@ -19,21 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cluster_args, record_cluster_run, unwind_on_sigterm  # noqa: E402
-from slow_link import print_summary  # noqa: E402
+from common import owners_bench, unwind_on_sigterm  # noqa: E402
 
 from gradlane.control_runs import run_co_located  # noqa: E402
 
-
-def main() -> None:
-    args = cluster_args(__doc__, "co_located", 60).parse_args()
-    result = record_cluster_run("co_located", args.json, lambda workdir: run_co_located(
-        workdir, args.steps, say=print, reference=True))
-    print_summary(result, args.json)
-    for label, run in result["also"].items():
-        print(f"{label} ({run['exchange']}): median iteration {run['median_s'] * 1000:.1f} ms")
-
-
 if __name__ == "__main__":
     unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
-    main()
+    owners_bench(__doc__, "co_located", run_co_located)

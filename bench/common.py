@@ -12,7 +12,8 @@ from typing import Any
 from gradlane.provenance import write_result
 from gradlane.signals import unwind_on_sigterm
 
-__all__ = ["REPO", "cluster_args", "record_cluster_run", "unwind_on_sigterm", "write_result"]
+__all__ = ["REPO", "cluster_args", "owners_bench", "record_cluster_run", "unwind_on_sigterm",
+           "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,3 +36,19 @@ def record_cluster_run(name: str, path: Path, run: Callable[[Path], dict[str, An
         result = run(Path(tmp))
     write_result(path, {"benchmark": name, **result})
     return result
+
+
+def owners_bench(doc: str, name: str, run: Callable[..., dict[str, Any]]) -> None:
+    """The command line of a `gradlane.control_runs.run_planned_owners` benchmark `name`:
+    ``run(workdir, steps, say=print, reference=True)``, recorded, then one line per run."""
+    args = cluster_args(doc, name, 60).parse_args()
+    result = record_cluster_run(name, args.json, lambda workdir: run(
+        workdir, args.steps, say=print, reference=True))
+    without, with_control = result["without_control"], result["with_control"]
+    print(f"median iteration {without['median_s'] * 1000:.1f} ms with owned bytes "
+          f"{without['owned_bytes']}, {with_control['median_s'] * 1000:.1f} ms with the "
+          f"plan's {with_control['owned_bytes']} (taken at step "
+          f"{with_control['owners_taken_at'][0]}): {result['speedup']:.2f}x; bound "
+          f"{result['lower_bound_s'] * 1000:.1f} ms -> {args.json}")
+    for label, also in result.get("also", {}).items():
+        print(f"{label} ({also['exchange']}): median iteration {also['median_s'] * 1000:.1f} ms")
