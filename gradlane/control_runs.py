@@ -421,7 +421,7 @@ def run_planned_owners(
     from gradlane.policies.loadbalance import exchange_time, owner_shares
 
     args = ["--steps", str(steps), *scenario.workload]
-    hosts = sorted(set(scenario.placement))
+    hosts = list(dict.fromkeys(scenario.placement))  # each once, in rank order
     world = len(scenario.placement)
     control_host = f"h{len(scenario.rates)}"
     with Cluster(Topology.build(scenario.cluster, len(scenario.rates),

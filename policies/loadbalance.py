@@ -13,10 +13,11 @@ a link finishes at that over its rate, so:
    per leaf on them whoever owns.)
 2. Per owner rank, what one byte it owns puts on each of those links
    follows from how the job's ranks exchange (`Exchange.link_loads`: the
-   flat exchange's trees, reduced within leaves first where the plan asks,
-   or the ring). The owned shares are the ones that make the slowest link
-   finish first (`owner_shares`), a linear programme solved exactly; among
-   equally fast shares, the most even. Examples, S the model:
+   flat exchange's trees, reduced within leaves first where the plan asks
+   or within hosts first where ranks share hosts, or the ring). The owned
+   shares are the ones that make the slowest link finish first
+   (`owner_shares`), a linear programme solved exactly; among equally fast
+   shares, the most even. Examples, S the model:
    - flat, one rank a host: worker i's link carries ``S + (W - 2) * owned``
      each way, so a worker on a slow link owns less. With rates 2, 1, 1 the
      fast worker owns everything: every link then carries ``S`` per rate
@@ -32,6 +33,9 @@ a link finishes at that over its rate, so:
      count, so the ranks at either end of a host's run own the bytes; with
      4 ranks on each of 2 hosts, each host link carries ``1.5 S`` where
      equal shares leave ``1.75 S`` (ring all-reduce's ``2 (W - 1) / W``).
+     (Shims take the ring there only when asked to: by default ranks
+     sharing hosts reduce within hosts first, ``S`` per host link here,
+     `gradlane.policies.chunks.host_groups`.)
    Equal rates and one rank a host give equal shares without solving (they
    are among the best by symmetry, and the most even), and the flat
    exchange with one rank a host, not reduced within leaves, water-filled
