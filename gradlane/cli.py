@@ -581,7 +581,7 @@ def _get_json(url: str, who: str, headers: dict[str, str] | None = None) -> Any:
 
 
 # How a job reduces, as its shims said ("exchange"; None: not said yet).
-_EXCHANGE = {"leaf": "in leaves first", "flat": "flat", "ring": "ring"}
+_EXCHANGE = {"leaf": "in leaves first", "host": "in hosts first", "flat": "flat", "ring": "ring"}
 
 
 def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:

@@ -340,6 +340,12 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     assert view["plan"]["owned_shares"]["a"] == [0.5, 0.5] and "50/50%" in a  # owned bytes
 
 
+def test_gradlane_status_names_every_exchange_a_job_can_say() -> None:
+    from gradlane.daemon.fields import EXCHANGES
+
+    assert set(cli._EXCHANGE) == set(EXCHANGES)
+
+
 def test_ranks_sharing_a_host_put_only_what_crosses_hosts_in_the_demand() -> None:
     plane = ControlPlane(_config())
     flat = {"exchange": "flat"}
