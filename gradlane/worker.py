@@ -149,9 +149,10 @@ def main() -> None:
         if args.system == "gradlane":
             options.update(daemon_socket=args.daemon_socket, exchange=args.exchange)
         with gl.attach(model, opt, **options) as sync:
-            # Each rank's group (leaf switch or host) when chunks are reduced within them
-            # first, and how the ranks exchange (`gradlane.daemon.fields.EXCHANGES`).
+            # Each rank's leaf switch and host when chunks are reduced within them first,
+            # and how the ranks exchange (`gradlane.daemon.fields.EXCHANGES`).
             record["leaves"] = list(sync.leaves) if sync.leaves else None
+            record["hosts"] = list(sync.hosts) if sync.hosts else None
             record["exchange"] = sync.engine.kind
             train(model, sync)
             sync.flush()

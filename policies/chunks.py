@@ -188,7 +188,8 @@ def group_consecutive(sizes: Sequence[int], bands: Sequence[int], least: int) ->
     return groups
 
 
-def reduction_parents(owner: int, leaves: Sequence[int]) -> list[int]:
+def reduction_parents(owner: int, leaves: Sequence[int],
+                      hosts: Sequence[int] | None = None) -> list[int]:
     """Where each rank sends its part of one chunk: the chunk's reduction tree.
 
     `leaves[r]` is the leaf switch of rank r. Ranks send to their leaf's
@@ -203,25 +204,46 @@ def reduction_parents(owner: int, leaves: Sequence[int]) -> list[int]:
     bytes lead their leaves for equal bytes. With one leaf this is the flat
     exchange, every rank sending straight to `owner`.
 
+    With `hosts` (each rank's host, every host in one leaf), two levels:
+    ranks send to their host's leader (chosen the same way among the host's
+    ranks, over loopback), and the host leaders form the leaf level above.
+    One copy per host then crosses its NIC and one per leaf the spine,
+    where a leaf leader alone would take a copy from every rank of its leaf
+    on its NIC.
+
     Returns ``parents[r]``, with ``parents[owner] == -1``.
     """
     world = len(leaves)
     if not 0 <= owner < world:
         raise ConfigError(f"owner {owner} is not a rank of {world}")
-    members: dict[int, list[int]] = {}
-    for rank, leaf in enumerate(leaves):
-        members.setdefault(leaf, []).append(rank)
-    position = members[leaves[owner]].index(owner)
-    lead = {leaf: ranks[position % len(ranks)] for leaf, ranks in members.items()}
+    if hosts is None:
+        lead = _leads(owner, leaves)
+        return [-1 if rank == owner else owner if rank == lead[leaf] else lead[leaf]
+                for rank, leaf in enumerate(leaves)]
+    if len(hosts) != world:
+        raise ConfigError(f"need one host per rank: {len(hosts)} for {world}")
+    host_lead = _leads(owner, hosts)
+    leaders = sorted(set(host_lead.values()))  # the owner among them: it leads its host
+    above = reduction_parents(leaders.index(owner), [leaves[r] for r in leaders])
     parents = []
-    for rank, leaf in enumerate(leaves):
+    for rank, host in enumerate(hosts):
         if rank == owner:
             parents.append(-1)
-        elif rank == lead[leaf]:
-            parents.append(owner)
+        elif rank != host_lead[host]:
+            parents.append(host_lead[host])
         else:
-            parents.append(lead[leaf])
+            parents.append(leaders[above[leaders.index(rank)]])
     return parents
+
+
+def _leads(owner: int, groups: Sequence[int]) -> dict[int, int]:
+    """Per group, the member at `owner`'s position in its own group, modulo the group's
+    size (members in rank order): `owner` leads its own."""
+    members: dict[int, list[int]] = {}
+    for rank, group in enumerate(groups):
+        members.setdefault(group, []).append(rank)
+    position = members[groups[owner]].index(owner)
+    return {group: ranks[position % len(ranks)] for group, ranks in members.items()}
 
 
 def ring_routes(owner: int, world: int) -> tuple[list[int], list[int]]:
@@ -297,11 +319,22 @@ def host_groups(addresses: Sequence[str], exchange: str) -> tuple[int, ...] | No
     return groups
 
 
-def all_reduction_parents(leaves: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """`reduction_parents` for every owner at once: row ``o`` is ``reduction_parents(o, leaves)``.
+def all_reduction_parents(
+    leaves: Sequence[int] | npt.NDArray[np.int64],
+    hosts: Sequence[int] | npt.NDArray[np.int64] | None = None,
+) -> npt.NDArray[np.int64]:
+    """`reduction_parents` for every owner at once: row ``o`` is
+    ``reduction_parents(o, leaves, hosts)``.
 
-    Vectorized (a planner builds the trees of every rank of every job).
+    Vectorized for one level (a planner builds the trees of every rank of
+    every job); two levels (`hosts`, ranks sharing hosts across several
+    leaves) owner by owner.
     """
+    if hosts is not None:
+        leaf_list, host_list = [int(x) for x in leaves], [int(x) for x in hosts]
+        return np.array([reduction_parents(o, leaf_list, host_list)
+                         for o in range(len(leaf_list))], dtype=np.int64).reshape(
+                             len(leaf_list), len(leaf_list))
     leaf = np.asarray(leaves, dtype=np.int64)
     world = len(leaf)
     _, index = np.unique(leaf, return_inverse=True)  # each rank's leaf, 0..L-1

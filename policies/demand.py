@@ -85,8 +85,9 @@ class Exchange:
         up (the contribution) and one down (the result); on the ring, every rank
         but the owner sends the partial sum to its successor, and every rank but
         the owner's predecessor the average (`ring_routes`). `in_leaf` (reduce
-        within each leaf first; with `by_host`, within each host) does not apply
-        to the ring.
+        within each leaf first, and within each host before that when ranks
+        share hosts; with `by_host`, within each host only) does not apply to
+        the ring.
         """
         if in_leaf in self._trees:
             return self._trees[in_leaf]
@@ -97,10 +98,13 @@ class Exchange:
             owner, rank = np.nonzero(~np.eye(w, dtype=bool))  # every rank but the owner
             edges += [(owner, rank, (rank + 1) % w), (owner, (rank - 1) % w, rank)]
         else:
-            groups = (self.host if self.by_host else self.leaf if self.uplinks else None
-                      ) if in_leaf else None
-            parents = all_reduction_parents(np.zeros(w, dtype=np.int64) if groups is None
-                                            else groups)
+            if in_leaf and self.by_host:
+                parents = all_reduction_parents(self.host)
+            elif in_leaf and self.uplinks:  # within hosts too, when ranks share some
+                shared = len(np.unique(self.host)) < w
+                parents = all_reduction_parents(self.leaf, self.host if shared else None)
+            else:
+                parents = all_reduction_parents(np.zeros(w, dtype=np.int64))
             owner, child = np.nonzero(parents >= 0)  # every tree edge: (owner, child)
             parent = parents[owner, child]
             edges += [(owner, child, parent), (owner, parent, child)]  # up, then down

@@ -90,8 +90,10 @@ class ShimConfig:
             With "auto" or "flat", ranks sharing some hosts (listening on
             one address; not all on one) reduce each chunk within each host
             first, and one copy per host crosses its NIC each way
-            (`gradlane.policies.chunks.host_groups`); leaves, when known,
-            come first. "ring" keeps the ring whatever the placement.
+            (`gradlane.policies.chunks.host_groups`); with leaves known,
+            within hosts, then within leaves (one copy per host on its NIC,
+            one per leaf on the spine). "ring" keeps the ring whatever the
+            placement.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES

@@ -96,14 +96,14 @@ class HookState:
         )
         self.client = DaemonClient(self.config, self.rank, self.world, self.mesh)
         try:
-            # Reduction within leaves first when every rank knows its leaf, else within
-            # hosts first when ranks share some.
-            self.leaves, by_host = reduction_groups(
+            # Reduction within hosts first when ranks share some, and within leaves when
+            # every rank knows its leaf.
+            self.leaves, self.hosts = reduction_groups(
                 store, self._prefix, self.rank, self.world, self.client.leaf(),
                 self.mesh.addresses, self.config.exchange)
             self.engine = Engine(
                 self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
-                leaves=self.leaves, exchange=self.config.exchange, by_host=by_host,
+                leaves=self.leaves, exchange=self.config.exchange, hosts=self.hosts,
             )
         except BaseException:
             self.client.close()

@@ -136,8 +136,10 @@ class Engine:
         on_event: called ``(group, chunk, kind)`` when a chunk is queued
             ("ready") and when it is averaged ("done"); for the daemon client.
         leaves: each rank's leaf switch, the same on every rank (default: one
-            leaf, the flat exchange); see the module docstring. With
-            `by_host`, each rank's host instead (reduced within hosts first).
+            leaf, the flat exchange); see the module docstring.
+        hosts: each rank's host when ranks share some
+            (`gradlane.policies.chunks.host_groups`): each chunk is reduced
+            within hosts first, then within `leaves` if given.
         exchange: `ShimConfig.exchange`; where
             `gradlane.policies.chunks.uses_ring` says so, every chunk goes
             around the ring of ranks (`gradlane.policies.chunks.ring_routes`).
@@ -150,13 +152,18 @@ class Engine:
         on_event: Callable[[Group, Chunk, str], None] | None = None,
         leaves: Sequence[int] | None = None,
         exchange: str = "flat",
-        by_host: bool = False,
+        hosts: Sequence[int] | None = None,
     ) -> None:
         self.mesh = mesh
         self.rank, self.world = mesh.rank, mesh.world
-        if leaves is not None and len(leaves) != self.world:
-            raise TransportError(f"need one leaf per rank: {len(leaves)} for {self.world}")
-        self.leaves = tuple(leaves) if leaves is not None else (0,) * self.world
+        for name, given in (("leaf", leaves), ("host", hosts)):
+            if given is not None and len(given) != self.world:
+                raise TransportError(f"need one {name} per rank: {len(given)} for {self.world}")
+        # The groups of the tree's top level, and the hosts under them (two levels).
+        by_host = leaves is None and hosts is not None
+        top = hosts if by_host else leaves
+        self.leaves = tuple(top) if top is not None else (0,) * self.world
+        self.hosts = tuple(hosts) if hosts is not None and not by_host else None
         # What gradlaned and the control plane are told.
         self.kind = exchange_kind(exchange, self.world, len(set(self.leaves)), by_host)
         self.ring = self.kind == "ring"
@@ -258,7 +265,7 @@ class Engine:
             if self.ring:
                 self._route_cache[owner] = ring_routes(owner, self.world)
             else:
-                parents = reduction_parents(owner, self.leaves)
+                parents = reduction_parents(owner, self.leaves, self.hosts)
                 self._route_cache[owner] = parents, parents  # the result comes back down the tree
         return self._route_cache[owner]
 

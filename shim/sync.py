@@ -302,14 +302,14 @@ class Sync:
         try:
             self._broadcast_state()
             self.client = client = DaemonClient(config, rank, world, self.mesh)
-            self.leaves, by_host = self._agree_groups(store)
+            self.leaves, self.hosts = self._agree_groups(store)
             self.engine = Engine(
                 self.mesh,
                 config.timeout_s,
                 on_event=self.client.chunk_event,
                 leaves=self.leaves,
                 exchange=config.exchange,
-                by_host=by_host,
+                hosts=self.hosts,
             )
             self.client.exchange_agreed(self.engine.kind)
         except BaseException:
@@ -426,16 +426,16 @@ class Sync:
             if verdict != "ok":
                 raise ModelMismatch(verdict)
 
-    def _agree_groups(self, store: Store) -> tuple[tuple[int, ...] | None, bool]:
-        """The groups chunks are reduced within first (`reduction_groups`: leaf switches,
-        `DaemonClient.leaf`, or hosts), and whether they are hosts."""
-        groups, by_host = reduction_groups(store, self._prefix, self.rank, self.world,
-                                           self.client.leaf(), self.mesh.addresses,
-                                           self.config.exchange)
-        if groups and self.rank == 0:
-            logger.info("gradlane: reducing within %s first: %s",
-                        "hosts" if by_host else "leaves", groups)
-        return groups, by_host
+    def _agree_groups(self, store: Store) -> tuple[tuple[int, ...] | None,
+                                                   tuple[int, ...] | None]:
+        """The leaves (`DaemonClient.leaf`) and hosts chunks are reduced within first
+        (`reduction_groups`; None: no such groups)."""
+        leaves, hosts = reduction_groups(store, self._prefix, self.rank, self.world,
+                                         self.client.leaf(), self.mesh.addresses,
+                                         self.config.exchange)
+        if (leaves or hosts) and self.rank == 0:
+            logger.info("gradlane: reducing within hosts %s, then leaves %s", hosts, leaves)
+        return leaves, hosts
 
     def _broadcast_state(self) -> None:
         """Copy rank 0's parameters and buffers to every rank (band-0 connections)."""

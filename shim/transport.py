@@ -129,19 +129,15 @@ def agree_leaves(
 
 def reduction_groups(store: Store, prefix: str, rank: int, world: int, leaf: int | None,
                      addresses: Sequence[str], exchange: str
-                     ) -> tuple[tuple[int, ...] | None, bool]:
-    """The groups each chunk is reduced within first, and whether they are hosts.
+                     ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(leaves, hosts): the groups each chunk is reduced within first, each None for none.
 
     Every rank's leaf switch when all know theirs and there are several
-    (`agree_leaves`, `leaf` this rank's); else, when ranks share hosts
-    (`addresses`, `Mesh.addresses`), their hosts
-    (`gradlane.policies.chunks.host_groups`); else None (one group).
+    (`agree_leaves`, `leaf` this rank's); every rank's host when some share
+    one (`addresses`, `Mesh.addresses`; `gradlane.policies.chunks.host_groups`).
+    With both, two levels: within hosts, then within leaves.
     """
-    leaves = agree_leaves(store, prefix, rank, world, leaf)
-    if leaves is not None:
-        return leaves, False
-    hosts = host_groups(addresses, exchange)
-    return hosts, hosts is not None
+    return (agree_leaves(store, prefix, rank, world, leaf), host_groups(addresses, exchange))
 
 
 def agree_batch(store: Store, prefix: str, rank: int, world: int, mine: int | None

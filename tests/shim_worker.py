@@ -147,7 +147,8 @@ def main() -> None:
                 print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
                 time.sleep(args.step_sleep)
             sync.flush()
-            print(f"rank {rank} leaves {sync.leaves} {sync.engine.kind}", flush=True)
+            print(f"rank {rank} leaves {sync.leaves} hosts {sync.hosts} {sync.engine.kind}",
+                  flush=True)
             trial = sync.layout_trial["chosen"] if sync.layout_trial else None
             print(f"rank {rank} layout {sync.layout} trial {trial}", flush=True)
     except PeerLost as exc:
@@ -198,7 +199,8 @@ def run_ddp_hook(
             chunks = sum(len(state._groups[gid].chunks) for gid in state._last_ready)
             state.client.advised_owners = (len(sizes) - 1,) * chunks
         time.sleep(args.step_sleep)
-    print(f"rank {rank} leaves {state.leaves} {state.engine.kind}", flush=True)
+    print(f"rank {rank} leaves {state.leaves} hosts {state.hosts} {state.engine.kind}",
+          flush=True)
     print(f"rank {rank} owners taken at {state.owners_taken_at}, owned {state.owned_bytes()}",
           flush=True)
     state.close()

@@ -55,7 +55,8 @@ def test_ranks_sharing_hosts_reduce_within_them_first(tmp_path: Path) -> None:
         seen = probe.communicate(timeout=100)[0].split()  # what h1's gradlaned was told
         assert [stop(proc) for proc, _ in daemons.values()] == [0, 0]  # qdiscs restored
     records = [json.loads((tmp_path / f"gradlane-rank{r}.json").read_text()) for r in range(4)]
-    assert [(r["exchange"], r["leaves"]) for r in records] == [("host", [0, 0, 1, 1])] * 4
+    assert [(r["exchange"], r["leaves"], r["hosts"]) for r in records] == [
+        ("host", None, [0, 0, 1, 1])] * 4
     assert seen == ["host"], seen
     # Each step, each host sends one copy of each chunk: its ranks' partial sum of the
     # chunks the other host owns, and the average of its own. The ring would send 1.5

@@ -77,7 +77,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # (optimizer, dtype, per-rank batches, lr schedule, worker flags, where the ranks are:
-# "leaves" on two leaf switches, "hosts" two on each of two hosts, "" one host)
+# "leaves" on two leaf switches, "hosts" two on each of two hosts, "both" on three hosts
+# under two leaves, "" one host)
 CASES = {
     "sgd-momentum-fp32": ("sgd", "float32", "4,4,4,4", False, (), ""),
     "adamw-fp64": ("adamw", "float64", "4,4,4,4", False, (), ""),
@@ -92,6 +93,11 @@ CASES = {
     # shims see it and reduce within each host first.
     "adamw-fp64-two-hosts-unequal": ("adamw", "float64", "6,2,5,3", True, (), "hosts"),
     "ddp-comm-hook-two-hosts": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), "hosts"),
+    # Ranks 0, 1 on one host and 2 on another under leaf 0, rank 3 under leaf 1: within
+    # hosts, then within leaves (trees up to three ranks deep).
+    "sgd-hosts-in-leaves-unequal": ("sgd", "float32", "3,5,2,6", True, (), "both"),
+    "ddp-comm-hook-hosts-in-leaves": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",),
+                                      "both"),
     # The default ("auto") sends every chunk around the ring of four ranks (partial sums
     # three hops deep); these send each part straight to the chunk's owner.
     "adamw-fp64-unequal-flat": ("adamw", "float64", "6,2,5,3", True, ("--exchange", "flat"),
@@ -105,9 +111,13 @@ CASES = {
 }
 LEAVES = (0, 0, 1, 1)
 PLACEMENTS = {  # per-rank flags, and what every rank says it reduces within first
-    "leaves": ({r: ["--leaf", str(leaf)] for r, leaf in enumerate(LEAVES)}, f"{LEAVES} leaf"),
+    "leaves": ({r: ["--leaf", str(leaf)] for r, leaf in enumerate(LEAVES)},
+               f"{LEAVES} hosts None leaf"),
     "hosts": ({r: ["--address", f"127.0.0.{1 + leaf}"] for r, leaf in enumerate(LEAVES)},
-              f"{LEAVES} host"),
+              f"None hosts {LEAVES} host"),
+    "both": ({r: ["--address", f"127.0.0.{1 + host}", "--leaf", str(leaf)]
+              for r, (host, leaf) in enumerate(zip((0, 0, 1, 2), (0, 0, 0, 1), strict=True))},
+             "(0, 0, 0, 1) hosts (0, 0, 1, 2) leaf"),
 }
 
 
@@ -117,7 +127,7 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
     optimizer, dtype, batches, sched, flags, placement = CASES[case]
     args = ["--optimizer", optimizer, "--dtype", dtype, "--batches", batches, "--steps", "20"]
     args += ["--sched", *flags] if sched else [*flags]
-    per_rank, groups = PLACEMENTS.get(placement, (None, "None"))
+    per_rank, groups = PLACEMENTS.get(placement, (None, "None hosts None"))
     results = finish(launch(tmp_path, *args, per_rank=per_rank))
     for rank, (code, log) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"

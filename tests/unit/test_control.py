@@ -5,6 +5,7 @@ import io
 import json
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -449,6 +450,25 @@ def test_ranks_sharing_hosts_reduce_within_them_first(said: str | None) -> None:
     assert sent.tolist() == [1000, 1000]
     assert plane.view()["jobs"]["j"]["exchange"] == said
     assert check_plan(state, plane.policy.plan(state)) == []
+
+
+def test_ranks_sharing_hosts_under_leaves_reduce_within_hosts_then_leaves() -> None:
+    # Two leaves of two hosts, two ranks a host, one chunk of 1000 bytes owned by rank 0
+    # (host h0), within leaves first. Up: h1's leader sends to rank 0; in leaf 1, h3's
+    # leader to h2's, which sends leaf 1's sum across the spine. The averages come back
+    # the same way. A leaf leader alone would take a copy from each of 3 other ranks.
+    plane = ControlPlane(_config(uplink_bps=5_000_000_000))
+    for host, leaf, ranks in (("h0", 0, [0, 1]), ("h1", 0, [2, 3]), ("h2", 1, [4, 5]),
+                              ("h3", 1, [6, 7])):
+        _reported(plane, host, leaf, [{**_job("j", ranks, [1000]), "exchange": "leaf"}])
+    plane.state = plane.build_state()
+    plane.plan = plane.policy.plan(plane.state)
+    plane.plan = replace(plane.plan, ownership={"j": (0,)})
+    state = plane.build_state()
+    sent = np.bincount(state.flows.src, state.flows.bytes, minlength=4)
+    assert sent.tolist() == [2000, 1000, 2000, 1000]
+    leaf = np.array([h.leaf for h in state.topology.hosts])
+    assert state.flows.bytes[leaf[state.flows.src] != leaf[state.flows.dst]].sum() == 2000
 
 
 def test_the_shims_are_told_owners_only_once_every_rank_is_reported() -> None:

@@ -104,11 +104,14 @@ def test_demand_flows_load_hosts_and_uplinks_as_the_trees_do(case) -> None:  # t
     rank_host, host_leaf, sizes, owners, in_leaf = case
     w = len(rank_host)
     leaf = [host_leaf[h] for h in rank_host]
-    # What the shim's trees carry, edge by edge; edges within a host are loopback.
+    # What the shim's trees carry, edge by edge; edges within a host are loopback. Within
+    # leaves first, ranks sharing hosts reduce within them before (two levels).
+    shared = rank_host if len(set(rank_host)) < w else None
     egress = np.zeros(len(host_leaf))
     up = np.zeros(max(host_leaf) + 1)
     for size, owner in zip(sizes, owners, strict=True):
-        parents = reduction_parents(owner, leaf if in_leaf else [0] * w)
+        parents = (reduction_parents(owner, leaf, shared) if in_leaf
+                   else reduction_parents(owner, [0] * w))
         for child, parent in enumerate(parents):
             if parent < 0 or rank_host[child] == rank_host[parent]:
                 continue

@@ -11,6 +11,7 @@ from gradlane.policies.chunks import (
     COARSE_GROUP_BYTES,
     MIN_GROUP_BYTES,
     RING_AUTO_MAX_WORLD,
+    all_reduction_parents,
     exchange_kind,
     group_consecutive,
     host_groups,
@@ -100,11 +101,38 @@ def test_reduction_trees_cross_each_uplink_once(leaves: list[int], data: st.Data
     assert sorted(leaves[r] for r in crossing) == sorted(set(leaves) - {leaves[owner]})
 
 
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4)), min_size=1, max_size=8),
+       st.data())
+def test_two_level_trees_cross_each_nic_and_uplink_once(
+    host_specs: list[tuple[int, int]], data: st.DataObject,
+) -> None:
+    """Hosts (each under a leaf, with some ranks), ranks in host order: one copy of the
+    chunk leaves each host but the owner's, and one each leaf but the owner's."""
+    hosts = [h for h, (_, n) in enumerate(host_specs) for _ in range(n)]
+    leaves = [host_specs[h][0] for h in hosts]
+    owner = data.draw(st.integers(0, len(hosts) - 1))
+    parents = reduction_parents(owner, leaves, hosts)
+    assert all_reduction_parents(leaves, hosts)[owner].tolist() == parents
+    for rank in range(len(hosts)):  # every rank reaches the owner, at most three hops
+        hops = [rank]
+        while hops[-1] != owner:
+            hops.append(parents[hops[-1]])
+            assert len(hops) <= 4
+    off_host = [r for r, p in enumerate(parents) if p >= 0 and hosts[p] != hosts[r]]
+    assert sorted(hosts[r] for r in off_host) == sorted(set(hosts) - {hosts[owner]})
+    off_leaf = [r for r, p in enumerate(parents) if p >= 0 and leaves[p] != leaves[r]]
+    assert sorted(leaves[r] for r in off_leaf) == sorted(set(leaves) - {leaves[owner]})
+
+
 def test_reduction_tree_examples() -> None:
     assert reduction_parents(2, [0, 0, 0, 0]) == [2, 2, -1, 2]  # one leaf: flat
     # Rank 1 is second on leaf 0, so rank 3 (second on leaf 1) leads leaf 1 for it.
     assert reduction_parents(1, [0, 0, 1, 1]) == [1, -1, 3, 1]
     assert reduction_parents(0, [0, 1, 1, 0]) == [-1, 0, 1, 0]
+    # Two levels: ranks 0, 1 on one host and 2 on another under leaf 0, rank 3 under leaf
+    # 1. For owner 3, rank 0 leads its host and leaf 0: 1 -> 0 -> 3 and 2 -> 0 -> 3.
+    assert reduction_parents(3, [0, 0, 0, 1], [0, 0, 1, 2]) == [3, 0, 0, -1]
+    assert reduction_parents(2, [0, 0, 0, 1], [0, 0, 1, 2]) == [2, 0, -1, 2]
     with pytest.raises(ConfigError):
         reduction_parents(4, [0, 0, 1, 1])
 
