@@ -6,7 +6,9 @@ each chunk has one owner rank and a reduction tree towards it
 (`gradlane.policies.chunks.reduction_parents`): with every rank on one leaf
 (the default) all ranks send straight to the owner; with the ranks' leaf
 switches known, ranks send to their leaf's leader, which forwards the leaf's
-partial sum, so one copy per leaf crosses the spine. With the ring exchange
+partial sum, so one copy per leaf crosses the spine; with ranks sharing hosts,
+the same within each host first (one copy per host on its NIC), under the leaves
+when both are known. With the ring exchange
 (`Engine` ``exchange``, one leaf, `gradlane.policies.chunks.uses_ring`) the tree
 is a path around the ring of ranks, starting at the owner's successor, and the
 result goes on around the ring (`gradlane.policies.chunks.ring_routes`): every
