@@ -101,7 +101,7 @@ class Exchange:
             if in_leaf and self.by_host:
                 parents = all_reduction_parents(self.host)
             elif in_leaf and self.uplinks:  # within hosts too, when ranks share some
-                shared = len(np.unique(self.host)) < w
+                shared = len(self.hosts) < w
                 parents = all_reduction_parents(self.leaf, self.host if shared else None)
             else:
                 parents = all_reduction_parents(np.zeros(w, dtype=np.int64))
