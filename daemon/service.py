@@ -53,7 +53,7 @@ from gradlane.errors import ConfigError, GradlaneError, ProtocolError, TcError
 from gradlane.policies import JobState, Plan, State, get_policy
 from gradlane.units import MIN_RATE_BPS
 
-__all__ = ["DSCP_JOB", "RESTART_FIELDS", "Backend", "Daemon"]
+__all__ = ["DSCP_JOB", "RESTART_FIELDS", "Backend", "Daemon", "host_id"]
 
 # What gradlaned sets up once, at start: a reload (SIGHUP) cannot change these.
 RESTART_FIELDS = ("interfaces", "socket_path", "socket_group", "socket_mode", "http",
@@ -68,6 +68,24 @@ STATS_EVERY = 1.0
 VERIFY_EVERY = 30.0  # re-read the kernel's tree to repair changes made behind our back
 EXPIRE_EVERY = 1.0
 SEND_TIMEOUT = 5.0
+
+
+def host_id() -> str:
+    """An opaque name of the host gradlaned serves, the same for every worker it serves.
+
+    The kernel's boot id and gradlaned's network namespace: workers of one
+    daemon share a host even with an address each (pods that mount the
+    daemon's socket), and two namespaces of one machine (the testbed's
+    hosts) are two hosts. Shims reduce within hosts by it
+    (`gradlane.shim.transport.reduction_groups`). A random name when the
+    kernel does not say (only cost: co-located workers attached across a
+    restart of gradlaned count as two hosts).
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return os.urandom(16).hex()
 
 
 class Backend(Protocol):
@@ -112,6 +130,7 @@ class Daemon:
         self.ready = asyncio.Event()
         self._clients: dict[asyncio.StreamWriter, str | None] = {}
         self._started = time.time()
+        self._host = host_id()
         self._plan: Plan | None = None
         self._plan_at = 0.0
         self._plan_version = 0
@@ -456,6 +475,7 @@ class Daemon:
                     "bands": list(self.config.bands),
                     # Read once at attach: the job's reduction trees never change mid-run.
                     "leaf": self.link.advised_leaf() if self.link is not None else None,
+                    "host": self._host,
                     "features": list(protocol.FEATURES),
                 },
             )
@@ -526,6 +546,7 @@ class Daemon:
         return {
             "version": __version__,
             "uptime_s": round(time.time() - self._started, 3),
+            "host": self._host,
             "policy": self.policy.name,
             "control": self.link.status() if self.link is not None else None,
             "plan": {

@@ -551,14 +551,15 @@ def launch(
     hosts: list[str] | None = None,
     job: str | None = None,
     batches: list[int] | None = None,
+    rank_args: list[list[str]] | None = None,
 ) -> Launched:
     """Start `system` with one torchrun worker per entry of `hosts` (default: every host of
     `c`; a host named twice runs two ranks, in that order).
 
     `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
     sockets (gradlane only), `speeds` each rank's `--speed`, `batches` its
-    `--batch`, `job` the job name the shims give (several jobs at once: give
-    each its own `out`).
+    `--batch`, `rank_args` more flags of each rank, `job` the job name the
+    shims give (several jobs at once: give each its own `out`).
     Rank 0 runs on the first host, which is also torchrun's rendezvous.
     """
     names = hosts or [f"h{i}" for i in range(1, c.topology.hosts + 1)]
@@ -575,6 +576,8 @@ def launch(
             extra += ["--speed", str(speeds[rank])]
         if batches:
             extra += ["--batch", str(batches[rank])]
+        if rank_args:
+            extra += rank_args[rank]
         if job:
             extra += ["--job", job]
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),

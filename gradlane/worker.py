@@ -72,6 +72,9 @@ def main() -> None:
                     help="gradlane: each chunk's path (`ShimConfig.exchange`)")
     ap.add_argument("--chunk-bytes", type=int, default=None,
                     help="fifo, priority, gradlane: the shim's chunk size (default: its own)")
+    ap.add_argument("--address", default=None,
+                    help="fifo, priority, gradlane: the address this rank listens on "
+                         "(default: the one that routes to the rendezvous)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -141,7 +144,8 @@ def main() -> None:
         import gradlane.shim as gl
 
         options: dict[str, Any] = {"job": args.job, "layout": args.layout,
-                                   "daemon_socket": "/nonexistent/gradlaned.sock"}
+                                   "daemon_socket": "/nonexistent/gradlaned.sock",
+                                   "address": args.address}
         if args.chunk_bytes is not None:
             options["chunk_bytes"] = args.chunk_bytes
         if args.system == "fifo":

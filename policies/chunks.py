@@ -301,10 +301,11 @@ def exchange_kind(exchange: str, world: int, leaves: int, by_host: bool = False)
     return "flat"
 
 
-def host_groups(addresses: Sequence[str], exchange: str) -> tuple[int, ...] | None:
+def host_groups(hosts: Sequence[str], exchange: str) -> tuple[int, ...] | None:
     """Each rank's host as a group for reducing within hosts first, or None.
 
-    `addresses`: every rank's, rank order (ranks of one host listen on one).
+    `hosts`: every rank's host name, rank order (gradlaned's, else the
+    address the rank listens on: `gradlane.shim.transport.reduction_groups`).
     When some ranks share a host but not all do, each chunk is best reduced
     within each host first: one copy per host crosses its NIC each way
     instead of one per rank (the ring, the alternative, carries ``2 - 1/H``
@@ -313,8 +314,8 @@ def host_groups(addresses: Sequence[str], exchange: str) -> tuple[int, ...] | No
     placement. Groups are numbered in order of first appearance.
     """
     seen: dict[str, int] = {}
-    groups = tuple(seen.setdefault(a, len(seen)) for a in addresses)
-    if exchange == "ring" or not 1 < len(seen) < len(addresses):
+    groups = tuple(seen.setdefault(h, len(seen)) for h in hosts)
+    if exchange == "ring" or not 1 < len(seen) < len(hosts):
         return None
     return groups
 

@@ -34,7 +34,7 @@ __all__ = ["DaemonClient"]
 logger = logging.getLogger(__name__)
 
 RETRY_S = 2.0
-WELCOME_WAIT_S = 2.0  # how long `leaf` waits for a daemon's welcome
+WELCOME_WAIT_S = 2.0  # how long `leaf` and `host` wait for a daemon's welcome
 _MAX_QUEUED = 256  # messages; older batches are dropped past this (the daemon is behind)
 
 
@@ -51,6 +51,8 @@ class DaemonClient:
         advised_leaf: this host's leaf switch when, at the welcome, the
             control plane advised reducing within leaves first (None: the flat
             exchange). Read once at attach: reduction trees never change mid-run.
+        daemon_host: the opaque name of this worker's host the welcome gave
+            (None: no daemon, or an older one).
         exchange: how the job's ranks agreed to reduce (`exchange_agreed`),
             which gradlaned passes on to the control plane; None: not yet.
         global_batch: the job's samples per step as its ranks agreed
@@ -65,9 +67,11 @@ class DaemonClient:
         self.advised_batch_share: float | None = None
         self.advised_owners: tuple[int, ...] | None = None
         self.advised_leaf: int | None = None
+        self.daemon_host: str | None = None
         self.exchange: str | None = None
         self.global_batch: int | None = None
         self.welcomed = threading.Event()
+        self._waited = False
         self._features: frozenset[str] = frozenset()  # the daemon's optional fields
         self.daemon_bands: tuple[int, ...] | None = None
         self._events: list[list[float | int]] = []
@@ -124,9 +128,22 @@ class DaemonClient:
         """
         if self.config.leaf is not None:
             return self.config.leaf
-        if os.path.exists(self.config.daemon_socket):
-            self.welcomed.wait(WELCOME_WAIT_S)
+        self._await_welcome()
         return self.advised_leaf
+
+    def host(self) -> str | None:
+        """The name gradlaned gives this worker's host (`daemon_host`), waited for as
+        `leaf` waits; None without a daemon. Ranks reduce within hosts by it
+        (`gradlane.shim.transport.reduction_groups`)."""
+        self._await_welcome()
+        return self.daemon_host
+
+    def _await_welcome(self) -> None:
+        """Wait for the welcome, once (a daemon that did not answer in time is not waited
+        for again)."""
+        if not self._waited and os.path.exists(self.config.daemon_socket):
+            self.welcomed.wait(WELCOME_WAIT_S)
+        self._waited = True
 
     @property
     def advised_batch_size(self) -> int | None:
@@ -229,6 +246,8 @@ class DaemonClient:
                 raise ProtocolError("order", f"expected welcome, got {welcome.get('type')!r}")
             self._adopt_bands(welcome.get("bands"))
             self.advised_leaf = _leaf(welcome.get("leaf"))
+            host = welcome.get("host")
+            self.daemon_host = host if isinstance(host, str) and 0 < len(host) <= 256 else None
             self._features = features(welcome)  # an older daemon refuses fields it lacks
             self.connected, self._said_absent = True, False
             # Agreed before this session (or while it began): say it now. So too the

@@ -22,7 +22,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,7 +36,6 @@ __all__ = [
     "Mesh",
     "Store",
     "agree_batch",
-    "agree_leaves",
     "gather",
     "local_address",
     "reduction_groups",
@@ -111,33 +110,24 @@ def rank0_says(store: Store, key: str, rank: int, said: object, previous: str | 
         raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
 
 
-def agree_leaves(
-    store: Store, prefix: str, rank: int, world: int, mine: int | None
-) -> tuple[int, ...] | None:
-    """Every rank's leaf switch if all know theirs and there are several, else None.
-
-    Each rank posts `mine` (None: unknown) under `prefix` and reads everyone's.
-    One rank without a leaf keeps the whole job on the flat exchange: every
-    rank must build the same reduction trees.
-    """
-    posts = gather(store, f"{prefix}/leaf", rank, world, str(-1 if mine is None else mine))
-    leaves = tuple(int(p) for p in posts)
-    if min(leaves) < 0 or len(set(leaves)) == 1:
-        return None
-    return leaves
-
-
 def reduction_groups(store: Store, prefix: str, rank: int, world: int, leaf: int | None,
-                     addresses: Sequence[str], exchange: str
+                     host: str, exchange: str
                      ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
     """(leaves, hosts): the groups each chunk is reduced within first, each None for none.
 
-    Every rank's leaf switch when all know theirs and there are several
-    (`agree_leaves`, `leaf` this rank's); every rank's host when some share
-    one (`addresses`, `Mesh.addresses`; `gradlane.policies.chunks.host_groups`).
-    With both, two levels: within hosts, then within leaves.
+    Each rank posts its `leaf` switch (None: unknown) and `host` (gradlaned's
+    name for it, `DaemonClient.host`, else the address it listens on) and
+    reads everyone's, in one round. Leaves: every rank's when all know theirs
+    and there are several (one rank without keeps the whole job off them:
+    every rank must build the same reduction trees). Hosts: every rank's when
+    some share one (`gradlane.policies.chunks.host_groups`). With both, two
+    levels: within hosts, then within leaves.
     """
-    return (agree_leaves(store, prefix, rank, world, leaf), host_groups(addresses, exchange))
+    posts = [json.loads(p) for p in
+             gather(store, f"{prefix}/where", rank, world, json.dumps([leaf, host]))]
+    leaves = tuple(-1 if p[0] is None else int(p[0]) for p in posts)
+    agreed = None if min(leaves) < 0 or len(set(leaves)) == 1 else leaves
+    return agreed, host_groups([str(p[1]) for p in posts], exchange)
 
 
 def agree_batch(store: Store, prefix: str, rank: int, world: int, mine: int | None
@@ -250,7 +240,7 @@ class Mesh:
         timeout_s: float = 60.0,
         prefix: str = "gradlane",
     ) -> None:
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.address = rank, world, address
         self.dscp = tuple(dscp)
         self.links: dict[tuple[int, int], Link] = {}
         bands = len(self.dscp)
@@ -293,13 +283,6 @@ class Mesh:
                 _tune(sock, self.dscp[band], credit_bytes, sndbuf_bytes)
                 self.links[(peer, band)] = Link(peer, band, sock)
                 expected -= 1
-            try:  # every later rank posted its address before it connected
-                later = [store.get(f"{prefix}/addr/{p}").decode() for p in range(rank + 1, world)]
-            except RuntimeError as exc:
-                raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
-            # Every rank's listening address, rank order: ranks of one host share one.
-            self.addresses = tuple(w.rpartition(":")[0]
-                                   for w in [*where, f"{address}:{port}", *later])
         except BaseException:
             self.close()
             raise

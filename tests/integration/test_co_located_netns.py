@@ -1,7 +1,8 @@
 """Ranks sharing hosts on the emulated cluster: two hosts with gradlaned, two ranks on
-each. The shims see which ranks listen on one address, reduce each chunk within each
-host first and tell their daemons so; each host's NIC then carries about one model
-each way per step, where the ring would carry 1.5.
+each, every rank listening on an address of its own (as pods do). The shims learn their
+host from their gradlaned's welcome, reduce each chunk within each host first and tell
+their daemons so; each host's NIC then carries about one model each way per step, where
+the ring would carry 1.5.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.netns
 
 STEPS = 12
 PLACEMENT = ["h1", "h1", "h2", "h2"]
+SECOND = 200  # each host's second rank listens on 10.200.0.(200 + host): its own address
 WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "1", "--forward-ms", "10"]
 # Run in h1: polls its gradlaned's /status every 0.1 s (up to argv[1] s) until a worker's
 # exchange is said; prints it (nothing if none was).
@@ -45,12 +47,19 @@ while time.monotonic() < deadline:
 def test_ranks_sharing_hosts_reduce_within_them_first(tmp_path: Path) -> None:
     tmp_path.chmod(0o755)
     with Cluster(Topology.build("coh", 2, "200mbit")) as c:
+        addresses = [c.addr(h) for h in PLACEMENT]
+        for rank in (1, 3):
+            host = int(PLACEMENT[rank][1:])
+            addresses[rank] = c.topology.address(SECOND + host)
+            subprocess.run(["ip", "-n", c.ns(PLACEMENT[rank]), "addr", "add",
+                            f"{addresses[rank]}/24", "dev", "eth0"], check=True)
         daemons = {h: c.start_daemon(h, tmp_path) for h in ("h1", "h2")}
         sockets = {h: sock for h, (_, sock) in daemons.items()}
         probe = c.popen("h1", [sys.executable, "-c", PROBE, "90"], stdout=subprocess.PIPE,
                         text=True)
         job = launch(c, "gradlane", ["--steps", str(STEPS), *WORKLOAD], port=29840,
-                     out=tmp_path, sockets=[sockets[h] for h in PLACEMENT], hosts=PLACEMENT)
+                     out=tmp_path, sockets=[sockets[h] for h in PLACEMENT], hosts=PLACEMENT,
+                     rank_args=[["--address", a] for a in addresses])
         run = collect(c, job)
         seen = probe.communicate(timeout=100)[0].split()  # what h1's gradlaned was told
         assert [stop(proc) for proc, _ in daemons.values()] == [0, 0]  # qdiscs restored

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gradlane.daemon import protocol
+from gradlane.daemon.service import host_id
 from gradlane.errors import ProtocolError
 from tests.integration.helpers import RunningDaemon, start_daemon
 
@@ -68,6 +69,8 @@ def test_hello_gets_welcome_and_plan_and_shows_in_status(daemon: RunningDaemon) 
     welcome, plan = client.recv(), client.recv()
     assert welcome["type"] == "welcome" and welcome["bands"] == [46, 34, 26, 18]
     assert plan["type"] == "plan" and plan["batch_share"] is None
+    # Its host's name: this process shares gradlaned's boot and network namespace.
+    assert welcome["host"] == daemon.status()["host"] == host_id()
     client.send({"type": "chunks", "iteration": 2, "events": [[0, 1000, 0, 0.5], [3, 24, 3, 0.6]]})
     client.send({"type": "timing", "iteration": 2, "compute_s": 0.1, "comm_s": 0.2, "samples": 8})
     deadline = time.monotonic() + 5

@@ -39,7 +39,8 @@ class _Mesh:
 class _Daemon:
     """Accepts one shim, welcomes it, and keeps what it says until a timing message."""
 
-    def __init__(self, path: Path, features: list[str] | None, leaf: int | None = None) -> None:
+    def __init__(self, path: Path, features: list[str] | None, leaf: int | None = None,
+                 host: object = None) -> None:
         self.got: list[dict[str, Any]] = []
         self.timed = threading.Event()
         self.reading = threading.Event()  # cleared: reads nothing after the welcome (busy)
@@ -49,7 +50,7 @@ class _Daemon:
         self._server.bind(str(path))
         self._server.listen()
         self._server.settimeout(10)
-        self._features, self._leaf = features, leaf
+        self._features, self._leaf, self._host = features, leaf, host
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -70,6 +71,8 @@ class _Daemon:
                                    "worker": "w1", "bands": [46], "leaf": self._leaf}
                         if self._features is not None:
                             welcome["features"] = self._features
+                        if self._host is not None:
+                            welcome["host"] = self._host
                         conn.sendall(protocol.encode(welcome))
                         welcomed = True
                         self.reading.wait(10)
@@ -247,6 +250,41 @@ def test_a_worker_s_leaf_is_configured_or_advised(
         client.close()
         if daemon is not None:
             daemon.close()
+
+
+@pytest.mark.parametrize(
+    ("said", "expected"),
+    [
+        ("8d2c/4026531840", "8d2c/4026531840"),  # gradlaned's name for its host
+        (None, None),  # an older daemon names none: the shim goes by its address
+        (42, None),  # not text
+        ("", None),
+        ("x" * 257, None),  # longer than any name gradlaned gives
+    ],
+)
+def test_a_worker_s_host_is_the_one_its_daemon_names(
+    tmp_path: Path, said: object, expected: str | None
+) -> None:
+    path = tmp_path / "gl.sock"
+    daemon = _Daemon(path, features=list(protocol.FEATURES), host=said)
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.host() == expected
+        assert client.welcomed.is_set()  # it waited for the welcome
+        client.timing(0.1, 0.0)  # the fake daemon's cue to stop
+        assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        daemon.close()
+
+
+def test_no_daemon_no_host(tmp_path: Path) -> None:
+    client = DaemonClient(ShimConfig(daemon_socket=str(tmp_path / "none.sock"), dscp=(46,)),
+                          0, 2, _Mesh())
+    try:
+        assert client.host() is None and client.leaf() is None
+    finally:
+        client.close()
 
 
 class _FourBands:

@@ -26,7 +26,7 @@ from torch import nn
 
 import gradlane.shim as gl
 import gradlane.shim.sync as sync_module
-from gradlane.shim.transport import agree_batch
+from gradlane.shim.transport import agree_batch, reduction_groups
 from tests import examples
 from tests.ranks import on_every_rank
 
@@ -276,6 +276,38 @@ def test_the_global_batch_is_agreed_only_when_every_rank_knows_its_own(
 
     on_every_rank(len(mine), body)
     assert got == [agreed] * len(mine)
+
+
+# Each rank's (leaf, host) and exchange; the (leaves, hosts) every rank agrees on.
+GROUPINGS = [
+    # Pods: each rank its own address, two gradlaneds naming two hosts.
+    ([(None, "boot/1"), (None, "boot/1"), (None, "boot/2"), (None, "boot/2")], "auto",
+     (None, (0, 0, 1, 1))),
+    # No daemon: the listening addresses.
+    ([(None, "10.0.0.1"), (None, "10.0.0.2"), (None, "10.0.0.1")], "flat", (None, (0, 1, 0))),
+    ([(None, "boot/1"), (None, "boot/1"), (None, "boot/2"), (None, "boot/2")], "ring",
+     (None, None)),  # asked for the ring
+    ([(0, "a"), (0, "b"), (1, "c"), (1, "d")], "auto", ((0, 0, 1, 1), None)),  # leaves only
+    ([(0, "a"), (None, "a"), (1, "b"), (1, "b")], "auto", (None, (0, 0, 1, 1))),  # a leaf unknown
+    ([(0, "a"), (0, "a"), (0, "b"), (1, "c")], "auto", ((0, 0, 0, 1), (0, 0, 1, 2))),  # both
+    ([(3, "a")] * 3, "auto", (None, None)),  # one leaf, one host: nothing to group
+]
+
+
+@pytest.mark.parametrize(("where", "exchange", "agreed"), GROUPINGS)
+def test_the_ranks_agree_on_the_groups_they_reduce_within_first(
+    where: list[tuple[int | None, str]], exchange: str,
+    agreed: tuple[tuple[int, ...] | None, tuple[int, ...] | None],
+) -> None:
+    store, job = dist.HashStore(), f"ranks{next(_jobs)}"
+    got: list[object] = [None] * len(where)
+
+    def body(rank: int) -> None:
+        leaf, host = where[rank]
+        got[rank] = reduction_groups(store, job, rank, len(where), leaf, host, exchange)
+
+    on_every_rank(len(where), body)
+    assert got == [agreed] * len(where)
 
 
 def test_the_ranks_take_the_plans_chunk_owners_together(
