@@ -34,7 +34,7 @@ from typing import Any
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY, REFERENCE, lower_bound, summarize
 from gradlane.demo import SystemRun, collect, launch, run_on_cluster, steady_start
-from gradlane.errors import TestbedError
+from gradlane.errors import ConfigError, TestbedError
 from gradlane.policies.profiles import trace_spec
 from gradlane.policies.straggler import proportional_shares
 from gradlane.testbed import Cluster, Topology
@@ -167,12 +167,25 @@ class _Controlled:
         return codes
 
 
+def worker_option(argv: Sequence[str], name: str, default: str | None = None) -> str:
+    """The value of `gradlane.worker`'s option `name` in `argv` (the last one given), or
+    `default` when none is.
+
+    Raises:
+        ConfigError: not given, and no default.
+    """
+    at = [i for i, a in enumerate(argv) if a == name and i + 1 < len(argv)]
+    if at:
+        return argv[at[-1] + 1]
+    if default is None:
+        raise ConfigError(f"the workload {' '.join(argv)!r} needs {name}")
+    return default
+
+
 def trace_workload(workload: Sequence[str]) -> tuple[str, float, float]:
     """(model, model MB, forward ms) of a trace workload given as the worker's argv."""
-    def option(name: str) -> str:
-        return workload[list(workload).index(name) + 1]
-
-    return option("--model"), float(option("--model-mb")), float(option("--forward-ms"))
+    return (worker_option(workload, "--model"), float(worker_option(workload, "--model-mb")),
+            float(worker_option(workload, "--forward-ms")))
 
 
 def _trace(workload: Sequence[str]) -> tuple[float, int]:
@@ -369,6 +382,7 @@ CO_LOCATED = OwnersScenario(
     ("--workload", "trace", "--model", "vgg19", "--model-mb", "2", "--forward-ms", "20",
      "--exchange", "ring"),
     also=(("gradlane+control, within hosts", ("--exchange", "auto")),))
+OWNERS_SCENARIOS = {s.name: s for s in (SLOW_LINK, CO_LOCATED)}
 
 
 def run_slow_link(workdir: Path, steps: int = 60, say: Callable[[str], None] = lambda _: None,
@@ -454,6 +468,8 @@ def run_planned_owners(
         codes = ctl.stop_daemons()
     ranks = {label: [json.loads((workdir / label / f"gradlane-rank{r}.json").read_text())
                      for r in range(world)] for label in ("local", "control")}
+    also = [json.loads((workdir / f"also{i}" / "gradlane-rank0.json").read_text())
+            for i in range(len(scenario.also))]
     taken = {r["owners_taken_at"] for r in ranks["control"]}
     if len(taken) != 1 or None in taken or steps - (min(taken) + 2) < 10:
         raise TestbedError(f"the ranks took the control plan's owners at steps {sorted(taken)}"
@@ -502,9 +518,9 @@ def run_planned_owners(
                          "owners_taken_at": [r["owners_taken_at"] for r in ranks["control"]]},
         "speedup": medians["gradlane"] / medians["gradlane+control"],
         # The further runs (`OwnersScenario.also`), with how their ranks exchanged.
-        "also": {label: {"iteration_s": runs[label].times, "median_s": medians[label],
-                         "exchange": json.loads((workdir / f"also{i}" / "gradlane-rank0.json"
-                                                 ).read_text()).get("exchange")}
+        "also": {label: {"iteration_s": runs[label].times, "waited_s": also[i]["waited"],
+                         "layout_trial": also[i]["layout_trial"], "median_s": medians[label],
+                         "exchange": also[i].get("exchange")}
                  for i, (label, _) in enumerate(scenario.also)},
         # The slowest host link, modelled, owned bytes equal and as the plan shares them:
         # the shims' ring, and the flat exchange.

@@ -20,14 +20,15 @@ Three experiments, each one command:
   the communication time).
 - ``validate``: the testbed's trace scenarios (bench/results/*.json) replayed
   in the simulator; simulated vs measured median iteration time per system
-  (and per run of the slow-link control run: owned bytes even, and as the
-  plan weighs them by link rate).
+  (and per run of the control runs whose owners the plan decides, the slow
+  link and ranks sharing hosts: owned bytes even, as the plan weighs them by
+  what each host link carries, and within hosts first).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,10 @@ from gradlane.demo import past_warm_up
 from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
 from gradlane.policies.base import DEFAULT_BANDS, Host, Topology
-from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES
+from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, host_groups, uses_ring
 from gradlane.policies.sim import (
     Scenario,
+    SimJob,
     cluster,
     coflow_load,
     heterogeneous,
@@ -49,6 +51,7 @@ from gradlane.policies.sim import (
     shim_buckets,
     simulate,
 )
+from gradlane.policies.sim.scenario import BATCH_PER_WORKER
 from gradlane.units import parse_rate
 
 __all__ = ["EXPERIMENTS", "plot", "run_experiment"]
@@ -296,48 +299,67 @@ def _shaped(link_bps: float, line_bps: float) -> float:
     return min(link_bps, line_bps * DEFAULT_SHAPE_FRACTION) * PAYLOAD_EFFICIENCY
 
 
-# The slow-link control run (`gradlane.control_runs.run_slow_link`): each run, the system
-# it shows as, and the policy that plans as it ran (`priority`: bands, owned bytes even;
-# `gradlane`: the control plane's, owners weighed by link rate).
-SLOW_LINK_RUNS = {"without_control": ("gradlane", "priority"),
-                  "with_control": ("gradlane+control", "gradlane")}
+# The control runs whose owners the plan decides (`gradlane.control_runs.run_planned_owners`)
+# that `validate` replays, by scenario name.
+OWNERS_RESULTS = ("control-slow-link", "control-co-located")
+# Each run: where the result keeps it, the system it shows as, and the policy that plans
+# as it ran (`priority`: bands, owned bytes even; `gradlane`: the control plane's, owners
+# weighed by what each host link carries). Then the further runs (`OwnersScenario.also`),
+# with the control plane.
+OWNERS_RUNS = {"without_control": ("gradlane", "priority"),
+               "with_control": ("gradlane+control", "gradlane")}
 
 
-def slow_link_scenario(result: dict[str, Any], compute_s: float, layout: str) -> Scenario:
-    """The slow-link control run in the simulator: its trace at `compute_s`, every host
-    at gradlaned's shaped rate under its own NIC, the shim's ring with `layout`'s groups."""
-    from gradlane.control_runs import trace_workload
+def owners_scenario(result: dict[str, Any], compute_s: float, layout: str,
+                    added: Sequence[str] = ()) -> Scenario:
+    """A control run of `run_planned_owners` in the simulator: its trace at `compute_s`,
+    its ranks placed as it placed them, every host at gradlaned's shaped rate under its
+    own NIC, the shim's exchange (the workload's ``--exchange``, or `added`'s, the
+    further run's) with `layout`'s groups."""
+    from gradlane.control_runs import trace_workload, worker_option
 
-    layers = _trace_layers(*trace_workload(result["scenario"]["workload"]), compute_s)
+    wl = [*result["scenario"]["workload"], *added]
+    layers = _trace_layers(*trace_workload(wl), compute_s)
     rates = [parse_rate(r) for r in result["scenario"]["rates"]]
-    hosts = len(rates)
-    scenario = one_switch(result["scenario"]["name"], [("trace", layers, [1.0] * hosts)],
-                          hosts, max(rates), exchange="auto", iterations=20, warmup=3)
-    topology = Topology(tuple(Host(f"h{i}", 0, int(_shaped(rate, line)))
-                              for i, (rate, line) in enumerate(
-                                  zip(rates, result["daemon_line_bps"], strict=True))))
-    buckets, chunk = shim_buckets(layers, hosts, layout=layout, ring=scenario.jobs[0].ring)
-    job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk)
-    return dataclasses.replace(scenario, topology=topology, jobs=(job,))
+    placement = result["scenario"].get("placement") or [f"h{i + 1}" for i in range(len(rates))]
+    names = list(dict.fromkeys(placement))  # each host once, in rank order
+    hosts = tuple(names.index(h) for h in placement)
+    world = len(hosts)
+    exchange = worker_option(wl, "--exchange", "auto")
+    shared = host_groups([str(h) for h in hosts], exchange) is not None
+    ring = not shared and uses_ring(exchange, world, 1)
+    topology = Topology(tuple(Host(name, 0, int(_shaped(rates[i], result["daemon_line_bps"][i])))
+                              for i, name in enumerate(names)))
+    buckets, chunk = shim_buckets(layers, world, layout=layout, ring=ring)
+    job = SimJob("job0-trace", "trace", hosts, buckets, BATCH_PER_WORKER * world,
+                 chunk_bytes=chunk, ring=ring)
+    return Scenario(result["scenario"]["name"], topology, (job,), iterations=20, warmup=3)
 
 
-def _slow_link_rows(measured: dict[str, Any], progress: Progress | None) -> list[dict[str, Any]]:
-    """Validation rows of a slow-link control run, one per run (none from results made
-    before they recorded the waits)."""
+def _owners_rows(measured: dict[str, Any], progress: Progress | None) -> list[dict[str, Any]]:
+    """Validation rows of a control run of `run_planned_owners`, one per run (none from
+    results made before they recorded the waits)."""
     import statistics
 
+    from gradlane.control_runs import OWNERS_SCENARIOS
+
+    runs: list[tuple[dict[str, Any], str, str, tuple[str, ...]]] = [
+        (measured[key], system, policy, ()) for key, (system, policy) in OWNERS_RUNS.items()]
+    done = measured.get("also", {})
+    runs += [(done[label], label, "gradlane", added)
+             for label, added in OWNERS_SCENARIOS[measured["scenario"]["name"]].also
+             if label in done]
     rows = []
     first = measured["steady_from_step"]
-    for key, (system, policy) in SLOW_LINK_RUNS.items():
-        run = measured[key]
+    for run, system, policy, added in runs:
         if "waited_s" not in run or "daemon_line_bps" not in measured:
             continue
         compute = statistics.median(t - w for t, w in zip(
             run["iteration_s"][first:], run["waited_s"][first:], strict=True))
         layout = (run.get("layout_trial") or {}).get("chosen") or "fine"
         rows.append(_validation_row(
-            measured, system, policy, slow_link_scenario(measured, compute, layout), compute,
-            min(parse_rate(r) for r in measured["scenario"]["rates"]), progress))
+            measured, system, policy, owners_scenario(measured, compute, layout, added),
+            compute, min(parse_rate(r) for r in measured["scenario"]["rates"]), progress))
     return rows
 
 
@@ -380,8 +402,8 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
         measured = read_result(path)
         scenario = measured.get("scenario")
         wl = scenario.get("workload") if isinstance(scenario, dict) else None
-        if isinstance(scenario, dict) and scenario.get("name") == "control-slow-link":
-            rows += _slow_link_rows(measured, progress)
+        if isinstance(scenario, dict) and scenario.get("name") in OWNERS_RESULTS:
+            rows += _owners_rows(measured, progress)
             continue
         # `gradlane bench` scenarios (the other control runs replay no single trace).
         if not isinstance(wl, dict) or wl.get("kind") != "trace" or not is_bench_result(measured):

@@ -11,7 +11,11 @@ Model (what is simulated, and what is not):
    (`gradlane.policies.chunks.reduction_parents`, the shim's own): flat,
    host ``h`` sends ``S + (W - 2) * owned(h)`` bytes of a bucket of ``S``;
    when the plan says `reduce_in_leaf`, one copy of each chunk per leaf
-   crosses the spine each way. A job with `SimJob.ring` (the shim's ring
+   crosses the spine each way. Ranks sharing some hosts (`SimJob.hosts`
+   naming one several times) reduce within each host first, as the shim's
+   `host_groups` has them (within hosts, then leaves, when the plan asks for
+   leaves), and what ranks of one host send each other takes no link and no
+   time (loopback). A job with `SimJob.ring` (the shim's ring
    exchange) has every rank send a bucket's chunks to its successor, store
    and forward as the shim does: each chunk's 2(W-1) hops (the partial sum
    from the owner's successor to the owner, then the average on to the
@@ -141,7 +145,13 @@ class _Job:
         self.iteration_shares = self.shares.copy()
         self.band = np.zeros(self.nb, dtype=np.int64)
         self.level = 0
-        self.exchange = Exchange(self.leaf, uplinks=self.n_leaves > 0, ring=spec.ring)
+        uplinks = self.n_leaves > 0
+        self.tree = Exchange(self.leaf, uplinks=uplinks, host=self.hosts, ring=spec.ring)
+        # Ranks sharing some hosts (not all one) reduce within hosts first, as the shim's
+        # `host_groups` has them, unless on the ring or told their several leaves.
+        self.shares_hosts = not spec.ring and 1 < len(set(spec.hosts)) < self.w
+        self.within_hosts = Exchange(self.leaf, uplinks=uplinks, host=self.hosts,
+                                     by_host=True) if self.shares_hosts else None
         self.set_ownership(tuple(assign_owners(self.chunk_bytes, self.w)), in_leaf=False)
         self.ready_at = np.zeros(self.nb)  # when each bucket's gradient is (or will be) ready
         # Timeline.
@@ -163,19 +173,35 @@ class _Job:
         return np.asarray((self.shares / (self.spec.global_batch / self.w)) / self.speed)
 
     def set_ownership(self, owners: tuple[int, ...], in_leaf: bool) -> None:
-        """Per bucket, the links its collective loads and with how many flows."""
+        """Per bucket, the links its collective loads and with how many flows; `in_leaf`:
+        the plan asks for reduction within leaves first (ranks under several take it)."""
         self.owners, self.in_leaf = owners, in_leaf
+        # The exchange, as the shims tell gradlaned (`gradlane.daemon.fields.EXCHANGES`).
+        self.exchange, self.kind = self.tree, "flat"
+        if self.spec.ring:
+            self.kind = "ring"
+        elif in_leaf and len(set(self.leaf.tolist())) > 1:
+            self.kind = "leaf"  # within hosts too, when ranks share some (`Exchange.trees`)
+        elif self.within_hosts is not None:
+            self.exchange, self.kind = self.within_hosts, "host"
+        self.grouped = self.kind in ("leaf", "host")  # `Exchange.trees`' in_leaf
         self.owned_chunks = self.exchange.owned(owners, self.first_chunk)
-        per_owner, _ = self.exchange.trees(in_leaf)
-        self.counts = self.owned_chunks @ per_owner  # (buckets, links)
+        per_owner, _ = self.exchange.trees(self.grouped)
+        counts = self.owned_chunks @ per_owner  # (buckets, columns)
         leaves = self.exchange.leaves
         base = 2 * self.n_hosts
-        self.links = np.concatenate([self.hosts, self.n_hosts + self.hosts, base + leaves,
-                                     base + self.n_leaves + leaves])
+        links = np.concatenate([self.hosts, self.n_hosts + self.hosts, base + leaves,
+                                base + self.n_leaves + leaves])
+        if len(set(self.hosts.tolist())) < self.w:  # ranks of one host: one link, summed
+            self.links, column = np.unique(links, return_inverse=True)
+            self.counts = np.zeros((len(counts), len(self.links)))
+            np.add.at(self.counts.T, column, counts.T)
+        else:
+            self.links, self.counts = links, counts
 
     def loads(self) -> tuple[np.ndarray, np.ndarray]:
         """Per worker and bucket: bytes to its own leaf and to other leaves."""
-        return self.exchange.loads(self.owned_chunks, self.in_leaf, self.chunk_size)
+        return self.exchange.loads(self.owned_chunks, self.grouped, self.chunk_size)
 
 
 @dataclass
@@ -277,11 +303,20 @@ class _Sim:
             self.send_hop(_Hop(cid, chunk, job.owners[chunk], 0))
 
     def send_hop(self, hop: _Hop) -> None:
-        """Queue a ring chunk's hop: its sender's egress and its receiver's ingress."""
+        """Queue a ring chunk's hop: its sender's egress and its receiver's ingress. Hops
+        between ranks of one host take no link and no time (loopback)."""
         c = self.queued[hop.collective]
         job = c.job
-        sender = (hop.owner + 1 + hop.stage) % job.w
-        receiver = (sender + 1) % job.w
+        last = 2 * (job.w - 1) - 1
+        while True:
+            sender = (hop.owner + 1 + hop.stage) % job.w
+            receiver = (sender + 1) % job.w
+            if job.hosts[sender] != job.hosts[receiver]:
+                break
+            if hop.stage == last:
+                self.chunk_done(hop.collective)
+                return
+            hop = replace(hop, stage=hop.stage + 1)
         links = np.array([job.hosts[sender], job.n_hosts + job.hosts[receiver]], np.int64)
         bits = job.chunk_size[c.bucket] * 8.0
         c.unqueued_bits -= 2 * bits
@@ -292,13 +327,16 @@ class _Sim:
         self.net.add(self.seq, links, np.ones(2), bits, *self.queue(job, c.band), key=key)
 
     def hop_done(self, hop: _Hop) -> None:
-        c = self.queued[hop.collective]
-        if hop.stage + 1 < 2 * (c.job.w - 1):
+        if hop.stage + 1 < 2 * (self.queued[hop.collective].job.w - 1):
             self.send_hop(replace(hop, stage=hop.stage + 1))
-            return
+        else:
+            self.chunk_done(hop.collective)
+
+    def chunk_done(self, cid: int) -> None:
+        c = self.queued[cid]
         c.chunks_left -= 1
         if not c.chunks_left:
-            self.collective_done(self.queued.pop(hop.collective))
+            self.collective_done(self.queued.pop(cid))
 
     def queue(self, job: _Job, band: int) -> tuple[int, int]:
         """(priority, queue) of a job's band: gradlaned's HTB leaves carry prio =
@@ -376,7 +414,8 @@ class _Sim:
             spec = job.spec
             jobs.append(JobState(spec.name, job.w, global_batch=spec.global_batch,
                                  chunk_bytes=job.chunk_bytes, layers=job.nb,
-                                 chunk_layers=job.chunk_layer, ring=spec.ring))
+                                 chunk_layers=job.chunk_layer, ring=spec.ring,
+                                 by_host=job.kind == "host"))
             busy = job.last_busy
             for r in range(job.w):
                 # Samples per second of compute, as the shim measures it: what the last

@@ -72,7 +72,7 @@ class Bucket:
 class SimJob:
     name: str
     model: str  # a profile name
-    hosts: tuple[int, ...]  # where its workers run, rank order
+    hosts: tuple[int, ...]  # where its workers run, rank order (several on one: co-located)
     buckets: tuple[Bucket, ...]
     global_batch: int
     speeds: tuple[float, ...] = ()  # relative compute speed per worker (default all 1)
@@ -83,8 +83,8 @@ class SimJob:
     overlap: bool = True
 
     def __post_init__(self) -> None:
-        if not self.hosts or len(set(self.hosts)) != len(self.hosts):
-            raise ConfigError(f"job {self.name}: needs distinct hosts")
+        if not self.hosts:
+            raise ConfigError(f"job {self.name}: needs a host per worker")
         if self.speeds and (len(self.speeds) != len(self.hosts) or min(self.speeds) <= 0):
             raise ConfigError(f"job {self.name}: one positive speed per worker")
         if self.global_batch < len(self.hosts):

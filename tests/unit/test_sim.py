@@ -67,6 +67,51 @@ def test_a_job_s_buckets_share_the_links_flat_or_ring(ring: bool) -> None:
         assert t == pytest.approx(4 * step + 6 * c * 8 / G, rel=1e-6)
 
 
+def _co_located(layers, placement, ring, chunk_bytes=None):  # type: ignore[no-untyped-def]
+    """One job of ranks on `placement` (each rank's host), hosts at 1 Gbit/s."""
+    sc = _one_job(layers, len(placement))
+    job = replace(sc.jobs[0], hosts=tuple(placement), ring=ring,
+                  chunk_bytes=chunk_bytes or sc.jobs[0].chunk_bytes)
+    hosts = max(placement) + 1
+    return replace(sc, topology=Topology(tuple(Host(f"h{i}", 0, int(G))
+                                               for i in range(hosts))), jobs=(job,))
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_ranks_sharing_hosts_send_each_other_nothing_over_the_network(ring: bool) -> None:
+    # Two ranks on each of two hosts, one one-chunk bucket. Reduced within hosts first, one
+    # copy crosses each way: the other host's partial sum in, the average out (flat, four
+    # hosts: 1.5 chunks). On the ring of ranks 0, 1 | 2, 3 only the hops 1 -> 2 and 3 -> 0
+    # cross, three of a chunk's six whatever its owner, one after the other.
+    c, fwd, bwd = 1e6, 0.01, 0.02
+    sc = _co_located([(c, fwd, bwd)], (0, 0, 1, 1), ring, chunk_bytes=int(c))
+    hops = 3 if ring else 1
+    for t in simulate(sc, get_policy("fifo")).iteration_s["job0-x"]:
+        assert t == pytest.approx(fwd + bwd + hops * c * 8 / G, rel=1e-6)
+    # All on one host: nothing crosses at all.
+    alone = _co_located([(c, fwd, bwd)], (0, 0, 0), ring, chunk_bytes=int(c))
+    for t in simulate(alone, get_policy("fifo")).iteration_s["job0-x"]:
+        assert t == pytest.approx(fwd + bwd, rel=1e-9)
+
+
+def test_ranks_sharing_hosts_ring_and_within_hosts_as_on_the_testbed() -> None:
+    # `bench/co_located.py`'s placement: eight ranks, four on each of two hosts, an 8 MB
+    # model in eight buckets. On the ring, even owners put 1.75 models on each host link
+    # each way; `loadbalance` gives the chunks to the ranks at either end of each host's
+    # run (1.5). Within hosts first carries one model each way, the bound.
+    size = 8e6
+    placement = (0,) * 4 + (1,) * 4
+    ring = _co_located([(size / 8, 0.001, 0.002)] * 8, placement, ring=True)
+    even = simulate(ring, get_policy("fifo")).mean_iteration_s
+    planned = simulate(ring, get_policy("loadbalance")).mean_iteration_s
+    within = simulate(_co_located([(size / 8, 0.001, 0.002)] * 8, placement, ring=False),
+                      get_policy("loadbalance")).mean_iteration_s
+    least = size * 8 / G  # a host link: one model out, one in
+    assert even >= 1.75 * least
+    assert 1.5 * least <= planned <= 1.6 * least  # the hops' latency on top
+    assert least <= within <= 1.1 * least
+
+
 @pytest.mark.parametrize("ring", [False, True])
 def test_loadbalance_owners_relieve_a_slow_link_flat_or_ring(ring: bool) -> None:
     # Four workers, the last at half the rate, an 8 MB model in eight buckets. With even
@@ -296,8 +341,8 @@ def test_buckets_group_layers_and_keep_totals() -> None:
 
 
 def test_bad_scenarios_are_refused() -> None:
-    with pytest.raises(ConfigError, match="distinct hosts"):
-        SimJob("j", "resnet50", (0, 0), (Bucket(1, 1, 1),), 8)
+    with pytest.raises(ConfigError, match="a host per worker"):
+        SimJob("j", "resnet50", (), (Bucket(1, 1, 1),), 8)
     with pytest.raises(ConfigError, match="one sample per worker"):
         SimJob("j", "resnet50", (0, 1), (Bucket(1, 1, 1),), 1)
     sc = _one_job([(1e6, 0.01, 0.02)])
