@@ -37,7 +37,11 @@ def test_sim_validate_replays_the_shipped_testbed_results(tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert {(r["scenario"], r["system"]) for r in data["rows"]} >= {
-        ("trace-vgg19", "fifo"), ("trace-vgg19", "gradlane")}
+        ("trace-vgg19", "fifo"), ("trace-vgg19", "gradlane"),
+        ("control-slow-link", "gradlane+control"),
+        # Ranks sharing hosts, on the ring and reduced within hosts first.
+        ("control-co-located", "gradlane+control"),
+        ("control-co-located", "gradlane+control, within hosts")}
     assert data["max_abs_error"] == max(abs(r["error"]) for r in data["rows"])
     assert out.with_suffix(".png").stat().st_size > 0
 
@@ -85,6 +89,27 @@ def test_sim_coflows_refuses_a_load_outside_0_1(tmp_path: Path) -> None:
                                       "--json", str(tmp_path / "x.json")])
     assert result.exit_code != 0
     assert "load must be in (0, 1)" in result.output
+
+
+def test_validate_replays_the_control_runs_placement_and_exchange() -> None:
+    from gradlane.simulation import owners_scenario
+
+    result = {"scenario": {"name": "control-co-located", "rates": ["100mbit", "100mbit"],
+                           "placement": ["h1"] * 3 + ["h2"] * 3,
+                           "workload": ["--workload", "trace", "--model", "vgg19",
+                                        "--model-mb", "2", "--forward-ms", "20",
+                                        "--exchange", "ring"]},
+              "daemon_line_bps": [101585205, 101585205]}
+    ring = owners_scenario(result, 0.07, "fine")
+    assert ring.jobs[0].hosts == (0, 0, 0, 1, 1, 1) and ring.jobs[0].ring
+    rates = {h.nic_bps for h in ring.topology.hosts}  # gradlaned's shaped rate, payload
+    assert len(ring.topology.hosts) == 2 and len(rates) == 1 and 90e6 < rates.pop() < 100e6
+    within = owners_scenario(result, 0.07, "fine", ("--exchange", "auto"))  # the further run
+    assert within.jobs[0].hosts == (0, 0, 0, 1, 1, 1) and not within.jobs[0].ring
+    # The slow link's results name no placement: one rank a host, the shim's ring.
+    slow = {**result, "scenario": {**result["scenario"], "placement": None,
+                                   "workload": result["scenario"]["workload"][:-2]}}
+    assert owners_scenario(slow, 0.07, "fine").jobs[0].hosts == (0, 1)
 
 
 def test_validate_replays_the_exchange_the_testbed_ran() -> None:
