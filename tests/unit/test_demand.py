@@ -18,6 +18,22 @@ def test_all_reduction_parents_are_each_owners_tree(leaves: list[int]) -> None:
         reduction_parents(owner, leaves) for owner in range(len(leaves))]
 
 
+@settings(max_examples=examples(200))
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=14),
+       st.lists(st.integers(0, 3), min_size=6, max_size=6), st.booleans())
+def test_two_level_trees_for_every_owner_at_once_are_each_owners_tree(
+    hosts: list[int], leaf_of_host: list[int], stray: bool,
+) -> None:
+    # Ranks on hosts in any order, each host under one leaf; or (`stray`) rank 0 naming
+    # another leaf than its host's, which the vectorized path leaves to the loop.
+    leaves = [leaf_of_host[h] for h in hosts]
+    if stray:
+        leaves[0] += 1
+    every = all_reduction_parents(leaves, hosts)
+    assert [row.tolist() for row in every] == [
+        reduction_parents(owner, leaves, hosts) for owner in range(len(leaves))]
+
+
 def _peers_by_loop(leaf: list[int], host: list[int]) -> tuple[list[int], list[int]]:
     """`Exchange._peers` rank by rank, as its docstring says."""
     w, leaves = len(leaf), sorted(set(leaf))
