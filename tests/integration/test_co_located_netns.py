@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from gradlane.control_runs import _controlled
 from gradlane.demo import collect, launch
 from gradlane.policies.profiles import trace_spec
 from gradlane.testbed import Cluster, Topology
@@ -73,4 +75,35 @@ def test_ranks_sharing_hosts_reduce_within_them_first(tmp_path: Path) -> None:
     model = 4 * sum(n for n, _, _ in trace_spec("vgg19", 1.0, 0.010))
     per_host_step = run.wire_bytes / 2 / len(run.times)
     assert per_host_step < 1.3 * model, (per_host_step, model)
+    print(f"each host sent {per_host_step / model:.2f} models per step")
+
+
+@pytest.mark.timeout(240)
+def test_hosts_under_oversubscribed_leaves_reduce_within_hosts_then_leaves(
+    tmp_path: Path,
+) -> None:
+    """Two ranks on each of four hosts, two hosts a leaf, a 4:1 uplink; the control plane
+    (on a fifth host) advises reducing within leaves. Two levels: one copy per host
+    crosses its NIC and one per leaf the spine, 6 copies of each chunk on the hosts'
+    NICs, 1.5 models a host a step; a leaf's leader alone would take a copy from every
+    rank of its leaf (10 copies, 2.5 models)."""
+    placement = ["h1", "h1", "h2", "h2", "h4", "h4", "h5", "h5"]
+    topology = Topology.build("hil", 5, "200mbit", leaves=2, uplink="100mbit")
+    with Cluster(topology) as c:
+        ctl = _controlled(c, tmp_path, ["h1", "h2", "h4", "h5"], "h3")
+        ctl.start_control("--uplink", "100mbit")
+        ctl.wait_view(lambda v: len(v["hosts"]) == 4 and v["plan"]["reduce_in_leaf"],
+                      "4 daemons and an oversubscribed uplink")
+        time.sleep(1)  # the plan's next push reaches every daemon (cadence 0.5 s)
+        job = launch(c, "gradlane", ["--steps", str(STEPS), *WORKLOAD], port=29841,
+                     out=tmp_path, sockets=[ctl.sockets[h] for h in placement],
+                     hosts=placement)
+        run = collect(c, job)
+        assert ctl.stop_daemons() == [0] * 4  # qdiscs restored
+    records = [json.loads((tmp_path / f"gradlane-rank{r}.json").read_text()) for r in range(8)]
+    assert [(r["exchange"], r["leaves"], r["hosts"]) for r in records] == [
+        ("leaf", [0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3])] * 8
+    model = 4 * sum(n for n, _, _ in trace_spec("vgg19", 1.0, 0.010))
+    per_host_step = run.wire_bytes / 4 / len(run.times)
+    assert per_host_step < 2.0 * model, (per_host_step, model)
     print(f"each host sent {per_host_step / model:.2f} models per step")
