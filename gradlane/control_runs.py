@@ -41,9 +41,9 @@ from gradlane.testbed import Cluster, Topology
 from gradlane.testbed.links import line_rate
 from gradlane.units import parse_rate
 
-__all__ = ["CO_LOCATED", "SLOW_LINK", "OwnersScenario", "run_co_located",
-           "run_control_straggler", "run_planned_owners", "run_slow_link", "run_two_jobs",
-           "trace_workload"]
+__all__ = ["CO_LOCATED", "OWNERS_SCENARIOS", "SLOW_LINK", "Controlled", "OwnersScenario",
+           "controlled", "run_co_located", "run_control_straggler", "run_planned_owners",
+           "run_slow_link", "run_two_jobs", "trace_workload", "worker_option"]
 
 CONTROL_PORT = 7800
 
@@ -79,7 +79,7 @@ sys.exit(1)
 
 
 @dataclass
-class _Controlled:
+class Controlled:
     """Daemons linked to a control plane's address on `control_host` (not started yet)."""
 
     cluster: Any
@@ -195,7 +195,7 @@ def _trace(workload: Sequence[str]) -> tuple[float, int]:
     return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
 
 
-def _controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) -> _Controlled:
+def controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) -> Controlled:
     """Start gradlaned on `hosts`, each linked to a control plane on `control_host`."""
     workdir.chmod(0o755)
     token = secrets.token_hex(16)
@@ -208,7 +208,7 @@ def _controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) 
         daemons[host], sockets[host] = c.start_daemon(host, workdir, args=[
             "--control-url", url, "--control-token-file", str(token_file),
             "--control-host", host, "--control-leaf", str(leaf)])
-    return _Controlled(c, control_host, token, token_file, daemons, sockets)
+    return Controlled(c, control_host, token, token_file, daemons, sockets)
 
 
 def run_control_straggler(
@@ -249,7 +249,7 @@ def run_control_straggler(
     args = ["--steps", str(steps), *STRAGGLER_WORKLOAD]
     workers = [f"h{i}" for i in range(1, 5)]
     with Cluster(Topology.build("strag", 5, "1gbit")) as c:
-        ctl = _controlled(c, workdir, workers, "h5")
+        ctl = controlled(c, workdir, workers, "h5")
         sockets = [ctl.sockets[h] for h in workers]
         alone = None
         if reference:
@@ -440,7 +440,7 @@ def run_planned_owners(
     control_host = f"h{len(scenario.rates)}"
     with Cluster(Topology.build(scenario.cluster, len(scenario.rates),
                                 list(scenario.rates))) as c:
-        ctl = _controlled(c, workdir, hosts, control_host)
+        ctl = controlled(c, workdir, hosts, control_host)
         sockets = [ctl.sockets[h] for h in scenario.placement]
         runs: dict[str, SystemRun] = {}
 
@@ -630,7 +630,7 @@ def run_two_jobs(
     exchange: dict[str, str | None] = {}  # how the control plane saw each job reduce
     port = 29820
     with Cluster(topology) as c:
-        ctl = _controlled(c, workdir, hosts, "h5")
+        ctl = controlled(c, workdir, hosts, "h5")
 
         def both(label: str, system: str, watch: bool = False) -> None:
             nonlocal port

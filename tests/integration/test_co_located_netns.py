@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gradlane.control_runs import _controlled
+from gradlane.control_runs import controlled
 from gradlane.demo import collect, launch
 from gradlane.policies.profiles import trace_spec
 from gradlane.testbed import Cluster, Topology
@@ -90,7 +90,7 @@ def test_hosts_under_oversubscribed_leaves_reduce_within_hosts_then_leaves(
     placement = ["h1", "h1", "h2", "h2", "h4", "h4", "h5", "h5"]
     topology = Topology.build("hil", 5, "200mbit", leaves=2, uplink="100mbit")
     with Cluster(topology) as c:
-        ctl = _controlled(c, tmp_path, ["h1", "h2", "h4", "h5"], "h3")
+        ctl = controlled(c, tmp_path, ["h1", "h2", "h4", "h5"], "h3")
         ctl.start_control("--uplink", "100mbit")
         ctl.wait_view(lambda v: len(v["hosts"]) == 4 and v["plan"]["reduce_in_leaf"],
                       "4 daemons and an oversubscribed uplink")
