@@ -100,7 +100,7 @@ class HookState:
             # every rank knows its leaf.
             self.leaves, self.hosts = reduction_groups(
                 store, self._prefix, self.rank, self.world, self.client.leaf(),
-                self.client.host() or self.mesh.address, self.config.exchange)
+                self.client.host(), self.mesh.address, self.config.exchange)
             self.engine = Engine(
                 self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
                 leaves=self.leaves, exchange=self.config.exchange, hosts=self.hosts,

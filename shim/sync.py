@@ -431,9 +431,8 @@ class Sync:
         """The leaves (`DaemonClient.leaf`) and hosts chunks are reduced within first
         (`reduction_groups`; None: no such groups)."""
         leaves, hosts = reduction_groups(store, self._prefix, self.rank, self.world,
-                                         self.client.leaf(),
-                                         self.client.host() or self.mesh.address,
-                                         self.config.exchange)
+                                         self.client.leaf(), self.client.host(),
+                                         self.mesh.address, self.config.exchange)
         if (leaves or hosts) and self.rank == 0:
             logger.info("gradlane: reducing within hosts %s, then leaves %s", hosts, leaves)
         return leaves, hosts

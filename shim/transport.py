@@ -22,7 +22,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +39,7 @@ __all__ = [
     "gather",
     "local_address",
     "reduction_groups",
+    "same_host",
     "mark",
     "tensor_bytes",
 ]
@@ -111,23 +112,48 @@ def rank0_says(store: Store, key: str, rank: int, said: object, previous: str | 
 
 
 def reduction_groups(store: Store, prefix: str, rank: int, world: int, leaf: int | None,
-                     host: str, exchange: str
+                     host: str | None, address: str, exchange: str
                      ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
     """(leaves, hosts): the groups each chunk is reduced within first, each None for none.
 
-    Each rank posts its `leaf` switch (None: unknown) and `host` (gradlaned's
-    name for it, `DaemonClient.host`, else the address it listens on) and
-    reads everyone's, in one round. Leaves: every rank's when all know theirs
-    and there are several (one rank without keeps the whole job off them:
-    every rank must build the same reduction trees). Hosts: every rank's when
-    some share one (`gradlane.policies.chunks.host_groups`). With both, two
-    levels: within hosts, then within leaves.
+    Each rank posts its `leaf` switch (None: unknown), its `host` as its
+    gradlaned names it (`DaemonClient.host`; None: no daemon answered) and
+    the `address` it listens on, and reads everyone's, in one round.
+    Leaves: every rank's when all know theirs and there are several (one
+    rank without keeps the whole job off them: every rank must build the
+    same reduction trees). Hosts: ranks share one when their gradlaned names
+    one, or when they listen on one address (`same_host`); every rank's
+    when some share one (`gradlane.policies.chunks.host_groups`). With both,
+    two levels: within hosts, then within leaves.
     """
-    posts = [json.loads(p) for p in
-             gather(store, f"{prefix}/where", rank, world, json.dumps([leaf, host]))]
+    posts = [json.loads(p) for p in gather(store, f"{prefix}/where", rank, world,
+                                           json.dumps([leaf, host, address]))]
     leaves = tuple(-1 if p[0] is None else int(p[0]) for p in posts)
     agreed = None if min(leaves) < 0 or len(set(leaves)) == 1 else leaves
-    return agreed, host_groups([str(p[1]) for p in posts], exchange)
+    hosts = same_host([p[1] for p in posts], [str(p[2]) for p in posts])
+    return agreed, host_groups([str(h) for h in hosts], exchange)
+
+
+def same_host(names: Sequence[str | None], addresses: Sequence[str]) -> list[int]:
+    """Per rank, the lowest rank on its host: ranks whose gradlaned gave one name (None:
+    none did) or that listen on one address share a host, and so do ranks sharing one
+    with a same third (a rank whose daemon did not answer in time still joins the ranks
+    of its address)."""
+    parent = list(range(len(addresses)))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for keys in (names, addresses):
+        first: dict[str, int] = {}
+        for r, key in enumerate(keys):
+            if key is not None:
+                a, b = root(first.setdefault(key, r)), root(r)
+                parent[max(a, b)] = min(a, b)
+    return [root(r) for r in range(len(addresses))]
 
 
 def agree_batch(store: Store, prefix: str, rank: int, world: int, mine: int | None

@@ -26,7 +26,7 @@ from torch import nn
 
 import gradlane.shim as gl
 import gradlane.shim.sync as sync_module
-from gradlane.shim.transport import agree_batch, reduction_groups
+from gradlane.shim.transport import agree_batch, reduction_groups, same_host
 from tests import examples
 from tests.ranks import on_every_rank
 
@@ -278,36 +278,76 @@ def test_the_global_batch_is_agreed_only_when_every_rank_knows_its_own(
     assert got == [agreed] * len(mine)
 
 
-# Each rank's (leaf, host) and exchange; the (leaves, hosts) every rank agrees on.
+# Each rank's (leaf, its gradlaned's name for its host, address) and the exchange; the
+# (leaves, hosts) every rank agrees on.
 GROUPINGS = [
     # Pods: each rank its own address, two gradlaneds naming two hosts.
-    ([(None, "boot/1"), (None, "boot/1"), (None, "boot/2"), (None, "boot/2")], "auto",
-     (None, (0, 0, 1, 1))),
+    ([(None, "boot/1", "10.0.0.1"), (None, "boot/1", "10.0.0.2"),
+      (None, "boot/2", "10.0.0.3"), (None, "boot/2", "10.0.0.4")], "auto", (None, (0, 0, 1, 1))),
     # No daemon: the listening addresses.
-    ([(None, "10.0.0.1"), (None, "10.0.0.2"), (None, "10.0.0.1")], "flat", (None, (0, 1, 0))),
-    ([(None, "boot/1"), (None, "boot/1"), (None, "boot/2"), (None, "boot/2")], "ring",
+    ([(None, None, "10.0.0.1"), (None, None, "10.0.0.2"), (None, None, "10.0.0.1")], "flat",
+     (None, (0, 1, 0))),
+    # Rank 1's daemon did not answer in time: its address still puts it with rank 0, and
+    # rank 2's name with rank 0's (one host, two addresses).
+    ([(None, "boot/1", "10.0.0.1"), (None, None, "10.0.0.1"), (None, "boot/1", "10.0.0.9"),
+      (None, "boot/2", "10.0.0.3")], "auto", (None, (0, 0, 0, 1))),
+    ([(None, "boot/1", "10.0.0.1"), (None, "boot/1", "10.0.0.2"),
+      (None, "boot/2", "10.0.0.3"), (None, "boot/2", "10.0.0.4")], "ring",
      (None, None)),  # asked for the ring
-    ([(0, "a"), (0, "b"), (1, "c"), (1, "d")], "auto", ((0, 0, 1, 1), None)),  # leaves only
-    ([(0, "a"), (None, "a"), (1, "b"), (1, "b")], "auto", (None, (0, 0, 1, 1))),  # a leaf unknown
-    ([(0, "a"), (0, "a"), (0, "b"), (1, "c")], "auto", ((0, 0, 0, 1), (0, 0, 1, 2))),  # both
-    ([(3, "a")] * 3, "auto", (None, None)),  # one leaf, one host: nothing to group
+    ([(0, None, "a"), (0, None, "b"), (1, None, "c"), (1, None, "d")], "auto",
+     ((0, 0, 1, 1), None)),  # leaves only
+    ([(0, None, "a"), (None, None, "a"), (1, None, "b"), (1, None, "b")], "auto",
+     (None, (0, 0, 1, 1))),  # a leaf unknown
+    ([(0, None, "a"), (0, None, "a"), (0, None, "b"), (1, None, "c")], "auto",
+     ((0, 0, 0, 1), (0, 0, 1, 2))),  # both
+    ([(3, "boot/1", "a")] * 3, "auto", (None, None)),  # one leaf, one host: nothing to group
 ]
 
 
 @pytest.mark.parametrize(("where", "exchange", "agreed"), GROUPINGS)
 def test_the_ranks_agree_on_the_groups_they_reduce_within_first(
-    where: list[tuple[int | None, str]], exchange: str,
+    where: list[tuple[int | None, str | None, str]], exchange: str,
     agreed: tuple[tuple[int, ...] | None, tuple[int, ...] | None],
 ) -> None:
     store, job = dist.HashStore(), f"ranks{next(_jobs)}"
     got: list[object] = [None] * len(where)
 
     def body(rank: int) -> None:
-        leaf, host = where[rank]
-        got[rank] = reduction_groups(store, job, rank, len(where), leaf, host, exchange)
+        leaf, host, address = where[rank]
+        got[rank] = reduction_groups(store, job, rank, len(where), leaf, host, address,
+                                     exchange)
 
     on_every_rank(len(where), body)
     assert got == [agreed] * len(where)
+
+
+@given(st.lists(st.tuples(st.one_of(st.none(), st.sampled_from("xyz")), st.sampled_from("abcd")),
+                min_size=1, max_size=10))
+def test_ranks_share_a_host_by_name_or_address_and_through_a_third(
+    ranks: list[tuple[str | None, str]],
+) -> None:
+    names, addresses = [n for n, _ in ranks], [a for _, a in ranks]
+    got = same_host(names, addresses)
+    for r, host in enumerate(got):
+        assert host <= r and got[host] == host  # the lowest rank of the host names it
+    for r in range(len(ranks)):
+        for q in range(len(ranks)):
+            linked = addresses[r] == addresses[q] or (names[r] is not None
+                                                      and names[r] == names[q])
+            assert not linked or got[r] == got[q]
+    # No host joins ranks that nothing links: each host's ranks are connected through
+    # shared names or addresses (a walk from its lowest rank reaches them all).
+    for host in set(got):
+        members = {r for r, h in enumerate(got) if h == host}
+        reached, frontier = {host}, [host]
+        while frontier:
+            r = frontier.pop()
+            for q in members - reached:
+                if addresses[q] == addresses[r] or (names[q] is not None
+                                                    and names[q] == names[r]):
+                    reached.add(q)
+                    frontier.append(q)
+        assert reached == members
 
 
 def test_the_ranks_take_the_plans_chunk_owners_together(
