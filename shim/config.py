@@ -88,8 +88,8 @@ class ShimConfig:
             4-host testbed the ring was 0-12% faster than flat on every
             trace and the CNN, and as fast on ResNet-50 (compute-bound).
             With "auto" or "flat", ranks sharing some hosts (not all on
-            one; told by gradlaned, which names its host in the welcome,
-            else by listening on one address) reduce each chunk within each host
+            one; ranks whose gradlaned names one host in its welcome, or
+            that listen on one address) reduce each chunk within each host
             first, and one copy per host crosses its NIC each way
             (`gradlane.policies.chunks.host_groups`); with leaves known,
             within hosts, then within leaves (one copy per host on its NIC,
