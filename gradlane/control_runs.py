@@ -35,7 +35,7 @@ from typing import Any
 from gradlane.benchmark import PAYLOAD_EFFICIENCY, REFERENCE, lower_bound, summarize
 from gradlane.demo import SystemRun, collect, launch, run_on_cluster, steady_start
 from gradlane.errors import ConfigError, TestbedError
-from gradlane.policies.profiles import trace_spec
+from gradlane.policies.profiles import trace_layers
 from gradlane.policies.straggler import proportional_shares
 from gradlane.testbed import Cluster, Topology
 from gradlane.testbed.links import line_rate
@@ -190,9 +190,8 @@ def trace_workload(workload: Sequence[str]) -> tuple[str, float, float]:
 
 def _trace(workload: Sequence[str]) -> tuple[float, int]:
     """Compute seconds per iteration (batch 32, speed 1) and model bytes of a trace workload."""
-    model, megabytes, forward_ms = trace_workload(workload)
-    spec = trace_spec(model, megabytes, forward_ms / 1000)
-    return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
+    layers = trace_layers(*trace_workload(workload))
+    return sum(f + b for _, f, b in layers), int(sum(n for n, _, _ in layers))
 
 
 def controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) -> Controlled:

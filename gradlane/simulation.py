@@ -41,6 +41,7 @@ from gradlane.errors import ConfigError
 from gradlane.policies import get_policy
 from gradlane.policies.base import DEFAULT_BANDS, Host, Topology
 from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, host_groups, uses_ring
+from gradlane.policies.profiles import trace_layers
 from gradlane.policies.sim import (
     Scenario,
     SimJob,
@@ -258,7 +259,7 @@ def testbed_scenario(
     before the ring's chunks were made W-1 times smaller (2026-11-25) had larger ones.
     """
     wl = result["scenario"]["workload"]
-    layers = _trace_layers(wl["model"], wl["model_mb"], wl["forward_ms"], compute_s)
+    layers = trace_layers(wl["model"], wl["model_mb"], wl["forward_ms"], compute_s)
     hosts = int(result["scenario"]["hosts"])
     # gradlaned (default config on the testbed) shapes every host's egress under the line
     # rate it was told (results from before it was recorded: the link's rate).
@@ -279,18 +280,6 @@ def testbed_scenario(
     job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk,
                               overlap=system != "fifo")
     return dataclasses.replace(scenario, jobs=(job,))
-
-
-def _trace_layers(model: str, model_mb: float, forward_ms: float, compute_s: float | None
-                  ) -> list[tuple[float, float, float]]:
-    """A trace workload's layers (bytes, forward s, backward s), compute scaled to
-    `compute_s` (None: as the trace gives it)."""
-    from gradlane.policies.profiles import trace_spec
-
-    spec = trace_spec(model, model_mb, forward_ms / 1000)
-    nominal = sum(f + b for _, f, b in spec)
-    scale = (compute_s or nominal) / nominal
-    return [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
 
 
 def _shaped(link_bps: float, line_bps: float) -> float:
@@ -319,7 +308,7 @@ def owners_scenario(result: dict[str, Any], compute_s: float, layout: str,
     from gradlane.control_runs import trace_workload, worker_option
 
     wl = [*result["scenario"]["workload"], *added]
-    layers = _trace_layers(*trace_workload(wl), compute_s)
+    layers = trace_layers(*trace_workload(wl), compute_s)
     rates = [parse_rate(r) for r in result["scenario"]["rates"]]
     placement = result["scenario"].get("placement") or [f"h{i + 1}" for i in range(len(rates))]
     names = list(dict.fromkeys(placement))  # each host once, in rank order

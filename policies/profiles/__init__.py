@@ -14,7 +14,7 @@ from importlib import resources
 
 from gradlane.errors import ConfigError
 
-__all__ = ["NAMES", "Module", "Profile", "load_profile", "trace_spec"]
+__all__ = ["NAMES", "Module", "Profile", "load_profile", "trace_layers", "trace_spec"]
 
 NAMES = ("resnet50", "vgg19", "bert_base", "gpt2")
 BACKWARD_TO_FORWARD = 2.0  # backward costs about twice the forward (two matmuls per one)
@@ -84,3 +84,13 @@ def trace_spec(model: str, model_mb: float, forward_s: float) -> list[tuple[int,
         (max(1024, round(m.bytes * scale / 4)), f, b)
         for m, (f, b) in zip(profile.modules, times, strict=True)
     ]
+
+
+def trace_layers(model: str, model_mb: float, forward_ms: float, compute_s: float | None = None
+                 ) -> list[tuple[float, float, float]]:
+    """A trace workload's layers (bytes, forward s, backward s): `trace_spec`'s, with its
+    compute scaled to take `compute_s` per iteration (None: as the trace gives it)."""
+    spec = trace_spec(model, model_mb, forward_ms / 1000)
+    nominal = sum(f + b for _, f, b in spec)
+    scale = (compute_s or nominal) / nominal
+    return [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
