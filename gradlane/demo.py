@@ -518,12 +518,12 @@ class _BandSampler:
 
 
 def _tx_bytes(netns: str) -> int:
+    """What a host's NICs (eth0, eth1, ...) have sent, in bytes."""
     from pyroute2 import IPRoute
 
     with IPRoute(netns=netns, flags=0, groups=0) as ipr:
-        link = ipr.get_links(ifname="eth0")[0]
-        stats = link.get_attr("IFLA_STATS64")
-        return int(stats["tx_bytes"])
+        return sum(int(link.get_attr("IFLA_STATS64")["tx_bytes"]) for link in ipr.get_links()
+                   if str(link.get_attr("IFLA_IFNAME")).startswith("eth"))
 
 
 @dataclass

@@ -74,7 +74,8 @@ def main() -> None:
                     help="fifo, priority, gradlane: the shim's chunk size (default: its own)")
     ap.add_argument("--address", default=None,
                     help="fifo, priority, gradlane: the address this rank listens on "
-                         "(default: the one that routes to the rendezvous)")
+                         "(default: the one that routes to the rendezvous); several, "
+                         "comma-separated, one per NIC")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -145,7 +146,7 @@ def main() -> None:
 
         options: dict[str, Any] = {"job": args.job, "layout": args.layout,
                                    "daemon_socket": "/nonexistent/gradlaned.sock",
-                                   "address": args.address}
+                                   "address": args.address and args.address.split(",")}
         if args.chunk_bytes is not None:
             options["chunk_bytes"] = args.chunk_bytes
         if args.system == "fifo":

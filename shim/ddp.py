@@ -33,6 +33,7 @@ import os
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ class HookState:
         model: the DDP-wrapped model (its process group must be initialized;
             its store is used for rendezvous).
         address: the address peers connect to (default: the one that routes
-            to MASTER_ADDR).
+            to MASTER_ADDR), or one per NIC (`gradlane.shim.attach`).
         options: `ShimConfig` fields (chunk_bytes, dscp, timeout_s, job, ...).
 
     Attributes:
@@ -74,7 +75,8 @@ class HookState:
             step for the control plane to see each worker's throughput.
     """
 
-    def __init__(self, model: nn.Module, *, address: str | None = None, **options: Any) -> None:
+    def __init__(self, model: nn.Module, *, address: str | Sequence[str] | None = None,
+                 **options: Any) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("HookState needs torch.distributed.init_process_group() first")
         self.config = ShimConfig(**options)

@@ -81,6 +81,7 @@ class Chunk:
     start: int
     stop: int
     owner: int
+    plane: int = 0  # the plane (NIC) whose connections carry it, at every rank
     parent: int = -1  # where this rank's contribution goes (-1: this rank owns the chunk)
     children: tuple[int, ...] = ()  # whose contributions come here
     source: int = -1  # who sends this rank the result (-1: this rank owns the chunk)
@@ -185,9 +186,9 @@ class Engine:
         self._cond = threading.Condition(lock)  # chunk and group progress, failures
         self._sent = threading.Condition(lock)  # send queues drained
         self._seq = itertools.count()
-        # One priority queue and one sender thread per connection (peer, band).
+        # One priority queue and one sender thread per connection (peer, band, plane).
         self._queues: dict[
-            tuple[int, int], list[tuple[tuple[int, ...], int, bytes, memoryview | None]]
+            tuple[int, int, int], list[tuple[tuple[int, ...], int, bytes, memoryview | None]]
         ]
         self._queues = {key: [] for key in mesh.links}
         self._qcond = {key: threading.Condition() for key in mesh.links}
@@ -195,8 +196,9 @@ class Engine:
         self._closing = False
         self._threads: list[threading.Thread] = []
         for link in mesh.links.values():
-            self._spawn(self._send_loop, f"gl-send-{link.peer}.{link.band}", link)
-            self._spawn(self._recv_loop, f"gl-recv-{link.peer}.{link.band}", link)
+            name = f"{link.peer}.{link.band}" + (f".{link.plane}" if mesh.planes > 1 else "")
+            self._spawn(self._send_loop, f"gl-send-{name}", link)
+            self._spawn(self._recv_loop, f"gl-recv-{name}", link)
 
     def _spawn(self, target: Callable[..., None], name: str, arg: object) -> None:
         thread = threading.Thread(target=target, args=(arg,), name=name, daemon=True)
@@ -240,6 +242,8 @@ class Engine:
                 start,
                 stop,
                 owner,
+                # Chunks take the planes in turn (single-chunk groups too, by their gid).
+                plane=(gid + i) % self.mesh.planes,
                 parent=parents[self.rank],
                 children=tuple(r for r, up in enumerate(parents) if up == self.rank),
                 source=sources[self.rank],
@@ -310,6 +314,7 @@ class Engine:
                     header,
                     chunk.grad_bytes,
                     group.band,
+                    chunk.plane,
                 )
 
     def wait(self, groups: Sequence[Group], step: int | None = None) -> None:
@@ -384,12 +389,13 @@ class Engine:
         healthy = self.healthy
         drained = self.drain(linger_s if healthy else 0.0)
         self._closing = True
-        for peer, band in self._queues:
+        for peer, band, plane in self._queues:
             if drained:
-                self._enqueue(peer, _LAST, _HDR.pack(BYE, 0, self.step, 0, 0, 0), None, band)
+                self._enqueue(peer, _LAST, _HDR.pack(BYE, 0, self.step, 0, 0, 0), None, band,
+                              plane)
             else:
-                with self._qcond[peer, band]:
-                    self._qcond[peer, band].notify_all()
+                with self._qcond[peer, band, plane]:
+                    self._qcond[peer, band, plane].notify_all()
         deadline = time.monotonic() + (linger_s if healthy else 0.5)
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -409,17 +415,20 @@ class Engine:
         header: bytes,
         payload: memoryview | None,
         band: int,
+        plane: int,
     ) -> None:
         size = len(payload) if payload is not None else 0
         with self._cond:
             self._queued_bytes += size
-        with self._qcond[peer, band]:
-            heapq.heappush(self._queues[peer, band], (key, next(self._seq), header, payload))
-            self._qcond[peer, band].notify()
+        link = (peer, band, plane)
+        with self._qcond[link]:
+            heapq.heappush(self._queues[link], (key, next(self._seq), header, payload))
+            self._qcond[link].notify()
 
     def _send_loop(self, link: Link) -> None:
         peer = link.peer
-        queue, cond = self._queues[peer, link.band], self._qcond[peer, link.band]
+        queue, cond = (self._queues[peer, link.band, link.plane],
+                       self._qcond[peer, link.band, link.plane])
         try:
             while True:
                 with cond:
@@ -457,7 +466,7 @@ class Engine:
                 if kind == BYE:  # data before it on this connection is all processed
                     with self._cond:
                         self._byes[peer] = self._byes.get(peer, 0) + 1
-                        last = self._byes[peer] == len(self.mesh.dscp)
+                        last = self._byes[peer] == len(self.mesh.dscp) * self.mesh.planes
                     if last:
                         self._peer_left(peer, f"left (closed its shim at step {step})")
                     return
@@ -563,6 +572,7 @@ class Engine:
                 header,
                 chunk.partial_bytes,
                 group.band,
+                chunk.plane,
             )
             return  # done when the result comes back down
         self._send_down(chunk, step)
@@ -573,9 +583,8 @@ class Engine:
         group = chunk.group
         header = _HDR.pack(AG, group.gid, step, chunk.index, chunk.nbytes, 0)
         for peer in chunk.sinks:
-            self._enqueue(
-                peer, (group.priority, 0, chunk.index), header, chunk.out_bytes, group.band
-            )
+            self._enqueue(peer, (group.priority, 0, chunk.index), header, chunk.out_bytes,
+                          group.band, chunk.plane)
 
     def _chunk_done(self, chunk: Chunk, step: int) -> None:
         group = chunk.group

@@ -181,7 +181,7 @@ def attach(
     rank: int | None = None,
     world_size: int | None = None,
     store: Store | None = None,
-    address: str | None = None,
+    address: str | Sequence[str] | None = None,
     **options: Any,
 ) -> Sync:
     """Synchronize `model`'s gradients across workers and step `optimizer` layer by layer.
@@ -189,7 +189,10 @@ def attach(
     Rank, world size and the rendezvous store follow torchrun: RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or an initialized default process
     group's store). `address` is the one peers connect to (default: the local
-    address that routes to MASTER_ADDR). Other keyword arguments are
+    address that routes to MASTER_ADDR); several, one per NIC, spread the
+    chunks over the NICs in turn (every rank gives as many, and its k-th
+    must reach the others' k-th: one switch plane per NIC, as rail-optimized
+    clusters have; `gradlane.shim.transport.Mesh`). Other keyword arguments are
     `ShimConfig` fields (chunk_bytes, dscp, overlap, timeout_s, job, ...).
 
     Raises:
@@ -267,7 +270,7 @@ class Sync:
         rank: int,
         world: int,
         store: Store,
-        address: str,
+        address: str | Sequence[str],
     ) -> None:
         if isinstance(optimizer, torch.optim.SparseAdam):
             raise ConfigError("SparseAdam needs sparse gradients; gradlane averages dense ones")

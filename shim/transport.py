@@ -19,6 +19,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import select
 import socket
 import struct
 import time
@@ -46,9 +47,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_HELLO = struct.Struct("<4sII")
+_HELLO = struct.Struct("<4sIII")  # magic, rank, band, plane
 _IPV4_ONLY = "gradlane's transport and gradlaned's filters are IPv4 only"
-_MAGIC = b"GLS1"
+_MAGIC = b"GLS2"
+MAX_PLANES = 8
 
 
 class Store(Protocol):
@@ -63,11 +65,12 @@ class Store(Protocol):
 
 @dataclass(frozen=True)
 class Link:
-    """One band connection to one peer."""
+    """One band connection to one peer, over one plane (one NIC of each end)."""
 
     peer: int
     band: int
     sock: socket.socket
+    plane: int = 0
 
     def five_tuple(self) -> dict[str, object]:
         """The local view ``{band, src, sport, dst, dport}`` (gradlaned's flow)."""
@@ -247,7 +250,11 @@ class Mesh:
     Args:
         rank, world: this worker and the job size.
         store: rendezvous store (keys are namespaced by `prefix`).
-        address: the address peers should connect to.
+        address: the address peers should connect to; or one per plane (a
+            NIC of its own, e.g. each on its own switch plane): every rank
+            gives as many, and peers connect to each other's k-th address
+            from their own k-th, so each plane carries a connection per band
+            and peer (`links`, keyed ``(peer, band, plane)``).
         dscp: per-band DSCP, band 0 first.
         credit_bytes, sndbuf_bytes: see `ShimConfig`.
         timeout_s: bound on the whole rendezvous.
@@ -258,7 +265,7 @@ class Mesh:
         rank: int,
         world: int,
         store: Store,
-        address: str,
+        address: str | Sequence[str],
         dscp: tuple[int, ...],
         *,
         credit_bytes: int,
@@ -266,62 +273,84 @@ class Mesh:
         timeout_s: float = 60.0,
         prefix: str = "gradlane",
     ) -> None:
-        self.rank, self.world, self.address = rank, world, address
+        addresses = (address,) if isinstance(address, str) else tuple(address)
+        if not 1 <= len(addresses) <= MAX_PLANES or len(set(addresses)) != len(addresses):
+            raise TransportError(f"need 1..{MAX_PLANES} distinct addresses (one per NIC), "
+                                 f"got {list(addresses)}")
+        for a in addresses:
+            _check_ipv4(a)
+        self.rank, self.world = rank, world
+        self.addresses, self.address, self.planes = addresses, addresses[0], len(addresses)
         self.dscp = tuple(dscp)
-        self.links: dict[tuple[int, int], Link] = {}
+        self.links: dict[tuple[int, int, int], Link] = {}
         bands = len(self.dscp)
-        _check_ipv4(address)
         deadline = time.monotonic() + timeout_s
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listeners: list[socket.socket] = []
         try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((address, 0))
-            listener.listen(max(16, world * bands))
-            port = listener.getsockname()[1]
+            for a in addresses:
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listeners.append(listener)
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((a, 0))
+                listener.listen(max(16, world * bands))
+            mine = [f"{a}:{listener.getsockname()[1]}"
+                    for a, listener in zip(addresses, listeners, strict=True)]
             try:
-                store.set(f"{prefix}/addr/{rank}", f"{address}:{port}")
-                where = [store.get(f"{prefix}/addr/{p}").decode() for p in range(rank)]
+                store.set(f"{prefix}/addr/{rank}", json.dumps(mine))
+                where = [json.loads(store.get(f"{prefix}/addr/{p}")) for p in range(rank)]
             except RuntimeError as exc:  # torch's DistStoreError: the store or a rank is gone
                 raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
             for peer in range(rank):
-                host, _, peer_port = where[peer].rpartition(":")
-                for band in range(bands):
-                    self._connect(
-                        peer, band, (host, int(peer_port)), deadline, credit_bytes, sndbuf_bytes
-                    )
-            expected = (world - 1 - rank) * bands
-            while expected:
-                listener.settimeout(max(0.1, deadline - time.monotonic()))
-                try:
-                    sock, _ = listener.accept()
-                except TimeoutError:
-                    missing = sorted({p for p in range(rank + 1, world)} - self._peers_seen())
+                if len(where[peer]) != self.planes:
                     raise TransportError(
-                        f"rank {rank}: ranks {missing} did not connect within {timeout_s:.0f} s"
-                    ) from None
-                sock.settimeout(max(0.1, deadline - time.monotonic()))
-                magic, peer, band = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
-                if magic != _MAGIC or not rank < peer < world or not 0 <= band < bands:
-                    sock.close()
-                    logger.warning("rank %d: dropped a connection with a bad hello", rank)
-                    continue
-                sock.settimeout(None)
-                _tune(sock, self.dscp[band], credit_bytes, sndbuf_bytes)
-                self.links[(peer, band)] = Link(peer, band, sock)
-                expected -= 1
+                        f"rank {rank} listens on {self.planes} addresses, rank {peer} on "
+                        f"{len(where[peer])}: give every rank one per NIC, as many")
+                for plane, spot in enumerate(where[peer]):
+                    host, _, peer_port = spot.rpartition(":")
+                    for band in range(bands):
+                        self._connect(peer, band, plane, (host, int(peer_port)), deadline,
+                                      credit_bytes, sndbuf_bytes)
+            self._accept(listeners, (world - 1 - rank) * bands * self.planes, deadline,
+                         timeout_s, credit_bytes, sndbuf_bytes)
         except BaseException:
             self.close()
             raise
         finally:
-            listener.close()
+            for listener in listeners:
+                listener.close()
+
+    def _accept(self, listeners: list[socket.socket], expected: int, deadline: float,
+                timeout_s: float, credit: int, sndbuf: int) -> None:
+        """Take the later ranks' `expected` connections on `listeners` (one per plane)."""
+        bands = len(self.dscp)
+        while expected:
+            ready, _, _ = select.select(listeners, [], [], max(0.1, deadline - time.monotonic()))
+            if not ready:
+                missing = sorted(set(range(self.rank + 1, self.world)) - self._peers_seen())
+                raise TransportError(f"rank {self.rank}: ranks {missing} did not connect "
+                                     f"within {timeout_s:.0f} s")
+            for listener in ready:
+                sock, _ = listener.accept()
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                magic, peer, band, plane = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
+                if (magic != _MAGIC or not self.rank < peer < self.world or not 0 <= band < bands
+                        or plane != listeners.index(listener)):
+                    sock.close()
+                    logger.warning("rank %d: dropped a connection with a bad hello", self.rank)
+                    continue
+                sock.settimeout(None)
+                _tune(sock, self.dscp[band], credit, sndbuf)
+                self.links[(peer, band, plane)] = Link(peer, band, sock, plane)
+                expected -= 1
 
     def _peers_seen(self) -> set[int]:
-        return {peer for peer, _ in self.links}
+        return {peer for peer, _, _ in self.links}
 
     def _connect(
         self,
         peer: int,
         band: int,
+        plane: int,
         where: tuple[str, int],
         deadline: float,
         credit: int,
@@ -332,8 +361,10 @@ class Mesh:
             _tune(sock, self.dscp[band], credit, sndbuf)
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
+                if self.planes > 1:  # leave by this plane's NIC, whatever the routes say
+                    sock.bind((self.addresses[plane], 0))
                 sock.connect(where)
-                sock.sendall(_HELLO.pack(_MAGIC, self.rank, band))
+                sock.sendall(_HELLO.pack(_MAGIC, self.rank, band, plane))
             except OSError as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
@@ -343,11 +374,11 @@ class Mesh:
                 time.sleep(0.05)
                 continue
             sock.settimeout(None)
-            self.links[(peer, band)] = Link(peer, band, sock)
+            self.links[(peer, band, plane)] = Link(peer, band, sock, plane)
             return
 
-    def link(self, peer: int, band: int) -> Link:
-        return self.links[(peer, band)]
+    def link(self, peer: int, band: int, plane: int = 0) -> Link:
+        return self.links[(peer, band, plane)]
 
     def peers(self) -> Iterable[int]:
         return (p for p in range(self.world) if p != self.rank)

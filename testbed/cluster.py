@@ -200,7 +200,8 @@ class Cluster:
         timeout: float = 20,
         **popen: Any,
     ) -> tuple[subprocess.Popen[Any], Path]:
-        """Run gradlaned on `host`'s eth0 and wait until its socket accepts.
+        """Run gradlaned on `host`'s NICs (eth0, and eth1 with two) and wait until its
+        socket accepts.
 
         Its socket and state live under `workdir`; `rate`, the line rate it
         shapes under, defaults to that of the NIC the host's link emulates
@@ -214,7 +215,8 @@ class Cluster:
         name = f"h{self.host_index(host)}"
         rate = rate or str(links.line_rate(self.topology.rates[self.host_index(host) - 1]))
         sock = workdir / f"{name}.sock"
-        argv = [sys.executable, "-m", "gradlane.cli", "daemon", "-i", f"eth0={rate}",
+        nics = [arg for k in range(self.topology.nics) for arg in ("-i", f"eth{k}={rate}")]
+        argv = [sys.executable, "-m", "gradlane.cli", "daemon", *nics,
                 "--socket", str(sock), "--state-dir", str(workdir / f"state-{name}"),
                 "--http", "127.0.0.1:9464", *args]  # fmt: skip
         popen.setdefault("stderr", subprocess.PIPE)

@@ -94,8 +94,9 @@ def main() -> None:
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
     ap.add_argument("--exchange", default="auto", help="ShimConfig.exchange")
-    ap.add_argument("--address", default=None,
-                    help="the loopback address this rank listens on (127.0.0.x: as if a host)")
+    ap.add_argument("--address", type=lambda a: a.split(","), default=None,
+                    help="the loopback address this rank listens on (127.0.0.x: as if a host); "
+                         "several, comma-separated: one per plane (NIC)")
     ap.add_argument("--advise-owners", type=int, default=-1,
                     help="with --ddp-hook: after this step, rank 0 is advised (as if by a "
                          "control plan) that the last rank owns every chunk")

@@ -93,6 +93,10 @@ CASES = {
     # shims see it and reduce within each host first.
     "adamw-fp64-two-hosts-unequal": ("adamw", "float64", "6,2,5,3", True, (), "hosts"),
     "ddp-comm-hook-two-hosts": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), "hosts"),
+    # Every rank listens on two loopback addresses, as on two NICs (one switch plane
+    # each): chunks take the planes in turn.
+    "sgd-two-planes-unequal": ("sgd", "float32", "3,5,2,6", True, (), "planes"),
+    "ddp-comm-hook-two-planes": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), "planes"),
     # Ranks 0, 1 on one host and 2 on another under leaf 0, rank 3 under leaf 1: within
     # hosts, then within leaves (trees up to three ranks deep).
     "sgd-hosts-in-leaves-unequal": ("sgd", "float32", "3,5,2,6", True, (), "both"),
@@ -115,6 +119,8 @@ PLACEMENTS = {  # per-rank flags, and what every rank says it reduces within fir
                f"{LEAVES} hosts None leaf"),
     "hosts": ({r: ["--address", f"127.0.0.{1 + leaf}"] for r, leaf in enumerate(LEAVES)},
               f"None hosts {LEAVES} host"),
+    "planes": ({r: ["--address", f"127.0.{r}.1,127.1.{r}.1"] for r in range(WORLD)},
+               "None hosts None"),
     "both": ({r: ["--address", f"127.0.0.{1 + host}", "--leaf", str(leaf)]
               for r, (host, leaf) in enumerate(zip((0, 0, 1, 2), (0, 0, 0, 1), strict=True))},
              "(0, 0, 0, 1) hosts (0, 0, 1, 2) leaf"),

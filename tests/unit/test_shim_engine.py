@@ -26,6 +26,7 @@ from tests import examples
 from tests.ranks import on_every_rank
 
 DSCP = (46, 0)  # two bands: enough for the order across connections, few sockets
+PLANES = ("127.0.0.1", "127.0.1.1")  # two loopback addresses, as if two NICs
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _jobs = itertools.count()
 
@@ -48,6 +49,7 @@ class Job:
     groups: tuple[GroupSpec, ...]
     samples: tuple[tuple[int, ...], ...]  # per step, per rank
     orders: tuple[tuple[int, ...], ...]  # per rank, the order it makes its groups ready
+    planes: int = 1  # addresses each rank listens on (one per NIC)
 
 
 @st.composite
@@ -75,7 +77,7 @@ def jobs(draw: st.DrawFn) -> Job:
         for _ in range(steps)
     )
     orders = tuple(tuple(draw(st.permutations(range(len(groups))))) for _ in range(world))
-    return Job(world, exchange, leaves, groups, samples, orders)
+    return Job(world, exchange, leaves, groups, samples, orders, draw(st.integers(1, 2)))
 
 
 def gradient(spec: GroupSpec, gid: int, rank: int, step: int) -> torch.Tensor:
@@ -92,7 +94,7 @@ def run(job: Job) -> list[list[list[torch.Tensor]]]:
     results: list[list[list[torch.Tensor]]] = [[] for _ in range(job.world)]
 
     def connect(rank: int) -> None:
-        mesh = Mesh(rank, job.world, store, "127.0.0.1", DSCP, credit_bytes=128 << 10,
+        mesh = Mesh(rank, job.world, store, PLANES[:job.planes], DSCP, credit_bytes=128 << 10,
                     timeout_s=30, prefix=prefix)
         engine = Engine(mesh, timeout_s=30, leaves=job.leaves, exchange=job.exchange)
         engines[rank] = engine
@@ -170,3 +172,52 @@ def test_a_rank_with_no_samples_weighs_nothing(exchange: str) -> None:
     out = run(job)[0][0][0]
     expected = (2 * gradient(spec, 0, 1, 0) + gradient(spec, 0, 2, 0)) / 3
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_chunks_take_the_planes_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks on two planes; rank 1 owns every chunk of four one-chunk groups and one
+    four-chunk group: rank 0's contributions leave by either address in turn, half the
+    bytes each, and rank 1's averages come back the same ways."""
+    import gradlane.shim.engine as engine_module
+
+    sent: dict[str, int] = {}
+    send_all = engine_module._send_all
+
+    def counted(sock, header, payload):  # type: ignore[no-untyped-def]
+        address = sock.getsockname()[0]
+        sent[address] = sent.get(address, 0) + len(payload)
+        send_all(sock, header, payload)
+
+    monkeypatch.setattr(engine_module, "_send_all", counted)
+    store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
+    engines: list[Engine | None] = [None, None]
+    groups: list[list[Group]] = [[], []]
+    sizes = [1000, 1000, 1000, 1000, 4000]  # float32 elements; the last in 4 chunks
+
+    def connect(rank: int) -> None:
+        mesh = Mesh(rank, 2, store, PLANES, DSCP, credit_bytes=128 << 10, timeout_s=30,
+                    prefix=prefix)
+        assert sorted(mesh.links) == [(1 - rank, band, plane)
+                                      for band in range(2) for plane in range(2)]
+        engines[rank] = engine = Engine(mesh, timeout_s=30)
+        for gid, n in enumerate(sizes):
+            ranges = split(n, 4, 4000)
+            groups[rank].append(engine.add_group(gid, f"g{gid}", torch.full((n,), rank + 1.0),
+                                                 ranges, [1] * len(ranges), gid, 0))
+
+    def step(rank: int) -> None:
+        engine = engines[rank]
+        assert engine is not None
+        engine.begin(0, 1)
+        for group in groups[rank]:
+            engine.ready(group)
+        engine.wait(groups[rank], 0)
+        assert all(torch.equal(g.out, torch.full_like(g.out, 1.5)) for g in groups[rank])
+
+    try:
+        on_every_rank(2, connect)
+        on_every_rank(2, step)
+    finally:
+        on_every_rank(2, lambda r: engines[r].close(linger_s=10) if engines[r] else None)
+    # Each way, the model (8,000 elements) once: 16,000 bytes by each address.
+    assert sent == {PLANES[0]: 32000, PLANES[1]: 32000}, sent
