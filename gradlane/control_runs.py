@@ -43,7 +43,8 @@ from gradlane.units import parse_rate
 
 __all__ = ["CO_LOCATED", "OWNERS_SCENARIOS", "SLOW_LINK", "Controlled", "OwnersScenario",
            "controlled", "run_co_located", "run_control_straggler", "run_planned_owners",
-           "run_slow_link", "run_two_jobs", "trace_workload", "worker_option"]
+           "run_slow_link", "run_two_jobs", "stop_daemons", "trace_totals", "trace_workload",
+           "worker_option"]
 
 CONTROL_PORT = 7800
 
@@ -155,16 +156,7 @@ class Controlled:
 
     def stop_daemons(self) -> list[int]:
         """SIGTERM every daemon (each restores its qdisc); their exit codes."""
-        codes = []
-        for host, proc in self.daemons.items():
-            proc.send_signal(signal.SIGTERM)
-            codes.append(proc.wait(timeout=20))
-            if proc.stderr is not None:
-                if codes[-1]:  # what it said is the only clue
-                    said = proc.stderr.read()[-4000:]
-                    sys.stderr.write(f"gradlaned on {host} exited with {codes[-1]}:\n{said}\n")
-                proc.stderr.close()
-        return codes
+        return stop_daemons(self.daemons)
 
 
 def worker_option(argv: Sequence[str], name: str, default: str | None = None) -> str:
@@ -182,13 +174,28 @@ def worker_option(argv: Sequence[str], name: str, default: str | None = None) ->
     return default
 
 
+def stop_daemons(daemons: dict[str, subprocess.Popen[str]]) -> list[int]:
+    """SIGTERM every gradlaned of `daemons` (by host; each restores its qdisc); their exit
+    codes. What one that failed said goes to stderr: it is the only clue."""
+    codes = []
+    for host, proc in daemons.items():
+        proc.send_signal(signal.SIGTERM)
+        codes.append(proc.wait(timeout=20))
+        if proc.stderr is not None:
+            if codes[-1]:
+                said = proc.stderr.read()[-4000:]
+                sys.stderr.write(f"gradlaned on {host} exited with {codes[-1]}:\n{said}\n")
+            proc.stderr.close()
+    return codes
+
+
 def trace_workload(workload: Sequence[str]) -> tuple[str, float, float]:
     """(model, model MB, forward ms) of a trace workload given as the worker's argv."""
     return (worker_option(workload, "--model"), float(worker_option(workload, "--model-mb")),
             float(worker_option(workload, "--forward-ms")))
 
 
-def _trace(workload: Sequence[str]) -> tuple[float, int]:
+def trace_totals(workload: Sequence[str]) -> tuple[float, int]:
     """Compute seconds per iteration (batch 32, speed 1) and model bytes of a trace workload."""
     layers = trace_layers(*trace_workload(workload))
     return sum(f + b for _, f, b in layers), int(sum(n for n, _, _ in layers))
@@ -316,7 +323,7 @@ def run_control_straggler(
         runs = {"ddp": baseline, **runs}
     # The bound: batch shares proportional to speed make every worker compute the global
     # batch over the sum of speeds; and the all-reduce minimum over one 1 Gbit/s link.
-    compute, size = _trace(STRAGGLER_WORKLOAD)
+    compute, size = trace_totals(STRAGGLER_WORKLOAD)
     nominal = compute * len(STRAGGLER_SPEEDS) / sum(STRAGGLER_SPEEDS)
     bound = lower_bound(4, nominal, size, parse_rate("1gbit"))
     extra["nominal_lower_bound_s"] = bound
@@ -475,7 +482,7 @@ def run_planned_owners(
                            f" of {steps} (None: never): nothing to measure")
     steady = taken.pop() + 2
     medians = {k: statistics.median(r.times[steady:]) for k, r in runs.items()}
-    compute, size = _trace(scenario.workload)
+    compute, size = trace_totals(scenario.workload)
     extra: dict[str, Any] = {}
     if reference:
         extra["compute_s"] = compute = medians[REFERENCE]
@@ -682,7 +689,7 @@ def run_two_jobs(
     # Both jobs' shared iterations pooled: their median is the table's "median iteration".
     pooled = {label: [t for times in jobs.values() for t in times]
               for label, jobs in shared.items()}
-    compute, size = _trace(TWO_JOB_WORKLOAD)
+    compute, size = trace_totals(TWO_JOB_WORKLOAD)
     uplink = parse_rate(TWO_JOB_UPLINK_BPS) * PAYLOAD_EFFICIENCY
 
     def bound_with(compute_s: float) -> float:

@@ -79,11 +79,12 @@ def test_bench_script_runs_small_and_writes_its_result(
 
 
 @pytest.mark.parametrize("script", ["slow_link.py", "co_located.py", "control_straggler.py",
-                                    "two_jobs.py"])
+                                    "two_jobs.py", "two_nics.py"])
 def test_the_long_testbed_scripts_import_and_say_how_to_run_them(script: str) -> None:
-    """The scenarios of all but co_located.py run in test_control_netns.py (what co_located
-    adds, reducing within hosts first, in test_co_located_netns.py); here only that each
-    script imports and parses its command line."""
+    """The scenarios of all but co_located.py and two_nics.py run in test_control_netns.py
+    (what co_located adds, reducing within hosts first, in test_co_located_netns.py;
+    two_nics.py's in test_planes_netns.py); here only that each script imports and parses
+    its command line."""
     out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]

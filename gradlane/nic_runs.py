@@ -1,0 +1,90 @@
+"""Several NICs a host on the emulated cluster: one job over one NIC, then over two.
+
+Two hosts, each with two NICs on two switch planes (`gradlane.testbed.Topology`
+``nics=2``), gradlaned shaping both. The same gradlane job runs twice in one
+cluster: its ranks given one address each (one NIC), then one per NIC, so that
+their chunks take the planes in turn (`gradlane.shim.transport.Mesh`). Needs
+root. `tests/integration/test_planes_netns.py` asserts on it;
+``bench/two_nics.py`` records it as JSON.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gradlane.benchmark import PAYLOAD_EFFICIENCY, lower_bound, summarize
+from gradlane.control_runs import stop_daemons, trace_totals
+from gradlane.demo import SystemRun, collect, launch, steady_start
+from gradlane.testbed import Cluster, Topology
+from gradlane.units import parse_rate
+
+__all__ = ["TWO_NICS_WORKLOAD", "run_two_nics"]
+
+HOSTS = ["h1", "h2"]
+NIC_RATE = "100mbit"
+# VGG-19 at 4 MB: each host sends a model a step, 0.34 s over one 100 Mbit/s NIC, against
+# 30 ms of compute: the exchange is what the NICs change.
+TWO_NICS_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "4",
+                     "--forward-ms", "10"]
+RUNS = {"gradlane, one NIC": 1, "gradlane, two NICs": 2}
+
+
+def _sent(c: Cluster, host: str) -> list[int]:
+    """What each of `host`'s NICs has sent, in bytes (eth0, eth1, ...)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute(netns=c.ns(host)) as ipr:
+        return [int(ipr.get_links(ifname=f"eth{k}")[0].get_attr("IFLA_STATS64")["tx_bytes"])
+                for k in range(c.topology.nics)]
+
+
+def run_two_nics(workdir: Path, steps: int = 40,
+                 say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """One gradlane job on 2 hosts over one NIC each, then over both NICs of each.
+
+    Returns each run's rank-0 iteration times, their medians from
+    `steady_start`, each NIC's share of each host's bytes, the ratio, and the
+    bound with both NICs (each host's model out and in over twice a NIC's rate).
+
+    Raises:
+        TestbedError: the cluster, a daemon or a training step failed.
+    """
+    args = ["--steps", str(steps), *TWO_NICS_WORKLOAD]
+    workdir.chmod(0o755)
+    runs: dict[str, SystemRun] = {}
+    shares: dict[str, list[list[float]]] = {}
+    with Cluster(Topology.build("nics", len(HOSTS), NIC_RATE, nics=2)) as c:
+        daemons = {h: c.start_daemon(h, workdir) for h in HOSTS}
+        for i, (label, nics) in enumerate(RUNS.items()):
+            say(label)
+            before = {h: _sent(c, h) for h in HOSTS}
+            runs[label] = collect(c, launch(
+                c, "gradlane", args, port=29870 + i, out=workdir / f"nics{nics}",
+                sockets=[daemons[h][1] for h in HOSTS], hosts=HOSTS,
+                rank_args=[["--address", ",".join(c.addr(h, k) for k in range(nics))]
+                           for h in HOSTS]))
+            sent = [[a - b for a, b in zip(_sent(c, h), before[h], strict=True)]
+                    for h in HOSTS]
+            shares[label] = [[n / sum(s) for n in s] for s in sent]
+        codes = stop_daemons({h: proc for h, (proc, _) in daemons.items()})
+    steady = steady_start(steps)
+    medians = {label: statistics.median(r.times[steady:]) for label, r in runs.items()}
+    compute, size = trace_totals(TWO_NICS_WORKLOAD)
+    bound = lower_bound(len(HOSTS), compute, size, 2 * parse_rate(NIC_RATE))
+    one, two = RUNS
+    return {
+        "scenario": {"name": "two-nics", "hosts": len(HOSTS), "nics": 2, "rate": NIC_RATE,
+                     "steps": steps, "workload": TWO_NICS_WORKLOAD},
+        "steady_from_step": steady,
+        "runs": {label: {"iteration_s": r.times, "median_s": medians[label],
+                         "nic_shares": shares[label]} for label, r in runs.items()},
+        "speedup": medians[one] / medians[two],
+        "lower_bound_s": bound,
+        "payload_efficiency": PAYLOAD_EFFICIENCY,
+        "summary": summarize({k: r.times[steady:] for k, r in runs.items()}, bound,
+                             {k: [r] for k, r in runs.items()}),
+        "daemon_exit_codes": codes,
+    }
