@@ -3,7 +3,7 @@
 Two hosts, each with two NICs on two switch planes (`gradlane.testbed.Topology`
 ``nics=2``), gradlaned shaping both. The same gradlane job runs twice in one
 cluster: its ranks given one address each (one NIC), then one per NIC, so that
-their chunks take the planes in turn (`gradlane.shim.transport.Mesh`). Needs
+their chunks spread over the planes, bytes evenly (`gradlane.shim.engine.Engine`). Needs
 root. `tests/integration/test_planes_netns.py` asserts on it;
 ``bench/two_nics.py`` records it as JSON.
 """

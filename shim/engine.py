@@ -171,6 +171,7 @@ class Engine:
         self.kind = exchange_kind(exchange, self.world, len(set(self.leaves)), by_host)
         self.ring = self.kind == "ring"
         self._route_cache: dict[int, tuple[list[int], list[int]]] = {}
+        self._plane_bytes = [0] * mesh.planes  # the registered chunks' bytes on each plane
         self.timeout_s = timeout_s
         self.on_event = on_event
         self.on_failure: Callable[[TransportError], None] | None = None
@@ -236,14 +237,16 @@ class Engine:
         )
         for i, ((start, stop), owner) in enumerate(zip(ranges, owners, strict=True)):
             parents, sources = self._routes(owner)
+            # Several planes (NICs): each chunk on the one with the fewest bytes so far.
+            plane = min(range(self.mesh.planes), key=self._plane_bytes.__getitem__)
+            self._plane_bytes[plane] += (stop - start) * grad.element_size()
             chunk = Chunk(
                 group,
                 i,
                 start,
                 stop,
                 owner,
-                # Chunks take the planes in turn (single-chunk groups too, by their gid).
-                plane=(gid + i) % self.mesh.planes,
+                plane=plane,
                 parent=parents[self.rank],
                 children=tuple(r for r, up in enumerate(parents) if up == self.rank),
                 source=sources[self.rank],
@@ -281,6 +284,8 @@ class Engine:
             for group in groups:
                 if self.groups.get(group.gid) is group:
                     del self.groups[group.gid]
+                    for chunk in group.chunks:
+                        self._plane_bytes[chunk.plane] -= chunk.nbytes
 
     # -- the caller's side -------------------------------------------------
 

@@ -190,7 +190,7 @@ def attach(
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or an initialized default process
     group's store). `address` is the one peers connect to (default: the local
     address that routes to MASTER_ADDR); several, one per NIC, spread the
-    chunks over the NICs in turn (every rank gives as many, and its k-th
+    chunks over the NICs, bytes evenly (every rank gives as many, and its k-th
     must reach the others' k-th: one switch plane per NIC, as rail-optimized
     clusters have; `gradlane.shim.transport.Mesh`). Other keyword arguments are
     `ShimConfig` fields (chunk_bytes, dscp, overlap, timeout_s, job, ...).

@@ -1,6 +1,6 @@
 """Several NICs a host on the emulated cluster (`gradlane.nic_runs.run_two_nics`): two
 hosts, each with two NICs on two switch planes, gradlaned shaping both. A rank given an
-address on each spreads its chunks over both planes in turn: each NIC carries about half
+address on each spreads its chunks over both planes by bytes: each NIC carries about half
 the bytes, and a communication-bound step takes about half as long as over one NIC.
 """
 

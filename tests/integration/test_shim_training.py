@@ -94,7 +94,7 @@ CASES = {
     "adamw-fp64-two-hosts-unequal": ("adamw", "float64", "6,2,5,3", True, (), "hosts"),
     "ddp-comm-hook-two-hosts": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), "hosts"),
     # Every rank listens on two loopback addresses, as on two NICs (one switch plane
-    # each): chunks take the planes in turn.
+    # each): chunks spread over the planes.
     "sgd-two-planes-unequal": ("sgd", "float32", "3,5,2,6", True, (), "planes"),
     "ddp-comm-hook-two-planes": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook",), "planes"),
     # Ranks 0, 1 on one host and 2 on another under leaf 0, rank 3 under leaf 1: within

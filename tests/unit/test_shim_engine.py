@@ -174,10 +174,11 @@ def test_a_rank_with_no_samples_weighs_nothing(exchange: str) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_chunks_take_the_planes_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two ranks on two planes; rank 1 owns every chunk of four one-chunk groups and one
-    four-chunk group: rank 0's contributions leave by either address in turn, half the
-    bytes each, and rank 1's averages come back the same ways."""
+def test_chunks_spread_over_the_planes_by_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks on two planes; rank 1 owns every chunk: one of 16,000 bytes, then four of
+    4,000 (in turn, the planes would carry 24,000 and 8,000). Rank 0's contributions leave
+    by either address, half the bytes each, and rank 1's averages come back the same
+    ways."""
     import gradlane.shim.engine as engine_module
 
     sent: dict[str, int] = {}
@@ -192,7 +193,7 @@ def test_chunks_take_the_planes_in_turn(monkeypatch: pytest.MonkeyPatch) -> None
     store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
     engines: list[Engine | None] = [None, None]
     groups: list[list[Group]] = [[], []]
-    sizes = [1000, 1000, 1000, 1000, 4000]  # float32 elements; the last in 4 chunks
+    sizes = [4000, 1000, 1000, 1000, 1000]  # float32 elements, each group one chunk
 
     def connect(rank: int) -> None:
         mesh = Mesh(rank, 2, store, PLANES, DSCP, credit_bytes=128 << 10, timeout_s=30,
@@ -201,7 +202,7 @@ def test_chunks_take_the_planes_in_turn(monkeypatch: pytest.MonkeyPatch) -> None
                                       for band in range(2) for plane in range(2)]
         engines[rank] = engine = Engine(mesh, timeout_s=30)
         for gid, n in enumerate(sizes):
-            ranges = split(n, 4, 4000)
+            ranges = split(n, 4, 4 * n)
             groups[rank].append(engine.add_group(gid, f"g{gid}", torch.full((n,), rank + 1.0),
                                                  ranges, [1] * len(ranges), gid, 0))
 
@@ -221,3 +222,9 @@ def test_chunks_take_the_planes_in_turn(monkeypatch: pytest.MonkeyPatch) -> None
         on_every_rank(2, lambda r: engines[r].close(linger_s=10) if engines[r] else None)
     # Each way, the model (8,000 elements) once: 16,000 bytes by each address.
     assert sent == {PLANES[0]: 32000, PLANES[1]: 32000}, sent
+    # Regrouped, the retired groups' bytes leave the count: new ones balance afresh.
+    for rank in range(2):
+        engine = engines[rank]
+        assert engine is not None
+        engine.retire(groups[rank][:1])
+        assert engine._plane_bytes == [0, 16000]
