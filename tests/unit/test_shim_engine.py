@@ -178,7 +178,7 @@ def test_chunks_spread_over_the_planes_by_bytes(monkeypatch: pytest.MonkeyPatch)
     """Two ranks on two planes; rank 1 owns every chunk: one of 16,000 bytes, then four of
     4,000 (in turn, the planes would carry 24,000 and 8,000). Rank 0's contributions leave
     by either address, half the bytes each, and rank 1's averages come back the same
-    ways."""
+    ways. Each owner's chunks spread over the planes."""
     import gradlane.shim.engine as engine_module
 
     sent: dict[str, int] = {}
@@ -218,6 +218,15 @@ def test_chunks_spread_over_the_planes_by_bytes(monkeypatch: pytest.MonkeyPatch)
     try:
         on_every_rank(2, connect)
         on_every_rank(2, step)
+        # Owners 0, 1, 0, 1 of equal chunks: each owner's spread over both planes. (By
+        # turns, or by bytes alone, all of rank 0's would ride plane 0 and rank 1's plane 1.)
+        for rank in range(2):
+            engine = engines[rank]
+            assert engine is not None
+            group = engine.add_group(9, "g9", torch.zeros(4000), split(4000, 4, 4000),
+                                     [0, 1, 0, 1], 9, 0)
+            assert [c.plane for c in group.chunks] == [0, 0, 1, 1]
+            engine.retire([group])
     finally:
         on_every_rank(2, lambda r: engines[r].close(linger_s=10) if engines[r] else None)
     # Each way, the model (8,000 elements) once: 16,000 bytes by each address.
@@ -227,4 +236,4 @@ def test_chunks_spread_over_the_planes_by_bytes(monkeypatch: pytest.MonkeyPatch)
         engine = engines[rank]
         assert engine is not None
         engine.retire(groups[rank][:1])
-        assert engine._plane_bytes == [0, 16000]
+        assert engine._plane_bytes[1] == [0, 16000]
