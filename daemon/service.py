@@ -291,8 +291,15 @@ class Daemon:
         return int(iface.rate_bps * self.config.shape_fraction)
 
     def spec_for(self, backend: Backend, plan: Plan) -> QdiscSpec:
-        """The desired tree of one interface under `plan`."""
+        """The desired tree of one interface under `plan`.
+
+        A plan's job classes are for the host's slowest interface (`state`; a
+        control plane takes the same as the host's link): each interface gets
+        them scaled by its rate over that one, so a job is not held to a slower
+        NIC's rate on a faster one.
+        """
         shaped = self._shaped(backend)
+        scale = shaped / min(self._shaped(b) for b in self._backends)
         other = max(1, int(shaped * self.config.other_share))
         local = self._addresses.get(backend.ifname, set())
         only_one = len(self._backends) == 1
@@ -312,12 +319,12 @@ class Daemon:
             )
             # No class under the trickle: a control plane's rate of a few bit/s would not
             # fit HTB's burst arithmetic (its time per burst overflows 32 bits).
-            rate = max(trickle, min(cls.rate_bps, shaped))
+            rate = max(trickle, min(int(cls.rate_bps * scale), shaped))
             jobs.append(
                 JobSpec(
                     name,
                     rate_bps=rate,
-                    ceil_bps=max(rate, min(cls.ceil_bps, shaped)),
+                    ceil_bps=max(rate, min(int(cls.ceil_bps * scale), shaped)),
                     prio=cls.prio,
                     flows=tuple(dict.fromkeys(flows)),  # one filter per distinct 5-tuple
                 )

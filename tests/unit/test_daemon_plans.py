@@ -36,6 +36,22 @@ def test_a_control_plane_rate_of_a_few_bits_is_raised_to_the_trickle(tmp_path: P
     assert job.rate_bps == job.ceil_bps == max(daemon._shaped(backend) // 1000, 8_000)
 
 
+def test_each_interface_gets_the_plan_s_classes_scaled_to_its_rate(tmp_path: Path) -> None:
+    # A plan is for the slowest NIC (here 1 Gbit/s, the host's link for a control plane
+    # too); on a 4 Gbit/s one the job's class must not stay at 1 Gbit/s.
+    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), interfaces=(
+        InterfaceConfig("fake0", 1_000_000_000), InterfaceConfig("fake1", 4_000_000_000)))
+    daemon = Daemon(config, backend_factory=FakeBackend)
+    me = Credentials(os.getpid(), os.getuid(), os.getgid())
+    daemon.registry.add(Hello(1, "j", 0, 2, ()), me)
+    plan = daemon.policy.plan(daemon.state())  # the local policy's, for 1 Gbit/s
+    slow, fast = (next(j for j in daemon.spec_for(b, plan).jobs if j.name == "j")
+                  for b in daemon._backends)
+    shaped = [daemon._shaped(b) for b in daemon._backends]
+    assert slow.ceil_bps == shaped[0] and fast.ceil_bps == shaped[1]
+    assert fast.rate_bps == pytest.approx(4 * slow.rate_bps, rel=1e-6)
+
+
 class FailingBackend(FakeBackend):
     """Fails as pyroute2 does when a value does not fit its netlink field."""
 
