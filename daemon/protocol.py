@@ -9,7 +9,7 @@ Conversation (client = a training process's shim)::
 
     client                                   daemon
     hello {version, job, rank, world_size,   -> welcome {version, worker, bands,
-           flows[, exchange, global_batch]}              leaf, host, features}
+           flows[, exchange, global_batch]}              leaf, host, nics, features}
     flows {flows[, exchange, global_batch]} (replace the band connections; say how the
                                              job reduces and its global batch)
     chunks {iteration, events}               (batched, no reply)
@@ -25,7 +25,10 @@ that has not heard of a reload yet) counts as the last, as the shim's own
 connections are mapped once it knows (`parse`). The welcome's ``host`` is an
 opaque name of the daemon's host (`gradlane.daemon.service.host_id`; absent
 from an older daemon): workers told the same one share a host, whatever
-their addresses. ``exchange`` says how the
+their addresses. Its ``nics`` lists ``[address, bit/s]``: each address of the
+interfaces it shapes and the rate it shapes that interface to (absent from an
+older daemon); a shim listening on several addresses, one per NIC, spreads its
+chunks over them by these rates. ``exchange`` says how the
 job's ranks agreed to reduce: ``"leaf"`` within leaves first (each rank told
 its leaf, e.g. by the welcome's ``leaf``), ``"ring"`` around the ring of
 ranks, ``"host"`` within hosts first (ranks sharing hosts; said only to a

@@ -286,6 +286,12 @@ class Daemon:
         )
         return State(shaped_bps=shaped, other_bps=int(shaped * self.config.other_share), jobs=jobs)
 
+    def _nics(self) -> list[list[Any]]:
+        """Every address of the interfaces gradlaned shapes, with the rate it shapes that
+        interface to: a shim listening on several (one per NIC) weighs them by it."""
+        return [[address, self._shaped(b)] for b in self._backends
+                for address in sorted(self._addresses.get(b.ifname, ()))]
+
     def _shaped(self, backend: Backend) -> int:
         iface = next(i for i in self.config.interfaces if i.name == backend.ifname)
         return int(iface.rate_bps * self.config.shape_fraction)
@@ -483,6 +489,7 @@ class Daemon:
                     # Read once at attach: the job's reduction trees never change mid-run.
                     "leaf": self.link.advised_leaf() if self.link is not None else None,
                     "host": self._host,
+                    "nics": self._nics(),
                     "features": list(protocol.FEATURES),
                 },
             )

@@ -19,6 +19,7 @@ from gradlane.benchmark import PAYLOAD_EFFICIENCY, lower_bound, summarize
 from gradlane.control_runs import stop_daemons, trace_totals
 from gradlane.demo import SystemRun, collect, launch, steady_start
 from gradlane.testbed import Cluster, Topology
+from gradlane.testbed.links import line_rate
 from gradlane.units import parse_rate
 
 __all__ = ["TWO_NICS_WORKLOAD", "run_two_nics"]
@@ -30,6 +31,9 @@ NIC_RATE = "100mbit"
 TWO_NICS_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "4",
                      "--forward-ms", "10"]
 RUNS = {"gradlane, one NIC": 1, "gradlane, two NICs": 2}
+# Then gradlaned restarted, told eth1 is half as fast (it shapes it to half): the shims
+# weigh the planes by the rates its welcome gives.
+UNEVEN = "gradlane, two NICs, eth1 at half the rate"
 
 
 def _sent(c: Cluster, host: str) -> list[int]:
@@ -41,46 +45,66 @@ def _sent(c: Cluster, host: str) -> list[int]:
                 for k in range(c.topology.nics)]
 
 
-def run_two_nics(workdir: Path, steps: int = 40,
-                 say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def run_two_nics(workdir: Path, steps: int = 40, say: Callable[[str], None] = lambda _: None,
+                 layout: str = "auto") -> dict[str, Any]:
     """One gradlane job on 2 hosts over one NIC each, then over both NICs of each.
 
+    Then once more with eth1 shaped to half the rate (gradlaned told so; the
+    shims weigh the planes by it) as `UNEVEN`, with its own bound.
     Returns each run's rank-0 iteration times, their medians from
     `steady_start`, each NIC's share of each host's bytes, the ratio, and the
     bound with both NICs (each host's model out and in over twice a NIC's rate).
+    `layout` is the shims' gradient grouping (`ShimConfig.layout`; "auto" runs
+    the layout trial, whose coarse groups, few chunks an owner, cannot be
+    weighed 2:1 between planes).
 
     Raises:
         TestbedError: the cluster, a daemon or a training step failed.
     """
-    args = ["--steps", str(steps), *TWO_NICS_WORKLOAD]
+    args = ["--steps", str(steps), *TWO_NICS_WORKLOAD, "--layout", layout]
     workdir.chmod(0o755)
     runs: dict[str, SystemRun] = {}
     shares: dict[str, list[list[float]]] = {}
+    line = line_rate(parse_rate(NIC_RATE))
     with Cluster(Topology.build("nics", len(HOSTS), NIC_RATE, nics=2)) as c:
-        daemons = {h: c.start_daemon(h, workdir) for h in HOSTS}
-        for i, (label, nics) in enumerate(RUNS.items()):
+
+        def run(label: str, nics: int, daemons: dict[str, tuple[Any, Path]]) -> None:
             say(label)
             before = {h: _sent(c, h) for h in HOSTS}
             runs[label] = collect(c, launch(
-                c, "gradlane", args, port=29870 + i, out=workdir / f"nics{nics}",
+                c, "gradlane", args, port=29870 + len(runs), out=workdir / f"run{len(runs)}",
                 sockets=[daemons[h][1] for h in HOSTS], hosts=HOSTS,
                 rank_args=[["--address", ",".join(c.addr(h, k) for k in range(nics))]
                            for h in HOSTS]))
             sent = [[a - b for a, b in zip(_sent(c, h), before[h], strict=True)]
                     for h in HOSTS]
             shares[label] = [[n / sum(s) for n in s] for s in sent]
+
+        daemons = {h: c.start_daemon(h, workdir) for h in HOSTS}
+        for label, nics in RUNS.items():
+            run(label, nics, daemons)
         codes = stop_daemons({h: proc for h, (proc, _) in daemons.items()})
+        daemons = {h: c.start_daemon(h, workdir, rate=[str(line), str(line // 2)])
+                   for h in HOSTS}
+        run(UNEVEN, 2, daemons)
+        codes += stop_daemons({h: proc for h, (proc, _) in daemons.items()})
     steady = steady_start(steps)
     medians = {label: statistics.median(r.times[steady:]) for label, r in runs.items()}
     compute, size = trace_totals(TWO_NICS_WORKLOAD)
     bound = lower_bound(len(HOSTS), compute, size, 2 * parse_rate(NIC_RATE))
+    uneven_bound = lower_bound(len(HOSTS), compute, size, 1.5 * parse_rate(NIC_RATE))
     one, two = RUNS
+    uneven = runs.pop(UNEVEN)
     return {
         "scenario": {"name": "two-nics", "hosts": len(HOSTS), "nics": 2, "rate": NIC_RATE,
-                     "steps": steps, "workload": TWO_NICS_WORKLOAD},
+                     "steps": steps, "workload": TWO_NICS_WORKLOAD, "layout": layout},
         "steady_from_step": steady,
         "runs": {label: {"iteration_s": r.times, "median_s": medians[label],
                          "nic_shares": shares[label]} for label, r in runs.items()},
+        # Not in the summary: its bound is its own (one NIC and a half).
+        "uneven": {"label": UNEVEN, "iteration_s": uneven.times, "median_s": medians[UNEVEN],
+                   "nic_shares": shares[UNEVEN], "lower_bound_s": uneven_bound,
+                   "achieved_over_bound": medians[UNEVEN] / uneven_bound},
         "speedup": medians[one] / medians[two],
         "lower_bound_s": bound,
         "payload_efficiency": PAYLOAD_EFFICIENCY,

@@ -18,6 +18,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradlane.daemon import protocol
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_S = 2.0
 WELCOME_WAIT_S = 2.0  # how long `leaf` and `host` wait for a daemon's welcome
+MAX_NICS = 64  # addresses a welcome's nics may list
 _MAX_QUEUED = 256  # messages; older batches are dropped past this (the daemon is behind)
 
 
@@ -53,6 +55,8 @@ class DaemonClient:
             exchange). Read once at attach: reduction trees never change mid-run.
         daemon_host: the opaque name of this worker's host the welcome gave
             (None: no daemon, or an older one).
+        nic_rates: the rate gradlaned shapes each of its interfaces' addresses to,
+            by address, as the welcome gave them (empty: none).
         exchange: how the job's ranks agreed to reduce (`exchange_agreed`),
             which gradlaned passes on to the control plane; None: not yet.
         global_batch: the job's samples per step as its ranks agreed
@@ -68,6 +72,7 @@ class DaemonClient:
         self.advised_owners: tuple[int, ...] | None = None
         self.advised_leaf: int | None = None
         self.daemon_host: str | None = None
+        self.nic_rates: dict[str, int] = {}
         self.exchange: str | None = None
         self.global_batch: int | None = None
         self.welcomed = threading.Event()
@@ -137,6 +142,14 @@ class DaemonClient:
         (`gradlane.shim.transport.reduction_groups`)."""
         self._await_welcome()
         return self.daemon_host
+
+    def plane_rates(self, addresses: Sequence[str]) -> list[int] | None:
+        """The rates gradlaned shapes the NICs of `addresses` (this rank's, one per plane)
+        to, waited for as `leaf` waits; None unless it named them all (then the planes
+        count as equal)."""
+        self._await_welcome()
+        rates = [self.nic_rates.get(a) for a in addresses]
+        return None if None in rates else [r for r in rates if r is not None]
 
     def _await_welcome(self) -> None:
         """Wait for the welcome, once (a daemon that did not answer in time is not waited
@@ -248,6 +261,7 @@ class DaemonClient:
             self.advised_leaf = _leaf(welcome.get("leaf"))
             host = welcome.get("host")
             self.daemon_host = host if isinstance(host, str) and 0 < len(host) <= 256 else None
+            self.nic_rates = _nic_rates(welcome.get("nics"))
             self._features = features(welcome)  # an older daemon refuses fields it lacks
             self.connected, self._said_absent = True, False
             # Agreed before this session (or while it began): say it now. So too the
@@ -328,6 +342,16 @@ class DaemonClient:
         for flow in flows:
             flow["band"] = self._band(int(flow["band"]))  # type: ignore[call-overload]
         return flows
+
+
+def _nic_rates(value: object) -> dict[str, int]:
+    """A welcome's ``nics`` (``[address, bit/s]`` pairs) by address; what is not such a
+    pair is left out."""
+    if not isinstance(value, list):
+        return {}
+    return {pair[0]: pair[1] for pair in value[:MAX_NICS]
+            if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
+            and type(pair[1]) is int and pair[1] > 0}
 
 
 def _leaf(value: object) -> int | None:

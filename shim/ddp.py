@@ -106,6 +106,7 @@ class HookState:
             self.engine = Engine(
                 self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
                 leaves=self.leaves, exchange=self.config.exchange, hosts=self.hosts,
+                plane_rates=self.client.plane_rates(self.mesh.addresses),
             )
         except BaseException:
             self.client.close()

@@ -146,6 +146,8 @@ class Engine:
         exchange: `ShimConfig.exchange`; where
             `gradlane.policies.chunks.uses_ring` says so, every chunk goes
             around the ring of ranks (`gradlane.policies.chunks.ring_routes`).
+        plane_rates: with several planes (`Mesh.addresses`), each one's rate:
+            chunks spread over them in proportion (default: equally).
     """
 
     def __init__(
@@ -156,8 +158,14 @@ class Engine:
         leaves: Sequence[int] | None = None,
         exchange: str = "flat",
         hosts: Sequence[int] | None = None,
+        plane_rates: Sequence[float] | None = None,
     ) -> None:
         self.mesh = mesh
+        if plane_rates is not None and (len(plane_rates) != mesh.planes
+                                        or min(plane_rates) <= 0):
+            raise TransportError(f"need one positive rate per plane ({mesh.planes}), "
+                                 f"got {list(plane_rates)}")
+        self.plane_rates = tuple(plane_rates or (1.0,) * mesh.planes)
         self.rank, self.world = mesh.rank, mesh.world
         for name, given in (("leaf", leaves), ("host", hosts)):
             if given is not None and len(given) != self.world:
@@ -239,14 +247,15 @@ class Engine:
         for i, ((start, stop), owner) in enumerate(zip(ranges, owners, strict=True)):
             parents, sources = self._routes(owner)
             # Several planes (NICs): each chunk on the one where its owner's chunks have the
-            # fewest bytes so far. So every owner's chunks spread over every plane, and each
-            # NIC carries contributions out while averages come in: owners and planes in
-            # step (all of rank 0's chunks on plane 0, ...) would leave each plane's one
-            # direction idle until the other had sent. On the testbed (bench/two_nics.py,
-            # 2 ranks, two NICs each): 198-201 ms a step this way; 240 ms with planes by
-            # bytes alone, which put owners and planes in step; 210-221 ms by turns.
-            on = self._plane_bytes[owner]
-            plane = min(range(self.mesh.planes), key=on.__getitem__)
+            # fewest bytes so far for the plane's rate. So every owner's chunks spread over
+            # every plane, and each NIC carries contributions out while averages come in:
+            # owners and planes in step (all of rank 0's chunks on plane 0, ...) would
+            # leave each plane's one direction idle until the other had sent. On the
+            # testbed (bench/two_nics.py, 2 ranks, two NICs each): 198-201 ms a step this
+            # way; 240 ms with planes by bytes alone, which put owners and planes in step;
+            # 210-221 ms by turns.
+            on, rates = self._plane_bytes[owner], self.plane_rates
+            plane = min(range(self.mesh.planes), key=lambda k: on[k] / rates[k])
             on[plane] += (stop - start) * grad.element_size()
             chunk = Chunk(
                 group,

@@ -313,6 +313,7 @@ class Sync:
                 leaves=self.leaves,
                 exchange=config.exchange,
                 hosts=self.hosts,
+                plane_rates=self.client.plane_rates(self.mesh.addresses),
             )
             self.client.exchange_agreed(self.engine.kind)
         except BaseException:

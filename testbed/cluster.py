@@ -195,7 +195,7 @@ class Cluster:
         host: str | int,
         workdir: Path,
         *,
-        rate: str | None = None,
+        rate: str | Sequence[str] | None = None,
         args: Sequence[str] = (),
         timeout: float = 20,
         **popen: Any,
@@ -204,9 +204,9 @@ class Cluster:
         socket accepts.
 
         Its socket and state live under `workdir`; `rate`, the line rate it
-        shapes under, defaults to that of the NIC the host's link emulates
-        (`links.line_rate`: a little above the emulated rate, which counts
-        no framing). It is stopped with the cluster at the latest (SIGTERM,
+        shapes under (or one per NIC), defaults to that of the NIC the host's
+        link emulates (`links.line_rate`: a little above the emulated rate,
+        which counts no framing). It is stopped with the cluster at the latest (SIGTERM,
         so it restores the host's qdisc).
 
         Raises:
@@ -214,8 +214,11 @@ class Cluster:
         """
         name = f"h{self.host_index(host)}"
         rate = rate or str(links.line_rate(self.topology.rates[self.host_index(host) - 1]))
+        rates = [rate] * self.topology.nics if isinstance(rate, str) else list(rate)
+        if len(rates) != self.topology.nics:
+            raise TestbedError(f"{len(rates)} rates for {self.topology.nics} NICs")
         sock = workdir / f"{name}.sock"
-        nics = [arg for k in range(self.topology.nics) for arg in ("-i", f"eth{k}={rate}")]
+        nics = [arg for k, r in enumerate(rates) for arg in ("-i", f"eth{k}={r}")]
         argv = [sys.executable, "-m", "gradlane.cli", "daemon", *nics,
                 "--socket", str(sock), "--state-dir", str(workdir / f"state-{name}"),
                 "--http", "127.0.0.1:9464", *args]  # fmt: skip

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gradlane.daemon import protocol
+from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
 from gradlane.daemon.service import host_id
 from gradlane.errors import ProtocolError
 from tests.integration.helpers import RunningDaemon, start_daemon
@@ -71,6 +72,8 @@ def test_hello_gets_welcome_and_plan_and_shows_in_status(daemon: RunningDaemon) 
     assert plan["type"] == "plan" and plan["batch_share"] is None
     # Its host's name: this process shares gradlaned's boot and network namespace.
     assert welcome["host"] == daemon.status()["host"] == host_id()
+    # Each address of its interfaces, with the rate it shapes the interface to.
+    assert welcome["nics"] == [["10.0.0.1", int(1e9 * DEFAULT_SHAPE_FRACTION)]]
     client.send({"type": "chunks", "iteration": 2, "events": [[0, 1000, 0, 0.5], [3, 24, 3, 0.6]]})
     client.send({"type": "timing", "iteration": 2, "compute_s": 0.1, "comm_s": 0.2, "samples": 8})
     deadline = time.monotonic() + 5

@@ -17,11 +17,19 @@ pytestmark = pytest.mark.netns
 
 @pytest.mark.timeout(240)
 def test_chunks_spread_over_two_nics_halve_a_communication_bound_step(tmp_path: Path) -> None:
-    result = run_two_nics(tmp_path, steps=12)
-    assert result["daemon_exit_codes"] == [0, 0]  # qdiscs restored
+    result = run_two_nics(tmp_path, steps=12, layout="fine")  # 12 steps: no layout trial
+    assert result["daemon_exit_codes"] == [0] * 4  # qdiscs restored, both times
     one, two = (result["runs"][k] for k in ("gradlane, one NIC", "gradlane, two NICs"))
     print({k: round(r["median_s"] * 1000) for k, r in result["runs"].items()}, "ms;",
           [s[1] for s in two["nic_shares"]])
     assert all(s[1] < 0.01 for s in one["nic_shares"])  # one NIC: eth1 idle
     assert all(0.4 < s[1] < 0.6 for s in two["nic_shares"])  # two: about half each
     assert two["median_s"] < 0.75 * one["median_s"]
+    # eth1 shaped to half: the shims weigh the planes 2:1 by the rates gradlaned gives, and
+    # the step stays well under one NIC's (spread evenly, eth1's half alone would take as
+    # long as a whole model over one NIC).
+    uneven = result["uneven"]
+    print("eth1 at half the rate:", round(uneven["median_s"] * 1000), "ms;",
+          [s[1] for s in uneven["nic_shares"]])
+    assert all(0.25 < s[1] < 0.42 for s in uneven["nic_shares"])
+    assert uneven["median_s"] < 0.85 * one["median_s"]

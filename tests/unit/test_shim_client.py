@@ -40,7 +40,7 @@ class _Daemon:
     """Accepts one shim, welcomes it, and keeps what it says until a timing message."""
 
     def __init__(self, path: Path, features: list[str] | None, leaf: int | None = None,
-                 host: object = None) -> None:
+                 host: object = None, nics: object = None) -> None:
         self.got: list[dict[str, Any]] = []
         self.timed = threading.Event()
         self.reading = threading.Event()  # cleared: reads nothing after the welcome (busy)
@@ -50,7 +50,7 @@ class _Daemon:
         self._server.bind(str(path))
         self._server.listen()
         self._server.settimeout(10)
-        self._features, self._leaf, self._host = features, leaf, host
+        self._features, self._leaf, self._host, self._nics = features, leaf, host, nics
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -73,6 +73,8 @@ class _Daemon:
                             welcome["features"] = self._features
                         if self._host is not None:
                             welcome["host"] = self._host
+                        if self._nics is not None:
+                            welcome["nics"] = self._nics
                         conn.sendall(protocol.encode(welcome))
                         welcomed = True
                         self.reading.wait(10)
@@ -271,6 +273,31 @@ def test_a_worker_s_host_is_the_one_its_daemon_names(
     try:
         assert client.host() == expected
         assert client.welcomed.is_set()  # it waited for the welcome
+        client.timing(0.1, 0.0)  # the fake daemon's cue to stop
+        assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        daemon.close()
+
+
+@pytest.mark.parametrize(
+    ("said", "addresses", "expected"),
+    [
+        ([["10.0.0.5", 100], ["10.1.0.5", 50]], ["10.0.0.5", "10.1.0.5"], [100, 50]),
+        ([["10.0.0.5", 100]], ["10.0.0.5", "10.1.0.5"], None),  # one not named: equal
+        (None, ["10.0.0.5"], None),  # an older daemon
+        ([["10.0.0.5", 0], ["10.1.0.5", 50], "x", [1, 2]], ["10.0.0.5", "10.1.0.5"],
+         None),  # what is not an address and a positive rate is left out
+    ],
+)
+def test_the_planes_rates_are_the_ones_gradlaned_shapes_their_nics_to(
+    tmp_path: Path, said: object, addresses: list[str], expected: list[int] | None,
+) -> None:
+    path = tmp_path / "gl.sock"
+    daemon = _Daemon(path, features=list(protocol.FEATURES), nics=said)
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.plane_rates(addresses) == expected
         client.timing(0.1, 0.0)  # the fake daemon's cue to stop
         assert daemon.timed.wait(10)
     finally:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gradlane.errors import TransportError
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import split
 from gradlane.shim.transport import Mesh
@@ -237,3 +238,18 @@ def test_chunks_spread_over_the_planes_by_bytes(monkeypatch: pytest.MonkeyPatch)
         assert engine is not None
         engine.retire(groups[rank][:1])
         assert engine._plane_bytes[1] == [0, 16000]
+
+
+def test_planes_take_chunks_in_proportion_to_their_rates() -> None:
+    """A plane twice as fast takes twice the bytes of each owner's chunks; rates that do
+    not fit the planes are refused."""
+    from types import SimpleNamespace
+
+    mesh = SimpleNamespace(rank=0, world=2, planes=2, links={}, dscp=(46,))
+    engine = Engine(mesh, timeout_s=5, plane_rates=(200, 100))  # type: ignore[arg-type]
+    group = engine.add_group(0, "g", torch.zeros(6000), split(6000, 4, 4000), [0] * 3 + [1] * 3,
+                             0, 0)
+    assert [c.plane for c in group.chunks] == [0, 1, 0, 0, 1, 0]
+    for rates in ((1.0,), (1.0, 0.0)):
+        with pytest.raises(TransportError, match="one positive rate per plane"):
+            Engine(mesh, timeout_s=5, plane_rates=rates)  # type: ignore[arg-type]
