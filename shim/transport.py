@@ -33,15 +33,16 @@ from gradlane.errors import TransportError
 from gradlane.policies.chunks import host_groups
 
 __all__ = [
+    "MAX_PLANES",
     "Link",
     "Mesh",
     "Store",
     "agree_batch",
     "gather",
     "local_address",
+    "mark",
     "reduction_groups",
     "same_host",
-    "mark",
     "tensor_bytes",
 ]
 
