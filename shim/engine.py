@@ -251,9 +251,9 @@ class Engine:
             # every plane, and each NIC carries contributions out while averages come in:
             # owners and planes in step (all of rank 0's chunks on plane 0, ...) would
             # leave each plane's one direction idle until the other had sent. On the
-            # testbed (bench/two_nics.py, 2 ranks, two NICs each): 198-201 ms a step this
-            # way; 240 ms with planes by bytes alone, which put owners and planes in step;
-            # 210-221 ms by turns.
+            # testbed (bench/two_nics.py, 2 ranks, two NICs each): 197-223 ms a step this
+            # way (five runs); 241-245 ms with planes by bytes alone, which put owners and
+            # planes in step; 206-221 ms by turns.
             on, rates = self._plane_bytes[owner], self.plane_rates
             plane = min(range(self.mesh.planes), key=lambda k: on[k] / rates[k])
             on[plane] += (stop - start) * grad.element_size()
