@@ -88,6 +88,9 @@ def run_two_nics(workdir: Path, steps: int = 40, say: Callable[[str], None] = la
                    for h in HOSTS}
         run(UNEVEN, 2, daemons)
         codes += stop_daemons({h: proc for h, (proc, _) in daemons.items()})
+    # What gradlaned was told each NIC's line rate is, per run (it shapes under it).
+    told = {label: [line] * nics for label, nics in RUNS.items()}
+    told[UNEVEN] = [line, line // 2]
     steady = steady_start(steps)
     medians = {label: statistics.median(r.times[steady:]) for label, r in runs.items()}
     compute, size = trace_totals(TWO_NICS_WORKLOAD)
@@ -99,11 +102,13 @@ def run_two_nics(workdir: Path, steps: int = 40, say: Callable[[str], None] = la
         "scenario": {"name": "two-nics", "hosts": len(HOSTS), "nics": 2, "rate": NIC_RATE,
                      "steps": steps, "workload": TWO_NICS_WORKLOAD, "layout": layout},
         "steady_from_step": steady,
-        "runs": {label: {"iteration_s": r.times, "median_s": medians[label],
-                         "nic_shares": shares[label]} for label, r in runs.items()},
+        "runs": {label: {**_recorded(r), "median_s": medians[label],
+                         "nic_shares": shares[label], "daemon_line_bps": told[label]}
+                 for label, r in runs.items()},
         # Not in the summary: its bound is its own (one NIC and a half).
-        "uneven": {"label": UNEVEN, "iteration_s": uneven.times, "median_s": medians[UNEVEN],
-                   "nic_shares": shares[UNEVEN], "lower_bound_s": uneven_bound,
+        "uneven": {"label": UNEVEN, **_recorded(uneven), "median_s": medians[UNEVEN],
+                   "nic_shares": shares[UNEVEN], "daemon_line_bps": told[UNEVEN],
+                   "lower_bound_s": uneven_bound,
                    "achieved_over_bound": medians[UNEVEN] / uneven_bound},
         "speedup": medians[one] / medians[two],
         "lower_bound_s": bound,
@@ -112,3 +117,11 @@ def run_two_nics(workdir: Path, steps: int = 40, say: Callable[[str], None] = la
                              {k: [r] for k, r in runs.items()}),
         "daemon_exit_codes": codes,
     }
+
+
+def _recorded(run: SystemRun) -> dict[str, Any]:
+    """What a replay in the simulator needs of a run (`gradlane sim validate`): rank 0's
+    iteration times and waits for averages per step, and the layout its trial kept."""
+    waited = run.rank_steps[0].get("waited", []) if run.rank_steps else []
+    return {"iteration_s": run.times, "waited_s": list(waited),
+            "layout_trial": run.layout_trial}

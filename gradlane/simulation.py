@@ -22,7 +22,8 @@ Three experiments, each one command:
   in the simulator; simulated vs measured median iteration time per system
   (and per run of the control runs whose owners the plan decides, the slow
   link and ranks sharing hosts: owned bytes even, as the plan weighs them by
-  what each host link carries, and within hosts first).
+  what each host link carries, and within hosts first; and of the two-NIC
+  run, each host's NICs as one link at the sum of their rates).
 """
 
 from __future__ import annotations
@@ -353,11 +354,12 @@ def _owners_rows(measured: dict[str, Any], progress: Progress | None) -> list[di
 
 
 def _validation_row(measured: dict[str, Any], system: str, policy: str, scenario: Scenario,
-                    compute_s: float | None, link_bps: float, progress: Progress | None
-                    ) -> dict[str, Any]:
-    """`system`'s measured median against `scenario` simulated under `policy`."""
+                    compute_s: float | None, link_bps: float, progress: Progress | None,
+                    real: float | None = None) -> dict[str, Any]:
+    """`system`'s measured median (`real`, default the result's summary's) against
+    `scenario` simulated under `policy`."""
     sim = _run_policies(scenario, (policy,), progress)[policy]["mean_iteration_s"]
-    real = measured["summary"][system]["median_s"]
+    real = measured["summary"][system]["median_s"] if real is None else real
     return {
         "scenario": measured["scenario"]["name"], "system": system,
         "measured_s": real, "simulated_s": sim, "error": sim / real - 1,
@@ -365,6 +367,48 @@ def _validation_row(measured: dict[str, Any], system: str, policy: str, scenario
         "link_bps": link_bps,
         "measured_commit": measured["environment"]["commit"],
     }
+
+
+def two_nics_scenario(result: dict[str, Any], run: dict[str, Any], compute_s: float
+                      ) -> Scenario:
+    """A run of `gradlane.nic_runs.run_two_nics` in the simulator: its trace at
+    `compute_s`, each host's NICs as one link at the sum of gradlaned's shaped rates
+    (the shims spread each owner's chunks over them by those rates)."""
+    from gradlane.control_runs import trace_workload
+
+    layers = trace_layers(*trace_workload(result["scenario"]["workload"]), compute_s)
+    rate = parse_rate(result["scenario"]["rate"])
+    link = sum(_shaped(rate, line) for line in run["daemon_line_bps"])
+    hosts = int(result["scenario"]["hosts"])
+    scenario = one_switch(result["scenario"]["name"], [("trace", layers, [1.0] * hosts)],
+                          hosts, link, exchange="auto", iterations=20, warmup=3)
+    layout = (run.get("layout_trial") or {}).get("chosen") or "fine"
+    buckets, chunk = shim_buckets(layers, hosts, layout=layout, ring=scenario.jobs[0].ring)
+    job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk)
+    return dataclasses.replace(scenario, jobs=(job,))
+
+
+def _two_nics_rows(measured: dict[str, Any], progress: Progress | None
+                   ) -> list[dict[str, Any]]:
+    """Validation rows of a two-NIC run, one per run (none from results made before they
+    recorded the waits)."""
+    import statistics
+
+    rows = []
+    first = measured["steady_from_step"]
+    runs = [(label, run) for label, run in measured["runs"].items()]
+    if "uneven" in measured:
+        runs.append((measured["uneven"]["label"], measured["uneven"]))
+    for label, run in runs:
+        if not run.get("waited_s") or "daemon_line_bps" not in run:
+            continue
+        compute = statistics.median(t - w for t, w in zip(
+            run["iteration_s"][first:], run["waited_s"][first:], strict=True))
+        scenario = two_nics_scenario(measured, run, compute)
+        rows.append(_validation_row(measured, label, "gradlane", scenario, compute,
+                                    scenario.topology.hosts[0].nic_bps, progress,
+                                    real=run["median_s"]))
+    return rows
 
 
 def layout_kept(result: dict[str, Any], system: str) -> str:
@@ -393,6 +437,9 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
         wl = scenario.get("workload") if isinstance(scenario, dict) else None
         if isinstance(scenario, dict) and scenario.get("name") in OWNERS_RESULTS:
             rows += _owners_rows(measured, progress)
+            continue
+        if isinstance(scenario, dict) and scenario.get("name") == "two-nics":
+            rows += _two_nics_rows(measured, progress)
             continue
         # `gradlane bench` scenarios (the other control runs replay no single trace).
         if not isinstance(wl, dict) or wl.get("kind") != "trace" or not is_bench_result(measured):
