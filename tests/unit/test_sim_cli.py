@@ -41,7 +41,10 @@ def test_sim_validate_replays_the_shipped_testbed_results(tmp_path: Path) -> Non
         ("control-slow-link", "gradlane+control"),
         # Ranks sharing hosts, on the ring and reduced within hosts first.
         ("control-co-located", "gradlane+control"),
-        ("control-co-located", "gradlane+control, within hosts")}
+        ("control-co-located", "gradlane+control, within hosts"),
+        # Two NICs a host, as one link at the sum of their rates.
+        ("two-nics", "gradlane, two NICs"),
+        ("two-nics", "gradlane, two NICs, eth1 at half the rate")}
     assert data["max_abs_error"] == max(abs(r["error"]) for r in data["rows"])
     assert out.with_suffix(".png").stat().st_size > 0
 
