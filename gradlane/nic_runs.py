@@ -1,11 +1,12 @@
 """Several NICs a host on the emulated cluster: one job over one NIC, then over two.
 
 Two hosts, each with two NICs on two switch planes (`gradlane.testbed.Topology`
-``nics=2``), gradlaned shaping both. The same gradlane job runs twice in one
-cluster: its ranks given one address each (one NIC), then one per NIC, so that
-their chunks spread over the planes, bytes evenly (`gradlane.shim.engine.Engine`). Needs
-root. `tests/integration/test_planes_netns.py` asserts on it;
-``bench/two_nics.py`` records it as JSON.
+``nics=2``), gradlaned shaping both. The same gradlane job runs in one cluster:
+its ranks given one address each (one NIC), then one per NIC, so that their
+chunks spread over the planes by the NICs' rates (`gradlane.shim.engine.Engine`),
+then again with eth1 shaped to half the rate. Needs root.
+`tests/integration/test_planes_netns.py` asserts on it; ``bench/two_nics.py``
+records it as JSON; ``gradlane sim validate`` replays it.
 """
 
 from __future__ import annotations
