@@ -326,11 +326,23 @@ def owners_scenario(result: dict[str, Any], compute_s: float, layout: str,
     return Scenario(result["scenario"]["name"], topology, (job,), iterations=20, warmup=3)
 
 
+def _steady_compute(run: dict[str, Any], first: int) -> float:
+    """A control run's compute per iteration: the median, from step `first`, of each
+    iteration minus rank 0's wait for averages in it (``waited_s``)."""
+    import statistics
+
+    return float(statistics.median(t - w for t, w in zip(
+        run["iteration_s"][first:], run["waited_s"][first:], strict=True)))
+
+
+def _kept(run: dict[str, Any]) -> str:
+    """The layout a control run's grouping trial kept ("fine" where none ended)."""
+    return str((run.get("layout_trial") or {}).get("chosen") or "fine")
+
+
 def _owners_rows(measured: dict[str, Any], progress: Progress | None) -> list[dict[str, Any]]:
     """Validation rows of a control run of `run_planned_owners`, one per run (none from
     results made before they recorded the waits)."""
-    import statistics
-
     from gradlane.control_runs import OWNERS_SCENARIOS
 
     runs: list[tuple[dict[str, Any], str, str, tuple[str, ...]]] = [
@@ -344,11 +356,9 @@ def _owners_rows(measured: dict[str, Any], progress: Progress | None) -> list[di
     for run, system, policy, added in runs:
         if "waited_s" not in run or "daemon_line_bps" not in measured:
             continue
-        compute = statistics.median(t - w for t, w in zip(
-            run["iteration_s"][first:], run["waited_s"][first:], strict=True))
-        layout = (run.get("layout_trial") or {}).get("chosen") or "fine"
+        compute = _steady_compute(run, first)
         rows.append(_validation_row(
-            measured, system, policy, owners_scenario(measured, compute, layout, added),
+            measured, system, policy, owners_scenario(measured, compute, _kept(run), added),
             compute, min(parse_rate(r) for r in measured["scenario"]["rates"]), progress))
     return rows
 
@@ -382,8 +392,7 @@ def two_nics_scenario(result: dict[str, Any], run: dict[str, Any], compute_s: fl
     hosts = int(result["scenario"]["hosts"])
     scenario = one_switch(result["scenario"]["name"], [("trace", layers, [1.0] * hosts)],
                           hosts, link, exchange="auto", iterations=20, warmup=3)
-    layout = (run.get("layout_trial") or {}).get("chosen") or "fine"
-    buckets, chunk = shim_buckets(layers, hosts, layout=layout, ring=scenario.jobs[0].ring)
+    buckets, chunk = shim_buckets(layers, hosts, layout=_kept(run), ring=scenario.jobs[0].ring)
     job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk)
     return dataclasses.replace(scenario, jobs=(job,))
 
@@ -392,8 +401,6 @@ def _two_nics_rows(measured: dict[str, Any], progress: Progress | None
                    ) -> list[dict[str, Any]]:
     """Validation rows of a two-NIC run, one per run (none from results made before they
     recorded the waits)."""
-    import statistics
-
     rows = []
     first = measured["steady_from_step"]
     runs = [(label, run) for label, run in measured["runs"].items()]
@@ -402,8 +409,7 @@ def _two_nics_rows(measured: dict[str, Any], progress: Progress | None
     for label, run in runs:
         if not run.get("waited_s") or "daemon_line_bps" not in run:
             continue
-        compute = statistics.median(t - w for t, w in zip(
-            run["iteration_s"][first:], run["waited_s"][first:], strict=True))
+        compute = _steady_compute(run, first)
         scenario = two_nics_scenario(measured, run, compute)
         rows.append(_validation_row(measured, label, "gradlane", scenario, compute,
                                     scenario.topology.hosts[0].nic_bps, progress,
