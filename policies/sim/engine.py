@@ -149,9 +149,9 @@ class _Job:
         self.tree = Exchange(self.leaf, uplinks=uplinks, host=self.hosts, ring=spec.ring)
         # Ranks sharing some hosts (not all one) reduce within hosts first, as the shim's
         # `host_groups` has them, unless on the ring or told their several leaves.
-        self.shares_hosts = not spec.ring and 1 < len(set(spec.hosts)) < self.w
+        shares_hosts = not spec.ring and 1 < len(set(spec.hosts)) < self.w
         self.within_hosts = Exchange(self.leaf, uplinks=uplinks, host=self.hosts,
-                                     by_host=True) if self.shares_hosts else None
+                                     by_host=True) if shares_hosts else None
         self.set_ownership(tuple(assign_owners(self.chunk_bytes, self.w)), in_leaf=False)
         self.ready_at = np.zeros(self.nb)  # when each bucket's gradient is (or will be) ready
         # Timeline.
