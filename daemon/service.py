@@ -279,7 +279,7 @@ class Daemon:
         self._tc_thread.shutdown(wait=True)
 
     def state(self) -> State:
-        shaped = min(self._shaped(b) for b in self._backends)
+        shaped = self._slowest()
         jobs = tuple(
             JobState(name=name, workers=len(ws), flows=sum(len(w.flows) for w in ws))
             for name, ws in sorted(self.registry.jobs().items())
@@ -291,6 +291,10 @@ class Daemon:
         interface to: a shim listening on several (one per NIC) weighs them by it."""
         return [[address, self._shaped(b)] for b in self._backends
                 for address in sorted(self._addresses.get(b.ifname, ()))]
+
+    def _slowest(self) -> int:
+        """The slowest interface's shaped rate: what plans are for (`spec_for` scales)."""
+        return min(self._shaped(b) for b in self._backends)
 
     def _shaped(self, backend: Backend) -> int:
         iface = next(i for i in self.config.interfaces if i.name == backend.ifname)
@@ -305,7 +309,7 @@ class Daemon:
         NIC's rate on a faster one.
         """
         shaped = self._shaped(backend)
-        scale = shaped / min(self._shaped(b) for b in self._backends)
+        scale = shaped / self._slowest()
         other = max(1, int(shaped * self.config.other_share))
         local = self._addresses.get(backend.ifname, set())
         only_one = len(self._backends) == 1

@@ -41,7 +41,8 @@ from rich.table import Table
 from gradlane.errors import TestbedError
 from gradlane.policies.chunks import trial_schedule
 
-__all__ = ["DemoResult", "MachineCpu", "SystemRun", "past_warm_up", "run_demo", "steady_start"]
+__all__ = ["DemoResult", "MachineCpu", "SystemRun", "nic_tx_bytes", "past_warm_up", "run_demo",
+           "steady_start"]
 
 WINDOW_S = 1.0  # the band-usage plot's window when no iteration can be picked
 SAMPLE_S = 0.01
@@ -517,13 +518,18 @@ class _BandSampler:
         return series
 
 
-def _tx_bytes(netns: str) -> int:
-    """What a host's NICs (eth0, eth1, ...) have sent, in bytes."""
+def nic_tx_bytes(netns: str, nics: int) -> list[int]:
+    """What each of a host's `nics` NICs (eth0, eth1, ...) has sent, in bytes."""
     from pyroute2 import IPRoute
 
     with IPRoute(netns=netns, flags=0, groups=0) as ipr:
-        return sum(int(link.get_attr("IFLA_STATS64")["tx_bytes"]) for link in ipr.get_links()
-                   if str(link.get_attr("IFLA_IFNAME")).startswith("eth"))
+        return [int(ipr.get_links(ifname=f"eth{k}")[0].get_attr("IFLA_STATS64")["tx_bytes"])
+                for k in range(nics)]
+
+
+def _tx_bytes(c: Any, host: str) -> int:
+    """What `host` of cluster `c` has sent over all its NICs, in bytes."""
+    return sum(nic_tx_bytes(c.ns(host), c.topology.nics))
 
 
 @dataclass
@@ -566,7 +572,7 @@ def launch(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o755)
-    before = {h: _tx_bytes(c.ns(h)) for h in dict.fromkeys(names)}
+    before = {h: _tx_bytes(c, h) for h in dict.fromkeys(names)}
     procs = []
     for rank, host in enumerate(names):
         extra = list(worker_args)
@@ -602,7 +608,7 @@ def collect(c: Any, job: Launched, timeout: float = 300) -> SystemRun:
     finally:
         job.cpu.stop()
     run = _collect(job.system, job.out, time.monotonic() - job.started, job.cpu)
-    run.wire_bytes = sum(_tx_bytes(c.ns(h)) - b for h, b in job.tx_before.items())
+    run.wire_bytes = sum(_tx_bytes(c, h) - b for h, b in job.tx_before.items())
     rate = sum(c.topology.rates[c.host_index(h) - 1] for h in job.tx_before)
     busy = sum(run.times)  # training time, without start-up
     run.utilization = run.wire_bytes * 8 / (rate * busy) if busy else None

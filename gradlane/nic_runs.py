@@ -18,7 +18,7 @@ from typing import Any
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY, lower_bound, summarize
 from gradlane.control_runs import stop_daemons, trace_totals
-from gradlane.demo import SystemRun, collect, launch, steady_start
+from gradlane.demo import SystemRun, collect, launch, nic_tx_bytes, steady_start
 from gradlane.testbed import Cluster, Topology
 from gradlane.testbed.links import line_rate
 from gradlane.units import parse_rate
@@ -27,6 +27,7 @@ __all__ = ["TWO_NICS_WORKLOAD", "run_two_nics"]
 
 HOSTS = ["h1", "h2"]
 NIC_RATE = "100mbit"
+NICS = 2  # a host's NICs, each on a switch plane of its own
 # VGG-19 at 4 MB: each host sends a model a step, 0.34 s over one 100 Mbit/s NIC, against
 # 30 ms of compute: the exchange is what the NICs change.
 TWO_NICS_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "4",
@@ -35,15 +36,6 @@ RUNS = {"gradlane, one NIC": 1, "gradlane, two NICs": 2}
 # Then gradlaned restarted, told eth1 is half as fast (it shapes it to half): the shims
 # weigh the planes by the rates its welcome gives.
 UNEVEN = "gradlane, two NICs, eth1 at half the rate"
-
-
-def _sent(c: Cluster, host: str) -> list[int]:
-    """What each of `host`'s NICs has sent, in bytes (eth0, eth1, ...)."""
-    from pyroute2 import IPRoute
-
-    with IPRoute(netns=c.ns(host)) as ipr:
-        return [int(ipr.get_links(ifname=f"eth{k}")[0].get_attr("IFLA_STATS64")["tx_bytes"])
-                for k in range(c.topology.nics)]
 
 
 def run_two_nics(workdir: Path, steps: int = 40, say: Callable[[str], None] = lambda _: None,
@@ -67,17 +59,17 @@ def run_two_nics(workdir: Path, steps: int = 40, say: Callable[[str], None] = la
     runs: dict[str, SystemRun] = {}
     shares: dict[str, list[list[float]]] = {}
     line = line_rate(parse_rate(NIC_RATE))
-    with Cluster(Topology.build("nics", len(HOSTS), NIC_RATE, nics=2)) as c:
+    with Cluster(Topology.build("nics", len(HOSTS), NIC_RATE, nics=NICS)) as c:
 
         def run(label: str, nics: int, daemons: dict[str, tuple[Any, Path]]) -> None:
             say(label)
-            before = {h: _sent(c, h) for h in HOSTS}
+            before = {h: nic_tx_bytes(c.ns(h), NICS) for h in HOSTS}
             runs[label] = collect(c, launch(
                 c, "gradlane", args, port=29870 + len(runs), out=workdir / f"run{len(runs)}",
                 sockets=[daemons[h][1] for h in HOSTS], hosts=HOSTS,
                 rank_args=[["--address", ",".join(c.addr(h, k) for k in range(nics))]
                            for h in HOSTS]))
-            sent = [[a - b for a, b in zip(_sent(c, h), before[h], strict=True)]
+            sent = [[a - b for a, b in zip(nic_tx_bytes(c.ns(h), NICS), before[h], strict=True)]
                     for h in HOSTS]
             shares[label] = [[n / sum(s) for n in s] for s in sent]
 
@@ -100,7 +92,7 @@ def run_two_nics(workdir: Path, steps: int = 40, say: Callable[[str], None] = la
     one, two = RUNS
     uneven = runs.pop(UNEVEN)
     return {
-        "scenario": {"name": "two-nics", "hosts": len(HOSTS), "nics": 2, "rate": NIC_RATE,
+        "scenario": {"name": "two-nics", "hosts": len(HOSTS), "nics": NICS, "rate": NIC_RATE,
                      "steps": steps, "workload": TWO_NICS_WORKLOAD, "layout": layout},
         "steady_from_step": steady,
         "runs": {label: {**_recorded(r), "median_s": medians[label],

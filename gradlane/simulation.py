@@ -267,19 +267,28 @@ def testbed_scenario(
     link = result["link_bps"] * PAYLOAD_EFFICIENCY
     if system == "gradlane":
         link = _shaped(result["link_bps"], result.get("daemon_line_bps", result["link_bps"]))
-    scenario = one_switch(
-        result["scenario"]["name"], [(wl["model"], layers, [1.0] * hosts)], hosts, link,
+    return _replay(
+        result["scenario"]["name"], wl["model"], layers, hosts, link,
         # Results from before the ring (no "exchange" recorded) ran flat.
-        exchange=result["scenario"].get("exchange", "flat"), iterations=20, warmup=3,
-    )
-    buckets, chunk = shim_buckets(
-        layers, hosts, bands=1 if system == "fifo" else DEFAULT_BANDS,
-        layout=layout_kept(result, system),
+        result["scenario"].get("exchange", "flat"), layout_kept(result, system),
+        bands=1 if system == "fifo" else DEFAULT_BANDS,
         chunk_bytes=result["scenario"].get("chunk_bytes") or DEFAULT_CHUNK_BYTES,
-        ring=scenario.jobs[0].ring,
+        overlap=system != "fifo",
     )
+
+
+def _replay(name: str, model: str, layers: list[tuple[float, float, float]], hosts: int,
+            link_bps: float, exchange: str, layout: str, *, bands: int = DEFAULT_BANDS,
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES, overlap: bool = True) -> Scenario:
+    """One job of `layers` on `hosts` hosts of one switch at `link_bps`, exchanging as
+    `exchange` (`ShimConfig.exchange`), its layers grouped and chunked as the shim's
+    `layout` groups them on `bands` bands."""
+    scenario = one_switch(name, [(model, layers, [1.0] * hosts)], hosts, link_bps,
+                          exchange=exchange, iterations=20, warmup=3)
+    buckets, chunk = shim_buckets(layers, hosts, bands=bands, layout=layout,
+                                  chunk_bytes=chunk_bytes, ring=scenario.jobs[0].ring)
     job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk,
-                              overlap=system != "fifo")
+                              overlap=overlap)
     return dataclasses.replace(scenario, jobs=(job,))
 
 
@@ -389,12 +398,8 @@ def two_nics_scenario(result: dict[str, Any], run: dict[str, Any], compute_s: fl
     layers = trace_layers(*trace_workload(result["scenario"]["workload"]), compute_s)
     rate = parse_rate(result["scenario"]["rate"])
     link = sum(_shaped(rate, line) for line in run["daemon_line_bps"])
-    hosts = int(result["scenario"]["hosts"])
-    scenario = one_switch(result["scenario"]["name"], [("trace", layers, [1.0] * hosts)],
-                          hosts, link, exchange="auto", iterations=20, warmup=3)
-    buckets, chunk = shim_buckets(layers, hosts, layout=_kept(run), ring=scenario.jobs[0].ring)
-    job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk)
-    return dataclasses.replace(scenario, jobs=(job,))
+    return _replay(result["scenario"]["name"], "trace", layers, int(result["scenario"]["hosts"]),
+                   link, "auto", _kept(run))
 
 
 def _two_nics_rows(measured: dict[str, Any], progress: Progress | None
