@@ -208,6 +208,7 @@ class ControlPlane:
             raw = cp.decode(body if binary else body.decode("utf-8", "replace"))
             register = cp.parse_register(_field(raw, "register"))
             report = cp.parse_report(_field(raw, "report"))
+            cp.host_link(register, report)
         except ProtocolError as exc:
             self._rejected.labels(exc.code).inc()
             raise web.HTTPBadRequest(text=f"{exc.code}: {exc}\n") from None
@@ -235,7 +236,9 @@ class ControlPlane:
                 await self._send(daemon, self.message_for(daemon.register.host))
             async for msg in ws:
                 daemon.binary = msg.type == WSMsgType.BINARY
-                daemon.report = cp.parse_report(cp.decode(_payload(msg)))
+                report = cp.parse_report(cp.decode(_payload(msg)))
+                cp.host_link(daemon.register, report)  # a link its interfaces can carry
+                daemon.report = report
                 daemon.seen = time.monotonic()
                 self._changed.set()
         except ProtocolError as exc:
@@ -279,8 +282,12 @@ class ControlPlane:
                 f"host name {register.host!r} is taken by the daemon connected from "
                 f"{old.remote}; give each daemon its own name (control.host in gradlaned.toml)",
             )
-        daemon = _Daemon(register, old.report if old else cp.Report(0, ()), ws, binary,
-                         remote=remote)
+        report = old.report if old else cp.Report(0, ())
+        try:
+            cp.host_link(register, report)
+        except ProtocolError:  # registered again with other interfaces: its link is unknown
+            report = replace(report, link_bps=0)
+        daemon = _Daemon(register, report, ws, binary, remote=remote)
         if old is not None and old.ws is not None and old.ws is not ws:
             asyncio.get_running_loop().create_task(old.ws.close())  # a newer session wins
         self.daemons[register.host] = daemon
@@ -376,8 +383,8 @@ class ControlPlane:
         seen = self.snapshot() if snapshot is None else snapshot
         names = [h for h, _, _ in seen.daemons]
         index = {h: i for i, h in enumerate(names)}
-        hosts = tuple(Host(h, reg.leaf, min(i.rate_bps for i in reg.interfaces))
-                      for h, reg, _ in seen.daemons)
+        hosts = tuple(Host(h, reg.leaf, cp.host_link(reg, report))
+                      for h, reg, report in seen.daemons)
         jobs: dict[str, JobState] = {}
         workers: list[Worker] = []
         stated: dict[str, int] = {}  # global batch as a report states it
@@ -492,6 +499,7 @@ class ControlPlane:
         if plan is None or state is None or host not in self.hosts():
             return {"type": "plan", "version": 0, "ttl_s": 0.0, "source": None,
                     "job_classes": {}, "batch_shares": {}, "ownership": {}, "leaf": None,
+                    "link_bps": None,
                     "computed_at": None}
         assert state.topology is not None
         names = [h.name for h in state.topology.hosts]
@@ -513,6 +521,8 @@ class ControlPlane:
                           if j in jobs and j in complete},
             # The host's leaf switch when shims should reduce within leaves first.
             "leaf": state.topology.hosts[mine].leaf if plan.reduce_in_leaf and mine >= 0 else None,
+            # The link the classes are for: the daemon scales them to each interface.
+            "link_bps": state.topology.hosts[mine].nic_bps if mine >= 0 else None,
             "computed_at": self.planned_at,
         }
 
@@ -556,7 +566,8 @@ class ControlPlane:
                 {"host": h, "leaf": d.register.leaf, "connected": d.connected,
                  "seen_s_ago": round(now - d.seen, 3), "gradlane": d.register.gradlane,
                  "interfaces": [{"name": i.name, "rate_bps": i.rate_bps}
-                                for i in d.register.interfaces]}
+                                for i in d.register.interfaces],
+                 "link_bps": cp.host_link(d.register, d.report)}
                 for h, d in sorted(self.daemons.items())
             ],
             "jobs": jobs,

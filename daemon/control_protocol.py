@@ -10,11 +10,12 @@ request with ``Authorization: Bearer <token>``.
       daemon                                   control
       register {version, host, leaf,       ->  welcome {version, host, features}
                 interfaces, gradlane}
-      report {seq, jobs}                       (whenever its jobs change, and
+      report {seq, jobs, link_bps}             (whenever its jobs change, and
                                                 every few seconds)
                                            <-  plan {version, ttl_s, source,
                                                 job_classes, batch_shares,
-                                                ownership, leaf, computed_at}
+                                                ownership, leaf, link_bps,
+                                                computed_at}
 
 - ``POST /api/v1/report``: the same register and report in one body
   (``{"register": {...}, "report": {...}}``, JSON or, with
@@ -37,8 +38,15 @@ gives the host its job classes (``{job: [rate_bps, ceil_bps, prio]}``), per
 job every rank's batch share and every chunk's owner (the shims take their
 own), and the host's leaf when shims should reduce within leaves first.
 
+A host's link, as plans take it, is ``link_bps`` of its report: the rates
+of the interfaces that carry its jobs' flows, summed (shims with an address
+per NIC spread chunks over them all; `host_link`). A daemon that does not say
+it (older, or nothing registered) gets its slowest interface. The plan
+names the link its classes are for (``link_bps``), and the daemon scales
+them to each interface by its rate over that one.
+
 A control plane refuses fields it does not know, so a daemon sends an
-optional field (``exchange``, ``world_size``) only when the welcome's
+optional field (``exchange``, ``world_size``, ``link_bps``) only when the welcome's
 ``features`` lists it (`FEATURES`; an older control plane's welcome has none).
 
 Every message is validated (`parse_register`, `parse_report`); anything
@@ -69,13 +77,14 @@ __all__ = [
     "WorkerReport",
     "decode",
     "encode",
+    "host_link",
     "parse_register",
     "parse_report",
 ]
 
 VERSION = 1
 # Optional report fields this control plane accepts beyond VERSION's (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "world_size", HOST_EXCHANGE)
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "world_size", HOST_EXCHANGE, "link_bps")
 MAX_MESSAGE = 1 << 20
 MAX_JOBS = 256
 MAX_WORKERS = 4096
@@ -122,6 +131,27 @@ class JobReport:
 class Report:
     seq: int
     jobs: tuple[JobReport, ...]
+    # The host's link as the daemon plans with it (`host_link`): its interfaces that carry
+    # flows, summed (shims send over several NICs at once). 0: not said.
+    link_bps: int = 0
+
+
+def host_link(register: Register, report: Report) -> int:
+    """A host's link for planning: what its daemon says it uses, else (an older daemon,
+    or nothing said yet) its slowest interface.
+
+    Raises:
+        ProtocolError: the report's link is not between the slowest registered
+            interface and the sum of them all.
+    """
+    rates = [i.rate_bps for i in register.interfaces]
+    if not report.link_bps:
+        return min(rates)
+    if not min(rates) <= report.link_bps <= sum(rates):
+        raise ProtocolError("bad_message", f"report: link_bps {report.link_bps} is not between "
+                                           f"the slowest registered interface ({min(rates)}) "
+                                           f"and their sum ({sum(rates)})")
+    return report.link_bps
 
 
 def decode(data: str | bytes) -> dict[str, Any]:
@@ -189,7 +219,7 @@ def parse_report(raw: dict[str, Any]) -> Report:
         ProtocolError: a missing, unknown or badly typed field, or too many items.
     """
     raw = _typed(raw, "report")
-    only(raw, {"type", "seq", "jobs"})
+    only(raw, {"type", "seq", "jobs", "link_bps"})
     jobs, names = [], set()
     for i, item in enumerate(listed(raw, "jobs", MAX_JOBS)):
         where = _map(item, f"report: jobs[{i}]")
@@ -230,7 +260,8 @@ def parse_report(raw: dict[str, Any]) -> Report:
                               exchange(where),
                               integer(where, "world_size", 0, MAX_WORKERS * 16)
                               if "world_size" in where else 0))
-    return Report(integer(raw, "seq", 0, 1 << 62), tuple(jobs))
+    return Report(integer(raw, "seq", 0, 1 << 62), tuple(jobs),
+                  integer(raw, "link_bps", 1, 1 << 50) if "link_bps" in raw else 0)
 
 
 def _map(item: Any, where: str) -> dict[str, Any]:

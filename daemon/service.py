@@ -50,7 +50,7 @@ from gradlane.daemon.qdisc import ClassStats, FlowMatch, JobSpec, QdiscManager, 
 from gradlane.daemon.registry import Credentials, Registry, Worker
 from gradlane.daemon.uplink import ControlLink
 from gradlane.errors import ConfigError, GradlaneError, ProtocolError, TcError
-from gradlane.policies import JobState, Plan, State, get_policy
+from gradlane.policies import JobClassPlan, JobState, Plan, State, get_policy
 from gradlane.units import MIN_RATE_BPS
 
 __all__ = ["DSCP_JOB", "RESTART_FIELDS", "Backend", "Daemon", "host_id"]
@@ -171,6 +171,7 @@ class Daemon:
                 self._plan_changed,
                 clock=clock,
                 band_throughput=self._band_throughput,
+                link_bps=self.link_bps,
             )
 
     def _band_throughput(self) -> dict[str, list[float]]:
@@ -279,7 +280,7 @@ class Daemon:
         self._tc_thread.shutdown(wait=True)
 
     def state(self) -> State:
-        shaped = self._slowest()
+        shaped = self._basis()
         jobs = tuple(
             JobState(name=name, workers=len(ws), flows=sum(len(w.flows) for w in ws))
             for name, ws in sorted(self.registry.jobs().items())
@@ -292,24 +293,45 @@ class Daemon:
         return [[address, self._shaped(b)] for b in self._backends
                 for address in sorted(self._addresses.get(b.ifname, ()))]
 
-    def _slowest(self) -> int:
-        """The slowest interface's shaped rate: what plans are for (`spec_for` scales)."""
-        return min(self._shaped(b) for b in self._backends)
+    def _planned(self) -> list[Backend]:
+        """The interfaces a plan's host link is made of: those whose addresses carry
+        registered flows (a shim with an address per NIC spreads its chunks over them
+        all: `gradlane.shim.transport.Mesh`); with one interface, or no flow on any
+        yet, the slowest."""
+        if len(self._backends) > 1:
+            used = {f.src for ws in self.registry.jobs().values() for w in ws for f in w.flows}
+            carrying = [b for b in self._backends
+                        if self._addresses.get(b.ifname, set()) & used]
+            if carrying:
+                return carrying
+        return [min(self._backends, key=self._shaped)]
+
+    def link_bps(self) -> int:
+        """This host's link as plans take it, at the interfaces' configured rates
+        (`_planned`): what the control plane is told, and plans the classes it sends for."""
+        return sum(self._interface(b).rate_bps for b in self._planned())
+
+    def _basis(self) -> int:
+        """`link_bps` as shaped: what the local policy's classes are for (`state`)."""
+        return sum(self._shaped(b) for b in self._planned())
+
+    def _interface(self, backend: Backend) -> InterfaceConfig:
+        return next(i for i in self.config.interfaces if i.name == backend.ifname)
 
     def _shaped(self, backend: Backend) -> int:
-        iface = next(i for i in self.config.interfaces if i.name == backend.ifname)
-        return int(iface.rate_bps * self.config.shape_fraction)
+        return int(self._interface(backend).rate_bps * self.config.shape_fraction)
 
     def spec_for(self, backend: Backend, plan: Plan) -> QdiscSpec:
         """The desired tree of one interface under `plan`.
 
-        A plan's job classes are for the host's slowest interface (`state`; a
-        control plane takes the same as the host's link): each interface gets
-        them scaled by its rate over that one, so a job is not held to a slower
-        NIC's rate on a faster one.
+        A plan's job classes are for the host's link (`state`, `_basis`: the
+        interfaces that carry flows, summed; a control plane's are brought to
+        it in `_reconcile`): each interface gets them scaled by its rate over
+        that link, so a job is neither held to a slower NIC's rate on a faster
+        one nor given a whole host's worth on each of several.
         """
         shaped = self._shaped(backend)
-        scale = shaped / self._slowest()
+        scale = shaped / self._basis()
         other = max(1, int(shaped * self.config.other_share))
         local = self._addresses.get(backend.ifname, set())
         only_one = len(self._backends) == 1
@@ -353,8 +375,15 @@ class Daemon:
         control = self.link.job_classes() if self.link is not None else None
         if control:
             # The control plane's classes for the jobs it knows; the local policy's for
-            # a job too new to be in its plan yet.
-            plan = Plan(job_classes={j: control.get(j, c) for j, c in plan.job_classes.items()},
+            # a job too new to be in its plan yet. The control plane's are for the link it
+            # planned with (an older one's: the slowest interface), the local policy's for
+            # `link_bps`: brought to one (they differ until it has heard of new flows).
+            assert self.link is not None
+            basis = self.link.planned_link_bps() or min(
+                i.rate_bps for i in self.config.interfaces)
+            scale = self.link_bps() / basis
+            plan = Plan(job_classes={j: _scaled(control[j], scale) if j in control else c
+                                     for j, c in plan.job_classes.items()},
                         source="control", version=plan.version)
         changes: list[str] = []
         verify = self._clock() - self._verified_at >= VERIFY_EVERY
@@ -577,6 +606,7 @@ class Daemon:
                 "errors": self._reconcile_errors,
                 "last_changes": self._last_changes[-20:],
             },
+            "link_bps": self.link_bps(),  # the host's link as plans take it
             "interfaces": [
                 {
                     "name": b.ifname,
@@ -646,6 +676,14 @@ class _StateCollector:
         yield backlog
         yield throughput
         yield workers
+
+
+def _scaled(cls: JobClassPlan, scale: float) -> JobClassPlan:
+    """`cls` for a link `scale` times the one it was planned for."""
+    if scale == 1:
+        return cls
+    rate = max(1, round(cls.rate_bps * scale))
+    return JobClassPlan(rate, max(rate, round(cls.ceil_bps * scale)), cls.prio)
 
 
 def _worker_status(worker: Worker) -> dict[str, Any]:

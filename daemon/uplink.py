@@ -55,6 +55,7 @@ class ControlLink:
         on_change: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
         band_throughput: Callable[[], dict[str, list[float]]] = dict,
+        link_bps: Callable[[], int] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self._token = token
@@ -62,6 +63,7 @@ class ControlLink:
         self.registry = registry
         self.on_change = on_change
         self.band_throughput = band_throughput  # job -> measured bit/s per band, this host
+        self.link_bps = link_bps  # this host's link as it plans (`Daemon.link_bps`)
         self._clock = clock
         self.connected = False
         self.plan: dict[str, Any] | None = None
@@ -84,6 +86,14 @@ class ControlLink:
         assert self.plan is not None
         return {job: JobClassPlan(int(c[0]), int(c[1]), int(c[2]))
                 for job, c in self.plan["job_classes"].items()}
+
+    def planned_link_bps(self) -> int | None:
+        """The host link a fresh plan's classes are for (None: none fresh, or a control
+        plane too old to say: it took the slowest interface)."""
+        if not self.fresh():
+            return None
+        assert self.plan is not None
+        return self.plan.get("link_bps")
 
     def advice(self, job: str, rank: int) -> tuple[int | None, list[int] | None]:
         """(batch share, chunk owners) for one worker, from a fresh plan."""
@@ -180,6 +190,10 @@ class ControlLink:
             if not (isinstance(job, str) and len(c) == 3 and all(isinstance(v, int) for v in c)
                     and 0 < c[0] <= c[1] and 0 <= c[2] <= 7):
                 raise ValueError(f"bad job class {job!r}: {c!r:.80}")
+        link = message.get("link_bps")
+        if link is not None and not (isinstance(link, int) and not isinstance(link, bool)
+                                     and link > 0):
+            raise ValueError(f"bad link_bps {link!r:.80}")
         before = self.plan if self.fresh() else None
         self.plan, self.plan_at = message, self._clock()
         # The control plane re-plans every second or so; most plans change nothing
@@ -239,7 +253,10 @@ class ControlLink:
             if "world_size" in self.features:
                 job["world_size"] = max(w.world_size for w in workers)
             jobs.append(job)
-        return {"type": "report", "seq": seq, "jobs": jobs}
+        report: dict[str, Any] = {"type": "report", "seq": seq, "jobs": jobs}
+        if self.link_bps is not None and "link_bps" in self.features:
+            report["link_bps"] = self.link_bps()
+        return report
 
 
 def _host_part(plan: dict[str, Any]) -> dict[str, Any]:

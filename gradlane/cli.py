@@ -604,13 +604,15 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
               + (f"plan v{plan['version']} ({plan['age_s']}s old, ttl {plan['ttl_s']}s)"
                  if plan else "no plan yet"))
     hosts = Table(title="hosts")
-    for column in ("host", "leaf", "connected", "last seen", "gradlane", "interfaces"):
+    for column in ("host", "leaf", "connected", "last seen", "gradlane", "interfaces",
+                   "link (planned)"):
         hosts.add_column(column)
     for h in data["hosts"]:
         hosts.add_row(h["host"], str(h["leaf"]), "yes" if h["connected"] else "LOST",
                       f"{h['seen_s_ago']:.1f}s ago", h["gradlane"],
                       ", ".join(f"{i['name']} {format_rate(i['rate_bps'])}"
-                                for i in h["interfaces"]))
+                                for i in h["interfaces"]),
+                      format_rate(h["link_bps"]) if h.get("link_bps") else "-")
     out.print(hosts)
     jobs = Table(title="jobs")
     for column in ("job", "workers", "hosts", "state", "exchange", "sending",
@@ -771,7 +773,8 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
     plan = data["plan"]
     out.print(
         f"gradlaned {data['version']}, up {data['uptime_s']:.0f}s, policy {data['policy']}, "
-        f"plan from {plan['source']} ({plan['age_s']}s old), "
+        f"plan from {plan['source']} ({plan['age_s']}s old) for a "
+        f"{format_rate(data['link_bps'])} link, "
         f"{data['reconcile']['count']} reconciles, {data['reconcile']['errors']} errors, "
         f"{data['clients']} clients, API errors {data['api_errors'] or 'none'}"
     )

@@ -16,9 +16,11 @@ from aiohttp import web
 
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon import protocol, uplink
+from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.control import ControlConfig, ControlPlane
 from gradlane.daemon.registry import Credentials, Registry
 from gradlane.daemon.service import Daemon
+from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
 from tests.fakes import FakeBackend, fake_config
 
@@ -232,3 +234,86 @@ def test_only_a_plan_that_changes_this_host_s_part_re_plans_it() -> None:
         assert len(told) == 5
 
     asyncio.run(main())
+
+
+class TwoNics(FakeBackend):
+    """fake0 (2 Gbit/s) and fake1 (1 Gbit/s), an address each."""
+
+    def addresses(self) -> set[str]:
+        return {"fake0": {"10.0.0.1"}, "fake1": {"10.1.0.1"}}[self.ifname]
+
+
+def test_a_host_whose_shims_use_both_nics_is_planned_with_their_sum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(uplink, "REPORT_EVERY", 3600.0)
+
+    def flows(*sources: str) -> list[dict[str, Any]]:
+        return [{"band": 0, "src": src, "sport": 40000 + i, "dst": "10.9.0.1", "dport": 5000}
+                for i, src in enumerate(sources)]
+
+    async def main() -> None:
+        port = _free_port()
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN)
+        config = dataclasses.replace(
+            fake_config(tmp_path / "gl.sock"), control_url=f"http://127.0.0.1:{port}",
+            control_token_file=token_file, control_host="h1",
+            interfaces=(InterfaceConfig("fake0", 2 * 10**9), InterfaceConfig("fake1", 10**9)))
+        daemon = Daemon(config, backend_factory=TwoNics)
+        control, plane = await _start_control(port)
+        serving = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(daemon.ready.wait(), 10)
+
+        def host_link() -> int | None:
+            if plane.state is None or plane.state.topology is None:
+                return None
+            return plane.state.topology.hosts[0].nic_bps
+
+        shims = []
+        try:
+            # Nothing registered yet: the host's link is its slowest NIC.
+            await _until(lambda: host_link() == 10**9)
+            # Two jobs of two ranks, an address per NIC as `attach(address=[...])` gives:
+            # each job's class is half the host.
+            for job, rank in ((j, r) for j in "jk" for r in range(2)):
+                shim = Shim(*await asyncio.open_unix_connection(str(config.socket_path)))
+                await shim.send({"type": "hello", "version": 1, "job": job, "rank": rank,
+                                 "world_size": 2, "flows": flows("10.0.0.1", "10.1.0.1")})
+                shims.append(shim)
+            await _until(lambda: host_link() == 3 * 10**9)
+            assert plane.message_for("h1")["link_bps"] == 3 * 10**9
+            assert daemon.status()["link_bps"] == 3 * 10**9
+            # The daemon splits the control plane's class by each NIC's share of that link.
+            await _until(lambda: daemon._plan is not None and daemon._plan.source == "control")
+            assert plane.plan is not None
+            planned = plane.plan.host_classes[0]["j"]
+            specs = [next(j for j in b.spec.jobs if j.name == "j")  # type: ignore[attr-defined]
+                     for b in daemon._backends]
+            shaped = [daemon._shaped(b) for b in daemon._backends]
+            assert planned.rate_bps == pytest.approx(1.5 * 10**9, rel=0.01)
+            for spec, share in zip(specs, (2 / 3, 1 / 3), strict=True):
+                assert spec.rate_bps == pytest.approx(planned.rate_bps * share, rel=1e-6)
+            assert [s.ceil_bps for s in specs] == shaped  # the whole of each NIC
+            # The shims move to fake0 alone: the host's link is fake0's.
+            for shim in shims:
+                await shim.send({"type": "flows", "flows": flows("10.0.0.1")})
+            await _until(lambda: host_link() == 2 * 10**9)
+        finally:
+            for shim in shims:
+                shim.writer.close()
+            daemon.stop()
+            await asyncio.wait_for(serving, 10)
+            await control.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_report_cannot_claim_more_link_than_its_interfaces() -> None:
+    register = cp.Register("h1", 0, (cp.InterfaceReport("eth0", 10**9),
+                                     cp.InterfaceReport("eth1", 10**9)), "0")
+    assert cp.host_link(register, cp.Report(1, ())) == 10**9  # not said: the slowest
+    assert cp.host_link(register, cp.Report(1, (), link_bps=2 * 10**9)) == 2 * 10**9
+    for wrong in (3 * 10**9, 10**8):
+        with pytest.raises(ProtocolError, match="link_bps"):
+            cp.host_link(register, cp.Report(1, (), link_bps=wrong))

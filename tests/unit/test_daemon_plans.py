@@ -12,7 +12,7 @@ import pytest
 
 from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
-from gradlane.daemon.qdisc import QdiscSpec
+from gradlane.daemon.qdisc import FlowMatch, QdiscSpec
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import RESTART_FIELDS, VERIFY_EVERY, Daemon
 from gradlane.errors import GradlaneError, TcError
@@ -193,3 +193,51 @@ def test_a_reload_that_changes_what_is_set_up_at_start_reloads_nothing(
     assert "reload: control_url changed; restart gradlaned to apply it" in caplog.text
     for name in RESTART_FIELDS:  # every one is a field of the config
         assert hasattr(before, name)
+
+
+class _PlanFrom:
+    """A control link whose fresh plan gives job j `rate` for a host link of `link`."""
+
+    def __init__(self, rate: int, link: int | None) -> None:
+        self.rate, self.link = rate, link
+
+    def job_classes(self) -> dict[str, JobClassPlan]:
+        return {"j": JobClassPlan(self.rate, 4 * self.rate, 1)}
+
+    def planned_link_bps(self) -> int | None:
+        return self.link
+
+
+class _TwoAddresses(FakeBackend):
+    def addresses(self) -> set[str]:
+        return {"fake0": {"10.0.0.1"}, "fake1": {"10.1.0.1"}}[self.ifname]
+
+
+@pytest.mark.parametrize(("link", "each"), [
+    (2_000_000_000, 250_000_000),  # planned for both NICs: a quarter of it on each
+    (None, 500_000_000),  # an older control plane planned for the slowest NIC: half on each
+])
+def test_a_control_plane_s_classes_are_split_by_the_link_it_planned_for(
+    tmp_path: Path, link: int | None, each: int
+) -> None:
+    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), interfaces=(
+        InterfaceConfig("fake0", 1_000_000_000), InterfaceConfig("fake1", 1_000_000_000)))
+    daemon = Daemon(config, backend_factory=_TwoAddresses)
+    me = Credentials(os.getpid(), os.getuid(), os.getgid())
+    flows = (FlowSpec(0, "10.0.0.1", 40000, "10.0.0.2", 5000),
+             FlowSpec(0, "10.1.0.1", 40001, "10.1.0.2", 5000))
+    daemon.registry.add(Hello(1, "j", 0, 2, flows), me)
+    daemon.link = _PlanFrom(500_000_000, link)  # type: ignore[assignment]
+
+    async def main() -> None:
+        await daemon._reconcile()  # reads the interfaces' addresses first
+        await daemon._reconcile()
+
+    asyncio.run(main())
+    assert daemon.link_bps() == 2_000_000_000  # the flows leave by both NICs
+    for backend in daemon._backends:
+        assert isinstance(backend, FakeBackend) and backend.spec is not None
+        job = next(j for j in backend.spec.jobs if j.name == "j")
+        assert job.rate_bps == each and job.flows == tuple(
+            FlowMatch(0, f.src, f.sport, f.dst, f.dport) for f in flows
+            if f.src in backend.addresses())
