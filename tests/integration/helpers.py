@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from gradlane.daemon import protocol
 from gradlane.testbed import Cluster
 
 # A full TCP segment carries 1448 payload bytes (MSS with timestamps) in a
@@ -113,3 +114,42 @@ def stop(proc: subprocess.Popen[str], sig: signal.Signals = signal.SIGTERM) -> i
     if proc.stderr is not None:
         proc.stderr.close()
     return code
+
+
+def status(cluster: Cluster, host: str = "h1") -> dict[str, Any]:
+    out = cluster.run(host, [sys.executable, "-m", "gradlane.cli", "status", "--json"]).stdout
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def hello(flows: list[dict[str, Any]], job: str = "train", rank: int = 0) -> dict[str, Any]:
+    return {
+        "type": "hello",
+        "version": 1,
+        "job": job,
+        "rank": rank,
+        "world_size": 4,
+        "flows": flows,
+    }
+
+
+def register(sock: Path, message: dict[str, Any]) -> socket.socket:
+    client = socket.socket(socket.AF_UNIX)
+    client.settimeout(10)
+    client.connect(str(sock))
+    client.sendall(protocol.encode(message))
+    decoder, got = protocol.FrameDecoder(), []
+    while len(got) < 2:
+        data = client.recv(65536)
+        if not data:
+            client.close()
+            raise AssertionError(f"daemon closed the connection: {got}")
+        got += decoder.feed(data)
+    assert got[0]["type"] == "welcome", got
+    return client

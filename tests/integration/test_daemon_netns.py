@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import socket
@@ -12,14 +11,13 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gradlane.daemon import protocol
 from gradlane.testbed import Cluster, Topology
+from tests.integration.helpers import hello, register, status, stop, tc, wait_for
 from tests.integration.helpers import start_netns_daemon as start_daemon
-from tests.integration.helpers import stop, tc
 
 pytestmark = pytest.mark.netns
 BASE_CLASSES = {"474c:1", "474c:2", "474c:100", "474c:101", "474c:102", "474c:103", "474c:104"}
@@ -41,45 +39,6 @@ def filter_prefs(cluster: Cluster, host: str = "h1") -> list[int]:
     share one priority, each DSCP fallback has its own)."""
     shown = tc(cluster.ns(host), "filter", "show", "dev", "eth0")
     return sorted(int(p) for p in re.findall(r"pref (\d+) u32 .*flowid", shown))
-
-
-def status(cluster: Cluster, host: str = "h1") -> dict[str, Any]:
-    out = cluster.run(host, [sys.executable, "-m", "gradlane.cli", "status", "--json"]).stdout
-    return json.loads(out)  # type: ignore[no-any-return]
-
-
-def wait_for(predicate: Any, what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def hello(flows: list[dict[str, Any]], job: str = "train", rank: int = 0) -> dict[str, Any]:
-    return {
-        "type": "hello",
-        "version": 1,
-        "job": job,
-        "rank": rank,
-        "world_size": 4,
-        "flows": flows,
-    }
-
-
-def register(sock: Path, message: dict[str, Any]) -> socket.socket:
-    client = socket.socket(socket.AF_UNIX)
-    client.settimeout(10)
-    client.connect(str(sock))
-    client.sendall(protocol.encode(message))
-    decoder, got = protocol.FrameDecoder(), []
-    while len(got) < 2:
-        data = client.recv(65536)
-        if not data:
-            client.close()
-            raise AssertionError(f"daemon closed the connection: {got}")
-        got += decoder.feed(data)
-    assert got[0]["type"] == "welcome", got
-    return client
 
 
 # A training process's stand-in: four unmarked band connections, registered

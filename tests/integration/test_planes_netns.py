@@ -2,6 +2,7 @@
 hosts, each with two NICs on two switch planes, gradlaned shaping both. A rank given an
 address on each spreads its chunks over both planes by bytes: each NIC carries about half
 the bytes, and a communication-bound step takes about half as long as over one NIC.
+gradlaned plans such a host with both NICs' rates.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from gradlane.nic_runs import run_two_nics
+from gradlane.testbed import Cluster, Topology
+from tests.integration.helpers import hello, register, status, stop, wait_for
 
 pytestmark = pytest.mark.netns
 
@@ -33,3 +36,22 @@ def test_chunks_spread_over_two_nics_halve_a_communication_bound_step(tmp_path: 
           [s[1] for s in uneven["nic_shares"]])
     assert all(0.25 < s[1] < 0.42 for s in uneven["nic_shares"])
     assert uneven["median_s"] < 0.85 * one["median_s"]
+
+
+@pytest.mark.timeout(120)
+def test_gradlaned_takes_the_nics_its_shims_send_over_as_the_host_s_link(tmp_path: Path) -> None:
+    # eth1 at half eth0's rate; a shim registers a band connection from each NIC's
+    # address, then from eth0's alone.
+    tmp_path.chmod(0o755)
+    with Cluster(Topology.build("gln2", 2, "100mbit", nics=2)) as c:
+        proc, sock = c.start_daemon("h1", tmp_path, rate=["100mbit", "50mbit"])
+        try:
+            assert status(c)["link_bps"] == 50_000_000  # nothing registered: the slowest
+            flows = [{"band": 0, "src": c.addr("h1", k), "sport": 40000 + k,
+                      "dst": c.addr("h2", k), "dport": 5000} for k in range(2)]
+            with register(sock, hello(flows)):
+                wait_for(lambda: status(c)["link_bps"] == 150_000_000, "both NICs' sum")
+            with register(sock, hello(flows[:1])):
+                wait_for(lambda: status(c)["link_bps"] == 100_000_000, "eth0's rate")
+        finally:
+            assert stop(proc) == 0
