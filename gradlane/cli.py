@@ -409,17 +409,22 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
 @click.option("--buckets", type=int, default=None,
               help="'cluster', 'coflows': cut each model into about N DDP-like buckets "
                    "instead of the shim's own layer groups (the default).")
+@click.option("--store-forward", is_flag=True,
+              help="'cluster', 'coflows': each chunk's reduction tree a stage after the "
+                   "other, as the shim stores and forwards it, instead of a bucket's flows "
+                   "all at once (about six times slower; for small clusters).")
 @click.option("--results", "results_dir", default=Path("bench/results"), show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="Testbed results that 'validate' replays.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, callback=_output,
-              help="Result file (default: bench/results/sim-EXPERIMENT.json).")
+              help="Result file (default: bench/results/sim-EXPERIMENT.json, a suffix per "
+                   "option that changes the scenario, e.g. -hosts64).")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=_output, help="Figure (default: next to the JSON).")
 def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed: float,
-        load: float, buckets: int | None, results_dir: Path, json_path: Path | None,
-        png: Path | None) -> None:
+        load: float, buckets: int | None, store_forward: bool, results_dir: Path,
+        json_path: Path | None, png: Path | None) -> None:
     """Run a flow-level simulation EXPERIMENT (no root, no network needed).
 
     \b
@@ -441,8 +446,11 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
     suffix = "-mixed" if experiment == "cluster" and mixed else ""
     if experiment == "coflows" and load != 0.8:
         suffix = f"-load{load:g}"
-    if buckets is not None and experiment in ("cluster", "coflows"):
-        suffix += f"-buckets{buckets}"
+    if experiment in ("cluster", "coflows"):
+        # Every variant a file of its own: the shipped results are the defaults'.
+        suffix += f"-hosts{hosts}" if hosts != 1024 else ""
+        suffix += f"-buckets{buckets}" if buckets is not None else ""
+        suffix += "-store-forward" if store_forward else ""
     path = json_path or _writable(Path("bench/results") / f"sim-{experiment}{suffix}.json",
                                   "--json")
     out = _stdout_console()
@@ -457,7 +465,7 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
 
         try:
             result = run_experiment(experiment, policies or None, seed, hosts, results_dir,
-                                    mixed, progress, load, buckets)
+                                    mixed, progress, load, buckets, store_forward)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
     write_result(path, result)

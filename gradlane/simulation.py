@@ -127,8 +127,10 @@ def isolated_cct(scenario: Scenario) -> dict[str, float]:
 
 
 def run_cluster(policies: tuple[str, ...], seed: int, hosts: int, mixed: float = 0.0,
-                progress: Progress | None = None, buckets: int | None = None) -> dict[str, Any]:
-    scenario = cluster(hosts=hosts, seed=seed, slow_fraction=mixed, buckets=buckets)
+                progress: Progress | None = None, buckets: int | None = None,
+                store_forward: bool = False) -> dict[str, Any]:
+    scenario = cluster(hosts=hosts, seed=seed, slow_fraction=mixed, buckets=buckets,
+                       store_forward=store_forward)
     results = _run_policies(scenario, policies, progress)
     out: dict[str, Any] = {
         "experiment": "cluster",
@@ -185,8 +187,10 @@ def growing_jobs(cct_s: dict[str, list[float]], factor: float = GROWTH) -> list[
 
 
 def run_coflows(policies: tuple[str, ...], seed: int, hosts: int, load: float,
-                progress: Progress | None = None, buckets: int | None = None) -> dict[str, Any]:
-    scenario = open_loop(cluster(hosts=hosts, seed=seed, buckets=buckets), load, seed)
+                progress: Progress | None = None, buckets: int | None = None,
+                store_forward: bool = False) -> dict[str, Any]:
+    scenario = open_loop(cluster(hosts=hosts, seed=seed, buckets=buckets,
+                                 store_forward=store_forward), load, seed)
     results = _run_policies(scenario, policies, progress)
     for r in results.values():
         r["growing"] = growing_jobs(r["cct_s"])
@@ -287,8 +291,10 @@ def _replay(name: str, model: str, layers: list[tuple[float, float, float]], hos
                           exchange=exchange, iterations=20, warmup=3)
     buckets, chunk = shim_buckets(layers, hosts, bands=bands, layout=layout,
                                   chunk_bytes=chunk_bytes, ring=scenario.jobs[0].ring)
+    # At the testbed's rates a chunk takes tens of ms: stored and forwarded, as the shim
+    # does, not fluid (`SimJob.store_forward`).
     job = dataclasses.replace(scenario.jobs[0], buckets=buckets, chunk_bytes=chunk,
-                              overlap=overlap)
+                              overlap=overlap, store_forward=True)
     return dataclasses.replace(scenario, jobs=(job,))
 
 
@@ -474,17 +480,23 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
 def run_experiment(name: str, policies: tuple[str, ...] | None = None, seed: int = 0,
                    hosts: int = 1024, results_dir: Path = Path("bench/results"),
                    mixed: float = 0.0, progress: Progress | None = None,
-                   load: float = 0.8, buckets: int | None = None) -> dict[str, Any]:
+                   load: float = 0.8, buckets: int | None = None,
+                   store_forward: bool = False) -> dict[str, Any]:
     """Run experiment `name` (one of `EXPERIMENTS`); `buckets`: the cluster's jobs cut
-    into about that many DDP-like buckets instead of the shim's groups."""
+    into about that many DDP-like buckets instead of the shim's groups;
+    `store_forward`: its chunks' trees a stage after the other
+    (`gradlane.policies.sim.SimJob.store_forward`; the testbed replays always are)."""
     if buckets is not None and buckets < 1:
         raise ConfigError(f"buckets must be >= 1, got {buckets}")
-    if buckets is not None and name not in ("cluster", "coflows"):
-        raise ConfigError(f"buckets applies to 'cluster' and 'coflows', not {name!r}")
+    for given, option in ((buckets is not None, "buckets"), (store_forward, "store_forward")):
+        if given and name not in ("cluster", "coflows"):
+            raise ConfigError(f"{option} applies to 'cluster' and 'coflows', not {name!r}")
     if name == "cluster":
-        return run_cluster(policies or CLUSTER_POLICIES, seed, hosts, mixed, progress, buckets)
+        return run_cluster(policies or CLUSTER_POLICIES, seed, hosts, mixed, progress, buckets,
+                           store_forward)
     if name == "coflows":
-        return run_coflows(policies or COFLOW_POLICIES, seed, hosts, load, progress, buckets)
+        return run_coflows(policies or COFLOW_POLICIES, seed, hosts, load, progress, buckets,
+                           store_forward)
     if name == "heterogeneous":
         return run_heterogeneous(policies or ("fifo", "priority", "straggler", "gradlane"),
                                  progress)

@@ -91,41 +91,98 @@ class Exchange:
         """
         if in_leaf in self._trees:
             return self._trees[in_leaf]
-        w, n_leaves = self.w, len(self.leaves)
-        slot = np.searchsorted(self.leaves, self.leaf)  # each rank's leaf column
-        edges: list[tuple[IntArray, IntArray, IntArray]] = []  # (owner, sender, receiver)
+        w = self.w
         if self.ring:
             owner, rank = np.nonzero(~np.eye(w, dtype=bool))  # every rank but the owner
-            edges += [(owner, rank, (rank + 1) % w), (owner, (rank - 1) % w, rank)]
+            edges = [(owner, rank, (rank + 1) % w), (owner, (rank - 1) % w, rank)]
         else:
-            if in_leaf and self.by_host:
-                parents = all_reduction_parents(self.host)
-            elif in_leaf and self.uplinks:  # within hosts too, when ranks share some
-                shared = len(self.hosts) < w
-                parents = all_reduction_parents(self.leaf, self.host if shared else None)
-            else:
-                parents = all_reduction_parents(np.zeros(w, dtype=np.int64))
-            owner, child = np.nonzero(parents >= 0)  # every tree edge: (owner, child)
-            parent = parents[owner, child]
-            edges += [(owner, child, parent), (owner, parent, child)]  # up, then down
-        cols = 2 * w + 2 * n_leaves
+            owner, child, parent, _, _ = self._tree_edges(in_leaf)
+            edges = [(owner, child, parent), (owner, parent, child)]  # up, then down
+        cols = self.columns
         cells: list[IntArray] = []  # flat (owner, column) of each flow on a link
         crossing: list[IntArray] = []  # flat (owner, rank) of each flow leaving its leaf
         for of, a, b in edges:
-            apart = self.host[a] != self.host[b]  # the rest is loopback
-            of, a, b = of[apart], a[apart], b[apart]
-            cells += [of * cols + a, of * cols + w + b]  # a's egress, b's ingress
-            if n_leaves:
-                cross = self.leaf[a] != self.leaf[b]
-                o, ac, bc = of[cross], a[cross], b[cross]
-                cells += [o * cols + 2 * w + slot[ac],  # a's leaf up
-                          o * cols + 2 * w + n_leaves + slot[bc]]  # b's leaf down
-                crossing.append(o * w + ac)
+            at, col, leaving = self._flow_columns(a, b)
+            cells.append(of[at] * cols + col)
+            crossing.append(of[leaving] * w + a[leaving])
         per_owner = np.bincount(np.concatenate(cells), minlength=w * cols).astype(np.float64)
-        crossed = np.bincount(np.concatenate(crossing) if crossing else np.zeros(0, np.int64),
-                              minlength=w * w).astype(np.float64)
+        crossed = np.bincount(np.concatenate(crossing), minlength=w * w).astype(np.float64)
         self._trees[in_leaf] = per_owner.reshape(w, cols), crossed.reshape(w, w)
         return self._trees[in_leaf]
+
+    @property
+    def columns(self) -> int:
+        """`trees`' columns: ranks' egress, their ingress, the leaves' up and down links."""
+        return 2 * self.w + 2 * len(self.leaves)
+
+    def _flow_columns(self, sender: IntArray, receiver: IntArray
+                      ) -> tuple[IntArray, IntArray, IntArray]:
+        """The link columns flows from `sender` to `receiver` (element by element) take:
+        (the flow each entry is of, its column, and the flows that leave their leaf).
+        Flows within one host take none (loopback)."""
+        w, n_leaves = self.w, len(self.leaves)
+        apart = np.flatnonzero(self.host[sender] != self.host[receiver])
+        a, b = sender[apart], receiver[apart]
+        at, col = [apart, apart], [a, w + b]  # a's egress, b's ingress
+        leaving = apart[:0]
+        if n_leaves:
+            slot = np.searchsorted(self.leaves, self.leaf)  # each rank's leaf column
+            cross = self.leaf[a] != self.leaf[b]
+            leaving = apart[cross]
+            at += [leaving, leaving]
+            col += [2 * w + slot[a[cross]], 2 * w + n_leaves + slot[b[cross]]]  # up, down
+        return np.concatenate(at), np.concatenate(col), leaving
+
+    def _tree_edges(self, in_leaf: bool
+                    ) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
+        """Every reduction tree's edges (not the ring's): (owner, child, parent, up stage,
+        down stage), each edge once.
+
+        A chunk's stages, as the shim stores and forwards it whole: a rank sends its
+        (partial) sum up once all of its subtree's have reached it, so an edge goes
+        up at the height of the child's subtree (0 for a rank with no children); the
+        result goes down each level once it has come down the one above, after the
+        owner's height in stages: at that plus the parent's depth.
+        """
+        w = self.w
+        if in_leaf and self.by_host:
+            parents = all_reduction_parents(self.host)
+        elif in_leaf and self.uplinks:  # within hosts too, when ranks share some
+            shared = len(self.hosts) < w
+            parents = all_reduction_parents(self.leaf, self.host if shared else None)
+        else:
+            parents = all_reduction_parents(np.zeros(w, dtype=np.int64))
+        owner, child = np.nonzero(parents >= 0)  # every tree edge: (owner, child)
+        parent = parents[owner, child]
+        depth = np.zeros((w, w), dtype=np.int64)
+        height = np.zeros((w, w), dtype=np.int64)
+        for _ in range(w):  # a tree is at most a few levels deep; bounded anyway
+            deeper = depth[owner, parent] + 1
+            taller = np.zeros_like(height)
+            np.maximum.at(taller, (owner, parent), height[owner, child] + 1)
+            if np.array_equal(deeper, depth[owner, child]) and np.array_equal(taller, height):
+                break
+            depth[owner, child], height = deeper, taller
+        up = height[owner, child]
+        down = height[owner, owner] + depth[owner, parent]
+        return owner, child, parent, up, down
+
+    def stages(self, in_leaf: bool) -> tuple[IntArray, FloatArray]:
+        """Per owner, the flows one chunk puts on each link at each of its stages
+        (`_tree_edges`; not the ring's): ``(n_stages, counts)``, counts shaped
+        ``(owners, max stages, columns)`` (`trees`' columns); a chunk's stages sum
+        to its row of `trees`."""
+        if self.ring:
+            raise ValueError("the ring's hops are not tree stages")
+        owner, child, parent, up, down = self._tree_edges(in_leaf)
+        n_stages = np.zeros(self.w, dtype=np.int64)
+        np.maximum.at(n_stages, owner, down + 1)
+        depth = int(n_stages.max(initial=0))
+        counts = np.zeros((self.w, max(depth, 1), self.columns))
+        for of, a, b, stage in ((owner, child, parent, up), (owner, parent, child, down)):
+            at, col, _ = self._flow_columns(a, b)
+            np.add.at(counts, (of[at], stage[at], col), 1.0)
+        return n_stages, counts
 
     @cached_property
     def hosts(self) -> IntArray:

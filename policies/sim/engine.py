@@ -15,7 +15,17 @@ Model (what is simulated, and what is not):
    naming one several times) reduce within each host first, as the shim's
    `host_groups` has them (within hosts, then leaves, when the plan asks for
    leaves), and what ranks of one host send each other takes no link and no
-   time (loopback). A job with `SimJob.ring` (the shim's ring
+   time (loopback). With `SimJob.store_forward`, each chunk's tree is
+   taken a stage after the other instead, as the shim stores and forwards
+   a chunk whole (`Exchange.stages`: a rank sends its sum up once its
+   subtree's are in, a result goes down once it came down the level
+   above): a one-chunk bucket on two hosts then takes two chunk times, its
+   contribution and then its average, where as fluid flows it takes one.
+   That matters where a chunk takes long against an iteration (the
+   testbed's slow links: tens of ms, `gradlane sim validate` replays with
+   it); at 25 Gbit/s a MiB takes 0.3 ms, and a 64-host cluster ran within
+   0.5% either way at six times the events, so `cluster` stays fluid.
+   A job with `SimJob.ring` (the shim's ring
    exchange) has every rank send a bucket's chunks to its successor, store
    and forward as the shim does: each chunk's 2(W-1) hops (the partial sum
    from the owner's successor to the owner, then the average on to the
@@ -147,6 +157,8 @@ class _Job:
         self.level = 0
         uplinks = self.n_leaves > 0
         self.tree = Exchange(self.leaf, uplinks=uplinks, host=self.hosts, ring=spec.ring)
+        # Each chunk's tree stages one after the other (`SimJob.store_forward`).
+        self.staged = spec.store_forward and not spec.ring
         # Ranks sharing some hosts (not all one) reduce within hosts first, as the shim's
         # `host_groups` has them, unless on the ring or told their several leaves.
         shares_hosts = not spec.ring and 1 < len(set(spec.hosts)) < self.w
@@ -198,6 +210,24 @@ class _Job:
             np.add.at(self.counts.T, column, counts.T)
         else:
             self.links, self.counts = links, counts
+        if self.staged:
+            self.stage_flows = self._stage_flows(links, set(owners))
+
+    def _stage_flows(self, column_link: np.ndarray, owners: set[int]
+                     ) -> dict[int, tuple[int, list[tuple[np.ndarray, np.ndarray]]]]:
+        """Per owner of some chunk: how many of its chunks' stages go up, and each
+        stage's links with the flows one chunk puts on them (`Exchange.stages`;
+        a stage with no links is all loopback)."""
+        n_stages, counts = self.exchange.stages(self.grouped)
+        out = {}
+        for o in sorted(owners):
+            stages = []
+            for k in range(int(n_stages[o])):
+                cols = np.flatnonzero(counts[o, k])
+                links, where = np.unique(column_link[cols], return_inverse=True)
+                stages.append((links, np.bincount(where, counts[o, k, cols], len(links))))
+            out[o] = (int(n_stages[o]) // 2, stages)
+        return out
 
     def loads(self) -> tuple[np.ndarray, np.ndarray]:
         """Per worker and bucket: bytes to its own leaf and to other leaves."""
@@ -214,11 +244,16 @@ class _Collective:
     # On the ring: its chunks' hops not yet in the network (bits), and chunks not done.
     unqueued_bits: float = 0.0
     chunks_left: int = 0
+    # Stored and forwarded tree stages: its owners' stages (`_Job.stage_flows` when it
+    # started: a later plan's owners do not move what is in flight).
+    stages: dict[int, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] | None = None
 
 
 @dataclass(frozen=True)
 class _Hop:
-    """One hop of a ring job's chunk: `sender` to its successor, the `stage`-th of 2(W-1)."""
+    """One hop of a ring job's chunk (its sender to its successor, the `stage`-th of
+    2(W-1)), or one stage of a tree job's chunk stored and forwarded
+    (`SimJob.store_forward`)."""
 
     collective: int
     chunk: int  # the job's chunk index
@@ -294,11 +329,12 @@ class _Sim:
         self.seq += 1
         cid = self.seq
         self.queued[cid] = c
-        if not job.spec.ring:
+        if not job.spec.ring and not job.staged:
             self.net.add(cid, job.links[mask], flows, per_flow, *self.queue(job, c.band))
             return
         chunks = range(job.first_chunk[bucket], job.first_chunk[bucket + 1])
         c.unqueued_bits, c.chunks_left = c.bits, len(chunks)
+        c.stages = job.stage_flows if job.staged else None
         for chunk in chunks:
             self.send_hop(_Hop(cid, chunk, job.owners[chunk], 0))
 
@@ -307,6 +343,9 @@ class _Sim:
         between ranks of one host take no link and no time (loopback)."""
         c = self.queued[hop.collective]
         job = c.job
+        if job.staged:
+            self.send_stage(hop)
+            return
         last = 2 * (job.w - 1) - 1
         while True:
             sender = (hop.owner + 1 + hop.stage) % job.w
@@ -326,8 +365,30 @@ class _Sim:
         key = (c.bucket, 0 if averaging else 1, hop.chunk)
         self.net.add(self.seq, links, np.ones(2), bits, *self.queue(job, c.band), key=key)
 
+    def send_stage(self, hop: _Hop) -> None:
+        """Queue a tree job's chunk's next stage with links (`_Job._stage_flows`)."""
+        c = self.queued[hop.collective]
+        job = c.job
+        assert c.stages is not None
+        up, stages = c.stages[hop.owner]
+        stage = hop.stage
+        while stage < len(stages) and not len(stages[stage][0]):
+            stage += 1
+        if stage == len(stages):
+            self.chunk_done(hop.collective)
+            return
+        links, flows = stages[stage]
+        bits = job.chunk_size[c.bucket] * 8.0
+        c.unqueued_bits -= float(flows.sum()) * bits
+        self.seq += 1
+        self.hops[self.seq] = replace(hop, stage=stage)
+        key = (c.bucket, 0 if stage >= up else 1, hop.chunk)  # results first, as the shim
+        self.net.add(self.seq, links, flows, bits, *self.queue(job, c.band), key=key)
+
     def hop_done(self, hop: _Hop) -> None:
-        if hop.stage + 1 < 2 * (self.queued[hop.collective].job.w - 1):
+        if self.queued[hop.collective].job.staged:
+            self.send_stage(replace(hop, stage=hop.stage + 1))
+        elif hop.stage + 1 < 2 * (self.queued[hop.collective].job.w - 1):
             self.send_hop(replace(hop, stage=hop.stage + 1))
         else:
             self.chunk_done(hop.collective)

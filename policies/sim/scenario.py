@@ -81,6 +81,10 @@ class SimJob:
     # Per-layer optimizer steps: a bucket's next forward waits for its own average only.
     # False: for every average of the iteration (one whole-model step, the `fifo` system).
     overlap: bool = True
+    # Each chunk's reduction tree a stage after the other, as the shim stores and forwards
+    # a chunk whole (`gradlane.policies.demand.Exchange.stages`), rather than a bucket's
+    # flows all at once (fluid). The ring's hops are always stored and forwarded.
+    store_forward: bool = False
 
     def __post_init__(self) -> None:
         if not self.hosts:
@@ -262,6 +266,7 @@ def cluster(
     slow_fraction: float = 0.0,
     slow_speed: float = P100_SPEED,
     buckets: int | None = None,
+    store_forward: bool = False,
 ) -> Scenario:
     """A leaf/spine cluster shared by `jobs` jobs mixing the shipped profiles.
 
@@ -277,6 +282,7 @@ def cluster(
        the ratio of their FP32 peaks, 10.6 / 15.7).
     5. Layers are grouped and chunked as gradlane's shim does, whatever the
        policy (`job_buckets`; `buckets` for about that many DDP-like ones).
+    6. Buckets' flows are fluid, unless `store_forward` (`SimJob.store_forward`).
     """
     if hosts % hosts_per_leaf or hosts_per_leaf % group or hosts // group < jobs:
         raise ConfigError(
@@ -308,11 +314,13 @@ def cluster(
         grouped, chunk = job_buckets(profile_layers(model, batch), len(placed), buckets)
         speeds = tuple(slow_speed if h // group in slow else 1.0 for h in placed)
         out.append(SimJob(f"job{j}-{model}", model, placed, grouped,
-                          batch * len(placed), speeds if slow else (), chunk))
+                          batch * len(placed), speeds if slow else (), chunk,
+                          store_forward=store_forward))
     notes: dict[str, object] = {
         "hosts": hosts, "hosts_per_leaf": hosts_per_leaf, "nic_bps": nic_bps,
         "oversubscription": oversubscription, "group": group,
         "grouping": "the shim's (fine)" if buckets is None else f"{buckets} DDP-like buckets",
+        "chunks": "stored and forwarded" if store_forward else "fluid",
         "slow_fraction": slow_fraction, "slow_speed": slow_speed,
         "calibration": f"V100 FP32 at {V100_FP32_FLOPS / 1e12:.2f} TFLOP/s sustained, "
                        f"{BATCH_PER_WORKER} samples per worker (GPT-2: "

@@ -158,3 +158,49 @@ def test_rows_take_the_buckets_priority_fraction_left_and_readiness() -> None:
                             ready_s=np.array([0.0, 0.25]), priority=[4, 9])
     # Bucket 0 is done; bucket 1 (chunk 1, owned by rank 1): rank 0 sends its 20, rank 1 the result.
     assert flows.equals(FlowTable.build([(5, 7, 10.0, 0.25, 9, 3, 1), (7, 5, 10.0, 0.25, 9, 3, 1)]))
+
+
+@settings(max_examples=examples(150))
+@given(placements())
+def test_a_chunk_s_tree_stages_go_up_by_subtree_then_down_by_depth(case) -> None:  # type: ignore[no-untyped-def]
+    rank_host, host_leaf, _, _, in_leaf = case
+    w = len(rank_host)
+    leaf = [host_leaf[h] for h in rank_host]
+    shared = rank_host if len(set(rank_host)) < w else None
+    ex = Exchange(leaf, uplinks=True, host=rank_host)
+    n_stages, counts = ex.stages(in_leaf)
+    per_owner, _ = ex.trees(in_leaf)
+    np.testing.assert_allclose(counts.sum(axis=1), per_owner)  # every flow, at one stage
+    for owner in range(w):
+        parents = (reduction_parents(owner, leaf, shared) if in_leaf
+                   else reduction_parents(owner, [0] * w))
+        height, depth = _height(parents), _depth(parents)
+        up = height[owner]
+        assert n_stages[owner] == 2 * up
+        egress = np.zeros((max(2 * up, 1), w))  # per stage, each rank's flows out
+        for child, parent in enumerate(parents):
+            if parent < 0 or rank_host[child] == rank_host[parent]:
+                continue
+            egress[height[child], child] += 1  # its (partial) sum up
+            egress[up + depth[parent], parent] += 1  # the result down, level by level
+        np.testing.assert_allclose(counts[owner, : len(egress), :w], egress)
+        assert not counts[owner, len(egress):].any()  # other owners' trees may be deeper
+
+
+def _height(parents: list[int]) -> list[int]:
+    """Each rank's subtree height: a rank sends its sum up once its subtree's are in."""
+    height = [0] * len(parents)
+    for _ in parents:  # a level a pass
+        for child, parent in enumerate(parents):
+            if parent >= 0:
+                height[parent] = max(height[parent], height[child] + 1)
+    return height
+
+
+def _depth(parents: list[int]) -> list[int]:
+    depth = [0] * len(parents)
+    for _ in parents:
+        for child, parent in enumerate(parents):
+            if parent >= 0:
+                depth[child] = depth[parent] + 1
+    return depth

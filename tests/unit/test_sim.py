@@ -365,3 +365,22 @@ def test_measured_compute_is_iteration_minus_rank0s_wait_over_the_steady_steps()
     old = {"iteration_s": times, "waited_s": waited}
     assert measured_compute({"runs": {"gradlane": [old]}}, "gradlane") == pytest.approx(0.15)
     assert measured_compute({"runs": {"gradlane": [{"iteration_s": times}]}}, "gradlane") is None
+
+
+@pytest.mark.parametrize(("placement", "fluid", "staged"), [
+    ((0, 1), 1, 2),  # the contribution, then the average
+    ((0, 1, 2, 3), 3, 6),  # three contributions into the owner, then three averages out
+    ((0, 0, 1, 1), 1, 2),  # within hosts first: one copy each way crosses
+])
+def test_a_stored_and_forwarded_chunk_goes_up_its_tree_then_down(
+    placement: tuple[int, ...], fluid: int, staged: int
+) -> None:
+    # One one-chunk bucket. As fluid flows its contributions and its average cross at
+    # once; stored and forwarded (`store_forward`), as the shim sends a chunk whole, the
+    # average leaves only once every contribution is in.
+    c, fwd, bwd = 1e6, 0.01, 0.02
+    sc = _co_located([(c, fwd, bwd)], placement, ring=False, chunk_bytes=int(c))
+    for chunk_times, store_forward in ((fluid, False), (staged, True)):
+        run = replace(sc, jobs=(replace(sc.jobs[0], store_forward=store_forward),))
+        for t in simulate(run, get_policy("fifo")).iteration_s["job0-x"]:
+            assert t == pytest.approx(fwd + bwd + chunk_times * c * 8 / G, rel=1e-6)
