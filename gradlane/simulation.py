@@ -337,7 +337,7 @@ def owners_scenario(result: dict[str, Any], compute_s: float, layout: str,
                               for i, name in enumerate(names)))
     buckets, chunk = shim_buckets(layers, world, layout=layout, ring=ring)
     job = SimJob("job0-trace", "trace", hosts, buckets, BATCH_PER_WORKER * world,
-                 chunk_bytes=chunk, ring=ring)
+                 chunk_bytes=chunk, ring=ring, store_forward=True)  # as `_replay`'s
     return Scenario(result["scenario"]["name"], topology, (job,), iterations=20, warmup=3)
 
 
