@@ -544,7 +544,7 @@ class _Sim:
         else:
             for job in self.jobs:
                 self.advance(job)
-        limit = 2_000_000
+        limit = self.event_limit()
         for _ in range(limit):
             if self.finished() >= 1.0:
                 break
@@ -573,6 +573,17 @@ class _Sim:
         else:
             raise RuntimeError(f"simulation did not finish in {limit} events")
         return self.result(time.perf_counter() - started)
+
+    def event_limit(self) -> int:
+        """A bound on the run's events (so a stall cannot loop forever): 2 million, and
+        per iteration of a job whose chunks move one by one (the ring, `store_forward`)
+        room for each chunk's every hop or stage to end on each of its links apart."""
+        sc = self.sc
+        per_iteration = sum(len(j.chunk_bytes) * 4 * j.w for j in self.jobs
+                            if j.spec.ring or j.staged)
+        iterations = (sum(len(a) for a in sc.arrivals) if sc.arrivals
+                      else sc.warmup + sc.iterations + 2)
+        return 2_000_000 + per_iteration * iterations
 
     def result(self, wall: float) -> Result:
         sc = self.sc
