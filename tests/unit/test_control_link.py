@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon import protocol, uplink
-from gradlane.daemon.config import InterfaceConfig
+from gradlane.daemon.config import DaemonConfig, InterfaceConfig
 from gradlane.daemon.control import ControlConfig, ControlPlane
 from gradlane.daemon.registry import Credentials, Registry
 from gradlane.daemon.service import Daemon
@@ -39,6 +39,16 @@ async def _start_control(port: int) -> tuple[web.AppRunner, ControlPlane]:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, plane
+
+
+def _daemon_config(tmp_path: Path, port: int, **changes: Any) -> DaemonConfig:
+    """A gradlaned config (`fake_config`) registering as h1 with the control plane on
+    `port`."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    return dataclasses.replace(
+        fake_config(tmp_path / "gl.sock"), control_url=f"http://127.0.0.1:{port}",
+        control_token_file=token_file, control_host="h1", **changes)
 
 
 class Shim:
@@ -76,11 +86,7 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
 
     async def main() -> None:
         port = _free_port()
-        token_file = tmp_path / "token"
-        token_file.write_text(TOKEN)
-        config = dataclasses.replace(
-            fake_config(tmp_path / "gl.sock"), control_url=f"http://127.0.0.1:{port}",
-            control_token_file=token_file, control_host="h1")
+        config = _daemon_config(tmp_path, port)
         daemon = Daemon(config, backend_factory=FakeBackend)
         backend = daemon._backends[0]
         assert isinstance(backend, FakeBackend)
@@ -254,12 +260,8 @@ def test_a_host_whose_shims_use_both_nics_is_planned_with_their_sum(
 
     async def main() -> None:
         port = _free_port()
-        token_file = tmp_path / "token"
-        token_file.write_text(TOKEN)
-        config = dataclasses.replace(
-            fake_config(tmp_path / "gl.sock"), control_url=f"http://127.0.0.1:{port}",
-            control_token_file=token_file, control_host="h1",
-            interfaces=(InterfaceConfig("fake0", 2 * 10**9), InterfaceConfig("fake1", 10**9)))
+        config = _daemon_config(tmp_path, port, interfaces=(
+            InterfaceConfig("fake0", 2 * 10**9), InterfaceConfig("fake1", 10**9)))
         daemon = Daemon(config, backend_factory=TwoNics)
         control, plane = await _start_control(port)
         serving = asyncio.create_task(daemon.serve())
