@@ -36,9 +36,11 @@ Model (what is simulated, and what is not):
 2. Sharing, as gradlaned and DSCP switches enforce it
    (`gradlane.policies.sim.network`): each link on its own serves strict
    priority by (the job's coflow level, the bucket's band), both from the
-   plan; within a priority each (job, band) its collectives first come,
-   first served (a ring job's chunk hops: in the shim's order), and (job, band)s
-   share a link by their flows on it. A collective is done when it has no
+   plan; within a priority each (job, band) its collectives in the shim's
+   order (the bucket's forward position; a ring job's chunk hops and stored
+   and forwarded stages: averages before partial sums, then chunk), one
+   iteration's before the next's, and (job, band)s share a link by their
+   flows on it. A collective is done when it has no
    bits left on any of its links. Per-flow rate caps in the plan are not
    enforced (priority and work conservation decide the rates).
 3. Compute. Each worker runs forward bucket by bucket, then backward in
@@ -330,7 +332,10 @@ class _Sim:
         cid = self.seq
         self.queued[cid] = c
         if not job.spec.ring and not job.staged:
-            self.net.add(cid, job.links[mask], flows, per_flow, *self.queue(job, c.band))
+            # In the shim's order: the bucket's forward position (open loop: coflows first
+            # come, first served).
+            self.net.add(cid, job.links[mask], flows, per_flow, *self.queue(job, c.band),
+                         key=(iteration, bucket))
             return
         chunks = range(job.first_chunk[bucket], job.first_chunk[bucket + 1])
         c.unqueued_bits, c.chunks_left = c.bits, len(chunks)
@@ -362,7 +367,7 @@ class _Sim:
         self.seq += 1
         self.hops[self.seq] = hop
         averaging = hop.stage >= job.w - 1  # the shim sends averages before partial sums
-        key = (c.bucket, 0 if averaging else 1, hop.chunk)
+        key = (c.iteration, c.bucket, 0 if averaging else 1, hop.chunk)
         self.net.add(self.seq, links, np.ones(2), bits, *self.queue(job, c.band), key=key)
 
     def send_stage(self, hop: _Hop) -> None:
@@ -382,7 +387,7 @@ class _Sim:
         c.unqueued_bits -= float(flows.sum()) * bits
         self.seq += 1
         self.hops[self.seq] = replace(hop, stage=stage)
-        key = (c.bucket, 0 if stage >= up else 1, hop.chunk)  # results first, as the shim
+        key = (c.iteration, c.bucket, 0 if stage >= up else 1, hop.chunk)  # as the shim
         self.net.add(self.seq, links, flows, bits, *self.queue(job, c.band), key=key)
 
     def hop_done(self, hop: _Hop) -> None:

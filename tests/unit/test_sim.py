@@ -59,9 +59,10 @@ def test_a_job_s_buckets_share_the_links_flat_or_ring(ring: bool) -> None:
     # would take 3 chunk times flat (the owner's links), its other links idle, and 6 on the
     # ring, hop after hop; the shim's connections fill the idle links with the other
     # buckets (on the ring, each hop of the four buckets is on a link of its own).
+    # One whole-model step (no overlap): the next forward waits for all four.
     c, step = 1e6, 1e-4
     sc = _one_job([(c, step, 0.0)] * 4, 4)
-    sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=ring),))
+    sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=ring, overlap=False),))
     assert len(sc.jobs[0].buckets) == 4
     for t in simulate(sc, get_policy("fifo")).iteration_s["job0-x"]:
         assert t == pytest.approx(4 * step + 6 * c * 8 / G, rel=1e-6)
@@ -384,3 +385,18 @@ def test_a_stored_and_forwarded_chunk_goes_up_its_tree_then_down(
         run = replace(sc, jobs=(replace(sc.jobs[0], store_forward=store_forward),))
         for t in simulate(run, get_policy("fifo")).iteration_s["job0-x"]:
             assert t == pytest.approx(fwd + bwd + chunk_times * c * 8 / G, rel=1e-6)
+
+
+def test_a_connection_sends_waiting_buckets_in_forward_order() -> None:
+    # Three one-chunk buckets on two workers, one band, ready in backward order 2, 1, 0
+    # while bucket 2 is being sent. The shim's connection pops its queue by forward
+    # position, so bucket 0 goes next and the next forward starts one chunk time after
+    # bucket 2's; bucket 1's comes in while forward 0 runs. An iteration: bucket 2's
+    # backward, three chunk times, forwards 1 and 2 (first come, first served, bucket 0
+    # would wait for bucket 1's chunk too: 3 tau + 3 f + b).
+    c, f, b = 1e6, 0.005, 1e-4
+    tau = c * 8 / G
+    sc = _one_job([(c, f, b)] * 3, 2)
+    sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c)),))
+    for t in simulate(sc, get_policy("fifo")).iteration_s["job0-x"]:
+        assert t == pytest.approx(3 * tau + 2 * f + b, rel=1e-6)
