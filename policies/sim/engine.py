@@ -21,10 +21,10 @@ Model (what is simulated, and what is not):
    subtree's are in, a result goes down once it came down the level
    above): a one-chunk bucket on two hosts then takes two chunk times, its
    contribution and then its average, where as fluid flows it takes one.
-   That matters where a chunk takes long against an iteration (the
-   testbed's slow links: tens of ms, `gradlane sim validate` replays with
-   it); at 25 Gbit/s a MiB takes 0.3 ms, and a 64-host cluster ran within
-   0.5% either way at six times the events, so `cluster` stays fluid.
+   The testbed replays use it (`gradlane sim validate`: at its slow links a
+   chunk takes tens of ms). It costs an entry per chunk and stage: `cluster`
+   stays fluid by default, and the two models disagree there (bench/README.md,
+   "A band's order and a chunk's round trip").
    A job with `SimJob.ring` (the shim's ring
    exchange) has every rank send a bucket's chunks to its successor, store
    and forward as the shim does: each chunk's 2(W-1) hops (the partial sum
