@@ -304,7 +304,10 @@ class Daemon:
                         if self._addresses.get(b.ifname, set()) & used]
             if carrying:
                 return carrying
-        return [min(self._backends, key=self._shaped)]
+        return [self._slowest()]
+
+    def _slowest(self) -> Backend:
+        return min(self._backends, key=self._shaped)
 
     def link_bps(self) -> int:
         """This host's link as plans take it, at the interfaces' configured rates
@@ -379,8 +382,8 @@ class Daemon:
             # planned with (an older one's: the slowest interface), the local policy's for
             # `link_bps`: brought to one (they differ until it has heard of new flows).
             assert self.link is not None
-            basis = self.link.planned_link_bps() or min(
-                i.rate_bps for i in self.config.interfaces)
+            basis = (self.link.planned_link_bps()
+                     or self._interface(self._slowest()).rate_bps)
             scale = self.link_bps() / basis
             plan = Plan(job_classes={j: _scaled(control[j], scale) if j in control else c
                                      for j, c in plan.job_classes.items()},
