@@ -362,18 +362,11 @@ class _Sim:
                 return
             hop = replace(hop, stage=hop.stage + 1)
         links = np.array([job.hosts[sender], job.n_hosts + job.hosts[receiver]], np.int64)
-        bits = job.chunk_size[c.bucket] * 8.0
-        c.unqueued_bits -= 2 * bits
-        self.seq += 1
-        self.hops[self.seq] = hop
-        averaging = hop.stage >= job.w - 1  # the shim sends averages before partial sums
-        key = (c.iteration, c.bucket, 0 if averaging else 1, hop.chunk)
-        self.net.add(self.seq, links, np.ones(2), bits, *self.queue(job, c.band), key=key)
+        self._queue_hop(c, hop, links, np.ones(2), averaging=hop.stage >= job.w - 1)
 
     def send_stage(self, hop: _Hop) -> None:
         """Queue a tree job's chunk's next stage with links (`_Job._stage_flows`)."""
         c = self.queued[hop.collective]
-        job = c.job
         assert c.stages is not None
         up, stages = c.stages[hop.owner]
         stage = hop.stage
@@ -383,12 +376,18 @@ class _Sim:
             self.chunk_done(hop.collective)
             return
         links, flows = stages[stage]
-        bits = job.chunk_size[c.bucket] * 8.0
+        self._queue_hop(c, replace(hop, stage=stage), links, flows, averaging=stage >= up)
+
+    def _queue_hop(self, c: _Collective, hop: _Hop, links: np.ndarray, flows: np.ndarray,
+                   averaging: bool) -> None:
+        """Put a hop or stage of a chunk of `c` in the network: `flows` of a chunk each on
+        `links`, in the shim's order (the bucket, averages before partial sums, chunk)."""
+        bits = c.job.chunk_size[c.bucket] * 8.0
         c.unqueued_bits -= float(flows.sum()) * bits
         self.seq += 1
-        self.hops[self.seq] = replace(hop, stage=stage)
-        key = (c.iteration, c.bucket, 0 if stage >= up else 1, hop.chunk)  # as the shim
-        self.net.add(self.seq, links, flows, bits, *self.queue(job, c.band), key=key)
+        self.hops[self.seq] = hop
+        key = (c.iteration, c.bucket, 0 if averaging else 1, hop.chunk)
+        self.net.add(self.seq, links, flows, bits, *self.queue(c.job, c.band), key=key)
 
     def hop_done(self, hop: _Hop) -> None:
         if self.queued[hop.collective].job.staged:
