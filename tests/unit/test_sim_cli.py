@@ -87,6 +87,27 @@ def test_sim_refuses_a_bucket_count_below_one_or_where_it_does_not_apply(tmp_pat
     assert "buckets applies to 'cluster' and 'coflows'" in result.output
 
 
+def test_a_variant_of_the_cluster_gets_a_file_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not the shipped bench/results/sim-cluster.json: each option that changes the
+    # scenario names the default file, stored and forwarded chunks included.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench/results").mkdir(parents=True)
+    result = CliRunner().invoke(cli, ["sim", "cluster", "--hosts", "64", "--buckets", "2",
+                                      "--store-forward", "--policy", "fifo"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in (tmp_path / "bench/results").glob("*.json")] == [
+        "sim-cluster-hosts64-buckets2-store-forward.json"]
+    data = json.loads((tmp_path / "bench/results/sim-cluster-hosts64-buckets2-store-forward"
+                       ".json").read_text())
+    assert data["scenario"]["chunks"] == "stored and forwarded"
+    result = CliRunner().invoke(cli, ["sim", "heterogeneous", "--store-forward",
+                                      "--json", str(tmp_path / "x.json")])
+    assert result.exit_code != 0
+    assert "store_forward applies to 'cluster' and 'coflows'" in result.output
+
+
 def test_sim_coflows_refuses_a_load_outside_0_1(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["sim", "coflows", "--hosts", "64", "--load", "1.2",
                                       "--json", str(tmp_path / "x.json")])
