@@ -122,6 +122,7 @@ class Daemon:
         self._clock = clock
         self._backends = [backend_factory(i, config) for i in config.interfaces]
         self._addresses: dict[str, set[str]] = {}
+        self._planned_for: tuple[object, list[Backend]] | None = None  # `_planned`'s last
         # One thread owns every netlink socket: pyroute2's sync API keeps
         # per-thread state, and one worker also serializes the calls.
         self._tc_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradlane-tc")
@@ -298,13 +299,18 @@ class Daemon:
         registered flows (a shim with an address per NIC spreads its chunks over them
         all: `gradlane.shim.transport.Mesh`); with one interface, or no flow on any
         yet, the slowest."""
-        if len(self._backends) > 1:
+        if len(self._backends) == 1:
+            return self._backends
+        # Asked for by `state`, every interface's `spec_for` and the reports: one pass
+        # over the flows per change of them or of the interfaces' addresses.
+        key = (self.registry.version,
+               tuple(frozenset(self._addresses.get(b.ifname, ())) for b in self._backends))
+        if self._planned_for is None or self._planned_for[0] != key:
             used = {f.src for ws in self.registry.jobs().values() for w in ws for f in w.flows}
             carrying = [b for b in self._backends
                         if self._addresses.get(b.ifname, set()) & used]
-            if carrying:
-                return carrying
-        return [self._slowest()]
+            self._planned_for = key, carrying or [self._slowest()]
+        return self._planned_for[1]
 
     def _slowest(self) -> Backend:
         return min(self._backends, key=self._shaped)
