@@ -118,16 +118,12 @@ def placements(draw: st.DrawFn) -> tuple[list[int], list[int], list[int], list[i
 @given(placements())
 def test_demand_flows_load_hosts_and_uplinks_as_the_trees_do(case) -> None:  # type: ignore[no-untyped-def]
     rank_host, host_leaf, sizes, owners, in_leaf = case
-    w = len(rank_host)
     leaf = [host_leaf[h] for h in rank_host]
-    # What the shim's trees carry, edge by edge; edges within a host are loopback. Within
-    # leaves first, ranks sharing hosts reduce within them before (two levels).
-    shared = rank_host if len(set(rank_host)) < w else None
+    # What the shim's trees carry, edge by edge; edges within a host are loopback.
     egress = np.zeros(len(host_leaf))
     up = np.zeros(max(host_leaf) + 1)
     for size, owner in zip(sizes, owners, strict=True):
-        parents = (reduction_parents(owner, leaf, shared) if in_leaf
-                   else reduction_parents(owner, [0] * w))
+        parents = _shim_tree(owner, rank_host, leaf, in_leaf)
         for child, parent in enumerate(parents):
             if parent < 0 or rank_host[child] == rank_host[parent]:
                 continue
@@ -166,14 +162,12 @@ def test_a_chunk_s_tree_stages_go_up_by_subtree_then_down_by_depth(case) -> None
     rank_host, host_leaf, _, _, in_leaf = case
     w = len(rank_host)
     leaf = [host_leaf[h] for h in rank_host]
-    shared = rank_host if len(set(rank_host)) < w else None
     ex = Exchange(leaf, uplinks=True, host=rank_host)
     n_stages, counts = ex.stages(in_leaf)
     per_owner, _ = ex.trees(in_leaf)
     np.testing.assert_allclose(counts.sum(axis=1), per_owner)  # every flow, at one stage
     for owner in range(w):
-        parents = (reduction_parents(owner, leaf, shared) if in_leaf
-                   else reduction_parents(owner, [0] * w))
+        parents = _shim_tree(owner, rank_host, leaf, in_leaf)
         height, depth = _height(parents), _depth(parents)
         up = height[owner]
         assert n_stages[owner] == 2 * up
@@ -204,3 +198,12 @@ def _depth(parents: list[int]) -> list[int]:
             if parent >= 0:
                 depth[child] = depth[parent] + 1
     return depth
+
+
+def _shim_tree(owner: int, rank_host: list[int], leaf: list[int], in_leaf: bool) -> list[int]:
+    """The shim's reduction tree of `owner`'s chunks: flat, or within leaves first, ranks
+    sharing hosts reducing within them before (two levels)."""
+    if not in_leaf:
+        return reduction_parents(owner, [0] * len(rank_host))
+    shared = rank_host if len(set(rank_host)) < len(rank_host) else None
+    return reduction_parents(owner, leaf, shared)
