@@ -72,7 +72,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -262,6 +262,10 @@ class _Hop:
     owner: int
     stage: int
 
+    def at(self, stage: int) -> _Hop:
+        """The same chunk's `stage`-th hop or stage."""
+        return _Hop(self.collective, self.chunk, self.owner, stage)
+
 
 class _Sim:
     def __init__(self, scenario: Scenario, policy: Policy,
@@ -278,6 +282,7 @@ class _Sim:
         self.plan_ms: list[float] = []
         self.version = 0
         self.replan_due = False
+        self.progressed = True  # since `finished` was last asked
 
     # -- compute -----------------------------------------------------------
 
@@ -360,7 +365,7 @@ class _Sim:
             if hop.stage == last:
                 self.chunk_done(hop.collective)
                 return
-            hop = replace(hop, stage=hop.stage + 1)
+            hop = hop.at(hop.stage + 1)
         links = np.array([job.hosts[sender], job.n_hosts + job.hosts[receiver]], np.int64)
         self._queue_hop(c, hop, links, np.ones(2), averaging=hop.stage >= job.w - 1)
 
@@ -376,7 +381,7 @@ class _Sim:
             self.chunk_done(hop.collective)
             return
         links, flows = stages[stage]
-        self._queue_hop(c, replace(hop, stage=stage), links, flows, averaging=stage >= up)
+        self._queue_hop(c, hop.at(stage), links, flows, averaging=stage >= up)
 
     def _queue_hop(self, c: _Collective, hop: _Hop, links: np.ndarray, flows: np.ndarray,
                    averaging: bool) -> None:
@@ -391,9 +396,9 @@ class _Sim:
 
     def hop_done(self, hop: _Hop) -> None:
         if self.queued[hop.collective].job.staged:
-            self.send_stage(replace(hop, stage=hop.stage + 1))
+            self.send_stage(hop.at(hop.stage + 1))
         elif hop.stage + 1 < 2 * (self.queued[hop.collective].job.w - 1):
-            self.send_hop(replace(hop, stage=hop.stage + 1))
+            self.send_hop(hop.at(hop.stage + 1))
         else:
             self.chunk_done(hop.collective)
 
@@ -409,6 +414,7 @@ class _Sim:
         return min(LEVELS - 1, job.level + band), job.index * self.sc.bands + band
 
     def collective_done(self, c: _Collective) -> None:
+        self.progressed = True
         job = c.job
         job.synced[c.bucket] = self.now
         job.outstanding[c.iteration] -= 1
@@ -550,13 +556,15 @@ class _Sim:
                 self.advance(job)
         limit = self.event_limit()
         for _ in range(limit):
-            if self.finished() >= 1.0:
-                break
+            if self.progressed:  # only a collective done may finish the run
+                self.progressed = False
+                if self.finished() >= 1.0:
+                    break
             t_ready = self.ready[0][0] if self.ready else np.inf
-            t_next = min(self.now + self.net.next_drain(), t_ready, next_plan)
+            t_next = min(self.net.next_finish(), t_ready, next_plan)
             if not np.isfinite(t_next):
                 raise RuntimeError("simulation stalled: nothing to send or compute")
-            done = self.net.advance(t_next - self.now)
+            done = self.net.advance_to(t_next)
             self.now = t_next
             for nid in done:
                 if nid in self.hops:
@@ -601,7 +609,7 @@ class _Sim:
             iters[job.spec.name] = np.diff(s).tolist()
             ccts[job.spec.name] = done[sc.warmup:sc.warmup + sc.iterations]
         h = len(sc.topology.hosts)
-        used = self.net.busy_bits / (self.cap * max(self.now, EPS))
+        used = self.net.carried_bits() / (self.cap * max(self.now, EPS))
         util = {"host": float(used[:h].mean())}
         if sc.topology.uplink_bps:
             util["uplink"] = float(used[2 * h:].mean())

@@ -30,40 +30,47 @@ rate for all of a collective's flows, one collective at a time per job and
 band) was pessimistic, and its results depended on the bucket count
 (README, "Policies and the simulator").
 
-Cost: only the first entry of each (link, job and band) is in the arrays a
-step works on; the ones behind it wait in a queue of their own. A deep
-backlog (open loop) therefore costs memory, not time per step.
+Cost: as links are independent, an event touches only the links whose
+entries changed. Each link keeps its first entry per (job, band) with the
+time its bits were last counted; the ones behind wait in a queue of their
+own (a deep backlog, as in open loop, costs memory, not time), and a heap
+holds every moving entry's finish time until its link's rates change. An
+event costs the entries of the links it touches, not of the whole fabric.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 
 from gradlane.policies.base import FloatArray, IntArray
 
-__all__ = ["Network", "Served"]
+__all__ = ["Network"]
 
-# Bits left below which an entry is done (floating-point residue of an exact drain).
-RESIDUE_BITS = 1e-3
+# Entries whose finish times lie this close (relative to the clock) drain in one event: the
+# floating-point residue of an exact drain.
+TIME_RESIDUE = 1e-12
 
 
-@dataclass(frozen=True)
-class Served:
-    """The entries moving now: their positions in the network's arrays and rates (bit/s)."""
+class _Entry:
+    """A collective's bits on one link, first in its queue there."""
 
-    at: IntArray
-    rate: FloatArray
+    __slots__ = ("cid", "flows", "left", "queue", "rate", "slot", "token")
+
+    def __init__(self, slot: int, queue: int, cid: int, flows: float, bits: float) -> None:
+        self.slot = slot  # the order (link, queue)s came to hold entries: ties break by it
+        self.queue, self.cid, self.flows, self.left = queue, cid, flows, bits
+        self.rate = 0.0
+        self.token = 0  # its finish time's in the heap under this token (0: not moving)
 
 
 class Network:
     """The collectives queued on the links, and the rates at which links serve them.
 
-    The arrays hold one entry per (link, queue) with bits to send, the
-    queue's first; a queue is a job's band (any int the caller chooses).
+    A queue is a job's band (any int the caller chooses); each link serves
+    the first entry of each of its queues (rules 1-3 of the module docstring).
 
     Args:
         capacity_bps: per link, what it carries.
@@ -71,23 +78,25 @@ class Network:
 
     def __init__(self, capacity_bps: FloatArray) -> None:
         self.cap = np.asarray(capacity_bps, dtype=np.float64)
-        self.busy_bits = np.zeros(len(self.cap))  # per link, bits carried so far
-        self.link = np.zeros(0, np.int64)
-        self.queue = np.zeros(0, np.int64)
-        self.prio = np.zeros(0, np.int64)
-        self.owner = np.zeros(0, np.int64)  # the collective's id
-        self.flows = np.zeros(0)
-        self.left = np.zeros(0)  # bits
-        # Behind each entry in the arrays, by (link, queue), a heap:
+        self._cap = self.cap.tolist()
+        self._carried = np.zeros(len(self.cap))  # per link, bits carried (counted so far)
+        self.t = 0.0  # the network's clock: `advance_to` moves it
+        # Per link, its queues' first entries and when their bits were last counted.
+        self._first: list[dict[int, _Entry]] = [{} for _ in self._cap]
+        self._counted = [0.0] * len(self._cap)
+        # Behind each first entry, by (link, queue), a heap:
         # (key, arrival, collective, flows, bits).
         self._behind: dict[tuple[int, int], list[tuple[tuple[int, ...], int, int, float, float]]]
         self._behind = {}
+        self._links_of: dict[int, set[int]] = {}  # per queue, the links it has entries on
+        self._finish: list[tuple[float, int, int, int, int]] = []  # (t, slot, link, queue, token)
         self._arrivals = itertools.count()
+        self._slots = itertools.count()
+        self._tokens = itertools.count(1)
         # Per collective with entries behind others: how many, and their bits.
         self._waiting: dict[int, tuple[int, float]] = {}
         self._prio: dict[int, int] = {}  # per queue
         self.live: dict[int, int] = {}  # per collective id, its links with bits left
-        self._served: Served | None = None
 
     def __len__(self) -> int:
         return len(self.live)
@@ -99,31 +108,26 @@ class Network:
         entry being served and the waiting ones of a smaller `key`, then of the
         same key that came earlier (all keys equal: first come, first served)."""
         self.set_priorities({queue: prio})
-        first: list[int] = []
         waiting, waiting_bits = 0, 0.0
         arrival = next(self._arrivals)
-        for i, link in enumerate(links.tolist()):
+        touched = []
+        for link, n in zip(links.tolist(), flows.tolist(), strict=True):
+            bits = n * bits_per_flow
             behind = self._behind.get((link, queue))
             if behind is None:
                 self._behind[link, queue] = []
-                first.append(i)
+                self._links_of.setdefault(queue, set()).add(link)
+                self._count(link)
+                self._first[link][queue] = _Entry(next(self._slots), queue, cid, n, bits)
+                touched.append(link)
             else:
-                bits = float(flows[i]) * bits_per_flow
-                heapq.heappush(behind, (key, arrival, cid, float(flows[i]), bits))
+                heapq.heappush(behind, (key, arrival, cid, n, bits))
                 waiting, waiting_bits = waiting + 1, waiting_bits + bits
         if waiting:
             self._waiting[cid] = (waiting, waiting_bits)
         self.live[cid] = len(links)
-        if first:
-            at = np.array(first, np.int64)
-            n = len(at)
-            self.link = np.concatenate([self.link, links[at]])
-            self.queue = np.concatenate([self.queue, np.full(n, queue, np.int64)])
-            self.prio = np.concatenate([self.prio, np.full(n, prio, np.int64)])
-            self.owner = np.concatenate([self.owner, np.full(n, cid, np.int64)])
-            self.flows = np.concatenate([self.flows, flows[at]])
-            self.left = np.concatenate([self.left, flows[at] * bits_per_flow])
-            self._served = None
+        for link in touched:
+            self._rate(link)
 
     def set_priorities(self, prio_of: dict[int, int]) -> None:
         """New priorities by queue (a plan changed job levels)."""
@@ -131,71 +135,116 @@ class Network:
         if not changed:
             return
         self._prio.update(changed)
-        for q, p in changed.items():
-            self.prio[self.queue == q] = p
-        self._served = None
+        links = sorted(set().union(*(self._links_of.get(q, ()) for q in changed)))
+        for link in links:
+            self._count(link)
+        for link in links:
+            self._rate(link)
+
+    def carried_bits(self) -> FloatArray:
+        """Per link, the bits it carried until now."""
+        for link, first in enumerate(self._first):
+            if first:
+                self._count(link)
+        return self._carried.copy()
+
+    def rates(self) -> dict[tuple[int, int], float]:
+        """(collective, link) -> bit/s, for the entries moving now."""
+        return {(e.cid, link): e.rate for link, first in enumerate(self._first)
+                for e in first.values() if e.rate}
 
     def bits_left(self) -> dict[int, float]:
         """Per queued collective id, the bits it has left on all its links."""
-        ids, where = np.unique(self.owner, return_inverse=True)
-        moving = np.bincount(where, weights=self.left, minlength=len(ids))
         out = {cid: bits for cid, (_, bits) in self._waiting.items()}
-        for cid, bits in zip(ids.tolist(), moving.tolist(), strict=True):
-            out[cid] = out.get(cid, 0.0) + bits
+        for link, first in enumerate(self._first):
+            if first:
+                dt = self.t - self._counted[link]
+                for e in first.values():
+                    out[e.cid] = out.get(e.cid, 0.0) + max(0.0, e.left - e.rate * dt)
         return out
 
-    def served(self) -> Served:
-        """Which entries move and how fast (rules 1-3 of the module docstring)."""
-        if self._served is None:
-            top = np.full(len(self.cap), np.iinfo(np.int64).max)
-            np.minimum.at(top, self.link, self.prio)
-            at = np.flatnonzero(self.prio == top[self.link])
-            on = self.link[at]
-            weight = np.bincount(on, weights=self.flows[at], minlength=len(self.cap))
-            self._served = Served(at, self.cap[on] * self.flows[at] / weight[on])
-        return self._served
+    def next_finish(self) -> float:
+        """When the first moving entry will have no bits left (inf: nothing moves)."""
+        heap = self._finish
+        while heap:
+            t, _, link, queue, token = heap[0]
+            e = self._first[link].get(queue)
+            if e is not None and e.token == token:
+                return max(t, self.t)
+            heapq.heappop(heap)  # its link's rates changed since
+        return float("inf")
 
-    def next_drain(self) -> float:
-        """Seconds until the first served entry has no bits left (inf: nothing moves)."""
-        s = self.served()
-        if not len(s.at):
-            return float("inf")
-        return float((self.left[s.at] / s.rate).min())
-
-    def advance(self, dt: float) -> list[int]:
-        """Move `dt` seconds; returns the ids of collectives left with no bits anywhere."""
-        s = self.served()
-        if not len(s.at) or dt <= 0:
+    def advance_to(self, t: float) -> list[int]:
+        """Move the clock on to `t`; returns the ids of collectives left with no bits
+        anywhere."""
+        self.t = max(self.t, t)
+        heap, first_of = self._finish, self._first
+        until = self.t + TIME_RESIDUE * max(1.0, self.t)
+        drained = []
+        while heap and heap[0][0] <= until:
+            _, slot, link, queue, token = heapq.heappop(heap)
+            e = first_of[link].get(queue)
+            if e is not None and e.token == token:
+                drained.append((slot, link, queue))
+        if not drained:
             return []
-        moved = np.minimum(s.rate * dt, self.left[s.at])
-        self.left[s.at] -= moved
-        self.busy_bits += np.bincount(self.link[s.at], weights=moved, minlength=len(self.cap))
-        drained = s.at[self.left[s.at] <= RESIDUE_BITS]
-        if not len(drained):
-            return []
-        self._served = None
+        drained.sort()  # in the order the (link, queue)s came to hold entries
+        links = sorted({link for _, link, _ in drained})
+        for link in links:
+            self._count(link)
         done = []
-        gone = []
-        for i, link, queue, cid in zip(drained.tolist(), self.link[drained].tolist(),
-                                       self.queue[drained].tolist(),
-                                       self.owner[drained].tolist(), strict=True):
-            self.live[cid] -= 1
-            if not self.live[cid]:
-                del self.live[cid]
-                done.append(cid)
+        for _, link, queue in drained:
+            e = first_of[link][queue]
+            self.live[e.cid] -= 1
+            if not self.live[e.cid]:
+                del self.live[e.cid]
+                done.append(e.cid)
             behind = self._behind[link, queue]
             if not behind:  # the queue has nothing more on this link
-                del self._behind[link, queue]
-                gone.append(i)
+                del self._behind[link, queue], first_of[link][queue]
+                self._links_of[queue].discard(link)
                 continue
             _, _, nxt, flows, bits = heapq.heappop(behind)  # next in line takes its place
-            self.owner[i], self.flows[i], self.left[i] = nxt, flows, bits
+            first_of[link][queue] = _Entry(e.slot, queue, nxt, flows, bits)
             count, waiting = self._waiting.pop(nxt)
             if count > 1:
                 self._waiting[nxt] = (count - 1, waiting - bits)
-        if gone:
-            keep = np.ones(len(self.link), dtype=bool)
-            keep[gone] = False
-            for name in ("link", "queue", "prio", "owner", "flows", "left"):
-                setattr(self, name, getattr(self, name)[keep])
+        for link in links:
+            self._rate(link)
         return done
+
+    def _count(self, link: int) -> None:
+        """Take the bits `link` moved since they were last counted off its entries."""
+        dt = self.t - self._counted[link]
+        self._counted[link] = self.t
+        first = self._first[link]
+        if dt <= 0 or not first:
+            return
+        for e in first.values():
+            if e.rate:
+                e.left = max(0.0, e.left - e.rate * dt)
+        self._carried[link] += self._cap[link] * dt  # work-conserving: all of it, shared
+
+    def _rate(self, link: int) -> None:
+        """Share `link` among its entries anew (rules 1-3); call `_count` first."""
+        first = self._first[link]
+        if not first:
+            return
+        if len(first) == 1:  # alone: all of it
+            ((q, e),) = first.items()
+            if e.rate != self._cap[link] or not e.token:
+                e.rate, e.token = self._cap[link], next(self._tokens)
+                heapq.heappush(self._finish, (self.t + e.left / e.rate, e.slot, link, q, e.token))
+            return
+        prio = self._prio
+        top = min(prio[q] for q in first)
+        weight = sum(e.flows for q, e in first.items() if prio[q] == top)
+        cap = self._cap[link]
+        for q, e in first.items():
+            rate = cap * e.flows / weight if prio[q] == top else 0.0
+            if rate == e.rate and (e.token or not rate):
+                continue  # its finish time in the heap still holds
+            e.rate = rate
+            e.token = next(self._tokens) if rate else 0
+            if rate:
+                heapq.heappush(self._finish, (self.t + e.left / rate, e.slot, link, q, e.token))
