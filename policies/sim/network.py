@@ -49,9 +49,8 @@ from gradlane.policies.base import FloatArray, IntArray
 
 __all__ = ["Network"]
 
-# Entries whose finish times lie this close (relative to the clock) drain in one event: the
-# floating-point residue of an exact drain.
-TIME_RESIDUE = 1e-12
+# Bits left below which an entry is done (floating-point residue of an exact drain).
+RESIDUE_BITS = 1e-3
 
 
 class _Entry:
@@ -79,6 +78,8 @@ class Network:
     def __init__(self, capacity_bps: FloatArray) -> None:
         self.cap = np.asarray(capacity_bps, dtype=np.float64)
         self._cap = self.cap.tolist()
+        # The longest an entry's residue can take to cross its link.
+        self._slack = RESIDUE_BITS / float(self.cap[self.cap > 0].min(initial=np.inf))
         self._carried = np.zeros(len(self.cap))  # per link, bits carried (counted so far)
         self.t = 0.0  # the network's clock: `advance_to` moves it
         # Per link, its queues' first entries and when their bits were last counted.
@@ -179,13 +180,19 @@ class Network:
         anywhere."""
         self.t = max(self.t, t)
         heap, first_of = self._finish, self._first
-        until = self.t + TIME_RESIDUE * max(1.0, self.t)
-        drained = []
-        while heap and heap[0][0] <= until:
-            _, slot, link, queue, token = heapq.heappop(heap)
+        drained, later = [], []
+        while heap and heap[0][0] <= self.t + self._slack:
+            item = heapq.heappop(heap)
+            finish, slot, link, queue, token = item
             e = first_of[link].get(queue)
-            if e is not None and e.token == token:
+            if e is None or e.token != token:
+                continue  # its link's rates changed since
+            if (finish - self.t) * e.rate <= RESIDUE_BITS:
                 drained.append((slot, link, queue))
+            else:
+                later.append(item)
+        for item in later:
+            heapq.heappush(heap, item)
         if not drained:
             return []
         drained.sort()  # in the order the (link, queue)s came to hold entries
