@@ -200,6 +200,7 @@ class _Job:
             self.exchange, self.kind = self.within_hosts, "host"
         self.grouped = self.kind in ("leaf", "host")  # `Exchange.trees`' in_leaf
         self.owned_chunks = self.exchange.owned(owners, self.first_chunk)
+        self._loads: tuple[np.ndarray, np.ndarray] | None = None
         per_owner, _ = self.exchange.trees(self.grouped)
         counts = self.owned_chunks @ per_owner  # (buckets, columns)
         leaves = self.exchange.leaves
@@ -232,8 +233,11 @@ class _Job:
         return out
 
     def loads(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per worker and bucket: bytes to its own leaf and to other leaves."""
-        return self.exchange.loads(self.owned_chunks, self.grouped, self.chunk_size)
+        """Per worker and bucket: bytes to its own leaf and to other leaves (the same until
+        the owners change: every plan asks)."""
+        if self._loads is None:
+            self._loads = self.exchange.loads(self.owned_chunks, self.grouped, self.chunk_size)
+        return self._loads
 
 
 @dataclass
@@ -519,17 +523,20 @@ class _Sim:
 
     def apply(self, state: State, plan: Plan) -> None:
         """Bands and levels, ownership and batch shares, as daemons and shims would take them."""
-        band_of_chunk: dict[tuple[str, int], int] = {}
-        job_of = [c.job for c in state.coflows]
-        for k, chunk, band in zip(state.flows.coflow.tolist(), state.flows.chunk.tolist(),
-                                  plan.flow_band.tolist(), strict=True):
-            key = (job_of[k], chunk)
-            band_of_chunk[key] = min(band, band_of_chunk.get(key, band))
+        index = {job.spec.name: job.index for job in self.jobs}
+        coflow_job = np.array([index[c.job] for c in state.coflows], dtype=np.int64)
+        flow_job = coflow_job[state.flows.coflow]
+        unset = np.iinfo(np.int64).max
         for job in self.jobs:
             name = job.spec.name
             job.level = plan.job_level.get(name, 0)
-            for b in range(job.nb):
-                job.band[b] = band_of_chunk.get((name, int(job.first_chunk[b])), job.band[b])
+            # A bucket's band: its flows' most urgent (they carry its first chunk).
+            mine = flow_job == job.index
+            if mine.any():
+                least = np.full(len(job.chunk_bytes), unset)
+                np.minimum.at(least, state.flows.chunk[mine], plan.flow_band[mine])
+                band = least[job.first_chunk[:-1]]
+                job.band[band != unset] = band[band != unset]
             owners = plan.ownership.get(name, job.owners)
             if owners != job.owners or plan.reduce_in_leaf != job.in_leaf:
                 job.set_ownership(owners, plan.reduce_in_leaf)
