@@ -255,7 +255,9 @@ def demo(hosts: int, rate: str | None, steps: int, png: Path, json_path: Path | 
     on loopback, without traffic control.
     """
     from gradlane.demo import run_demo
+    from gradlane.provenance import start
 
+    start()  # the checkout the run's results come from
     run_demo(
         hosts=hosts,
         rate=parse_rate(rate) if rate else None,
@@ -309,7 +311,9 @@ def bench_run(
         --rounds 1 --json /tmp/vgg19-gradlane.json   # a quick look at one system
     """
     from gradlane.benchmark import CELL_NAMES, cells, load_scenario, narrowed, run_scenario
-    from gradlane.provenance import write_result
+    from gradlane.provenance import start, write_result
+
+    start()  # the checkout the run's results come from
 
     if (systems or rounds is not None) and json_path is None:
         raise click.UsageError("--system and --rounds need --json: a partial run must not "
@@ -437,8 +441,10 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gradlane.policies.loadbalance import require_solver
-    from gradlane.provenance import write_result
+    from gradlane.provenance import start, write_result
     from gradlane.simulation import plot, run_experiment
+
+    start()  # the checkout the run's results come from
 
     try:
         require_solver()

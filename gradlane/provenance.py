@@ -10,15 +10,37 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "write_result"]
+__all__ = ["environment", "start", "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
+# The checkout when the measurement started (`start`), if it was noted.
+_started: dict[str, dict[str, Any]] = {}
+
+
+def _run(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+
+def _checkout() -> dict[str, Any]:
+    return {
+        "commit": _run("git", "rev-parse", "HEAD"),
+        # results files being rewritten by this very run, and prose (*.md), do not count
+        "dirty": bool(_run("git", "status", "--porcelain", "--", ".", ":!bench/results",
+                           ":!*.md")),
+    }
+
+
+def start() -> None:
+    """Note the checkout a measurement runs from, before it runs.
+
+    Results are written when a run ends, and the checkout may have moved on
+    during a long one (a commit, an edit): `environment` then records the
+    commit the run started from, and says the checkout changed meanwhile.
+    """
+    _started["checkout"] = _checkout()
 
 
 def environment() -> dict[str, Any]:
-    def run(*argv: str) -> str:
-        return subprocess.run(argv, capture_output=True, text=True, cwd=REPO).stdout.strip()
-
     import pyroute2
 
     import gradlane
@@ -35,11 +57,11 @@ def environment() -> dict[str, Any]:
         (line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line),
         platform.processor(),
     )
+    checkout = now = _checkout()
+    if _started.get("checkout", now) != now:
+        checkout = {**_started["checkout"], "checkout_changed_during_run": True}
     return {
-        "commit": run("git", "rev-parse", "HEAD"),
-        # results files being rewritten by this very run, and prose (*.md), do not count
-        "dirty": bool(run("git", "status", "--porcelain", "--", ".", ":!bench/results",
-                          ":!*.md")),
+        **checkout,
         "kernel": platform.release(),
         "cpu": cpu,
         "cores": os.cpu_count(),

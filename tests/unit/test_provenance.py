@@ -35,3 +35,25 @@ def test_only_code_changes_make_a_run_dirty(tmp_path: Path, monkeypatch: pytest.
     (repo / "code.py").write_text("1\n")
     (repo / "new.py").write_text("2\n")  # an untracked source file counts too
     assert provenance.environment()["dirty"] is True
+
+
+def test_a_run_records_the_checkout_it_started_from(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long run writes its results at the end: a commit or an edit made meanwhile must
+    not pass for the code that ran."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "code.py").write_text("1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    monkeypatch.setattr(provenance, "REPO", repo)
+    monkeypatch.setattr(provenance, "_started", {})
+    provenance.start()
+    first = provenance.environment()["commit"]
+    assert "checkout_changed_during_run" not in provenance.environment()
+    (repo / "code.py").write_text("2\n")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "second")
+    env = provenance.environment()
+    assert env["commit"] == first and env["dirty"] is False
+    assert env["checkout_changed_during_run"] is True
