@@ -176,8 +176,8 @@ class Network:
         return float("inf")
 
     def advance_to(self, t: float) -> list[int]:
-        """Move the clock on to `t`; returns the ids of collectives left with no bits
-        anywhere."""
+        """Move the clock on to `t` (at most `next_finish()`: entries that finished before
+        drain at `t`); returns the ids of collectives left with no bits anywhere."""
         self.t = max(self.t, t)
         heap, first_of = self._finish, self._first
         drained, later = [], []
