@@ -535,8 +535,8 @@ class _Sim:
             if mine.any():
                 least = np.full(len(job.chunk_bytes), unset)
                 np.minimum.at(least, state.flows.chunk[mine], plan.flow_band[mine])
-                band = least[job.first_chunk[:-1]]
-                job.band[band != unset] = band[band != unset]
+                first = least[job.first_chunk[:-1]]
+                job.band[first != unset] = first[first != unset]
             owners = plan.ownership.get(name, job.owners)
             if owners != job.owners or plan.reduce_in_leaf != job.in_leaf:
                 job.set_ownership(owners, plan.reduce_in_leaf)
