@@ -416,8 +416,8 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
 @click.option("--store-forward", is_flag=True,
               help="'cluster', 'coflows': each chunk's reduction tree a stage after the "
                    "other, as the shim stores and forwards it, instead of a bucket's flows "
-                   "all at once (about 5 times slower: 10 minutes for fifo and gradlane at "
-                   "1,024 hosts).")
+                   "all at once (about 9 times slower: 10 minutes for fifo and gradlane at "
+                   "1,024 hosts, 35 for every policy).")
 @click.option("--results", "results_dir", default=Path("bench/results"), show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="Testbed results that 'validate' replays.")
