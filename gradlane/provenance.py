@@ -13,8 +13,8 @@ from typing import Any
 __all__ = ["environment", "start", "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
-# The checkout when the measurement started (`start`), if it was noted.
-_started: dict[str, dict[str, Any]] = {}
+# Per repository, its checkout when the measurement started (`start`), if it was noted.
+_started: dict[Path, dict[str, Any]] = {}
 
 
 def _run(*argv: str) -> str:
@@ -37,7 +37,7 @@ def start() -> None:
     during a long one (a commit, an edit): `environment` then records the
     commit the run started from, and says the checkout changed meanwhile.
     """
-    _started["checkout"] = _checkout()
+    _started[REPO] = _checkout()
 
 
 def environment() -> dict[str, Any]:
@@ -58,8 +58,8 @@ def environment() -> dict[str, Any]:
         platform.processor(),
     )
     checkout = now = _checkout()
-    if _started.get("checkout", now) != now:
-        checkout = {**_started["checkout"], "checkout_changed_during_run": True}
+    if _started.get(REPO, now) != now:
+        checkout = {**_started[REPO], "checkout_changed_during_run": True}
     return {
         **checkout,
         "kernel": platform.release(),
