@@ -144,9 +144,7 @@ class Network:
 
     def carried_bits(self) -> FloatArray:
         """Per link, the bits it carried until now."""
-        for link, first in enumerate(self._first):
-            if first:
-                self._count(link)
+        self._count_all()
         return self._carried.copy()
 
     def rates(self) -> dict[tuple[int, int], float]:
@@ -156,12 +154,11 @@ class Network:
 
     def bits_left(self) -> dict[int, float]:
         """Per queued collective id, the bits it has left on all its links."""
+        self._count_all()
         out = {cid: bits for cid, (_, bits) in self._waiting.items()}
-        for link, first in enumerate(self._first):
-            if first:
-                dt = self.t - self._counted[link]
-                for e in first.values():
-                    out[e.cid] = out.get(e.cid, 0.0) + max(0.0, e.left - e.rate * dt)
+        for first in self._first:
+            for e in first.values():
+                out[e.cid] = out.get(e.cid, 0.0) + e.left
         return out
 
     def next_finish(self) -> float:
@@ -232,26 +229,32 @@ class Network:
                 e.left = max(0.0, e.left - e.rate * dt)
         self._carried[link] += self._cap[link] * dt  # work-conserving: all of it, shared
 
+    def _count_all(self) -> None:
+        for link, first in enumerate(self._first):
+            if first:
+                self._count(link)
+
     def _rate(self, link: int) -> None:
         """Share `link` among its entries anew (rules 1-3); call `_count` first."""
         first = self._first[link]
         if not first:
             return
         if len(first) == 1:  # alone: all of it
-            ((q, e),) = first.items()
-            if e.rate != self._cap[link] or not e.token:
-                e.rate, e.token = self._cap[link], next(self._tokens)
-                heapq.heappush(self._finish, (self.t + e.left / e.rate, e.slot, link, q, e.token))
+            (e,) = first.values()
+            self._set_rate(link, e, self._cap[link])
             return
         prio = self._prio
         top = min(prio[q] for q in first)
         weight = sum(e.flows for q, e in first.items() if prio[q] == top)
         cap = self._cap[link]
         for q, e in first.items():
-            rate = cap * e.flows / weight if prio[q] == top else 0.0
-            if rate == e.rate and (e.token or not rate):
-                continue  # its finish time in the heap still holds
-            e.rate = rate
-            e.token = next(self._tokens) if rate else 0
-            if rate:
-                heapq.heappush(self._finish, (self.t + e.left / rate, e.slot, link, q, e.token))
+            self._set_rate(link, e, cap * e.flows / weight if prio[q] == top else 0.0)
+
+    def _set_rate(self, link: int, e: _Entry, rate: float) -> None:
+        """`e` moves at `rate` from now: its finish time goes in the heap."""
+        if rate == e.rate and (e.token or not rate):
+            return  # its finish time in the heap still holds
+        e.rate = rate
+        e.token = next(self._tokens) if rate else 0
+        if rate:
+            heapq.heappush(self._finish, (self.t + e.left / rate, e.slot, link, e.queue, e.token))
