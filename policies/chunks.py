@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -17,7 +18,7 @@ from gradlane.errors import ConfigError
 
 __all__ = [
     "COARSE_GROUP_BYTES", "DEFAULT_CHUNK_BYTES", "EXCHANGE_OPTIONS", "LAYOUTS", "MIN_CHUNK_BYTES",
-    "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD", "TRIAL_BLOCK", "TRIAL_START",
+    "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD", "TRIAL_BLOCK", "TRIAL_START", "Routes",
     "all_reduction_parents", "assign_owners", "band_of", "exchange_kind", "group_consecutive",
     "host_groups", "layout_sizes", "reduction_parents", "ring_routes", "trial_schedule",
     "uses_ring",
@@ -299,6 +300,67 @@ def exchange_kind(exchange: str, world: int, leaves: int, by_host: bool = False)
     if leaves > 1:
         return "host" if by_host else "leaf"
     return "flat"
+
+
+@dataclass(frozen=True)
+class Routes:
+    """How a job's chunks travel between its ranks, the same on every rank (the ranks
+    agree on `agreed`'s inputs first).
+
+    `kind` is `exchange_kind`'s; `top` each rank's group at the tree's top
+    level (its leaf, or its host when only hosts are known; one group: the
+    flat exchange), `hosts` each rank's host under the leaves (two levels),
+    else None.
+    """
+
+    kind: str
+    world: int
+    top: tuple[int, ...]
+    hosts: tuple[int, ...] | None
+
+    @classmethod
+    def agreed(cls, exchange: str, world: int, leaves: Sequence[int] | None = None,
+               hosts: Sequence[int] | None = None) -> Routes:
+        """The routes of a job of `world` ranks on `exchange`
+        (`gradlane.shim.ShimConfig.exchange`) reducing within `leaves` first, and
+        within `hosts` (`host_groups`) before those or alone; None: no such groups."""
+        for name, given in (("leaf", leaves), ("host", hosts)):
+            if given is not None and len(given) != world:
+                raise ConfigError(f"need one {name} per rank: {len(given)} for {world}")
+        by_host = leaves is None and hosts is not None
+        top = hosts if by_host else leaves
+        groups = tuple(top) if top is not None else (0,) * world
+        lower = tuple(hosts) if hosts is not None and not by_host else None
+        return cls(exchange_kind(exchange, world, len(set(groups)), by_host), world, groups,
+                   lower)
+
+    def of(self, owner: int) -> tuple[list[int], list[int]]:
+        """(reduce parents, result parents) of a chunk `owner` owns: `ring_routes` on the
+        ring, else the reduction tree both ways (`reduction_parents`)."""
+        if self.kind == "ring":
+            return ring_routes(owner, self.world)
+        parents = reduction_parents(owner, self.top, self.hosts)
+        return parents, parents
+
+    def peers(self, rank: int) -> tuple[int, ...]:
+        """The ranks `rank` exchanges chunks with, whoever owns them: the only ones it
+        needs connections to. Symmetric (``b in peers(a)`` exactly when ``a in
+        peers(b)``).
+
+        Flat: every other rank. Ring: the two neighbours. Trees: the members of
+        `rank`'s groups and the ranks at its position in the other groups (with
+        8 ranks a host and 128 hosts, 7 + 127 of 1,023).
+        """
+        if not 0 <= rank < self.world:
+            raise ConfigError(f"rank {rank} is not a rank of {self.world}")
+        if self.kind == "ring":
+            return tuple(sorted({(rank - 1) % self.world, (rank + 1) % self.world}))
+        if self.kind == "flat":
+            return tuple(r for r in range(self.world) if r != rank)
+        parents = all_reduction_parents(self.top, self.hosts)  # (owner, rank)
+        up = parents[:, rank]
+        down = np.flatnonzero((parents == rank).any(axis=0))
+        return tuple(sorted((set(up[up >= 0].tolist()) | set(down.tolist())) - {rank}))
 
 
 def host_groups(hosts: Sequence[str], exchange: str) -> tuple[int, ...] | None:

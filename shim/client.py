@@ -171,6 +171,10 @@ class DaemonClient:
         share = self.advised_batch_share
         return int(share) if share is not None and share >= 1 else None
 
+    def flows_changed(self) -> None:
+        """The mesh's connections changed (`Mesh.connect`): register them anew."""
+        self._restate.set()
+
     def exchange_agreed(self, kind: str) -> None:
         """The job's ranks agreed how to reduce (`gradlane.daemon.fields.EXCHANGES`): tell
         gradlaned."""

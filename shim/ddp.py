@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from gradlane.errors import ConfigError, PeerLost, TransportError
+from gradlane.policies.chunks import Routes
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group, owned_bytes
@@ -95,14 +96,18 @@ class HookState:
             sndbuf_bytes=self.config.sndbuf_bytes,
             timeout_s=self.config.timeout_s,
             prefix=self._prefix,
+            connect=False,
         )
         self.client = DaemonClient(self.config, self.rank, self.world, self.mesh)
         try:
             # Reduction within hosts first when ranks share some, and within leaves when
-            # every rank knows its leaf.
+            # every rank knows its leaf; connections to the ranks that takes.
             self.leaves, self.hosts = reduction_groups(
                 store, self._prefix, self.rank, self.world, self.client.leaf(),
                 self.client.host(), self.mesh.address, self.config.exchange)
+            self.mesh.connect(Routes.agreed(self.config.exchange, self.world, self.leaves,
+                                            self.hosts).peers(self.rank))
+            self.client.flows_changed()
             self.engine = Engine(
                 self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
                 leaves=self.leaves, exchange=self.config.exchange, hosts=self.hosts,

@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradlane.errors import PeerLost, TransportError
-from gradlane.policies.chunks import exchange_kind, reduction_parents, ring_routes
+from gradlane.errors import ConfigError, PeerLost, TransportError
+from gradlane.policies.chunks import Routes
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
 __all__ = ["Chunk", "Engine", "Group", "owned_bytes"]
@@ -167,17 +167,18 @@ class Engine:
                                  f"got {list(plane_rates)}")
         self.plane_rates = tuple(plane_rates or (1.0,) * mesh.planes)
         self.rank, self.world = mesh.rank, mesh.world
-        for name, given in (("leaf", leaves), ("host", hosts)):
-            if given is not None and len(given) != self.world:
-                raise TransportError(f"need one {name} per rank: {len(given)} for {self.world}")
-        # The groups of the tree's top level, and the hosts under them (two levels).
-        by_host = leaves is None and hosts is not None
-        top = hosts if by_host else leaves
-        self.leaves = tuple(top) if top is not None else (0,) * self.world
-        self.hosts = tuple(hosts) if hosts is not None and not by_host else None
-        # What gradlaned and the control plane are told.
-        self.kind = exchange_kind(exchange, self.world, len(set(self.leaves)), by_host)
+        try:
+            self.routes = Routes.agreed(exchange, self.world, leaves, hosts)
+        except ConfigError as exc:
+            raise TransportError(str(exc)) from None
+        self.kind = self.routes.kind  # what gradlaned and the control plane are told
         self.ring = self.kind == "ring"
+        unlinked = set(self.routes.peers(self.rank)) - set(mesh.peers())
+        if unlinked:
+            raise TransportError(
+                f"rank {self.rank} has no connections to ranks {sorted(unlinked)}, which "
+                f"its {self.kind} exchange sends chunks to: connect the mesh to "
+                "`Routes.peers` of the same routes")
         self._route_cache: dict[int, tuple[list[int], list[int]]] = {}
         # Per owner rank, its registered chunks' bytes on each plane.
         self._plane_bytes = [[0] * mesh.planes for _ in range(mesh.world)]
@@ -288,11 +289,7 @@ class Engine:
     def _routes(self, owner: int) -> tuple[list[int], list[int]]:
         """(reduce parents, result parents) of the chunks `owner` owns (they depend on it only)."""
         if owner not in self._route_cache:
-            if self.ring:
-                self._route_cache[owner] = ring_routes(owner, self.world)
-            else:
-                parents = reduction_parents(owner, self.leaves, self.hosts)
-                self._route_cache[owner] = parents, parents  # the result comes back down the tree
+            self._route_cache[owner] = self.routes.of(owner)
         return self._route_cache[owner]
 
     def retire(self, groups: Sequence[Group]) -> None:

@@ -57,6 +57,7 @@ from gradlane.policies.chunks import (
     MIN_CHUNK_BYTES,
     TRIAL_BLOCK,
     TRIAL_START,
+    Routes,
     group_consecutive,
     layout_sizes,
     trial_schedule,
@@ -300,12 +301,16 @@ class Sync:
             sndbuf_bytes=config.sndbuf_bytes,
             timeout_s=config.timeout_s,
             prefix=self._prefix,
+            connect=False,
         )
         client: DaemonClient | None = None
         try:
-            self._broadcast_state()
             self.client = client = DaemonClient(config, rank, world, self.mesh)
             self.leaves, self.hosts = self._agree_groups(store)
+            routes = Routes.agreed(config.exchange, world, self.leaves, self.hosts)
+            self.mesh.connect(routes.peers(rank))
+            self.client.flows_changed()
+            self._broadcast_state(routes)
             self.engine = Engine(
                 self.mesh,
                 config.timeout_s,
@@ -441,30 +446,35 @@ class Sync:
             logger.info("gradlane: reducing within hosts %s, then leaves %s", hosts, leaves)
         return leaves, hosts
 
-    def _broadcast_state(self) -> None:
-        """Copy rank 0's parameters and buffers to every rank (band-0 connections)."""
+    def _broadcast_state(self, routes: Routes) -> None:
+        """Copy rank 0's parameters and buffers to every rank, down the routes of the
+        averages of the chunks rank 0 owns (band-0 connections; each rank forwards each
+        tensor once it holds it)."""
         tensors = [
             t for t in self.model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)
         ]
+        _, result = routes.of(0)
+        source = result[self.rank]
+        sinks = [r for r, up in enumerate(result) if up == self.rank]
         with torch.no_grad():
             for t in tensors:
                 flat = t.detach().contiguous()
                 data = tensor_bytes(flat)
-                if self.rank == 0:
-                    for peer in self.mesh.peers():
-                        self.mesh.link(peer, 0).sock.sendall(data)
-                else:
-                    sock = self.mesh.link(0, 0).sock
+                if source >= 0:
+                    sock = self.mesh.link(source, 0).sock
                     sock.settimeout(self.config.timeout_s)
                     got = 0
                     while got < len(data):
                         n = sock.recv_into(data[got:])
                         if n == 0:
-                            raise TransportError("rank 0 closed while sending the model")
+                            raise TransportError(
+                                f"rank {source} closed while sending rank 0's model")
                         got += n
                     sock.settimeout(None)
-                    if flat.data_ptr() != t.data_ptr():
-                        t.detach().copy_(flat)
+                for peer in sinks:
+                    self.mesh.link(peer, 0).sock.sendall(data)
+                if source >= 0 and flat.data_ptr() != t.data_ptr():
+                    t.detach().copy_(flat)
 
     def _patch_optimizer(self) -> None:
         """Route ``optimizer.step()`` through `Sync._step`.

@@ -22,6 +22,7 @@ import logging
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -246,7 +247,8 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 class Mesh:
-    """All band connections of one worker, established at construction.
+    """The band connections of one worker: to every other rank, or to the ranks its
+    exchange sends chunks to (`connect`).
 
     Args:
         rank, world: this worker and the job size.
@@ -258,7 +260,12 @@ class Mesh:
             and peer (`links`, keyed ``(peer, band, plane)``).
         dscp: per-band DSCP, band 0 first.
         credit_bytes, sndbuf_bytes: see `ShimConfig`.
-        timeout_s: bound on the whole rendezvous.
+        timeout_s: bound on the rendezvous (`connect`'s).
+        connect: connect to every other rank now. Otherwise the mesh only
+            listens and posts its addresses until `connect` names the peers
+            (`gradlane.policies.chunks.Routes.peers`, known once the ranks agreed
+            on their groups): a large job's ranks then hold the connections their
+            exchange uses, not K per rank of the job.
     """
 
     def __init__(
@@ -273,6 +280,7 @@ class Mesh:
         sndbuf_bytes: int = 0,
         timeout_s: float = 60.0,
         prefix: str = "gradlane",
+        connect: bool = True,
     ) -> None:
         addresses = (address,) if isinstance(address, str) else tuple(address)
         if not 1 <= len(addresses) <= MAX_PLANES or len(set(addresses)) != len(addresses):
@@ -284,82 +292,103 @@ class Mesh:
         self.addresses, self.address, self.planes = addresses, addresses[0], len(addresses)
         self.dscp = tuple(dscp)
         self.links: dict[tuple[int, int, int], Link] = {}
-        bands = len(self.dscp)
-        deadline = time.monotonic() + timeout_s
-        listeners: list[socket.socket] = []
+        self._store, self._prefix, self._timeout_s = store, prefix, timeout_s
+        self._credit, self._sndbuf = credit_bytes, sndbuf_bytes
+        self._lock = threading.Lock()  # links and marks: a daemon's table may come meanwhile
+        self._listeners: list[socket.socket] = []
         try:
             for a in addresses:
                 listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                listeners.append(listener)
+                self._listeners.append(listener)
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 listener.bind((a, 0))
-                listener.listen(max(16, world * bands))
+                listener.listen(max(16, world * len(self.dscp)))
             mine = [f"{a}:{listener.getsockname()[1]}"
-                    for a, listener in zip(addresses, listeners, strict=True)]
+                    for a, listener in zip(addresses, self._listeners, strict=True)]
             try:
                 store.set(f"{prefix}/addr/{rank}", json.dumps(mine))
-                where = [json.loads(store.get(f"{prefix}/addr/{p}")) for p in range(rank)]
-            except RuntimeError as exc:  # torch's DistStoreError: the store or a rank is gone
+            except RuntimeError as exc:  # torch's DistStoreError: the store is gone
                 raise TransportError(f"rank {rank}: rendezvous failed: {exc}") from exc
-            for peer in range(rank):
-                if len(where[peer]) != self.planes:
-                    raise TransportError(
-                        f"rank {rank} listens on {self.planes} addresses, rank {peer} on "
-                        f"{len(where[peer])}: give every rank one per NIC, as many")
-                for plane, spot in enumerate(where[peer]):
-                    host, _, peer_port = spot.rpartition(":")
-                    for band in range(bands):
-                        self._connect(peer, band, plane, (host, int(peer_port)), deadline,
-                                      credit_bytes, sndbuf_bytes)
-            self._accept(listeners, (world - 1 - rank) * bands * self.planes, deadline,
-                         timeout_s, credit_bytes, sndbuf_bytes)
+            if connect:
+                self.connect(r for r in range(world) if r != rank)
         except BaseException:
             self.close()
             raise
-        finally:
-            for listener in listeners:
-                listener.close()
 
-    def _accept(self, listeners: list[socket.socket], expected: int, deadline: float,
-                timeout_s: float, credit: int, sndbuf: int) -> None:
-        """Take the later ranks' `expected` connections on `listeners` (one per plane)."""
-        bands = len(self.dscp)
+    def connect(self, peers: Iterable[int]) -> None:
+        """Open K connections (one per band, on each plane) to each of `peers`: connect to
+        the lower ranks, accept the higher ones. Every rank must name the peers that name
+        it (`gradlane.policies.chunks.Routes.peers` is symmetric). Once only."""
+        wanted = sorted(set(peers))
+        if not self._listeners:
+            raise TransportError(f"rank {self.rank}: the mesh is connected already")
+        if any(not 0 <= p < self.world or p == self.rank for p in wanted):
+            raise TransportError(f"rank {self.rank}: peers {wanted} are not other ranks of "
+                                 f"{self.world}")
+        deadline = time.monotonic() + self._timeout_s
+        links: dict[tuple[int, int, int], Link] = {}
+        try:
+            lower = [p for p in wanted if p < self.rank]
+            try:
+                where = {p: json.loads(self._store.get(f"{self._prefix}/addr/{p}"))
+                         for p in lower}
+            except RuntimeError as exc:  # torch's DistStoreError: the store or a rank is gone
+                raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
+            for peer in lower:
+                if len(where[peer]) != self.planes:
+                    raise TransportError(
+                        f"rank {self.rank} listens on {self.planes} addresses, rank {peer} on "
+                        f"{len(where[peer])}: give every rank one per NIC, as many")
+                for plane, spot in enumerate(where[peer]):
+                    host, _, peer_port = spot.rpartition(":")
+                    for band in range(len(self.dscp)):
+                        links[peer, band, plane] = self._connect(
+                            peer, band, plane, (host, int(peer_port)), deadline)
+            self._accept(links, [p for p in wanted if p > self.rank], deadline)
+        except BaseException:
+            for link in links.values():
+                link.sock.close()
+            raise
+        finally:
+            for listener in self._listeners:
+                listener.close()
+            self._listeners = []
+        with self._lock:  # marked with the table of now: `remark` may have run meanwhile
+            for link in links.values():
+                mark(link.sock, self.dscp[link.band])
+            self.links.update(links)
+
+    def _accept(self, links: dict[tuple[int, int, int], Link], higher: list[int],
+                deadline: float) -> None:
+        """Take `higher`'s connections into `links` (K per plane each, on the plane's
+        listener)."""
+        bands, listeners = len(self.dscp), self._listeners
+        expected = len(higher) * bands * self.planes
         while expected:
             ready, _, _ = select.select(listeners, [], [], max(0.1, deadline - time.monotonic()))
             if not ready:
-                missing = sorted(set(range(self.rank + 1, self.world)) - self._peers_seen())
+                missing = sorted(set(higher) - {peer for peer, _, _ in links})
                 raise TransportError(f"rank {self.rank}: ranks {missing} did not connect "
-                                     f"within {timeout_s:.0f} s")
+                                     f"within {self._timeout_s:.0f} s")
             for listener in ready:
                 sock, _ = listener.accept()
                 sock.settimeout(max(0.1, deadline - time.monotonic()))
                 magic, peer, band, plane = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
-                if (magic != _MAGIC or not self.rank < peer < self.world or not 0 <= band < bands
-                        or plane != listeners.index(listener)):
+                if (magic != _MAGIC or peer not in higher or not 0 <= band < bands
+                        or plane != listeners.index(listener) or (peer, band, plane) in links):
                     sock.close()
                     logger.warning("rank %d: dropped a connection with a bad hello", self.rank)
                     continue
                 sock.settimeout(None)
-                _tune(sock, self.dscp[band], credit, sndbuf)
-                self.links[(peer, band, plane)] = Link(peer, band, sock, plane)
+                _tune(sock, self.dscp[band], self._credit, self._sndbuf)
+                links[peer, band, plane] = Link(peer, band, sock, plane)
                 expected -= 1
 
-    def _peers_seen(self) -> set[int]:
-        return {peer for peer, _, _ in self.links}
-
-    def _connect(
-        self,
-        peer: int,
-        band: int,
-        plane: int,
-        where: tuple[str, int],
-        deadline: float,
-        credit: int,
-        sndbuf: int,
-    ) -> None:
+    def _connect(self, peer: int, band: int, plane: int, where: tuple[str, int],
+                 deadline: float) -> Link:
         while True:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            _tune(sock, self.dscp[band], credit, sndbuf)
+            _tune(sock, self.dscp[band], self._credit, self._sndbuf)
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 if self.planes > 1:  # leave by this plane's NIC, whatever the routes say
@@ -375,18 +404,20 @@ class Mesh:
                 time.sleep(0.05)
                 continue
             sock.settimeout(None)
-            self.links[(peer, band, plane)] = Link(peer, band, sock, plane)
-            return
+            return Link(peer, band, sock, plane)
 
     def link(self, peer: int, band: int, plane: int = 0) -> Link:
         return self.links[(peer, band, plane)]
 
-    def peers(self) -> Iterable[int]:
-        return (p for p in range(self.world) if p != self.rank)
+    def peers(self) -> list[int]:
+        """The ranks this worker has connections to, in rank order."""
+        with self._lock:
+            return sorted({peer for peer, _, _ in self.links})
 
     def flows(self) -> list[dict[str, object]]:
         """Every band connection as gradlaned's flow spec."""
-        return [link.five_tuple() for link in self.links.values()]
+        with self._lock:
+            return [link.five_tuple() for link in self.links.values()]
 
     def remark(self, dscp: tuple[int, ...]) -> None:
         """Adopt a new DSCP table (e.g. the daemon's); same number of bands."""
@@ -394,10 +425,14 @@ class Mesh:
             raise TransportError(
                 f"DSCP table has {len(dscp)} bands, connections have {len(self.dscp)}"
             )
-        self.dscp = tuple(dscp)
-        for link in self.links.values():
-            mark(link.sock, dscp[link.band])
+        with self._lock:
+            self.dscp = tuple(dscp)
+            for link in self.links.values():
+                mark(link.sock, dscp[link.band])
 
     def close(self) -> None:
+        for listener in self._listeners:
+            listener.close()
+        self._listeners = []
         for link in self.links.values():
             link.sock.close()

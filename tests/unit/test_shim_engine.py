@@ -245,7 +245,7 @@ def test_planes_take_chunks_in_proportion_to_their_rates() -> None:
     not fit the planes are refused."""
     from types import SimpleNamespace
 
-    mesh = SimpleNamespace(rank=0, world=2, planes=2, links={}, dscp=(46,))
+    mesh = SimpleNamespace(rank=0, world=2, planes=2, links={}, dscp=(46,), peers=lambda: [1])
     engine = Engine(mesh, timeout_s=5, plane_rates=(200, 100))  # type: ignore[arg-type]
     group = engine.add_group(0, "g", torch.zeros(6000), split(6000, 4, 4000), [0] * 3 + [1] * 3,
                              0, 0)

@@ -11,6 +11,7 @@ from gradlane.policies.chunks import (
     COARSE_GROUP_BYTES,
     MIN_GROUP_BYTES,
     RING_AUTO_MAX_WORLD,
+    Routes,
     all_reduction_parents,
     exchange_kind,
     group_consecutive,
@@ -160,6 +161,42 @@ def test_ring_route_examples() -> None:
     assert ring_routes(0, 3) == ([-1, 2, 0], [-1, 0, 1])
     with pytest.raises(ConfigError):
         ring_routes(3, 3)
+
+
+@given(st.integers(1, 20), st.sampled_from(["auto", "flat", "ring"]), st.data())
+def test_routes_connect_exactly_the_ranks_chunks_travel_between(
+        world: int, exchange: str, data: st.DataObject) -> None:
+    """`Routes.peers` is what a rank's mesh connects: every hop of every owner's chunks
+    (both ways) is between peers, every peer carries one, and each pair agrees."""
+    groups = st.none() | st.lists(st.integers(0, 3), min_size=world, max_size=world)
+    leaves, hosts = data.draw(groups), data.draw(groups)
+    routes = Routes.agreed(exchange, world, leaves, hosts)
+    hops: set[tuple[int, int]] = set()
+    for owner in range(world):
+        for parents in routes.of(owner):
+            hops |= {(r, p) for r, p in enumerate(parents) if p >= 0}
+    for rank in range(world):
+        used = {p for r, p in hops if r == rank} | {r for r, p in hops if p == rank}
+        assert set(routes.peers(rank)) == used, (rank, routes)
+        assert all(rank in routes.peers(p) for p in routes.peers(rank))
+    if routes.kind == "ring":
+        assert routes.peers(0) == tuple(sorted({1, world - 1}))
+
+
+def test_routes_examples() -> None:
+    # 32 ranks, 8 a host: each rank reaches its host's 7 others and the ranks at its place
+    # on the 3 other hosts, where the flat exchange would connect all 31.
+    by_host = Routes.agreed("auto", 32, hosts=[r // 8 for r in range(32)])
+    assert by_host.kind == "host" and by_host.peers(0) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24)
+    assert by_host.peers(9) == (1, 8, 10, 11, 12, 13, 14, 15, 17, 25)
+    assert Routes.agreed("auto", 32).peers(5) == tuple(r for r in range(32) if r != 5)
+    assert Routes.agreed("auto", 6).peers(0) == (1, 5)  # the ring
+    assert Routes.agreed("auto", 2).peers(1) == (0,)
+    assert Routes.agreed("auto", 1).peers(0) == ()
+    with pytest.raises(ConfigError):
+        Routes.agreed("auto", 4, leaves=[0, 1])
+    with pytest.raises(ConfigError):
+        Routes.agreed("auto", 4).peers(4)
 
 
 def test_auto_takes_the_ring_only_where_it_was_measured_under_one_leaf() -> None:

@@ -56,6 +56,7 @@ class Case:
     split: bool = False  # biases in a second parameter group (half the lr, no decay)
     schedule: bool = False  # the lr decays every step (LambdaLR)
     leaves: tuple[int, ...] | None = None  # per rank, its leaf switch (reduced in leaves first)
+    scrambled: bool = False  # ranks but 0 start from other weights (attach copies rank 0's)
 
 
 class Net(nn.Module):
@@ -83,7 +84,7 @@ class Net(nn.Module):
 
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
-    world = draw(st.integers(2, 3))
+    world = draw(st.integers(2, 4))
     # Adam's and RMSprop's first steps are about lr * sign(g): where g is ~0, the last-ulp
     # differences of another summation order flip whole steps. So they run in float64.
     optimizer, dtype = draw(st.sampled_from([
@@ -108,6 +109,7 @@ def cases(draw: st.DrawFn) -> Case:
         schedule=draw(st.booleans()),
         leaves=draw(st.none() | st.lists(st.integers(0, 1), min_size=world, max_size=world)
                     .map(tuple)),
+        scrambled=draw(st.booleans()),
     )
 
 
@@ -134,8 +136,8 @@ def optimizer(case: Case, model: Net) -> tuple[torch.optim.Optimizer, Any]:
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
 
 
-def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
-               job: str) -> dict[str, torch.Tensor]:
+def train_rank(case: Case, rank: int, model: Net, store: dist.Store, job: str,
+               linked: dict[int, list[int]] | None = None) -> dict[str, torch.Tensor]:
     opt, sched = optimizer(case, model)
     start = sum(case.batches[:rank])
     with gl.attach(model, opt, rank=rank, world_size=len(case.batches), store=store,
@@ -143,6 +145,8 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store,
                    timeout_s=30, overlap=case.overlap, layout=case.layout,
                    exchange=case.exchange,
                    leaf=None if case.leaves is None else case.leaves[rank]) as sync:
+        if linked is not None:
+            linked[rank] = sync.mesh.peers()
         for step in range(case.steps):
             x, y = batch(case, step)
             mine = slice(start, start + case.batches[rank])
@@ -183,23 +187,28 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def run(case: Case) -> list[dict[str, torch.Tensor]]:
+def run(case: Case, linked: dict[int, list[int]] | None = None
+        ) -> list[dict[str, torch.Tensor]]:
+    """Every rank's final state; `linked`: each rank's peers it had connections to."""
     store, job = dist.HashStore(), f"ranks{next(_jobs)}"
     world = len(case.batches)
     models = [Net(case) for _ in range(world)]  # here: seeding is not per thread
+    if case.scrambled:
+        with torch.no_grad():
+            for rank, model in enumerate(models):
+                for p in model.parameters():
+                    p.add_(rank)
     states: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
 
     def body(rank: int) -> None:
-        states[rank] = train_rank(case, rank, models[rank], store, job)
+        states[rank] = train_rank(case, rank, models[rank], store, job, linked)
 
     on_every_rank(world, body)
     return states
 
 
-@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_replicas_match_each_other_and_plain_pytorch_on_the_whole_batch(case: Case) -> None:
-    states = run(case)
+def check_replicas(case: Case, states: list[dict[str, torch.Tensor]]) -> None:
+    """The replicas are equal, and within a summation order of plain PyTorch."""
     for state in states[1:]:
         for name, value in states[0].items():
             assert torch.equal(value, state[name]), f"{case}: replicas differ in {name}"
@@ -207,6 +216,31 @@ def test_replicas_match_each_other_and_plain_pytorch_on_the_whole_batch(case: Ca
     for name, value in reference(case).items():
         error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
         assert error <= tolerance, f"{case}: {name} is {error:.2e} off plain PyTorch"
+
+
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_replicas_match_each_other_and_plain_pytorch_on_the_whole_batch(case: Case) -> None:
+    check_replicas(case, run(case))
+
+
+# Four ranks: around the ring, and in two leaves (each rank linked to its leaf's other rank
+# and to the rank at its place in the other leaf).
+SPARSE = [("ring", None, [[1, 3], [0, 2], [1, 3], [0, 2]]),
+          ("flat", (0, 0, 1, 1), [[1, 2], [0, 3], [0, 3], [1, 2]])]
+
+
+@pytest.mark.parametrize(("exchange", "leaves", "peers"), SPARSE)
+def test_ranks_connect_only_to_the_ranks_their_exchange_sends_to(
+        exchange: str, leaves: tuple[int, ...] | None, peers: list[list[int]]) -> None:
+    """The state broadcast and every chunk then travel those connections alone."""
+    case = Case(widths=(6, 40, 5), twice=True, unused=False, dtype=torch.float64,
+                optimizer="adamw", overlap=True, layout="fine", exchange=exchange,
+                batches=(2, 1, 3, 2), steps=3, branch=(False, True, False, False),
+                leaves=leaves, scrambled=True)
+    linked: dict[int, list[int]] = {}
+    check_replicas(case, run(case, linked))
+    assert [linked[r] for r in range(4)] == peers
 
 
 @pytest.mark.parametrize("branch", [(True, False), (False, False)])
