@@ -192,6 +192,10 @@ class Engine:
         self.last_rx = time.monotonic()
         self.left: dict[int, str] = {}
         self._vanished: set[int] = set()
+        # Peers that stopped because they lost a rank, and that rank (their goodbye says
+        # it): with connections to its routes' peers only, most ranks hear of a lost rank
+        # from the ranks between.
+        self._blame: dict[int, int] = {}
         self._byes: dict[int, int] = {}
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # chunk and group progress, failures
@@ -353,7 +357,8 @@ class Engine:
                     gone = [p for p in self.left if p in self._vanished]
                     gone += [p for p in self.left if p in missing]
                     if gone:
-                        raise PeerLost(gone[0], step, self.left[gone[0]])
+                        raise PeerLost(self._blame.get(gone[0], gone[0]), step,
+                                       self.left[gone[0]])
                 idle = time.monotonic() - max(self.last_rx, started)
                 if idle >= self.timeout_s:
                     missing = self._missing(pending, step)
@@ -399,23 +404,32 @@ class Engine:
     def close(self, linger_s: float = 10.0) -> None:
         """Send what is queued, say goodbye on every connection, stop threads.
 
-        Healthy: waits up to `linger_s` for queued chunks to go out and for the
-        peers' goodbyes (closing earlier could reset data still in flight).
-        Otherwise it stops at once.
+        Unless the job is failing, it waits up to `linger_s` for queued chunks to
+        go out and for the peers' goodbyes (closing earlier could reset data still
+        in flight). Failing (an error, or a rank lost), it drops what is queued,
+        and its goodbyes name the rank lost, for the peers to report.
         """
         if self._closing:
             return
-        healthy = self.healthy
-        drained = self.drain(linger_s if healthy else 0.0)
+        lost = self._lost()
+        failing = self.error is not None or lost is not None
+        drained = self.drain(0.0 if failing else linger_s)
         self._closing = True
-        for peer, band, plane in self._queues:
-            if drained:
-                self._enqueue(peer, _LAST, _HDR.pack(BYE, 0, self.step, 0, 0, 0), None, band,
-                              plane)
-            else:
-                with self._qcond[peer, band, plane]:
-                    self._qcond[peer, band, plane].notify_all()
-        deadline = time.monotonic() + (linger_s if healthy else 0.5)
+        bye = _HDR.pack(BYE, 0, self.step, 0 if lost is None else lost + 1, 0, 0)
+        for (peer, band, plane), queue in self._queues.items():
+            cond = self._qcond[peer, band, plane]
+            if failing:  # what is queued is of no use now; why it stops is
+                with cond:
+                    dropped = sum(len(item[3]) for item in queue if item[3] is not None)
+                    queue.clear()
+                with self._cond:
+                    self._queued_bytes -= dropped
+            elif not drained:  # its sender goes on until the sockets shut
+                with cond:
+                    cond.notify_all()
+                continue
+            self._enqueue(peer, _LAST, bye, None, band, plane)
+        deadline = time.monotonic() + (0.5 if failing else linger_s)
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         for link in self.mesh.links.values():
@@ -424,6 +438,16 @@ class Engine:
         for thread in self._threads:
             thread.join(1.0)
         self.mesh.close()
+
+    def _lost(self) -> int | None:
+        """The rank whose loss stops this worker, as far as it knows (None: none)."""
+        if isinstance(self.error, PeerLost) and self.error.rank is not None:
+            return self.error.rank
+        with self._cond:
+            for peer in self.left:
+                if peer in self._vanished or peer in self._blame:
+                    return self._blame.get(peer, peer)
+        return None
 
     # -- sending ----------------------------------------------------------
 
@@ -486,7 +510,12 @@ class Engine:
                     with self._cond:
                         self._byes[peer] = self._byes.get(peer, 0) + 1
                         last = self._byes[peer] == len(self.mesh.dscp) * self.mesh.planes
-                    if last:
+                        if index:  # it stopped because it lost rank index - 1
+                            self._blame[peer] = index - 1
+                    if last and index:
+                        self._peer_left(peer, f"rank {peer} stopped at step {step}, having lost "
+                                              f"rank {index - 1}")
+                    elif last:
                         self._peer_left(peer, f"left (closed its shim at step {step})")
                     return
                 chunk = self._chunk(peer, gid, index, nbytes)

@@ -3,10 +3,12 @@
 Rendezvous goes through a key-value store (torch.distributed's TCPStore, or
 any object with ``set(key, value)`` and ``get(key) -> bytes`` that blocks
 until the key exists); only addresses travel through it. Every worker listens
-on an ephemeral port, publishes ``addr:port``, connects K times to every
-lower rank and accepts K connections from every higher rank. A connection
-opens with a fixed hello (magic, rank, band) so the acceptor knows whose and
-which band it is.
+on an ephemeral port, publishes ``addr:port``, connects K times to each of its
+peers of lower rank and accepts K connections from each of higher rank. Its
+peers are every other rank, or (`Mesh.connect`) the ranks its exchange sends
+chunks to (`gradlane.policies.chunks.Routes.peers`). A connection opens with
+a fixed hello (magic, rank, band, plane) so the acceptor knows whose and which
+band it is.
 
 Every connection carries its band's DSCP in IP_TOS (the TOS byte is
 ``dscp << 2``; the two low bits are ECN), TCP_NODELAY, and TCP_NOTSENT_LOWAT

@@ -11,6 +11,7 @@ must be the sample-weighted mean of the ranks' gradients.
 from __future__ import annotations
 
 import itertools
+import socket
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradlane.errors import TransportError
+from gradlane.errors import PeerLost, TransportError
+from gradlane.policies.chunks import Routes
 from gradlane.shim.engine import Engine, Group
 from gradlane.shim.layout import split
 from gradlane.shim.transport import Mesh
@@ -95,8 +97,10 @@ def run(job: Job) -> list[list[list[torch.Tensor]]]:
     results: list[list[list[torch.Tensor]]] = [[] for _ in range(job.world)]
 
     def connect(rank: int) -> None:
+        # Connections to the ranks the exchange sends to only, as the shim's.
         mesh = Mesh(rank, job.world, store, PLANES[:job.planes], DSCP, credit_bytes=128 << 10,
-                    timeout_s=30, prefix=prefix)
+                    timeout_s=30, prefix=prefix, connect=False)
+        mesh.connect(Routes.agreed(job.exchange, job.world, job.leaves).peers(rank))
         engine = Engine(mesh, timeout_s=30, leaves=job.leaves, exchange=job.exchange)
         engines[rank] = engine
         for gid, spec in enumerate(job.groups):
@@ -253,3 +257,42 @@ def test_planes_take_chunks_in_proportion_to_their_rates() -> None:
     for rates in ((1.0,), (1.0, 0.0)):
         with pytest.raises(TransportError, match="one positive rate per plane"):
             Engine(mesh, timeout_s=5, plane_rates=rates)  # type: ignore[arg-type]
+
+
+def test_a_lost_rank_is_named_by_the_ranks_not_connected_to_it() -> None:
+    """Around a ring of four, rank 1 has no connection to rank 3: when rank 3 dies, rank 1
+    hears of it from a neighbour's goodbye, and names rank 3, not the neighbour."""
+    store, prefix, routes = dist.HashStore(), f"engine-test/{next(_jobs)}", Routes.agreed("ring", 4)
+    engines: list[Engine] = []
+    errors: dict[int, PeerLost] = {}
+
+    def connect(rank: int) -> None:
+        mesh = Mesh(rank, 4, store, "127.0.0.1", DSCP, credit_bytes=128 << 10, timeout_s=30,
+                    prefix=prefix, connect=False)
+        mesh.connect(routes.peers(rank))
+        engine = Engine(mesh, timeout_s=30, exchange="ring")
+        engine.add_group(0, "g", torch.zeros(3000), [(0, 3000)], [0], 0, 0)
+        engines.append(engine)
+
+    def train(rank: int) -> None:
+        engine = next(e for e in engines if e.rank == rank)
+        engine.begin(0, 1)
+        try:
+            engine.ready(engine.groups[0])
+            engine.wait([engine.groups[0]], 0)
+        except PeerLost as exc:
+            errors[rank] = exc
+        finally:
+            engine.close(linger_s=5)  # as leaving `attach`'s block does
+
+    on_every_rank(4, connect)
+    dead = next(e for e in engines if e.rank == 3)
+    try:
+        assert dead.mesh.peers() == [0, 2]
+        for link in dead.mesh.links.values():  # rank 3 dies: no goodbye
+            link.sock.shutdown(socket.SHUT_RDWR)
+        on_every_rank(3, train)
+    finally:
+        dead.close(linger_s=0)
+    assert {r: e.rank for r, e in errors.items()} == {0: 3, 1: 3, 2: 3}, errors
+    assert "having lost rank 3" in str(errors[1]), errors[1]
