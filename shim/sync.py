@@ -71,6 +71,7 @@ from gradlane.shim.transport import (
     Store,
     agree_batch,
     gather,
+    get_all,
     local_address,
     rank0_says,
     reduction_groups,
@@ -423,12 +424,10 @@ class Sync:
                 store.set(key, json.dumps(mine))
             reference = json.loads(store.get(key))
             verdict = "ok" if reference == mine else _first_difference(reference, mine, self.rank)
-            store.set(f"{key}/{self.rank}", verdict)
-            verdicts = [store.get(f"{key}/{r}").decode() for r in range(self.world)]
+            verdicts = gather(store, key, self.rank, self.world, verdict)
             store.set(f"{key}/read/{self.rank}", "1")
             if self.rank == 0:
-                for r in range(self.world):
-                    store.get(f"{key}/read/{r}")
+                get_all(store, [f"{key}/read/{r}" for r in range(self.world)])
         except RuntimeError as exc:  # torch's DistStoreError: a rank or the store is gone
             raise TransportError(f"rank {self.rank}: rendezvous failed: {exc}") from exc
         for verdict in verdicts:

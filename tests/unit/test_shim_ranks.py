@@ -12,7 +12,9 @@ own mean gradients is the same gradient, up to rounding.
 
 from __future__ import annotations
 
+import datetime
 import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +28,7 @@ from torch import nn
 
 import gradlane.shim as gl
 import gradlane.shim.sync as sync_module
-from gradlane.shim.transport import agree_batch, reduction_groups, same_host
+from gradlane.shim.transport import agree_batch, get_all, reduction_groups, same_host
 from tests import examples
 from tests.ranks import on_every_rank
 
@@ -436,3 +438,34 @@ def test_the_ranks_take_the_plans_chunk_owners_together(
         assert all(torch.equal(states[0][name], s[name]) for s in states[1:]), name
         error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
         assert error <= 1e-9, f"{name} is {error:.2e} off plain PyTorch"
+
+
+def test_every_rank_s_post_is_read_in_one_request_each_waited_for() -> None:
+    """`get_all` (every gather of the rendezvous): the keys' values in order, a key not
+    yet posted waited for, the store's timeout kept; a store without ``multi_get``
+    read key by key."""
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=10))
+    store.set("post/0", "a")
+    later = threading.Timer(0.2, store.set, ("post/1", "b"))
+    later.start()
+    assert get_all(store, ["post/0", "post/1"]) == [b"a", b"b"]
+    later.join()
+    store.set_timeout(datetime.timedelta(seconds=0.2))
+    with pytest.raises(RuntimeError):  # torch's DistStoreError
+        get_all(store, ["post/0", "post/2"])
+
+    class Plain:  # `Store`'s set and get only
+        def __init__(self) -> None:
+            self.values: dict[str, bytes] = {}
+
+        def set(self, key: str, value: str) -> None:
+            self.values[key] = value.encode()
+
+        def get(self, key: str) -> bytes:
+            return self.values[key]
+
+    plain = Plain()
+    plain.set("x", "1")
+    plain.set("y", "2")
+    assert get_all(plain, ["y", "x"]) == [b"2", b"1"]  # type: ignore[arg-type]
