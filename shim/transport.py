@@ -21,6 +21,8 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
+import resource
 import select
 import socket
 import struct
@@ -253,6 +255,32 @@ def _tune(sock: socket.socket, dscp: int, credit: int, sndbuf: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
 
 
+def _room_for(sockets: int, rank: int) -> None:
+    """Make room for `sockets` more open files: raise the soft limit towards the hard one
+    (a flat exchange of 300 ranks needs 1,196 connections a rank; the usual soft limit
+    is 1,024), or say what to raise.
+
+    Raises:
+        TransportError: the hard limit leaves no room.
+    """
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no procfs: leave the limits as they are
+        return
+    needed = in_use + sockets + 64  # and some for the files training opens meanwhile
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and needed > hard:
+        raise TransportError(
+            f"rank {rank} needs {sockets} connections and has {in_use} files open, over "
+            f"the open-file limit of {hard}: raise it (ulimit -n, or LimitNOFILE= in a "
+            "systemd unit), or reduce within hosts or leaves (fewer connections a rank)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    logger.info("rank %d: open-file limit raised from %d to %d for %d connections",
+                rank, soft, needed, sockets)
+
+
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -344,6 +372,7 @@ class Mesh:
         if any(not 0 <= p < self.world or p == self.rank for p in wanted):
             raise TransportError(f"rank {self.rank}: peers {wanted} are not other ranks of "
                                  f"{self.world}")
+        _room_for(len(wanted) * len(self.dscp) * self.planes, self.rank)
         deadline = time.monotonic() + self._timeout_s
         links: dict[tuple[int, int, int], Link] = {}
         try:
