@@ -59,6 +59,7 @@ class Case:
     schedule: bool = False  # the lr decays every step (LambdaLR)
     leaves: tuple[int, ...] | None = None  # per rank, its leaf switch (reduced in leaves first)
     scrambled: bool = False  # ranks but 0 start from other weights (attach copies rank 0's)
+    hosts: tuple[int, ...] | None = None  # per rank, its host (an address of its own)
 
 
 class Net(nn.Module):
@@ -143,7 +144,8 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store, job: str,
     opt, sched = optimizer(case, model)
     start = sum(case.batches[:rank])
     with gl.attach(model, opt, rank=rank, world_size=len(case.batches), store=store,
-                   address="127.0.0.1", daemon_socket="/nonexistent/gl.sock", job=job,
+                   address=f"127.0.0.{1 + (case.hosts[rank] if case.hosts else 0)}",
+                   daemon_socket="/nonexistent/gl.sock", job=job,
                    timeout_s=30, overlap=case.overlap, layout=case.layout,
                    exchange=case.exchange,
                    leaf=None if case.leaves is None else case.leaves[rank]) as sync:
@@ -243,6 +245,22 @@ def test_ranks_connect_only_to_the_ranks_their_exchange_sends_to(
     linked: dict[int, list[int]] = {}
     check_replicas(case, run(case, linked))
     assert [linked[r] for r in range(4)] == peers
+
+
+def test_sixteen_ranks_on_four_hosts_connect_to_host_mates_and_their_place_elsewhere() -> None:
+    """Reduced within hosts first: 6 peers a rank, not 15; rank 0's state reaches every
+    rank through host leaders."""
+    hosts = tuple(r // 4 for r in range(16))
+    case = Case(widths=(5, 24, 3), twice=False, unused=False, dtype=torch.float64,
+                optimizer="sgd", overlap=True, layout="fine", exchange="auto",
+                batches=tuple(1 + r % 3 for r in range(16)), steps=2, scrambled=True,
+                hosts=hosts)
+    linked: dict[int, list[int]] = {}
+    check_replicas(case, run(case, linked))
+    for rank in range(16):
+        mates = {r for r in range(16) if hosts[r] == hosts[rank]}
+        place = {r for r in range(16) if r % 4 == rank % 4}
+        assert set(linked[rank]) == (mates | place) - {rank}, (rank, linked[rank])
 
 
 @pytest.mark.parametrize("branch", [(True, False), (False, False)])
@@ -405,7 +423,8 @@ def test_the_ranks_take_the_plans_chunk_owners_together(
         model, (opt, _) = models[rank], optimizer(case, models[rank])
         start = sum(case.batches[:rank])
         with gl.attach(model, opt, rank=rank, world_size=world, store=store,
-                       address="127.0.0.1", daemon_socket="/nonexistent/gl.sock", job=job,
+                       address=f"127.0.0.{1 + (case.hosts[rank] if case.hosts else 0)}",
+                   daemon_socket="/nonexistent/gl.sock", job=job,
                        timeout_s=30, layout="fine") as sync:
             for step in range(case.steps):
                 x, y = batch(case, step)
