@@ -94,7 +94,10 @@ class ShimConfig:
             (`gradlane.policies.chunks.host_groups`); with leaves known,
             within hosts, then within leaves (one copy per host on its NIC,
             one per leaf on the spine). "ring" keeps the ring whatever the
-            placement.
+            placement. Each rank holds band connections to the ranks its
+            exchange sends to only (`gradlane.policies.chunks.Routes.peers`):
+            its two neighbours on the ring, its groups' members and the ranks
+            at its place in the other groups on a tree, every rank when flat.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
