@@ -418,7 +418,7 @@ class Engine:
         bye = _HDR.pack(BYE, 0, self.step, 0 if lost is None else lost + 1, 0, 0)
         for (peer, band, plane), queue in self._queues.items():
             cond = self._qcond[peer, band, plane]
-            if failing:  # what is queued is of no use now; why it stops is
+            if failing:  # drop what is queued: the goodbye, naming the rank lost, goes next
                 with cond:
                     dropped = sum(len(item[3]) for item in queue if item[3] is not None)
                     queue.clear()
