@@ -466,9 +466,24 @@ def test_every_rank_s_post_is_read_in_one_request_each_waited_for() -> None:
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=10))
     store.set("post/0", "a")
+
+    class Counted:  # the store, each request counted
+        def __init__(self) -> None:
+            self.requests: list[str] = []
+
+        def get(self, key: str) -> bytes:
+            self.requests.append("get")
+            return store.get(key)
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            self.requests.append("multi_get")
+            return store.multi_get(keys)
+
+    counted = Counted()
     later = threading.Timer(0.2, store.set, ("post/1", "b"))
     later.start()
-    assert get_all(store, ["post/0", "post/1"]) == [b"a", b"b"]
+    assert get_all(counted, ["post/0", "post/1"]) == [b"a", b"b"]  # type: ignore[arg-type]
+    assert counted.requests == ["multi_get"]
     later.join()
     store.set_timeout(datetime.timedelta(seconds=0.2))
     with pytest.raises(RuntimeError):  # torch's DistStoreError
