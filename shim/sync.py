@@ -75,6 +75,7 @@ from gradlane.shim.transport import (
     local_address,
     rank0_says,
     reduction_groups,
+    relay,
     tensor_bytes,
 )
 
@@ -446,34 +447,30 @@ class Sync:
         return leaves, hosts
 
     def _broadcast_state(self, routes: Routes) -> None:
-        """Copy rank 0's parameters and buffers to every rank, down the routes of the
-        averages of the chunks rank 0 owns (band-0 connections; each rank forwards each
-        tensor once it holds it)."""
+        """Copy rank 0's parameters and buffers to every rank along `Routes.copy_parents`
+        (band-0 connections), in pieces of a chunk (`relay`: each rank passes each piece
+        on once it holds it)."""
         tensors = [
             t for t in self.model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)
         ]
-        _, result = routes.of(0)
-        source = result[self.rank]
-        sinks = [r for r, up in enumerate(result) if up == self.rank]
+        parents = routes.copy_parents()
+        source = parents[self.rank]
+        sinks = [r for r, up in enumerate(parents) if up == self.rank]
         with torch.no_grad():
-            for t in tensors:
-                flat = t.detach().contiguous()
-                data = tensor_bytes(flat)
-                if source >= 0:
-                    sock = self.mesh.link(source, 0).sock
-                    sock.settimeout(self.config.timeout_s)
-                    got = 0
-                    while got < len(data):
-                        n = sock.recv_into(data[got:])
-                        if n == 0:
-                            raise TransportError(
-                                f"rank {source} closed while sending rank 0's model")
-                        got += n
-                    sock.settimeout(None)
-                for peer in sinks:
-                    self.mesh.link(peer, 0).sock.sendall(data)
-                if source >= 0 and flat.data_ptr() != t.data_ptr():
-                    t.detach().copy_(flat)
+            flats = [t.detach().contiguous() for t in tensors]
+            try:
+                relay((tensor_bytes(f) for f in flats),
+                      self.mesh.link(source, 0).sock if source >= 0 else None,
+                      [self.mesh.link(peer, 0).sock for peer in sinks],
+                      self.config.chunk_bytes, self.config.timeout_s)
+            except OSError as exc:  # ConnectionError and TimeoutError too
+                raise TransportError(
+                    f"rank {self.rank}: copying rank 0's model failed (from rank {source}, "
+                    f"to ranks {sinks}): {exc}") from exc
+            if source >= 0:
+                for t, flat in zip(tensors, flats, strict=True):
+                    if flat.data_ptr() != t.data_ptr():
+                        t.detach().copy_(flat)
 
     def _patch_optimizer(self) -> None:
         """Route ``optimizer.step()`` through `Sync._step`.

@@ -181,6 +181,16 @@ def test_routes_connect_exactly_the_ranks_chunks_travel_between(
         assert all(rank in routes.peers(p) for p in routes.peers(rank))
     if routes.kind == "ring":
         assert routes.peers(0) == tuple(sorted({1, world - 1}))
+    # The model's copy at attach: a tree from rank 0 over those connections alone.
+    copy = routes.copy_parents()
+    assert copy[0] == -1
+    for rank in range(1, world):
+        assert rank in routes.peers(copy[rank]), (rank, copy, routes)
+        seen, up = {rank}, copy[rank]
+        while up > 0:  # reaches rank 0, never coming round to a rank again
+            assert up not in seen, copy
+            seen.add(up)
+            up = copy[up]
 
 
 def test_routes_examples() -> None:
@@ -190,6 +200,11 @@ def test_routes_examples() -> None:
     assert by_host.kind == "host" and by_host.peers(0) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24)
     assert by_host.peers(9) == (1, 8, 10, 11, 12, 13, 14, 15, 17, 25)
     assert Routes.agreed("auto", 32).peers(5) == tuple(r for r in range(32) if r != 5)
+    # The copy crosses from host to host once each (rank 0 sending it 10 times otherwise).
+    assert by_host.copy_parents()[:17] == [-1, 0, 1, 2, 3, 4, 5, 6, 15, 8, 9, 10, 11, 12, 13,
+                                           7, 22]
+    assert Routes.agreed("auto", 32).copy_parents() == list(range(-1, 31))
+    assert Routes.agreed("ring", 5).copy_parents() == [-1, 0, 1, 2, 3]
     assert Routes.agreed("auto", 6).peers(0) == (1, 5)  # the ring
     assert Routes.agreed("auto", 2).peers(1) == (0,)
     assert Routes.agreed("auto", 1).peers(0) == ()

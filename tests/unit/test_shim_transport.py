@@ -1,15 +1,84 @@
-"""The transport's room for its connections: the open-file limit."""
+"""The transport's room for its connections (the open-file limit), and `relay`, which
+copies rank 0's model down the routes."""
 
 from __future__ import annotations
 
 import os
 import resource
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 
 import pytest
 
-from gradlane.shim.transport import _room_for
+from gradlane.shim.transport import _room_for, relay
+
+
+@pytest.fixture
+def pairs() -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    made: list[tuple[socket.socket, socket.socket]] = []
+    yield made
+    for a, b in made:
+        a.close()
+        b.close()
+
+
+def _pair(made: list[tuple[socket.socket, socket.socket]]) -> tuple[socket.socket, socket.socket]:
+    made.append(socket.socketpair())
+    return made[-1]
+
+
+def _read(sock: socket.socket, n: int, timeout_s: float = 10.0) -> bytes:
+    sock.settimeout(timeout_s)
+    got = bytearray()
+    while len(got) < n:
+        part = sock.recv(n - len(got))
+        if not part:
+            break
+        got += part
+    return bytes(got)
+
+
+def test_relay_passes_each_piece_on_before_the_rest_is_in(pairs: list) -> None:
+    """A hop forwards a piece as soon as it holds it: with the rest of the tensor not sent
+    yet, the next hop already has the first piece (held whole, it would have nothing)."""
+    upstream, source = _pair(pairs)
+    sink, downstream = _pair(pairs)
+    data = os.urandom(3 * 4096 + 100)
+    view = memoryview(bytearray(len(data)))
+    hop = threading.Thread(target=relay, args=([view], source, [sink], 4096, 30.0))
+    hop.start()
+    try:
+        upstream.sendall(data[:4096])
+        assert _read(downstream, 4096) == data[:4096]
+        upstream.sendall(data[4096:])
+        assert _read(downstream, len(data) - 4096) == data[4096:]
+    finally:
+        upstream.close()
+        hop.join(30)
+    assert not hop.is_alive() and bytes(view) == data
+
+
+def test_relay_copies_every_view_to_every_sink(pairs: list) -> None:
+    sinks = [_pair(pairs) for _ in range(3)]
+    views = [memoryview(os.urandom(n)) for n in (0, 1, 5000, 4096)]
+    relay(views, None, [near for near, _ in sinks], 1000, 30.0)
+    everything = b"".join(bytes(v) for v in views)
+    for _, far in sinks:
+        assert _read(far, len(everything)) == everything
+
+
+def test_relay_names_a_source_that_closes_or_stalls(pairs: list) -> None:
+    upstream, source = _pair(pairs)
+    upstream.sendall(b"x" * 10)
+    upstream.close()
+    with pytest.raises(ConnectionError, match="closed after 10 of 64"):
+        relay([memoryview(bytearray(100))], source, [], 64, 30.0)
+    upstream, source = _pair(pairs)
+    with pytest.raises(TimeoutError):
+        relay([memoryview(bytearray(100))], source, [], 64, 0.2)
 
 
 def test_the_soft_open_file_limit_is_raised_for_the_connections() -> None:

@@ -1,0 +1,171 @@
+"""Copying rank 0's model to every rank at attach, on the emulated cluster (needs root).
+
+    sudo .venv/bin/python bench/state_copy.py [--hosts 8] [--model-mb 64] [--reps 3]
+
+`gradlane.shim.attach` copies rank 0's parameters and buffers to every rank
+along a path through the ranks' connections (`Routes.copy_parents`), each
+rank passing on each piece of a chunk's size as it comes
+(`gradlane.shim.transport.relay`). This measures that copy of a VGG-19-shaped
+model (the profile's tensors scaled to ``--model-mb`` MiB; its largest layer
+is three quarters of it) between `--hosts` emulated hosts on 1 Gbit/s links,
+over the shim's real connections, three ways in the same run, in turns:
+
+- ``path``: what attach does;
+- ``routes``: down the result routes of the chunks rank 0 owns, in pieces;
+- ``routes_whole``: the same, each tensor passed on once it is whole (what
+  attach did before: ``relay`` with pieces as large as the largest tensor).
+
+for the ring exchange (its result routes are the path: W-1 hops) and the flat
+one (rank 0 sends to every rank itself). A copy's time runs from the first rank
+leaving a store barrier to the last one holding the whole model (one clock:
+the hosts are namespaces of one machine). Also reported: the model's time on
+one link at TCP's payload rate, the least any copy can take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, unwind_on_sigterm, write_result  # noqa: E402
+
+from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
+
+RATE = "1gbit"
+RATE_BPS = 1e9
+EXCHANGES = ("ring", "flat")
+WAYS = ("path", "routes", "routes_whole")
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank: connect as attach does, then time every (exchange, way) `reps` times."""
+    import torch
+    import torch.distributed as dist
+
+    from gradlane.policies.chunks import Routes
+    from gradlane.policies.profiles import trace_spec
+    from gradlane.shim.config import DEFAULT_DSCP, ShimConfig
+    from gradlane.shim.transport import Mesh, gather, relay, tensor_bytes
+
+    torch.set_num_threads(1)
+    rank, world = args.rank, args.world
+    host, port = args.master.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=120))
+    mesh = Mesh(rank, world, store, args.address, DEFAULT_DSCP, credit_bytes=128 << 10,
+                connect=False)
+    mesh.connect(r for r in range(world) if r != rank)  # both exchanges' peers
+    chunk = ShimConfig().chunk_bytes
+    sizes = [n for n, _, _ in trace_spec("vgg19", args.model_mb, 0.1)]
+    tensors = [torch.zeros(n) for n in sizes]
+    if rank == 0:
+        g = torch.Generator().manual_seed(0)
+        tensors = [torch.randn(n, generator=g) for n in sizes]
+    views = [tensor_bytes(t) for t in tensors]
+    largest = max(len(v) for v in views)
+    times: dict[str, dict[str, list[float]]] = {e: {w: [] for w in WAYS} for e in EXCHANGES}
+    for rep in range(args.reps):
+        for exchange in EXCHANGES:
+            routes = Routes.agreed(exchange, world, None, None)
+            for way in WAYS[rep % len(WAYS):] + WAYS[:rep % len(WAYS)]:
+                parents = routes.copy_parents() if way == "path" else routes.of(0)[1]
+                source = parents[rank]
+                sinks = [mesh.link(r, 0).sock for r, up in enumerate(parents) if up == rank]
+                if rank != 0:
+                    for t in tensors:
+                        t.zero_()
+                key = f"copy/{rep}/{exchange}/{way}"
+                gather(store, f"{key}/go", rank, world, "")
+                began = time.monotonic()
+                relay(views, mesh.link(source, 0).sock if source >= 0 else None, sinks,
+                      largest if way == "routes_whole" else chunk, 120.0)
+                ended = time.monotonic()
+                digest = hashlib.sha256(b"".join(bytes(v) for v in views)).hexdigest()
+                posts = [json.loads(p) for p in gather(
+                    store, f"{key}/done", rank, world, json.dumps([began, ended, digest]))]
+                if len({p[2] for p in posts}) != 1:
+                    raise SystemExit(f"{exchange}/{way}: the ranks hold different models")
+                times[exchange][way].append(max(p[1] for p in posts) - min(p[0] for p in posts))
+    mesh.close()
+    store.add("left", 1)
+    deadline = time.monotonic() + 60  # rank 0 hosts the store: it goes last
+    while rank == 0 and store.add("left", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if rank == 0:
+        print(json.dumps({"model_bytes": sum(len(v) for v in views), "largest_bytes": largest,
+                          "tensors": len(views), "piece_bytes": chunk, "times_s": times}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", type=int, default=8, help="emulated hosts, one rank each")
+    ap.add_argument("--model-mb", type=float, default=64.0, help="the model's size, MiB")
+    ap.add_argument("--reps", type=int, default=3, help="copies per exchange and way")
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/state_copy.json")
+    for hidden in ("--rank", "--world"):
+        ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
+    for hidden in ("--address", "--master"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank is not None:
+        rank_main(args)
+        return
+    if not 3 <= args.hosts <= 16 or args.model_mb <= 0 or args.reps < 1:
+        raise SystemExit("need 3-16 hosts, a positive model size and at least 1 rep")
+    if os.geteuid() != 0:
+        raise SystemExit("state_copy.py needs root: it builds an emulated cluster")
+    from gradlane.testbed import Cluster, Topology
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, str(Path(__file__).resolve()), "--model-mb", str(args.model_mb),
+            "--reps", str(args.reps), "--world", str(args.hosts)]
+    print(f"{args.hosts} hosts at {RATE}, {args.model_mb:g} MiB model, "
+          f"{args.reps} copies per exchange and way ...", flush=True)
+    with Cluster(Topology.build("btsc", args.hosts, RATE)) as c:
+        base += ["--master", f"{c.addr(1)}:29400"]
+        procs = [c.popen(h + 1, [*base, "--rank", str(h), "--address", c.addr(h + 1)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for h in range(args.hosts)]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=900)
+            if p.returncode:
+                raise SystemExit(f"a rank failed ({p.returncode}):\n{err[-3000:]}")
+            outs.append(out)
+    run = json.loads(outs[0])
+    least = run["model_bytes"] * 8 / (RATE_BPS * PAYLOAD_EFFICIENCY)
+    medians = {e: {w: statistics.median(run["times_s"][e][w]) for w in WAYS} for e in EXCHANGES}
+    result: dict[str, Any] = {
+        "benchmark": "state_copy",
+        "config": {"hosts": args.hosts, "rate_bps": RATE_BPS, "model_mb": args.model_mb,
+                   "reps": args.reps, "profile": "vgg19"},
+        **{k: run[k] for k in ("model_bytes", "largest_bytes", "tensors", "piece_bytes")},
+        "one_link_s": round(least, 4),
+        "times_s": run["times_s"],
+        "median_s": {e: {w: round(v, 4) for w, v in ms.items()} for e, ms in medians.items()},
+        "before_over_path": {e: round(ms["routes_whole"] / ms["path"], 3)
+                             for e, ms in medians.items()},
+        "path_over_one_link": {e: round(ms["path"] / least, 3) for e, ms in medians.items()},
+    }
+    write_result(args.json, result)
+    for e, ms in medians.items():
+        print(f"{e}: {ms['path']:.2f} s along the path, {ms['routes']:.2f} s down the result "
+              f"routes, {ms['routes_whole']:.2f} s down them tensor by tensor (before: "
+              f"{result['before_over_path'][e]:.2f}x); one link's time {least:.2f} s")
+    print(f"-> {args.json}")
+
+
+if __name__ == "__main__":
+    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
+    main()
