@@ -47,6 +47,10 @@ def _flow_filters(r: dict[str, Any]) -> bool:
     return all(v > 0 for v in row["median_goodput_bps"].values()) and row["hashed_apply_s"]
 
 
+def _state_copy(r: dict[str, Any]) -> bool:
+    return all(t > 0 for ways in r["median_s"].values() for t in ways.values())
+
+
 SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
     ("policy_plan.py", ["--repeat", "1"], _plan, False),
     ("control.py", ["--daemons", "5", "--seconds", "1"], _control, False),
@@ -55,6 +59,7 @@ SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
                          "--model-mb", "1"], _overlap, True),
     ("daemon.py", ["--samples", "5"], _daemon, True),
     ("flow_filters.py", ["--flows", "50", "--rounds", "1", "--seconds", "2"], _flow_filters, True),
+    ("state_copy.py", ["--hosts", "3", "--model-mb", "2", "--reps", "1"], _state_copy, True),
 ]
 
 
