@@ -4,8 +4,9 @@ and the command line and scratch directory of the emulated-cluster runs."""
 from __future__ import annotations
 
 import argparse
+import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ from gradlane.signals import unwind_on_sigterm
 
 start()  # a benchmark imports this first: the checkout its results come from
 
-__all__ = ["REPO", "cluster_args", "owners_bench", "record_cluster_run", "unwind_on_sigterm",
-           "write_result"]
+__all__ = ["REPO", "cluster_args", "owners_bench", "record_cluster_run", "run_ranks",
+           "unwind_on_sigterm", "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,26 @@ def cluster_args(doc: str, name: str, steps: int, steps_help: str | None = None
     ap.add_argument("--steps", type=int, default=steps, help=steps_help)
     ap.add_argument("--json", type=Path, default=REPO / f"bench/results/{name}.json")
     return ap
+
+
+Popen = Callable[..., "subprocess.Popen[str]"]
+
+
+def run_ranks(argv: list[str], hosts: Sequence[tuple[str, Popen]], timeout_s: float = 900
+              ) -> list[str]:
+    """Run `argv` once per rank, ``--rank i --address a`` added, `hosts` giving each
+    rank's (address, popen function: e.g. `gradlane.testbed.Cluster.popen` in its
+    host); returns their outputs, or exits with the first failed rank's error."""
+    procs = [popen([*argv, "--rank", str(rank), "--address", address], stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True)
+             for rank, (address, popen) in enumerate(hosts)]
+    outs = []
+    for rank, p in enumerate(procs):
+        out, err = p.communicate(timeout=timeout_s)
+        if p.returncode:
+            raise SystemExit(f"rank {rank} failed ({p.returncode}):\n{err[-3000:]}")
+        outs.append(out)
+    return outs
 
 
 def record_cluster_run(name: str, path: Path, run: Callable[[Path], dict[str, Any]]

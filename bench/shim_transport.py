@@ -46,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import unwind_on_sigterm, write_result  # noqa: E402
+from common import run_ranks, unwind_on_sigterm, write_result  # noqa: E402
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
 
@@ -117,23 +117,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def run_pair(argv: list[str], hosts: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     """Run the two ranks; `hosts` gives (address, popen function) per rank."""
-    procs = []
-    for rank, (address, popen) in enumerate(hosts):
-        procs.append(
-            popen(
-                [*argv, "--rank", str(rank), "--address", address],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        if p.returncode:
-            raise SystemExit(f"a rank failed ({p.returncode}):\n{err[-3000:]}")
-        outs.append(out)
-    return json.loads(outs[0])  # type: ignore[no-any-return]
+    return json.loads(run_ranks(argv, hosts, timeout_s=600)[0])  # type: ignore[no-any-return]
 
 
 def free_port() -> int:

@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, unwind_on_sigterm, write_result  # noqa: E402
+from common import REPO, run_ranks, unwind_on_sigterm, write_result  # noqa: E402
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
 
@@ -134,15 +133,8 @@ def main() -> None:
           f"{args.reps} copies per exchange and way ...", flush=True)
     with Cluster(Topology.build("btsc", args.hosts, RATE)) as c:
         base += ["--master", f"{c.addr(1)}:29400"]
-        procs = [c.popen(h + 1, [*base, "--rank", str(h), "--address", c.addr(h + 1)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for h in range(args.hosts)]
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=900)
-            if p.returncode:
-                raise SystemExit(f"a rank failed ({p.returncode}):\n{err[-3000:]}")
-            outs.append(out)
+        outs = run_ranks(base, [(c.addr(h), lambda argv, h=h, **kw: c.popen(h, argv, env=env, **kw))
+                                for h in range(1, args.hosts + 1)])
     run = json.loads(outs[0])
     least = run["model_bytes"] * 8 / (RATE_BPS * PAYLOAD_EFFICIENCY)
     medians = {e: {w: statistics.median(run["times_s"][e][w]) for w in WAYS} for e in EXCHANGES}
