@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from gradlane import __version__
 from gradlane.errors import ConfigError, GradlaneError
@@ -726,6 +727,34 @@ def _load_daemon_config(
     return config_path, overrides
 
 
+_CHECK = click.option(
+    "--check", is_flag=True,
+    help="Check this node and the configuration instead of running: privileges, interfaces, "
+    "the kernel's HTB and u32 (on a scratch veth), socket, state dir, HTTP port, control "
+    "plane. Changes nothing; exits 1 if gradlaned would not start or would have no effect.")
+
+
+def check_daemon(config_path: Path | None, overrides: dict[str, Any]) -> None:
+    """`--check`: every preflight finding as a table; exit 1 on a failed one."""
+    from gradlane.daemon.config import load_config
+    from gradlane.daemon.preflight import FAIL, preflight
+
+    config = load_config(config_path, overrides)
+    findings = preflight(config)
+    # One line a check, whole (grep-able, no cell wrapping): "ok    interface eth0: ...".
+    out = _stdout_console()
+    out.print(f"gradlaned --check, configuration: {config.source}", soft_wrap=True)
+    styles = {"ok": "green", "warn": "yellow", FAIL: "bold red"}
+    for f in findings:
+        out.print(Text.assemble((f"{f.level:<5}", styles[f.level]), f" {f.check}: {f.detail}"),
+                  soft_wrap=True)
+    failed = [f.check for f in findings if f.level == FAIL]
+    if failed:
+        console.print("[red]gradlaned would not run as configured:[/red]",
+                      escape(", ".join(failed)))
+        sys.exit(1)
+
+
 def run_daemon(config_path: Path | None, overrides: dict[str, Any]) -> None:
     """Run gradlaned in the foreground until SIGTERM/SIGINT; SIGHUP reloads the config."""
     import asyncio
@@ -757,9 +786,10 @@ def run_daemon(config_path: Path | None, overrides: dict[str, Any]) -> None:
 
 @cli.command()
 @_daemon_options
-def daemon(**kwargs: Any) -> None:
+@_CHECK
+def daemon(check: bool, **kwargs: Any) -> None:
     """Run gradlaned, the per-host daemon, in the foreground (as `gradlaned` does)."""
-    run_daemon(*_load_daemon_config(**kwargs))
+    (check_daemon if check else run_daemon)(*_load_daemon_config(**kwargs))
 
 
 @cli.command()
@@ -849,11 +879,12 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
 @click.version_option(__version__, prog_name="gradlaned")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @_daemon_options
-def gradlaned(verbose: int, **kwargs: Any) -> None:
+@_CHECK
+def gradlaned(verbose: int, check: bool, **kwargs: Any) -> None:
     """gradlaned: the gradlane per-host daemon (foreground; run it under systemd)."""
-    level = [logging.INFO, logging.DEBUG][min(verbose, 1)]
+    level = [logging.WARNING if check else logging.INFO, logging.DEBUG][min(verbose, 1)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    run_daemon(*_load_daemon_config(**kwargs))
+    (check_daemon if check else run_daemon)(*_load_daemon_config(**kwargs))
 
 
 def _fail(exc: GradlaneError) -> NoReturn:

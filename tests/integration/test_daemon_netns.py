@@ -207,3 +207,59 @@ def test_sighup_reloads_bands(cluster: Cluster, tmp_path: Path) -> None:
         assert daemon.poll() is None and dscp_filters(cluster) == {"b8", "28"}
     finally:
         assert stop(daemon) == 0
+
+
+def _check(cluster: Cluster, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`gradlane daemon --check` in h1, its files under `tmp_path`."""
+    return cluster.run("h1", [sys.executable, "-m", "gradlane.cli", "daemon", "--check",
+                              "--state-dir", str(tmp_path / "state"),
+                              "--socket", str(tmp_path / "gradlaned.sock"), *args],
+                       check=False)
+
+
+def _found(out: str, check: str) -> str:
+    """The level and detail `--check` printed for `check` ("ok    check: detail")."""
+    line = re.search(rf"^(ok|warn|fail) +{re.escape(check)}: (.*)$", out, re.MULTILINE)
+    assert line, out
+    return f"{line[1]} {line[2]}"
+
+
+def test_check_passes_on_a_host_and_changes_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    before = tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0")
+    done = _check(cluster, tmp_path, "-i", "eth0=200mbit")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _found(done.stdout, "privileges").startswith("ok")
+    assert _found(done.stdout, "interface eth0").startswith(f"ok line rate 200Mbit, shaped to "
+                                                            f"190Mbit; IPv4 {cluster.addr('h1')}")
+    assert _found(done.stdout, "kernel: HTB and u32").startswith("ok built 7 HTB classes")
+    # Read, not touched: the host's qdiscs as they were, the scratch veth gone, no files.
+    assert tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0") == before
+    links = subprocess.run(["ip", "-n", cluster.ns("h1"), "-o", "link"], capture_output=True,
+                           text=True, check=True, timeout=10).stdout
+    assert "gl-chk" not in links, links
+    assert not list(tmp_path.iterdir())
+
+
+def test_check_names_what_would_stop_gradlaned(cluster: Cluster, tmp_path: Path) -> None:
+    done = _check(cluster, tmp_path, "-i", "eth0=200mbit", "-i", "nosuch0=1gbit",
+                  "--policy", "nosuch")
+    assert done.returncode == 1
+    assert _found(done.stdout, "interface nosuch0") == "fail no such interface"
+    assert _found(done.stdout, "policy nosuch").startswith("fail unknown policy 'nosuch'")
+    assert "would not run as configured: interface nosuch0, policy nosuch" in done.stderr + \
+        done.stdout
+
+
+def test_check_beside_a_running_gradlaned_warns_and_passes(cluster: Cluster,
+                                                            tmp_path: Path) -> None:
+    daemon, sock = start_daemon(cluster, "h1", tmp_path)
+    try:
+        done = cluster.run("h1", [sys.executable, "-m", "gradlane.cli", "daemon", "--check",
+                                  "-i", "eth0=200mbit", "--socket", str(sock),
+                                  "--state-dir", str(tmp_path / "state-h1")], check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "holds a gradlane tree" in _found(done.stdout, "interface eth0")
+        assert _found(done.stdout, f"socket {sock}").startswith("warn a gradlaned serves it")
+        assert _found(done.stdout, "http 127.0.0.1:9464").startswith("warn in use")
+    finally:
+        assert stop(daemon) == 0

@@ -1,0 +1,82 @@
+"""`gradlaned --check`'s checks that need no root (the rest run in test_daemon_netns.py)."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradlane.daemon.config import DaemonConfig, InterfaceConfig
+from gradlane.daemon.preflight import _control, _socket, preflight
+
+
+def _config(tmp_path: Path, **kw: Any) -> DaemonConfig:
+    token = tmp_path / "token"
+    token.write_text("a" * 32)
+    base: dict[str, Any] = {"interfaces": (), "socket_path": tmp_path / "run" / "gl.sock",
+                            "state_dir": tmp_path / "state", "http": "",
+                            "control_url": "http://control:7800/", "control_token_file": token}
+    return DaemonConfig(**{**base, **kw})
+
+
+class _Answer:
+    def __enter__(self) -> _Answer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_the_control_plane_check_sends_the_token_and_reads_the_answer(tmp_path: Path) -> None:
+    asked: list[Any] = []
+
+    def answers(request: Any, timeout: float) -> _Answer:
+        asked.append(request)
+        return _Answer()
+
+    found = _control(_config(tmp_path), opener=answers)
+    assert (found.level, found.check) == ("ok", "control plane http://control:7800")
+    assert asked[0].full_url == "http://control:7800/api/v1/cluster"
+    assert asked[0].get_header("Authorization") == "Bearer " + "a" * 32
+
+    def refuses(request: Any, timeout: float) -> _Answer:
+        raise urllib.error.HTTPError(request.full_url, 401, "Unauthorized", {}, None)  # type: ignore[arg-type]
+
+    assert _control(_config(tmp_path), opener=refuses).detail == "refused the token"
+
+    def silent(request: Any, timeout: float) -> _Answer:
+        raise urllib.error.URLError("connection refused")
+
+    found = _control(_config(tmp_path), opener=silent)
+    assert found.level == "warn" and "runs on its local policy" in found.detail
+    short = tmp_path / "short-token"
+    short.write_text("short")
+    found = _control(_config(tmp_path, control_token_file=short), opener=answers)
+    assert found.level == "fail" and "at least 16 characters" in found.detail
+
+
+def test_the_socket_check_tells_a_stale_socket_from_a_served_one(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    assert _socket(config).detail == "can be created"
+    config.socket_path.parent.mkdir()
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(config.socket_path))
+        server.listen()
+        assert _socket(config).level == "warn"
+    assert _socket(config).detail == "a stale socket: gradlaned replaces it"
+    assert _socket(_config(tmp_path, socket_group="no-such-group-gl")).level == "fail"
+
+
+def test_without_cap_net_admin_the_check_fails_and_tries_no_kernel(tmp_path: Path) -> None:
+    if not Path("/sys/class/net/lo").exists():
+        pytest.skip("no loopback interface to look at")
+    findings = preflight(_config(tmp_path, control_url=None,
+                                 interfaces=(InterfaceConfig("lo", 10**9),)), capabilities=0)
+    levels = {f.check: f.level for f in findings}
+    assert levels["privileges"] == "fail"
+    assert levels["kernel: HTB and u32"] == "warn"  # not tried
+    assert levels["interface lo"] in ("ok", "warn")  # read only: needs no privilege
+    assert not any(f.check.startswith(("http", "control")) for f in findings)  # both off
