@@ -49,18 +49,21 @@ from gradlane.policies.base import FloatArray, IntArray
 
 __all__ = ["Network"]
 
-# Bits left below which an entry is done (floating-point residue of an exact drain).
-RESIDUE_BITS = 1e-3
+# An entry is done with this fraction of its bits left: the floating-point residue of an
+# exact drain, which grows with the bits (a 1 MB chunk: 8e-3 bits). An absolute floor of
+# bits dropped the real last bits of small entries, uncounted.
+RESIDUE = 1e-9
 
 
 class _Entry:
     """A collective's bits on one link, first in its queue there."""
 
-    __slots__ = ("cid", "flows", "left", "queue", "rate", "slot", "token")
+    __slots__ = ("cid", "flows", "left", "queue", "rate", "residue", "slot", "token")
 
     def __init__(self, slot: int, queue: int, cid: int, flows: float, bits: float) -> None:
         self.slot = slot  # the order (link, queue)s came to hold entries: ties break by it
         self.queue, self.cid, self.flows, self.left = queue, cid, flows, bits
+        self.residue = bits * RESIDUE  # what may be left when it is done
         self.rate = 0.0
         self.token = 0  # its finish time's in the heap under this token (0: not moving)
 
@@ -78,8 +81,6 @@ class Network:
     def __init__(self, capacity_bps: FloatArray) -> None:
         self.cap = np.asarray(capacity_bps, dtype=np.float64)
         self._cap = self.cap.tolist()
-        # The longest an entry's residue can take to cross its link.
-        self._slack = RESIDUE_BITS / float(self.cap[self.cap > 0].min(initial=np.inf))
         self._carried = np.zeros(len(self.cap))  # per link, bits carried (counted so far)
         self.t = 0.0  # the network's clock: `advance_to` moves it
         # Per link, its queues' first entries and when their bits were last counted.
@@ -178,13 +179,14 @@ class Network:
         self.t = max(self.t, t)
         heap, first_of = self._finish, self._first
         drained, later = [], []
-        while heap and heap[0][0] <= self.t + self._slack:
+        # Entries that finish up to a residue's time after `t` drain with the ones at `t`.
+        while heap and heap[0][0] <= self.t * (1 + RESIDUE):
             item = heapq.heappop(heap)
             finish, slot, link, queue, token = item
             e = first_of[link].get(queue)
             if e is None or e.token != token:
                 continue  # its link's rates changed since
-            if (finish - self.t) * e.rate <= RESIDUE_BITS:
+            if (finish - self.t) * e.rate <= e.residue:
                 drained.append((slot, link, queue))
             else:
                 later.append(item)
