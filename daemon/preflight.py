@@ -140,12 +140,19 @@ def _kernel() -> Finding:
                 scratch_veth(name), \
                 QdiscManager(name, state_file=Path(tmp) / "qdisc.json") as manager:
             manager.apply(spec)
-            manager.apply(spec, verify=True)  # read back: what the kernel holds is the spec
+            # Read back: a kernel that kept less than it was sent gets the difference again.
+            missing = manager.apply(spec, verify=True)
             classes = len(manager.class_stats())
             manager.restore()
     except (GradlaneError, NetlinkError, OSError) as exc:
-        return Finding(check, FAIL, f"building gradlaned's tree on a scratch veth failed: {exc} "
-                                    "(kernel modules sch_htb and cls_u32?)")
+        hint = (f"a {name} left by a killed check? `gradlane testbed clean` removes it"
+                if getattr(exc, "code", None) == errno.EEXIST else
+                "kernel modules sch_htb and cls_u32?")
+        return Finding(check, FAIL, f"building gradlaned's tree on a scratch veth failed: "
+                                    f"{exc} ({hint})")
+    if missing:
+        return Finding(check, FAIL, f"the kernel did not keep gradlaned's tree: read back, it "
+                                    f"lacked {'; '.join(missing)}")
     return Finding(check, OK, f"built {classes} HTB classes with u32 filters on a scratch veth, "
                               "then removed it")
 
