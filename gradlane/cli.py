@@ -875,6 +875,73 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
         out.print(classes)
 
 
+@cli.command()
+@click.argument("peer", required=False)
+@click.option("--serve", is_flag=True, help="Answer probes (run this on the other host).")
+@click.option("--port", type=click.IntRange(1, 65535), default=7801, show_default=True,
+              help="The server's UDP port.")
+@click.option("--listen", default="0.0.0.0", show_default=True,
+              help="--serve: the address to answer on.")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--serve: stop after this long [default: when interrupted].")
+@click.option("--count", type=click.IntRange(1, 1000), default=5, show_default=True,
+              help="Datagrams per band.")
+@click.option("--dscp", "dscp_list", default=None,
+              help="The bands' DSCP, band 0 first [default: gradlane's, 46,34,26,18].")
+def probe(peer: str | None, serve: bool, port: int, listen: str, seconds: float | None,
+          count: int, dscp_list: str | None) -> None:
+    """Check that the bands' DSCP marks survive the path to PEER, both ways.
+
+    Switches order gradlane's bands by DSCP only; a network that re-marks it
+    takes that away without a sound. Run `gradlane probe --serve` on one host and
+    `gradlane probe HOST` on another: a few UDP datagrams per band, each marked
+    with the band's DSCP, answered with the mark they arrived with. Exits 1 if a
+    mark changed or an answer is missing.
+    """
+    import socket as socket_
+
+    from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
+    from gradlane.probe import probe as run_probe
+    from gradlane.probe import serve as run_serve
+
+    if serve == (peer is not None):
+        raise click.UsageError("give a PEER to probe, or --serve to answer probes")
+    if serve:
+        console.print(f"answering probes on {listen}:{port} (UDP)"
+                      + (f" for {seconds:g} s" if seconds else "; Ctrl-C stops"))
+        try:
+            answered = run_serve((listen, port), seconds)
+        except KeyboardInterrupt:
+            return
+        except OSError as exc:
+            raise click.ClickException(f"cannot answer on {listen}:{port}: {exc}") from None
+        console.print(f"answered {answered} probes")
+        return
+    assert peer is not None
+    try:
+        bands = [int(d) for d in (dscp_list or ",".join(map(str, DEFAULT_BAND_DSCP))).split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{dscp_list!r}: DSCP values 0-63, comma-separated",
+                                 param_hint="--dscp") from None
+    if not bands or not all(0 <= d <= 63 for d in bands):
+        raise click.BadParameter(f"{dscp_list!r}: DSCP values 0-63, comma-separated",
+                                 param_hint="--dscp")
+    try:
+        address = socket_.gethostbyname(peer)
+        results = run_probe((address, port), bands, count)
+    except OSError as exc:
+        raise click.ClickException(f"cannot probe {peer}: {exc}") from None
+    out = _stdout_console()
+    for r in results:
+        out.print(Text.assemble(("ok   " if r.ok else "FAIL ", "green" if r.ok else "bold red"),
+                                f" band {r.band} (DSCP {r.dscp}): {r.summary()}"), soft_wrap=True)
+    if not all(r.ok for r in results):
+        if not any(r.there for r in results):
+            console.print(f"no answer from {peer}:{port}: is `gradlane probe --serve` running "
+                          "there, and UDP to it allowed?")
+        sys.exit(1)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gradlaned")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")

@@ -40,6 +40,26 @@ def test_hosts_reach_each_other_and_nothing_else() -> None:
     assert not {n for n in namespaces() if n.startswith("gl-treach-")}
 
 
+def test_the_bands_marks_cross_the_switch_both_ways() -> None:
+    """`gradlane probe` between two hosts: the emulated switch (which queues by DSCP)
+    leaves the marks as they are, as a switch with DSCP priority queues must."""
+    with Cluster(Topology.build("tprobe", 2, "200mbit")) as c:
+        server = c.popen("h2", [*GRADLANE, "probe", "--serve", "--seconds", "30"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        done = None
+        for _ in range(50):  # until the server has bound its port (bounded: 5 s)
+            done = c.run("h1", [*GRADLANE, "probe", c.addr("h2"), "--count", "3"], check=False)
+            if done.returncode == 0 or "no answer" not in done.stderr:
+                break
+            time.sleep(0.1)
+        server.terminate()
+        server.communicate(timeout=10)
+        assert done is not None and done.returncode == 0, done.stdout + done.stderr
+        for band, dscp in enumerate((46, 34, 26, 18)):
+            assert (f"ok    band {band} (DSCP {dscp}): 3 of 3 answered, there DSCP {dscp} kept, "
+                    f"back DSCP {dscp} kept") in done.stdout
+
+
 def test_host_rate_is_enforced_both_ways_with_heterogeneous_hosts() -> None:
     # h1 at 100 Mbit/s, h2 at 200: h1's link is the bottleneck in both directions.
     with Cluster(Topology.build("trate", 2, "100mbit,200mbit")) as c:
