@@ -361,8 +361,11 @@ class Routes:
 
     def copy_parents(self) -> list[int]:
         """Where each rank receives rank 0's model from at attach (-1: rank 0): a path
-        through the ranks' connections (`peers`), depth first from rank 0, the lowest
-        unvisited peer first. Ring and flat: 0 -> 1 -> ... -> W-1.
+        through the ranks' connections (`peers`), depth first from rank 0, to a peer on
+        the same host, else in the same group (leaf), else any (the lowest rank among
+        equals). So the copy enters each host and each leaf once (1,024 ranks, 8 a host,
+        64 a leaf: 127 host and 15 leaf crossings, the least there can be). Ring and
+        flat: 0 -> 1 -> ... -> W-1.
 
         Each rank passes each piece on as it comes (`gradlane.shim.transport.relay`),
         so the copy takes about one model's time on a link plus a piece's per hop.
@@ -372,15 +375,19 @@ class Routes:
         if self.kind in ("ring", "flat"):
             return list(range(-1, self.world - 1))
         links = self._tree_links()
+        top = np.asarray(self.top)
+        host = top if self.hosts is None else np.asarray(self.hosts)
         seen = np.zeros(self.world, dtype=bool)
         seen[0] = True
         parents, path = [-1] * self.world, [0]
         while path:  # bounded: every rank is pushed once and popped once
-            on = np.flatnonzero(links[path[-1]] & ~seen)
+            here = path[-1]
+            on = np.flatnonzero(links[here] & ~seen)
             if not len(on):
                 path.pop()
                 continue
-            nxt = int(on[0])
+            away = 2 * (host[on] != host[here]) + (top[on] != top[here])
+            nxt = int(on[np.argmin(away)])  # the first, lowest rank, of the nearest
             seen[nxt], parents[nxt] = True, path[-1]
             path.append(nxt)
         if not seen.all():  # every rank reaches every other through its groups' leaders

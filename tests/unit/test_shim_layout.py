@@ -204,6 +204,11 @@ def test_routes_examples() -> None:
     assert by_host.copy_parents()[:17] == [-1, 0, 1, 2, 3, 4, 5, 6, 15, 8, 9, 10, 11, 12, 13,
                                            7, 22]
     assert Routes.agreed("auto", 32).copy_parents() == list(range(-1, 31))
+    # Hosts under leaves: the copy enters each host and each leaf once (16 hosts, 4 leaves).
+    leaves, hosts = [r // 32 for r in range(128)], [r // 8 for r in range(128)]
+    copy = Routes.agreed("auto", 128, leaves, hosts).copy_parents()
+    assert sum(hosts[r] != hosts[copy[r]] for r in range(1, 128)) == 15
+    assert sum(leaves[r] != leaves[copy[r]] for r in range(1, 128)) == 3
     assert Routes.agreed("ring", 5).copy_parents() == [-1, 0, 1, 2, 3]
     assert Routes.agreed("auto", 6).peers(0) == (1, 5)  # the ring
     assert Routes.agreed("auto", 2).peers(1) == (0,)
