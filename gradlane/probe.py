@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["DEFAULT_PORT", "BandResult", "probe", "serve", "tos_of"]
 
@@ -88,6 +89,19 @@ def _socket(bind: tuple[str, int]) -> socket.socket:
     return sock
 
 
+def _receive(sock: socket.socket, shape: struct.Struct, wait_s: float
+             ) -> tuple[tuple[Any, ...], int, tuple[str, int]] | None:
+    """The next datagram of `shape` within `wait_s` (its fields, the TOS it arrived with,
+    its sender), or None: nothing came, or something else did."""
+    if not select.select([sock], [], [], wait_s)[0]:
+        return None
+    data, ancillary, _, sender = sock.recvmsg(shape.size + 1, _TOS_SPACE)
+    tos = tos_of(ancillary)
+    if len(data) != shape.size or tos is None:
+        return None
+    return shape.unpack(data), tos, sender
+
+
 def serve(address: tuple[str, int] = ("0.0.0.0", DEFAULT_PORT), seconds: float | None = None,
           ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
     """Answer probes on `address` until `seconds` are over (None: until interrupted) or
@@ -100,13 +114,10 @@ def serve(address: tuple[str, int] = ("0.0.0.0", DEFAULT_PORT), seconds: float |
         while ((deadline is None or time.monotonic() < deadline)
                and not (stop is not None and stop.is_set())):
             wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
-            if not select.select([sock], [], [], wait)[0]:
+            got = _receive(sock, _REQUEST, wait)
+            if got is None:
                 continue
-            data, ancillary, _, peer = sock.recvmsg(_REQUEST.size + 1, _TOS_SPACE)
-            tos = tos_of(ancillary)
-            if len(data) != _REQUEST.size or tos is None:
-                continue
-            magic, band, dscp, seq, nonce, sent = _REQUEST.unpack(data)
+            (magic, band, dscp, seq, nonce, sent), tos, peer = got
             if magic != _ASK or dscp > 63:
                 continue
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
@@ -132,13 +143,10 @@ def probe(peer: tuple[str, int], bands: Sequence[int], count: int = 5,
         deadline = time.monotonic() + timeout_s
         answered: set[tuple[int, int]] = set()  # (band, seq): a duplicate counts once
         while len(answered) < expected and (left := deadline - time.monotonic()) > 0:
-            if not select.select([sock], [], [], left)[0]:
-                break
-            data, ancillary, _, _ = sock.recvmsg(_REPLY.size + 1, _TOS_SPACE)
-            tos = tos_of(ancillary)
-            if len(data) != _REPLY.size or tos is None:
+            got = _receive(sock, _REPLY, left)
+            if got is None:
                 continue
-            magic, band, _, seq, their_nonce, sent, seen = _REPLY.unpack(data)
+            (magic, band, _, seq, their_nonce, sent, seen), tos, _ = got
             if (magic != _ANSWER or their_nonce != nonce or band >= len(results)
                     or (band, seq) in answered):
                 continue
