@@ -7,11 +7,11 @@ one host; `probe` on another sends a few UDP datagrams per band, each carrying
 the band's DSCP, and the server answers each with the TOS byte it received,
 in a datagram marked with the same DSCP, so both directions are seen:
 
-    gradlane probe serve                   # on host A (UDP 7801)
+    gradlane probe --serve                 # on host A (UDP 7801)
     gradlane probe 10.0.0.5                # on host B
 
-Replies are as large as requests (nothing to amplify); datagrams without the
-magic are ignored. IPv4, as gradlane's transport.
+A reply is one byte longer than its request (nothing to amplify); datagrams
+without the magic are ignored. IPv4, as gradlane's transport.
 """
 
 from __future__ import annotations
