@@ -918,14 +918,11 @@ def probe(peer: str | None, serve: bool, port: int, listen: str, seconds: float 
         console.print(f"answered {answered} probes")
         return
     assert peer is not None
-    try:
-        bands = [int(d) for d in (dscp_list or ",".join(map(str, DEFAULT_BAND_DSCP))).split(",")]
-    except ValueError:
-        raise click.BadParameter(f"{dscp_list!r}: DSCP values 0-63, comma-separated",
-                                 param_hint="--dscp") from None
-    if not bands or not all(0 <= d <= 63 for d in bands):
+    given = (dscp_list or ",".join(map(str, DEFAULT_BAND_DSCP))).split(",")
+    if not all(d.strip().isdigit() and int(d) <= 63 for d in given):
         raise click.BadParameter(f"{dscp_list!r}: DSCP values 0-63, comma-separated",
                                  param_hint="--dscp")
+    bands = [int(d) for d in given]
     try:
         address = socket_.gethostbyname(peer)
         results = run_probe((address, port), bands, count)

@@ -7,6 +7,7 @@ without talking to the others) and the cluster policies (`loadbalance`,
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -357,7 +358,7 @@ class Routes:
             return tuple(sorted({(rank - 1) % self.world, (rank + 1) % self.world}))
         if self.kind == "flat":
             return tuple(r for r in range(self.world) if r != rank)
-        return tuple(np.flatnonzero(self._tree_links()[rank]).tolist())
+        return tuple(np.flatnonzero(self._tree_links[rank]).tolist())
 
     def copy_parents(self) -> list[int]:
         """Where each rank receives rank 0's model from at attach (-1: rank 0): a path
@@ -374,7 +375,7 @@ class Routes:
         """
         if self.kind in ("ring", "flat"):
             return list(range(-1, self.world - 1))
-        links = self._tree_links()
+        links = self._tree_links
         top = np.asarray(self.top)
         host = top if self.hosts is None else np.asarray(self.hosts)
         seen = np.zeros(self.world, dtype=bool)
@@ -395,9 +396,11 @@ class Routes:
                               f"to rank 0 in {self}")
         return parents
 
+    @functools.cached_property
     def _tree_links(self) -> npt.NDArray[np.bool_]:
         """``links[a, b]``: ranks a and b exchange chunks in the reduction trees (some owner's
-        chunk goes between them, either way)."""
+        chunk goes between them, either way). Once per routes: attach asks `peers` and
+        `copy_parents`."""
         parents = all_reduction_parents(self.top, self.hosts)  # (owner, rank)
         owners, ranks = np.nonzero(parents >= 0)
         links = np.zeros((self.world, self.world), dtype=bool)

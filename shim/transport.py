@@ -306,13 +306,7 @@ def relay(views: Iterable[memoryview], source: socket.socket | None,
             for start in range(0, len(view), piece_bytes):
                 piece = view[start : start + piece_bytes]
                 if source is not None:
-                    got = 0
-                    while got < len(piece):
-                        n = source.recv_into(piece[got:])
-                        if n == 0:
-                            raise ConnectionError(f"closed after {got} of {len(piece)} bytes "
-                                                  "of a piece")
-                        got += n
+                    _fill(source, piece, "a piece")
                 for sink in sinks:
                     sink.sendall(piece)
     finally:
@@ -321,16 +315,18 @@ def relay(views: Iterable[memoryview], source: socket.socket | None,
                 sock.settimeout(None)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
+def _fill(sock: socket.socket, view: memoryview, what: str) -> None:
+    """Fill `view` from `sock`.
+
+    Raises:
+        ConnectionError: `sock` closed first (naming `what` and how much came).
+    """
     got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("closed during hello")
-        got += k
-    return bytes(buf)
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"closed after {got} of {len(view)} bytes of {what}")
+        got += n
 
 
 class Mesh:
@@ -461,7 +457,9 @@ class Mesh:
             for listener in ready:
                 sock, _ = listener.accept()
                 sock.settimeout(max(0.1, deadline - time.monotonic()))
-                magic, peer, band, plane = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
+                hello = bytearray(_HELLO.size)
+                _fill(sock, memoryview(hello), "a hello")
+                magic, peer, band, plane = _HELLO.unpack(hello)
                 if (magic != _MAGIC or peer not in higher or not 0 <= band < bands
                         or plane != listeners.index(listener) or (peer, band, plane) in links):
                     sock.close()
