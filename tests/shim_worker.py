@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -74,7 +75,7 @@ def reference(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
@@ -100,7 +101,7 @@ def main() -> None:
     ap.add_argument("--advise-owners", type=int, default=-1,
                     help="with --ddp-hook: after this step, rank 0 is advised (as if by a "
                          "control plan) that the last rank owns every chunk")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import gradlane.shim as gl
     from gradlane.errors import PeerLost, TransportError

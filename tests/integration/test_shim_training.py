@@ -7,16 +7,16 @@ trained on the concatenated batch; a dead peer must make the others raise.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import shim_worker
+from tests.forked import Forked
 from tests.integration.helpers import RunningDaemon, free_port, start_daemon
 from tests.shim_worker import reference
 
@@ -25,51 +25,37 @@ WORLD = 4
 
 def launch(
     out: Path, *args: str, world: int = WORLD, per_rank: dict[int, list[str]] | None = None
-) -> list[subprocess.Popen[str]]:
+) -> list[Forked]:
+    """`world` ranks of `tests.shim_worker` (forked: `tests.forked`), each with its log."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = {
-            **os.environ,
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
         }
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.shim_worker",
-                    "--out",
-                    str(out),
-                    *args,
-                    *(per_rank or {}).get(rank, []),
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        argv = ["--out", str(out), *args, *(per_rank or {}).get(rank, [])]
+        procs.append(Forked(shim_worker.main, argv, env, out / f"rank{rank}.log"))
     return procs
 
 
-def finish(procs: list[subprocess.Popen[str]], timeout: float = 90) -> list[tuple[int, str]]:
-    results = []
+def finish(procs: list[Forked], timeout: float = 90) -> list[tuple[int | None, str]]:
+    """Each rank's exit code and output, once all have ended (bounded by `timeout`; those
+    still running then are killed, and their code is None)."""
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((p.returncode, out + err))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
-    return results
+                p.wait(timeout=10)
+    return [(p.returncode, p.output()) for p in procs]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
