@@ -59,6 +59,18 @@ from gradlane.units import parse_rate
 __all__ = ["EXPERIMENTS", "plot", "run_experiment"]
 
 EXPERIMENTS = ("cluster", "coflows", "heterogeneous", "validate")
+# The experiments each of `gradlane sim`'s options changes (`run_experiment` refuses it
+# given to another).
+OPTION_EXPERIMENTS = {
+    "--policy": ("cluster", "coflows", "heterogeneous"),
+    "--seed": ("cluster", "coflows"),
+    "--hosts": ("cluster", "coflows"),
+    "--mixed": ("cluster",),
+    "--load": ("coflows",),
+    "--buckets": ("cluster", "coflows"),
+    "--store-forward": ("cluster", "coflows"),
+    "--results": ("validate",),
+}
 CLUSTER_POLICIES = ("fifo", "fair", "priority", "coflow", "loadbalance", "straggler", "gradlane")
 # The testbed systems a simulated policy stands for: `fifo` is one band and no
 # overlap on the testbed; `gradlane` is the shim plus gradlaned.
@@ -488,9 +500,15 @@ def run_experiment(name: str, policies: tuple[str, ...] | None = None, seed: int
     (`gradlane.policies.sim.SimJob.store_forward`; the testbed replays always are)."""
     if buckets is not None and buckets < 1:
         raise ConfigError(f"buckets must be >= 1, got {buckets}")
-    for given, option in ((buckets is not None, "buckets"), (store_forward, "store_forward")):
-        if given and name not in ("cluster", "coflows"):
-            raise ConfigError(f"{option} applies to 'cluster' and 'coflows', not {name!r}")
+    # An option the experiment would ignore is refused: whoever gave it meant another.
+    given = {"--policy": policies is not None, "--seed": seed != 0, "--hosts": hosts != 1024,
+             "--mixed": mixed != 0.0, "--load": load != 0.8, "--buckets": buckets is not None,
+             "--store-forward": store_forward,
+             "--results": results_dir != Path("bench/results")}
+    for option, was_given in given.items():
+        if was_given and name in EXPERIMENTS and name not in OPTION_EXPERIMENTS[option]:
+            where = " and ".join(repr(e) for e in OPTION_EXPERIMENTS[option])
+            raise ConfigError(f"{option} applies to {where}, not {name!r}")
     if name == "cluster":
         return run_cluster(policies or CLUSTER_POLICIES, seed, hosts, mixed, progress, buckets,
                            store_forward)

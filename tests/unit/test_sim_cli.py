@@ -84,7 +84,22 @@ def test_sim_refuses_a_bucket_count_below_one_or_where_it_does_not_apply(tmp_pat
     result = CliRunner().invoke(cli, ["sim", "heterogeneous", "--buckets", "16",
                                       "--json", str(tmp_path / "x.json")])
     assert result.exit_code != 0
-    assert "buckets applies to 'cluster' and 'coflows'" in result.output
+    assert "--buckets applies to 'cluster' and 'coflows', not 'heterogeneous'" in result.output
+
+
+@pytest.mark.parametrize(("experiment", "option"), [
+    ("cluster", ["--load", "3"]), ("heterogeneous", ["--seed", "2"]),
+    ("validate", ["--policy", "fifo"]), ("coflows", ["--mixed", "0.5"]),
+    ("validate", ["--hosts", "64"]), ("cluster", ["--results", "elsewhere"]),
+])
+def test_sim_refuses_an_option_the_experiment_would_ignore(
+    tmp_path: Path, experiment: str, option: list[str]
+) -> None:
+    out = tmp_path / "x.json"
+    result = CliRunner().invoke(cli, ["sim", experiment, *option, "--json", str(out)])
+    assert result.exit_code != 0
+    assert f"{option[0]} applies to " in result.output and f"not {experiment!r}" in result.output
+    assert not out.exists()  # refused before a run
 
 
 def test_a_variant_of_the_cluster_gets_a_file_of_its_own(
@@ -105,7 +120,7 @@ def test_a_variant_of_the_cluster_gets_a_file_of_its_own(
     result = CliRunner().invoke(cli, ["sim", "heterogeneous", "--store-forward",
                                       "--json", str(tmp_path / "x.json")])
     assert result.exit_code != 0
-    assert "store_forward applies to 'cluster' and 'coflows'" in result.output
+    assert "--store-forward applies to 'cluster' and 'coflows'" in result.output
 
 
 def test_sim_coflows_refuses_a_load_outside_0_1(tmp_path: Path) -> None:
