@@ -87,7 +87,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,11 +126,15 @@ class Scenario:
     exchange: str = "auto"  # `ShimConfig.exchange` of the gradlane system
 
 
+# A scenario's [workload] table, per kind: the real CNN, or a model's trace replayed.
+WORKLOAD_KEYS = {"cnn": {"kind"}, "trace": {"kind", "model", "model_mb", "forward_ms"}}
+
+
 def load_scenario(path: Path) -> Scenario:
     """Read and check a scenario file.
 
     Raises:
-        ConfigError: unreadable, or a key is missing or out of range (named).
+        ConfigError: unreadable, or a key is missing, unknown or out of range (named).
     """
     try:
         raw = tomllib.loads(path.read_text())
@@ -143,10 +147,17 @@ def load_scenario(path: Path) -> Scenario:
             raise ConfigError(f"{path}: {key} must be a {getattr(kind, '__name__', 'number')}")
         return value
 
+    # A misspelt key would otherwise run the whole benchmark on its default.
+    known = {f.name for f in fields(Scenario)}
+    if extra := sorted(set(raw) - known):
+        raise ConfigError(f"{path}: unknown keys {extra} (known: {', '.join(sorted(known))})")
     workload = get("workload", dict)
     kind = workload.get("kind")
-    if kind not in ("cnn", "trace"):
+    if kind not in WORKLOAD_KEYS:
         raise ConfigError(f"{path}: workload.kind must be 'cnn' or 'trace'")
+    if extra := sorted(set(workload) - WORKLOAD_KEYS[kind]):
+        raise ConfigError(f"{path}: unknown workload keys {extra} for kind {kind!r} "
+                          f"(known: {', '.join(sorted(WORKLOAD_KEYS[kind]))})")
     if kind == "trace":
         from gradlane.policies.profiles import NAMES
 
