@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
@@ -135,6 +136,21 @@ class ShimConfig:
             raise ConfigError(
                 f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}"
             )
+
+    @classmethod
+    def of(cls, options: dict[str, object]) -> ShimConfig:
+        """The config of `attach`'s (or the DDP hook's) keyword options.
+
+        Raises:
+            ConfigError: an unknown option (the closest known one named), or a bad value.
+        """
+        known = [f.name for f in fields(cls)]
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ConfigError(f"unknown option {name!r}: {hint}known: {', '.join(known)}")
+        return cls(**options)  # type: ignore[arg-type]
 
     @property
     def bands(self) -> int:

@@ -80,7 +80,7 @@ class HookState:
                  **options: Any) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("HookState needs torch.distributed.init_process_group() first")
-        self.config = ShimConfig(**options)
+        self.config = ShimConfig.of(options)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._store = store = dist.distributed_c10d._get_default_store()
         self._prefix = f"gradlane/{self.config.job}/ddp"

@@ -203,7 +203,7 @@ def attach(
         ModelMismatch: workers built different models or passed different options.
         TransportError: rendezvous or connections failed.
     """
-    config = ShimConfig(**options)
+    config = ShimConfig.of(options)
     for thing in (model, optimizer):
         if thing in _ATTACHED:
             raise ConfigError(f"this {type(thing).__name__} is attached already: close() its "
@@ -233,6 +233,8 @@ def _default_store(rank: int, world: int, master: str, timeout_s: float) -> Stor
         port = int(os.environ["MASTER_PORT"])
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"set MASTER_PORT (torchrun does) or pass store=: {exc}") from exc
+    if not 0 < port < 1 << 16:
+        raise ConfigError(f"MASTER_PORT must be a TCP port 1..65535, got {port}")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return dist.TCPStore(  # type: ignore[attr-defined]
         master,

@@ -12,9 +12,11 @@ import contextlib
 import copy
 import itertools
 import math
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -424,6 +426,12 @@ def test_misuse_gets_clear_errors() -> None:
         attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), chunk_bytes=10)
     with pytest.raises(ConfigError, match="RANK"):
         gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), world_size=1)
+    with pytest.raises(ConfigError, match="unknown option 'chunk_byte': did you mean "
+                                          "'chunk_bytes'"):
+        attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), chunk_byte=4096)
+    with (mock.patch.dict(os.environ, {"MASTER_PORT": "99999"}),
+          pytest.raises(ConfigError, match="MASTER_PORT must be a TCP port 1..65535, got 99999")):
+        gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), rank=0, world_size=1)
     # A model or an optimizer attached twice would have its gradients hooked and its
     # step patched twice; after close() it may be attached again.
     m = model()
