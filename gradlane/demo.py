@@ -278,7 +278,7 @@ def pick_rate(hosts: int, compute_s: float, size: int) -> int:
 
 
 def _worker_argv(system: str, out: Path, extra: list[str]) -> list[str]:
-    """torchrun's arguments after its own: the worker module and its options."""
+    """The worker module and its options (after python's or torchrun's own)."""
     return ["-m", "gradlane.worker", "--system", system, "--out", str(out), *extra]
 
 
@@ -558,15 +558,24 @@ def launch(
     job: str | None = None,
     batches: list[int] | None = None,
     rank_args: list[list[str]] | None = None,
+    torchrun: bool = False,
 ) -> Launched:
-    """Start `system` with one torchrun worker per entry of `hosts` (default: every host of
-    `c`; a host named twice runs two ranks, in that order).
+    """Start `system` with one worker per entry of `hosts` (default: every host of `c`; a
+    host named twice runs two ranks, in that order).
+
+    With `torchrun` (the demo: how users launch a job) each worker runs under
+    torchrun, one node per rank; without it (the benchmarks and scenario
+    runs) it is started with the environment torchrun gives such a worker
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK 0 of
+    LOCAL_WORLD_SIZE 1): the same training, without torchrun's agent, which
+    imports torch too (about 3 s less start-up and tear-down for 4 workers on
+    this 2-core machine).
 
     `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
     sockets (gradlane only), `speeds` each rank's `--speed`, `batches` its
     `--batch`, `rank_args` more flags of each rank, `job` the job name the
     shims give (several jobs at once: give each its own `out`).
-    Rank 0 runs on the first host, which is also torchrun's rendezvous.
+    Rank 0 runs on the first host, which is also the rendezvous.
     """
     names = hosts or [f"h{i}" for i in range(1, c.topology.hosts + 1)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
@@ -586,13 +595,19 @@ def launch(
             extra += rank_args[rank]
         if job:
             extra += ["--job", job]
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
-                "--nproc-per-node", "1", "--node-rank", str(rank),
-                "--master-addr", c.addr(names[0]), "--master-port", str(port),
-                *_worker_argv(system, out, extra)]  # fmt: skip
-        procs.append(
-            c.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
+        if torchrun:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
+                    "--nproc-per-node", "1", "--node-rank", str(rank),
+                    "--master-addr", c.addr(names[0]), "--master-port", str(port),
+                    *_worker_argv(system, out, extra)]  # fmt: skip
+            rank_env = env
+        else:
+            argv = [sys.executable, *_worker_argv(system, out, extra)]
+            rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(len(names)),
+                        "MASTER_ADDR": c.addr(names[0]), "MASTER_PORT": str(port),
+                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+        procs.append(c.popen(host, argv, env=rank_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True))
     return Launched(system, out, names, procs, before, time.monotonic(), MachineCpu())
 
 
@@ -626,8 +641,9 @@ def run_on_cluster(
     bands: bool = False,
     speeds: list[float] | None = None,
     workers: int | None = None,
+    torchrun: bool = False,
 ) -> tuple[SystemRun, dict[str, Any]]:
-    """Run `system` with one torchrun worker per host of cluster `c` (see `launch`).
+    """Run `system` with one worker per host of cluster `c` (see `launch`; `torchrun`: under it).
 
     `workers` uses only the first hosts (default: all). With `bands`, host
     1's band leaves are sampled (see `_BandSampler`). Returns rank 0's run
@@ -635,7 +651,7 @@ def run_on_cluster(
     """
     hosts = [f"h{i}" for i in range(1, (workers or c.topology.hosts) + 1)]
     job = launch(c, system, worker_args, port=port, out=out, sockets=sockets, speeds=speeds,
-                 hosts=hosts)
+                 hosts=hosts, torchrun=torchrun)
     usage: dict[str, Any] = {}
     if bands:
         sampler = _BandSampler(c.ns("h1"))
@@ -677,13 +693,14 @@ def run_cluster(
         # Sampled too, though DDP has no bands to show: the sampler's own CPU (a netlink
         # dump every SAMPLE_S) then weighs on both runs alike.
         result.runs["ddp"], _ = run_on_cluster(
-            c, "ddp", ["--steps", str(steps)], port=29500, out=out, bands=True
+            c, "ddp", ["--steps", str(steps)], port=29500, out=out, bands=True, torchrun=True
         )
         say("starting gradlaned on every host")
         sockets = [c.start_daemon(f"h{i}", out)[1] for i in range(1, hosts + 1)]
         say(f"gradlane: {hosts} workers under torchrun, {steps} steps")
         result.runs["gradlane"], result.bands = run_on_cluster(
-            c, "gradlane", ["--steps", str(steps)], port=29501, out=out, sockets=sockets, bands=True
+            c, "gradlane", ["--steps", str(steps)], port=29501, out=out, sockets=sockets,
+            bands=True, torchrun=True,
         )
     return result
 

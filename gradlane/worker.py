@@ -1,6 +1,8 @@
-"""The training worker of `gradlane demo` and `gradlane bench`, one per host under torchrun.
+"""The training worker of `gradlane demo` and `gradlane bench`, one per host.
 
 ``torchrun ... -m gradlane.worker --system S --steps N --out DIR [workload options]``
+(the demo), or ``python -m gradlane.worker ...`` with torchrun's environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the benchmarks, `gradlane.demo.launch`).
 
 Workloads (`gradlane.workloads`): ``cnn`` (a small real CNN, synthetic data,
 the same seed in every system) or ``trace`` (per-layer sleeps and parameter
