@@ -19,7 +19,8 @@ A scenario is a TOML file (see ``bench/scenarios/``)::
     forward_ms = 50        # forward time; backward is twice that (trace)
 
 Systems are those of `gradlane.worker`. One emulated cluster serves the whole
-scenario; gradlaned runs on every host only during ``gradlane`` runs.
+scenario; gradlaned runs on every host from the first run that uses it
+(``gradlane``, ``ddp-hook``) on, and only those runs connect to it.
 
 The lower bound of an iteration (homogeneous workers) is
 ``max(compute, traffic / link payload rate)``: every worker must compute the
@@ -107,7 +108,8 @@ __all__ = [
 ]
 
 PAYLOAD_EFFICIENCY = 1448 / FRAME_BYTES
-SYSTEMS = ("ddp", "fifo", "priority", "gradlane")
+SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "ddp-hook")
+DAEMON_SYSTEMS = ("gradlane", "ddp-hook")  # the systems run with gradlaned on every host
 REFERENCE = "local"  # compute alone (nothing exchanged): the bound's compute
 
 
@@ -357,7 +359,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
         sockets: list[Path] | None = None
         for r in range(scenario.rounds):
             for system in systems:
-                if system == "gradlane" and sockets is None:
+                if system in DAEMON_SYSTEMS and sockets is None:
                     sockets = [
                         c.start_daemon(f"h{i}", out)[1] for i in range(1, scenario.hosts + 1)
                     ]
@@ -369,7 +371,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                     ["--steps", str(scenario.steps), *worker_args(scenario)],
                     port=port,
                     out=out,
-                    sockets=sockets if system == "gradlane" else None,
+                    sockets=sockets if system in DAEMON_SYSTEMS else None,
                 )
                 median = statistics.median(run.steady)
                 say(

@@ -20,6 +20,10 @@ Systems:
 - ``priority``: P3-like: forward-order priority, chunks and cross-iteration
   overlap in the shim, 4 bands, but no daemon (the kernel does not prioritize).
 - ``gradlane``: everything: the shim as in ``priority`` plus gradlaned.
+- ``ddp-hook``: DDP as in ``ddp`` with gradlane's communication hook
+  (`gradlane.shim.comm_hook`: its buckets chunked, in forward order, over the
+  band connections) plus gradlaned: what a job keeps without leaving DDP (no
+  cross-iteration overlap: DDP's backward waits for every bucket).
 - ``local``: no exchange at all, every rank steps on its own gradients: the
   compute-only reference the bench's lower bound is measured with (the same
   workload, the same CPU contention, nothing sent).
@@ -31,6 +35,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +45,7 @@ from torch import nn
 from gradlane.shim.config import EXCHANGES, LAYOUTS
 from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace, trace_batch
 
-SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "local")
+SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "ddp-hook", "local")
 
 
 def run_queue_s() -> float | None:
@@ -53,7 +58,7 @@ def run_queue_s() -> float | None:
         return None
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--system", choices=SYSTEMS, required=True)
     ap.add_argument("--steps", type=int, default=60)
@@ -78,7 +83,7 @@ def main() -> None:
                     help="fifo, priority, gradlane: the address this rank listens on "
                          "(default: the one that routes to the rendezvous); several, "
                          "comma-separated, one per NIC")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     if args.workload == "cnn":
@@ -96,7 +101,10 @@ def main() -> None:
     record: dict[str, Any] = {"times": [], "ends": [], "losses": [], "waited": [], "batch": [],
                               "backward_ends": []}
 
-    def train(net: nn.Module, sync: Any = None) -> None:
+    def train(net: nn.Module, sync: Any = None, hook: Any = None) -> None:
+        # `sync`: attach's (it times the forward's wait); `hook`: the DDP hook's state,
+        # told each step's samples (its wait is inside backward, as DDP's).
+        advisor = sync if sync is not None else hook
         # CPU of this process (all threads) over the training loop: a worker
         # near 1.0 core is CPU-bound, whatever the network does.
         cpu0, sys0, wall0 = time.process_time(), os.times().system, time.perf_counter()
@@ -105,12 +113,16 @@ def main() -> None:
         for step in range(args.steps):
             if args.workload == "cnn":
                 x, y = cnn_batch(step, rank)
+                if hook is not None:
+                    hook.samples = len(x)
                 loss = nn.functional.cross_entropy(net(x), y)
             else:
                 batch = args.batch
-                if args.follow_advice and sync is not None:
-                    batch = sync.advised_batch_size or batch  # the control plane's share
+                if args.follow_advice and advisor is not None:
+                    batch = advisor.advised_batch_size or batch  # the control plane's share
                 record["batch"].append(batch)
+                if hook is not None:
+                    hook.samples = batch
                 loss = net(trace_batch(batch)).sum()
             loss.backward()  # type: ignore[no-untyped-call]
             record["backward_ends"].append(time.monotonic())
@@ -134,13 +146,38 @@ def main() -> None:
 
     if args.system == "local":
         train(model)
-    elif args.system == "ddp":
+    elif args.system in ("ddp", "ddp-hook"):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
+        def train_ddp() -> None:
+            ddp = DistributedDataParallel(model)
+            state = None
+            try:
+                if args.system == "ddp-hook":
+                    import gradlane.shim as gl
+
+                    options = {"job": args.job, "daemon_socket": args.daemon_socket,
+                               "exchange": args.exchange}
+                    if args.chunk_bytes is not None:
+                        options["chunk_bytes"] = args.chunk_bytes
+                    state = gl.HookState(ddp, address=args.address and args.address.split(","),
+                                         **options)
+                    ddp.register_comm_hook(state, gl.comm_hook)
+                    record["exchange"] = state.engine.kind
+                train(ddp, hook=state)
+            finally:
+                if state is not None:
+                    state.close()
+                # DDP's reducer goes first, while the process group is still registered:
+                # freed last, the group's gloo threads are joined under the reducer's hold
+                # of the GIL, which one of them may be waiting for (a hang at exit seen
+                # about once in six 2-rank runs; torch 2.13).
+                del ddp, state
+
         dist.init_process_group("gloo")
         try:
-            train(DistributedDataParallel(model))
+            train_ddp()
         finally:
             dist.destroy_process_group()
     else:

@@ -206,6 +206,9 @@ def run_ddp_hook(
     print(f"rank {rank} owners taken at {state.owners_taken_at}, owned {state.owned_bytes()}",
           flush=True)
     state.close()
+    # DDP's reducer first, while the process group is registered (`gradlane.worker`: freed
+    # after it, the reducer joins the group's gloo threads holding the GIL; a hang at exit).
+    del ddp, state
     dist.destroy_process_group()
     torch.save(
         {k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt"

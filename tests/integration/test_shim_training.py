@@ -7,14 +7,17 @@ trained on the concatenated batch; a dead peer must make the others raise.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
+from gradlane import worker
 from tests import shim_worker
 from tests.forked import Forked
 from tests.integration.helpers import RunningDaemon, free_port, start_daemon
@@ -24,9 +27,11 @@ WORLD = 4
 
 
 def launch(
-    out: Path, *args: str, world: int = WORLD, per_rank: dict[int, list[str]] | None = None
+    out: Path, *args: str, world: int = WORLD, per_rank: dict[int, list[str]] | None = None,
+    main: Callable[[Sequence[str]], None] = shim_worker.main,
 ) -> list[Forked]:
-    """`world` ranks of `tests.shim_worker` (forked: `tests.forked`), each with its log."""
+    """`world` ranks of `main` (`tests.shim_worker`'s by default; forked: `tests.forked`),
+    each with its log."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -38,7 +43,7 @@ def launch(
             "OMP_NUM_THREADS": "1",
         }
         argv = ["--out", str(out), *args, *(per_rank or {}).get(rank, [])]
-        procs.append(Forked(shim_worker.main, argv, env, out / f"rank{rank}.log"))
+        procs.append(Forked(main, argv, env, out / f"rank{rank}.log"))
     return procs
 
 
@@ -272,3 +277,44 @@ def test_mismatched_models_are_refused_at_attach_on_every_rank(tmp_path: Path) -
     for rank, (code, log) in enumerate(results):
         assert code == 4, f"rank {rank}:\n{log[-2000:]}"
         assert "rank 1's model differs from rank 0's" in log and "[11, 32]" in log, log[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_the_bench_s_ddp_hook_system_trains_as_ddp_and_registers_with_the_daemon(
+    tmp_path: Path, daemon: RunningDaemon
+) -> None:
+    """`gradlane.worker --system ddp-hook` (the bench's DDP with gradlane's comm hook):
+    the job registers with gradlaned as the hook's, and trains as plain DDP does (the
+    same model, data and averages: the same losses, up to the order of summation)."""
+    losses = {}
+    for system in ("ddp", "ddp-hook"):
+        out = tmp_path / system
+        out.mkdir()
+        procs = launch(out, "--system", system, "--workload", "cnn", "--steps", "60",
+                       "--daemon-socket", str(daemon.socket), "--job", "hooked", world=2,
+                       main=worker.main)
+        try:
+            if system == "ddp-hook":  # while it trains: its ranks, as gradlaned sees them
+                deadline = time.monotonic() + 60
+                while True:
+                    jobs = {j["name"]: j for j in daemon.status()["jobs"]}
+                    workers = jobs.get("hooked", {}).get("workers", [])
+                    if len(workers) == 2 and all(w["chunk_events"] > 0 for w in workers):
+                        break
+                    assert all(p.poll() is None for p in procs), finish(procs)
+                    assert time.monotonic() < deadline, jobs
+                    time.sleep(0.1)
+                # Two ranks exchange flat; each says how many samples it trains on.
+                assert [w["exchange"] for w in workers] == ["flat", "flat"]
+                assert [w["global_batch"] for w in workers] == [2 * 32] * 2
+        finally:
+            results = finish(procs)
+        for rank, (code, log) in enumerate(results):
+            assert code == 0, f"{system} rank {rank} failed:\n{log[-3000:]}"
+        ranks = [json.loads((out / f"{system}-rank{r}.json").read_text()) for r in range(2)]
+        losses[system] = [r["losses"] for r in ranks]
+    assert ranks[0]["exchange"] == "flat"
+    for rank in range(2):
+        assert losses["ddp-hook"][rank] == pytest.approx(losses["ddp"][rank], rel=1e-4)
+    first, last = losses["ddp"][0][:10], losses["ddp"][0][-10:]
+    assert sum(last) < sum(first)  # it trained: a hook that averaged nothing would differ
