@@ -203,6 +203,7 @@ def run_ddp_hook(
         time.sleep(args.step_sleep)
     print(f"rank {rank} leaves {state.leaves} hosts {state.hosts} {state.engine.kind}",
           flush=True)
+    print(f"rank {rank} hook chunk bytes {state.chunk_bytes}", flush=True)
     print(f"rank {rank} owners taken at {state.owners_taken_at}, owned {state.owned_bytes()}",
           flush=True)
     state.close()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gradlane import worker
+from gradlane.policies.chunks import MIN_CHUNK_BYTES
 from tests import shim_worker
 from tests.forked import Forked
 from tests.integration.helpers import RunningDaemon, free_port, start_daemon
@@ -99,6 +100,10 @@ CASES = {
                                 ""),
     "ddp-comm-hook-flat": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook", "--exchange", "flat"),
                            ""),
+    # Chunks as large as 1 MiB allowed: the hook cuts this small model's buckets as
+    # `attach` cuts its fine groups, into 64 KiB chunks (`layout_sizes`), not whole.
+    "ddp-comm-hook-chunks-from-the-model": ("sgd", "float32", "3,5,2,6", True,
+                                            ("--ddp-hook", "--chunk-bytes", str(1 << 20)), ""),
     # Rank 0 is advised, as by a control plan, that rank 3 owns every chunk: all ranks take
     # it at step 10 (`OWNERS_EVERY`) and regroup, and training stays exact.
     "ddp-comm-hook-plan-owners": ("sgd", "float32", "3,5,2,6", True,
@@ -129,6 +134,8 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
     for rank, (code, log) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
         assert f"rank {rank} leaves {groups}" in log, log[-3000:]
+        if "--chunk-bytes" in flags:
+            assert f"rank {rank} hook chunk bytes {MIN_CHUNK_BYTES}" in log, log[-3000:]
         if "--advise-owners" in flags:
             owned = re.search(r"owners taken at 10, owned \[0, 0, 0, (\d+)\]", log)
             assert owned and int(owned.group(1)) > 0, log[-3000:]

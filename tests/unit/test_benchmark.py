@@ -44,7 +44,7 @@ SCENARIOS = sorted((Path(__file__).resolve().parents[2] / "bench/scenarios").glo
 def test_shipped_scenarios_load(path: Path) -> None:
     scenario = load_scenario(path)
     assert scenario.name == path.stem
-    assert set(scenario.systems) == {"ddp", "fifo", "priority", "gradlane"}
+    assert {"ddp", "gradlane"} <= set(scenario.systems)  # every scenario: the pair
 
 
 @pytest.mark.parametrize(
