@@ -70,17 +70,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--forward-ms", type=float, default=50.0, help="trace: forward time")
     ap.add_argument("--speed", type=float, default=1.0, help="trace: relative compute speed")
     ap.add_argument("--batch", type=int, default=BATCH, help="trace: this worker's batch size")
-    ap.add_argument("--job", default="bench", help="gradlane systems: the job name shims give")
+    ap.add_argument("--job", default="bench", help="all but ddp: the job name the shims give")
     ap.add_argument("--follow-advice", action="store_true",
-                    help="trace, gradlane: take the local batch size the control plane advises")
+                    help="trace, gradlane, ddp-hook: take the local batch size the control "
+                         "plane advises")
     ap.add_argument("--layout", choices=LAYOUTS, default="auto",
                     help="fifo, priority, gradlane: the shim's gradient grouping")
     ap.add_argument("--exchange", choices=EXCHANGES, default="auto",
-                    help="gradlane: each chunk's path (`ShimConfig.exchange`)")
+                    help="gradlane, ddp-hook: each chunk's path (`ShimConfig.exchange`)")
     ap.add_argument("--chunk-bytes", type=int, default=None,
-                    help="fifo, priority, gradlane: the shim's chunk size (default: its own)")
+                    help="fifo, priority, gradlane, ddp-hook: the largest chunk "
+                         "(default: the shim's)")
     ap.add_argument("--address", default=None,
-                    help="fifo, priority, gradlane: the address this rank listens on "
+                    help="fifo, priority, gradlane, ddp-hook: the address this rank listens on "
                          "(default: the one that routes to the rendezvous); several, "
                          "comma-separated, one per NIC")
     args = ap.parse_args(argv)
