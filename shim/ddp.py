@@ -6,6 +6,7 @@ For users who keep ``DistributedDataParallel``::
     ddp_model.register_comm_hook(state, gl.comm_hook)
     ...
     state.close()
+    del ddp_model                            # before destroy_process_group (README)
 
 What it gives: each bucket is cut into chunks with balanced owners (with a
 control plane, its plan's, taken by every rank at one step as `attach` takes
