@@ -100,8 +100,9 @@ CASES = {
                                 ""),
     "ddp-comm-hook-flat": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook", "--exchange", "flat"),
                            ""),
-    # Chunks as large as 1 MiB allowed: the hook cuts this small model's buckets as
-    # `attach` cuts its fine groups, into 64 KiB chunks (`layout_sizes`), not whole.
+    # Chunks as large as 1 MiB allowed: the hook takes `attach`'s fine chunk size for this
+    # model, 64 KiB (`layout_sizes`). (The model, 15 KB, is one chunk either way: what the
+    # size does to a large bucket, bench/README.md "Keeping DDP" measures.)
     "ddp-comm-hook-chunks-from-the-model": ("sgd", "float32", "3,5,2,6", True,
                                             ("--ddp-hook", "--chunk-bytes", str(1 << 20)), ""),
     # Rank 0 is advised, as by a control plan, that rank 3 owns every chunk: all ranks take
