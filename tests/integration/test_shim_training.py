@@ -50,7 +50,7 @@ def launch(
 
 def finish(procs: list[Forked], timeout: float = 90) -> list[tuple[int | None, str]]:
     """Each rank's exit code and output, once all have ended (bounded by `timeout`; those
-    still running then are killed, and their code is None)."""
+    still running then are killed: code -9)."""
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
