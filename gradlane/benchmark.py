@@ -109,7 +109,9 @@ __all__ = [
 
 PAYLOAD_EFFICIENCY = 1448 / FRAME_BYTES
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "ddp-hook")
-DAEMON_SYSTEMS = ("gradlane", "ddp-hook")  # the systems run with gradlaned on every host
+# The systems run with gradlaned on every host (`gradlane.worker.DAEMON_SYSTEMS`: not
+# imported, as the worker imports torch).
+DAEMON_SYSTEMS = ("gradlane", "ddp-hook")
 REFERENCE = "local"  # compute alone (nothing exchanged): the bound's compute
 
 

@@ -46,6 +46,7 @@ from gradlane.shim.config import EXCHANGES, LAYOUTS
 from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace, trace_batch
 
 SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "ddp-hook", "local")
+DAEMON_SYSTEMS = ("gradlane", "ddp-hook")  # those that use gradlaned (as `gradlane.benchmark`'s)
 
 
 def run_queue_s() -> float | None:
@@ -146,6 +147,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         if queued is not None and queued0 is not None:
             record["run_queue_s_per_step"] = (queued - queued0) / args.steps
 
+    def shim_options() -> dict[str, Any]:
+        """`attach`'s or the DDP hook's options: the systems with gradlaned take its socket
+        and the exchange asked for; the others no daemon and their own exchange."""
+        options: dict[str, Any] = {"job": args.job,
+                                   "address": args.address and args.address.split(",")}
+        if args.chunk_bytes is not None:
+            options["chunk_bytes"] = args.chunk_bytes
+        if args.system in DAEMON_SYSTEMS:
+            options.update(daemon_socket=args.daemon_socket, exchange=args.exchange)
+        else:
+            options["daemon_socket"] = "/nonexistent/gradlaned.sock"
+        return options
+
     if args.system == "local":
         train(model)
     elif args.system in ("ddp", "ddp-hook"):
@@ -159,12 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if args.system == "ddp-hook":
                     import gradlane.shim as gl
 
-                    options = {"job": args.job, "daemon_socket": args.daemon_socket,
-                               "exchange": args.exchange}
-                    if args.chunk_bytes is not None:
-                        options["chunk_bytes"] = args.chunk_bytes
-                    state = gl.HookState(ddp, address=args.address and args.address.split(","),
-                                         **options)
+                    state = gl.HookState(ddp, **shim_options())
                     ddp.register_comm_hook(state, gl.comm_hook)
                     record["exchange"] = state.engine.kind
                 train(ddp, hook=state)
@@ -185,15 +194,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         import gradlane.shim as gl
 
-        options: dict[str, Any] = {"job": args.job, "layout": args.layout,
-                                   "daemon_socket": "/nonexistent/gradlaned.sock",
-                                   "address": args.address and args.address.split(",")}
-        if args.chunk_bytes is not None:
-            options["chunk_bytes"] = args.chunk_bytes
+        options = {**shim_options(), "layout": args.layout}
         if args.system == "fifo":
             options.update(dscp=(0,), overlap=False)
-        if args.system == "gradlane":
-            options.update(daemon_socket=args.daemon_socket, exchange=args.exchange)
         with gl.attach(model, opt, **options) as sync:
             # Each rank's leaf switch and host when chunks are reduced within them first,
             # and how the ranks exchange (`gradlane.daemon.fields.EXCHANGES`).
