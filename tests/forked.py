@@ -11,7 +11,9 @@ under ``python -m``; only the start differs.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 from collections.abc import Callable, Sequence
@@ -20,6 +22,17 @@ from pathlib import Path
 _SERVER = multiprocessing.get_context("forkserver")
 # Imported once in the server; each rank then starts with them in memory.
 _SERVER.set_forkserver_preload(["torch", "gradlane.shim", "tests.shim_worker"])
+
+
+def _stop_server() -> None:
+    """At exit, stop the server and wait for it (it would stop on its own once this process
+    is gone, a moment after: the test run must end with no process left)."""
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # "used by unit tests"
+    if stop is not None:
+        stop()
+
+
+atexit.register(_stop_server)
 
 
 def _run(main: Callable[[Sequence[str]], None], argv: list[str], env: dict[str, str],
