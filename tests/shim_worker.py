@@ -31,7 +31,8 @@ OPTIMIZERS = {
 }
 
 
-def make_model(dtype: torch.dtype) -> nn.Module:
+def make_model(dtype: torch.dtype, hidden: int = 32) -> nn.Module:
+    """The test CNN: 15 KB of parameters (float32), more with a wider `hidden` layer."""
     torch.manual_seed(1234)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3),
@@ -40,9 +41,9 @@ def make_model(dtype: torch.dtype) -> nn.Module:
         nn.ReLU(),
         nn.AdaptiveAvgPool2d(2),
         nn.Flatten(),
-        nn.Linear(64, 32),
+        nn.Linear(64, hidden),
         nn.ReLU(),
-        nn.Linear(32, 10),
+        nn.Linear(hidden, 10),
     )
     return model.to(dtype)
 
@@ -60,10 +61,11 @@ def make_scheduler(opt: torch.optim.Optimizer, on: bool) -> torch.optim.lr_sched
 
 
 def reference(
-    optimizer: str, dtype: torch.dtype, steps: int, sizes: list[int], sched: bool
+    optimizer: str, dtype: torch.dtype, steps: int, sizes: list[int], sched: bool,
+    hidden: int = 32,
 ) -> dict[str, torch.Tensor]:
     """Single-process training on the concatenated batch."""
-    model = make_model(dtype)
+    model = make_model(dtype, hidden)
     opt = OPTIMIZERS[optimizer](model.parameters())
     scheduler = make_scheduler(opt, sched)
     for step in range(steps):
@@ -93,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-samples", action="store_true",
                     help="with --ddp-hook: leave the hook's samples unset (the plain mean)")
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
+    ap.add_argument("--hidden", type=int, default=32,
+                    help="units of the hidden linear layer (`make_model`; 512: 159 KB)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
     ap.add_argument("--exchange", default="auto", help="ShimConfig.exchange")
     ap.add_argument("--address", type=lambda a: a.split(","), default=None,
@@ -110,9 +114,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank = int(os.environ["RANK"])
     dtype = getattr(torch, args.dtype)
     sizes = [int(s) for s in args.batches.split(",")]
-    model = make_model(dtype)
+    model = make_model(dtype, args.hidden)
     if args.wider:
-        model[-1] = nn.Linear(32, 11).to(dtype)
+        model[-1] = nn.Linear(args.hidden, 11).to(dtype)
     if rank:
         with torch.no_grad():  # attach must broadcast rank 0's parameters
             for p in model.parameters():
@@ -203,7 +207,9 @@ def run_ddp_hook(
         time.sleep(args.step_sleep)
     print(f"rank {rank} leaves {state.leaves} hosts {state.hosts} {state.engine.kind}",
           flush=True)
-    print(f"rank {rank} hook chunk bytes {state.chunk_bytes}", flush=True)
+    largest = max((c.stop - c.start) * g.grad.element_size()
+                  for g in state._groups.values() for c in g.chunks)
+    print(f"rank {rank} hook chunk bytes {state.chunk_bytes}, largest cut {largest}", flush=True)
     print(f"rank {rank} owners taken at {state.owners_taken_at}, owned {state.owned_bytes()}",
           flush=True)
     state.close()

@@ -101,10 +101,11 @@ CASES = {
     "ddp-comm-hook-flat": ("sgd", "float32", "3,5,2,6", True, ("--ddp-hook", "--exchange", "flat"),
                            ""),
     # Chunks as large as 1 MiB allowed: the hook takes `attach`'s fine chunk size for this
-    # model, 64 KiB (`layout_sizes`). (The model, 15 KB, is one chunk either way: what the
-    # size does to a large bucket, bench/README.md "Keeping DDP" measures.)
+    # model, 64 KiB (`layout_sizes`), and cuts its one 159 KB bucket into three. (What the
+    # size does to a large model's buckets, bench/README.md "Keeping DDP" measures.)
     "ddp-comm-hook-chunks-from-the-model": ("sgd", "float32", "3,5,2,6", True,
-                                            ("--ddp-hook", "--chunk-bytes", str(1 << 20)), ""),
+                                            ("--ddp-hook", "--chunk-bytes", str(1 << 20),
+                                             "--hidden", "512"), ""),
     # Rank 0 is advised, as by a control plan, that rank 3 owns every chunk: all ranks take
     # it at step 10 (`OWNERS_EVERY`) and regroup, and training stays exact.
     "ddp-comm-hook-plan-owners": ("sgd", "float32", "3,5,2,6", True,
@@ -136,7 +137,9 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
         assert f"rank {rank} leaves {groups}" in log, log[-3000:]
         if "--chunk-bytes" in flags:
-            assert f"rank {rank} hook chunk bytes {MIN_CHUNK_BYTES}" in log, log[-3000:]
+            cut = re.search(rf"rank {rank} hook chunk bytes {MIN_CHUNK_BYTES}, largest cut (\d+)",
+                            log)
+            assert cut and int(cut.group(1)) <= MIN_CHUNK_BYTES, log[-3000:]
         if "--advise-owners" in flags:
             owned = re.search(r"owners taken at 10, owned \[0, 0, 0, (\d+)\]", log)
             assert owned and int(owned.group(1)) > 0, log[-3000:]
@@ -150,13 +153,14 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
     for r in range(1, WORLD):
         for name, value in states[0].items():
             assert torch.equal(value, states[r][name]), f"rank {r} differs in {name}"
+    hidden = int(flags[flags.index("--hidden") + 1]) if "--hidden" in flags else 32
     ref = reference(
-        optimizer, getattr(torch, dtype), 20, [int(b) for b in batches.split(",")], sched
+        optimizer, getattr(torch, dtype), 20, [int(b) for b in batches.split(",")], sched, hidden
     )
     for name, value in ref.items():
         assert relative_error(states[0][name], value) <= 1e-5, name
         assert not torch.equal(
-            value, reference(optimizer, getattr(torch, dtype), 0, [1], False)[name]
+            value, reference(optimizer, getattr(torch, dtype), 0, [1], False, hidden)[name]
         ), f"{name} never trained"
 
 
