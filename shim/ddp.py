@@ -8,19 +8,28 @@ For users who keep ``DistributedDataParallel``::
     state.close()
     del ddp_model                            # before destroy_process_group (README)
 
-What it gives: each bucket is cut into chunks with balanced owners (with a
-control plane, its plan's, taken by every rank at one step as `attach` takes
-them), ordered by
-the forward order of its parameters (first used = first sent) and sent over
-the DSCP-marked band connections that gradlaned schedules; when every rank
-knows its leaf switch (``leaf=``, `ShimConfig.leaf`, or the control plane's
-advice through gradlaned), each chunk is reduced within each leaf switch
-first, as the shim does. Like `attach`, it registers its band connections
-with gradlaned when a daemon socket exists (`ShimConfig.daemon_socket`) and
-reports its chunks each step, the exchange its ranks took and each step's
-compute (from the forward's start to the last bucket, with ``samples``), so
-the daemon gives the job its own class and the control plane plans its
-demand and advises batch sizes (`HookState.advised_batch_size`).
+What it gives: each parameter's gradient goes as soon as backward has it,
+not when DDP's bucket is full. DDP puts most of a model in one large bucket
+that is ready only when backward ends (on VGG-19, nine tenths of the bytes);
+the hook cuts each bucket into runs of parameters (groups, as `attach` cuts
+its layers) and, once DDP's buckets have settled (it rebuilds them after its
+first step), sends a group from the gradient hooks of its parameters, so the
+first layers' bytes cross the network while backward computes the rest. DDP
+still waits for every bucket's future, and each bucket's average is in the
+bucket when its future completes, so training is DDP's, bit for bit the same
+replicas. Each group is cut into chunks with balanced owners (with a control
+plane, its plan's, taken by every rank at one step as `attach` takes them),
+ordered by the forward order of its parameters (first used = first sent)
+and sent over the DSCP-marked band connections that gradlaned schedules;
+when every rank knows its leaf switch (``leaf=``, `ShimConfig.leaf`, or the
+control plane's advice through gradlaned), each chunk is reduced within
+each leaf switch first, as the shim does. Like `attach`, it registers its
+band connections with gradlaned when a daemon socket exists
+(`ShimConfig.daemon_socket`) and reports its chunks each step, the exchange
+its ranks took and each step's compute (from the forward's start to the last
+bucket, with ``samples``), so the daemon gives the job its own class and the
+control plane plans its demand and advises batch sizes
+(`HookState.advised_batch_size`).
 What it cannot give: cross-iteration overlap. DDP's ``backward()`` waits for every bucket and
 the optimizer steps the whole model after it, so the next forward never starts
 before the last bucket is in; use `gradlane.shim.attach` for that.
@@ -35,6 +44,7 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,7 +53,7 @@ from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from gradlane.errors import ConfigError, PeerLost, TransportError
-from gradlane.policies.chunks import Routes, layout_sizes
+from gradlane.policies.chunks import Routes, group_consecutive, layout_sizes
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.engine import Engine, Group, owned_bytes
@@ -59,6 +69,57 @@ from gradlane.shim.transport import (
 __all__ = ["HookState", "comm_hook"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Segment:
+    """A run of consecutive parameters of one DDP bucket, exchanged as one group."""
+
+    group: Group
+    key: str  # the same on every rank: the planned owners' and the group id's
+    params: list[torch.Tensor]  # in the bucket's order
+    offsets: list[int]  # each parameter's first element in the group
+    first: int  # the bucket's index of its first parameter
+    given: list[bool] = field(default_factory=list)  # which gradients this step gave it
+    left: int = 0  # how many it has not
+
+    def __post_init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self.given = [False] * len(self.params)
+        self.left = len(self.params)
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """What the hook knows of one of DDP's buckets, and the segments it is cut into."""
+
+    index: int
+    params: list[torch.Tensor]
+    numel: int
+    dtype: torch.dtype
+    version: int  # how many buckets the hook had seen before, this one included
+    segments: list[_Segment] = field(default_factory=list)
+    # DDP's bucket held these parameters at two steps in a row: from then on, a segment
+    # goes as soon as its parameters' gradients are in, before DDP calls the hook.
+    armed: bool = False
+
+    def same(self, params: list[torch.Tensor], buffer: torch.Tensor) -> bool:
+        return (len(params) == len(self.params) and buffer.numel() == self.numel
+                and buffer.dtype == self.dtype
+                and all(a is b for a, b in zip(params, self.params, strict=True)))
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One bucket DDP waits on: its future and the segments whose averages it needs."""
+
+    future: torch.futures.Future[torch.Tensor]
+    index: int  # DDP's bucket index
+    buffer: torch.Tensor
+    gradients: list[torch.Tensor]  # the bucket's views, one per parameter
+    left: int  # segments not yet copied into the bucket
 
 
 class HookState:
@@ -78,6 +139,8 @@ class HookState:
         chunk_bytes: the size buckets are cut into: `attach`'s fine chunks for
             this model (`gradlane.policies.chunks.layout_sizes`), at most the
             configured `chunk_bytes`.
+        early_sends: how many groups went before DDP called the hook for their
+            bucket (sent from their parameters' gradient hooks), all steps.
     """
 
     def __init__(self, model: nn.Module, *, address: str | Sequence[str] | None = None,
@@ -85,6 +148,7 @@ class HookState:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("HookState needs torch.distributed.init_process_group() first")
         self.config = ShimConfig.of(options)
+        self._model = model
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._store = store = dist.distributed_c10d._get_default_store()
         self._prefix = f"gradlane/{self.config.job}/ddp"
@@ -123,7 +187,7 @@ class HookState:
             raise
         self.client.exchange_agreed(self.engine.kind)
         self.engine.on_failure = self._fail_pending
-        self._pending: dict[int, torch.futures.Future[torch.Tensor]] = {}
+        self._pending: dict[int, torch.futures.Future[torch.Tensor]] = {}  # by bucket
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="gl-ddp-watchdog", daemon=True)
@@ -136,7 +200,16 @@ class HookState:
         self.step = 0
         self._in_step = False
         self._groups: dict[int, Group] = {}
-        self._keys: dict[int, str] = {}  # each group's bucket key: index, size, dtype
+        self._keys: dict[int, str] = {}  # each group's key: bucket (version), size, dtype, run
+        self._buckets: dict[int, _Bucket] = {}  # by DDP's bucket index
+        self._versions = 0  # buckets seen (made anew when DDP rebuilds them)
+        # The parameters of armed buckets: (segment, place in it), by id.
+        self._slots: dict[int, tuple[_Segment, int]] = {}
+        self._done: dict[int, int] = {}  # each group's last step averaged
+        # By group id: the bucket (and the segment of it) its average goes to.
+        self._waiting: dict[int, tuple[_Waiter, _Segment]] = {}
+        self._syncing = False  # the last forward was one whose backward DDP synchronizes
+        self.early_sends = 0
         # The groups in the order this step made them ready, and the last step's.
         self._ready: list[int] = []
         self._last_ready: list[int] = []
@@ -153,12 +226,19 @@ class HookState:
         # hops store and forward whole chunks (1 MiB chunks left the last bucket's hops a
         # tail: on the VGG-19 trace on four hosts 23 ms a step behind plain DDP, 13 ms
         # with 256 KiB ones).
+        # Buckets are cut at parameters into groups of at least the same least size.
         grads = sum(p.numel() * p.element_size() for p in inner.parameters() if p.requires_grad)
-        self.chunk_bytes = layout_sizes(grads, self.world, self.config.chunk_bytes, "fine",
-                                        ring=self.engine.ring)[1]
+        self._least, self.chunk_bytes = layout_sizes(grads, self.world, self.config.chunk_bytes,
+                                                     "fine", ring=self.engine.ring)
         self._modules = [m for m in inner.modules() if any(True for _ in m.parameters(False))]
-        self._handles = [m.register_forward_pre_hook(self._record) for m in self._modules]
+        self._handles: list[Any] = [m.register_forward_pre_hook(self._record)
+                                    for m in self._modules]
         self._handles.append(inner.register_forward_pre_hook(self._forward_starts))
+        # DDP decides at its forward whether the backward synchronizes (not under no_sync,
+        # nor without grad); so does the hook, before DDP's own forward runs.
+        self._handles.append(model.register_forward_pre_hook(self._forward_syncs))
+        self._handles += [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+                          for p in inner.parameters() if p.requires_grad]
         # A step's compute: from its (first training) forward's start to its last bucket.
         self._t_forward: float | None = None
         self._t_backward = 0.0  # the last bucket of the step before
@@ -168,6 +248,10 @@ class HookState:
     def _record(self, module: nn.Module, args: Any) -> None:
         for p in module.parameters(recurse=False):
             self._order.setdefault(p, len(self._order))
+
+    def _forward_syncs(self, module: nn.Module, args: Any) -> None:
+        self._syncing = torch.is_grad_enabled() and bool(
+            getattr(module, "require_backward_grad_sync", True))
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         # Forwards without grad (evaluation) are not steps; with accumulation
@@ -193,50 +277,159 @@ class HookState:
         """The local batch size the control plane advises (`DaemonClient.advised_batch_size`)."""
         return self.client.advised_batch_size
 
-    def _group(self, bucket: GradBucket) -> Group:
-        buffer = bucket.buffer()
-        key = f"{bucket.index()}:{buffer.numel()}:{buffer.dtype}"
-        gid = zlib.crc32(f"{self._generation}:{key}".encode()) & 0x7FFFFFFF
-        group = self._groups.get(gid)
-        if group is None:
-            order = min(
-                (self._order.get(p, len(self._order)) for p in bucket.parameters()), default=0
-            )
-            ranges = split(buffer.numel(), buffer.element_size(), self.chunk_bytes)
-            sizes = [(b - a) * buffer.element_size() for a, b in ranges]
+    def _begin_step(self) -> None:
+        """The step's first gradient (or bucket): what the step before left to do."""
+        self._report_timing()  # before `begin` moves the client to this step
+        if not self._batch_agreed:  # the first step: what the control plane splits
+            self._batch_agreed = True
+            self.global_batch = agree_batch(self._store, self._prefix, self.rank, self.world,
+                                            self.samples)
+            if self.global_batch is not None:
+                self.client.batch_agreed(self.global_batch)
+        if self.world > 1 and self.step and self.step % OWNERS_EVERY == 0:
+            self._follow_plan_owners()
+        # Without `samples`, the plain mean; gradlaned is told 0 (not known), so no batch
+        # shares are planned from step rates taken for sample rates.
+        self.engine.begin(self.step, self.samples if self.samples is not None else 1)
+        self.client.begin(self.step, self.samples or 0)  # ships the last step's chunk events
+        for bucket in self._buckets.values():
+            for segment in bucket.segments:
+                segment.restart()
+        self._in_step = True
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """A parameter's gradient is in: into its segment, which goes once it is complete."""
+        if not self._syncing or id(p) not in self._slots:
+            return
+        if not self._in_step:
+            self._begin_step()
+        slot = self._slots.get(id(p))  # (gone if the ranks just took new owners)
+        if slot is not None and not slot[0].given[slot[1]]:
+            assert p.grad is not None
+            self._fill(*slot, p.grad, early=True)
+
+    def _fill(self, segment: _Segment, i: int, grad: torch.Tensor, early: bool = False) -> None:
+        p = segment.params[i]
+        offset = segment.offsets[i]
+        segment.group.grad[offset : offset + p.numel()].copy_(grad.reshape(-1))
+        segment.given[i] = True
+        segment.left -= 1
+        if segment.left == 0:
+            self._ready.append(segment.group.gid)
+            self.early_sends += early
+            self.engine.ready(segment.group)
+
+    def _segments(self, bucket: GradBucket) -> list[_Segment]:
+        """`bucket`'s segments: those of the step before if DDP kept the bucket (armed from
+        now on, unless DDP will still rebuild its buckets), else new ones."""
+        params, buffer = bucket.parameters(), bucket.buffer()
+        known = self._buckets.get(bucket.index())
+        if known is not None and known.same(params, buffer):
+            if not known.armed and not self._rebuild_pending():
+                known.armed = True
+                self._slots.update((id(p), (segment, i)) for segment in known.segments
+                                   for i, p in enumerate(segment.params))
+            return known.segments
+        # New (the first step), or DDP rebuilt its buckets: what held these parameters
+        # before goes. If it was armed, its groups that this step's gradients completed
+        # are averaged anyway, on every rank alike, and nobody waits for them.
+        mine = {id(p) for p in params}
+        for index, old in list(self._buckets.items()):
+            if index == bucket.index() or any(id(p) in mine for p in old.params):
+                for segment in old.segments:
+                    for p in segment.params:
+                        self._slots.pop(id(p), None)
+                    self._groups.pop(segment.group.gid, None)
+                del self._buckets[index]
+        self._versions += 1
+        new = _Bucket(bucket.index(), list(params), buffer.numel(), buffer.dtype, self._versions)
+        self._cut(new)
+        self._buckets[new.index] = new
+        return new.segments
+
+    def _rebuild_pending(self) -> bool:
+        """Whether DDP will rebuild its buckets at a coming forward: it does once, in
+        gradient-ready order, unless it looks for unused parameters in a dynamic graph
+        (DDP's own attributes; without them, no: a rebuild is then seen, in `_segments`)."""
+        ddp = self._model
+        rebuilds = bool(getattr(ddp, "static_graph", False)
+                        or not getattr(ddp, "find_unused_parameters", True))
+        return rebuilds and not getattr(ddp, "_has_rebuilt_buckets", True)
+
+    def _cut(self, bucket: _Bucket) -> None:
+        """Cut `bucket` into segments (and their groups): runs of consecutive parameters of
+        one band of at least `attach`'s least group size, chunks of `chunk_bytes`, owners
+        balanced over the whole bucket (or the control plan's, taken by the ranks)."""
+        size = torch.empty(0, dtype=bucket.dtype).element_size()
+        n = max(1, len(self._order))
+        orders = [self._order.get(p, len(self._order)) for p in bucket.params]
+        bands = [band_of(order, n, self.config.bands) for order in orders]
+        runs = group_consecutive([p.numel() * size for p in bucket.params], bands, self._least)
+        numels = [sum(bucket.params[i].numel() for i in run) for run in runs]
+        ranges = [split(numel, size, self.chunk_bytes) for numel in numels]
+        balanced = iter((o + bucket.index) % self.world for o in assign_owners(
+            [(b - a) * size for cut in ranges for a, b in cut], self.world))
+        bucket.segments = []
+        for k, (run, numel, cut) in enumerate(zip(runs, numels, ranges, strict=True)):
+            key = f"{bucket.index}.{bucket.version}:{bucket.numel}:{bucket.dtype}/{k}"
+            mine = [next(balanced) for _ in cut]
             owners = self._planned.get(key)
-            if owners is None or len(owners) != len(ranges):
-                owners = [(o + bucket.index()) % self.world
-                          for o in assign_owners(sizes, self.world)]
-            band = band_of(order, max(1, len(self._order)), self.config.bands)
+            if owners is None or len(owners) != len(cut):
+                owners = mine
+            gid = zlib.crc32(f"{self._generation}:{key}".encode()) & 0x7FFFFFFF
             group = self.engine.add_group(
-                gid,
-                f"bucket {key}",
-                torch.empty(buffer.numel(), dtype=buffer.dtype),
-                ranges,
-                owners,
-                priority=order,
-                band=band,
-            )
+                gid, f"bucket {key}", torch.empty(numel, dtype=bucket.dtype), cut, owners,
+                priority=min(orders[i] for i in run), band=bands[run[0]],
+                on_done=self._segment_done)
+            members = [bucket.params[i] for i in run]
+            offsets = [sum(p.numel() for p in members[:j]) for j in range(len(members))]
+            bucket.segments.append(_Segment(group, key, members, offsets, run[0],
+                                            left=len(members)))
             self._groups[gid] = group
             self._keys[gid] = key
-        return group
+        if bucket.armed:
+            self._slots.update((id(p), (segment, i)) for segment in bucket.segments
+                               for i, p in enumerate(segment.params))
+
+    def _segment_done(self, group: Group) -> None:
+        """A group's average is in (an engine thread): into its bucket, if DDP asked for it."""
+        with self._lock:
+            self._t_averaged = time.perf_counter()
+            self._done[group.gid] = group.done_step
+            waiting = self._waiting.pop(group.gid, None)
+        if waiting is not None:
+            self._deliver(*waiting)
+
+    def _deliver(self, waiter: _Waiter, segment: _Segment) -> None:
+        """Copy `segment`'s average into the bucket; the bucket's last completes its future."""
+        out = segment.group.out
+        for i, p in enumerate(segment.params):
+            offset = segment.offsets[i]
+            waiter.gradients[segment.first + i].view(-1).copy_(out[offset : offset + p.numel()])
+        with self._lock:
+            waiter.left -= 1
+            last = waiter.left == 0
+            if last and self._pending.get(waiter.index) is waiter.future:
+                del self._pending[waiter.index]
+        if last and not waiter.future.done():
+            waiter.future.set_result(waiter.buffer)
 
     def _follow_plan_owners(self) -> None:
         """Take the chunk owners the control plan advises, on every rank at this step
-        (as `gradlane.shim.Sync` does; called as the step's first bucket arrives, when
-        DDP has every average of the step before).
+        (as `gradlane.shim.Sync` does; called at the step's first gradient, when DDP
+        has every average of the step before).
 
         The plan's owners are one per chunk gradlaned heard of in the last step,
         by forward order and then the order they were ready; rank 0 maps them
-        onto its buckets and says, through the store, which owners each bucket's
-        chunks take. Groups are made anew, under new ids, as buckets arrive.
+        onto its groups and says, through the store, which owners each group's
+        chunks take. Every bucket's groups are made anew, under new ids.
         """
         said = None
         advised = self.client.advised_owners if self.rank == 0 else None
         if advised is not None:
             # As gradlaned orders a step's chunk events: by priority, then as they came.
-            ordered = sorted(self._last_ready, key=lambda gid: self._groups[gid].priority)
+            ordered = sorted((gid for gid in self._last_ready if gid in self._groups),
+                             key=lambda gid: self._groups[gid].priority)
             current = [c.owner for gid in ordered for c in self._groups[gid].chunks]
             if len(advised) == len(current) and list(advised) != current:
                 said, at = {}, 0
@@ -252,15 +445,17 @@ class HookState:
             self.engine.raise_error()
             raise TransportError(f"rank {self.rank}: sends did not drain before regrouping")
         self.engine.retire(list(self._groups.values()))
-        self._groups, self._keys = {}, {}
+        self._groups, self._keys, self._slots = {}, {}, {}
         self._planned = {str(k): [int(o) for o in v] for k, v in posted.items()}
         self._generation += 1
+        for bucket in sorted(self._buckets.values(), key=lambda b: b.index):
+            self._cut(bucket)  # the same runs, new groups: the plan's owners
         self.owners_taken_at = self.step
         if self.rank == 0:
             logger.info("gradlane: the control plan's chunk owners from step %d", self.step)
 
     def owned_bytes(self) -> list[int]:
-        """The gradient bytes each rank owns in the last step's buckets, by rank."""
+        """The gradient bytes each rank owns in the last step's groups, by rank."""
         return owned_bytes((self._groups[gid] for gid in self._last_ready if gid in self._groups),
                            self.world)
 
@@ -268,6 +463,7 @@ class HookState:
         """Fail every bucket DDP waits on, so backward() raises instead of hanging."""
         with self._lock:
             pending, self._pending = self._pending, {}
+            self._waiting.clear()
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)  # type: ignore[arg-type]
@@ -276,7 +472,8 @@ class HookState:
         while not self._stop.wait(1.0):
             idle = time.monotonic() - self.engine.last_rx
             if self._pending and idle > self.config.timeout_s:
-                waiting = [g.label for gid, g in self._groups.items() if gid in self._pending]
+                with self._lock:
+                    waiting = [segment.group.label for _, segment in self._waiting.values()]
                 self._fail_pending(
                     PeerLost(
                         None,
@@ -296,45 +493,37 @@ class HookState:
 
 def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average `bucket` across workers over gradlane's transport (see the module docstring)."""
-    if not state._in_step:
-        state._report_timing()  # before `begin` moves the client to this step
-        if not state._batch_agreed:  # the first step: what the control plane splits
-            state._batch_agreed = True
-            state.global_batch = agree_batch(state._store, state._prefix, state.rank,
-                                             state.world, state.samples)
-            if state.global_batch is not None:
-                state.client.batch_agreed(state.global_batch)
-        if state.world > 1 and state.step and state.step % OWNERS_EVERY == 0:
-            state._follow_plan_owners()
-        # Without `samples`, the plain mean; gradlaned is told 0 (not known), so no batch
-        # shares are planned from step rates taken for sample rates.
-        state.engine.begin(state.step, state.samples if state.samples is not None else 1)
-        state.client.begin(state.step, state.samples or 0)  # ships the last step's chunk events
-        state._in_step = True
-    group = state._group(bucket)
-    state._ready.append(group.gid)
-    group.grad.copy_(bucket.buffer().reshape(-1))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-
-    buffer = bucket.buffer()
-
-    def done(g: Group) -> None:
-        with state._lock:
-            state._pending.pop(g.gid, None)
-            state._t_averaged = time.perf_counter()
-        if not future.done():
-            future.set_result(g.out.view_as(buffer))
-
-    group.on_done = done
-    with state._lock:
-        state._pending[group.gid] = future
-    if bucket.is_last():
-        state._backward_ended()
-        state._in_step = False
-        state.step += 1
-        state._last_ready, state._ready = state._ready, []
     try:
-        state.engine.ready(group)
+        if not state._in_step:
+            state._begin_step()
+        step = state.step
+        segments = state._segments(bucket)
+        gradients = bucket.gradients()
+        # The gradients no hook gave (the bucket's first steps, unused parameters) go from
+        # the bucket, as DDP filled it.
+        for segment in segments:
+            for i, given in enumerate(segment.given):
+                if not given:
+                    state._fill(segment, i, gradients[segment.first + i])
     except Exception as exc:  # surfaces in backward() as DDP's error
         future.set_exception(exc)  # type: ignore[arg-type]
+        return future
+    finally:
+        if bucket.is_last():
+            state._backward_ended()
+            state._in_step = False
+            state._syncing = False
+            state.step += 1
+            state._last_ready, state._ready = state._ready, []
+    waiter = _Waiter(future, bucket.index(), bucket.buffer(), gradients, len(segments))
+    with state._lock:
+        done = [s for s in segments if state._done.get(s.group.gid, -1) >= step]
+        for segment in segments:
+            if state._done.get(segment.group.gid, -1) < step:
+                state._waiting[segment.group.gid] = (waiter, segment)
+        if len(done) < len(segments):
+            state._pending[bucket.index()] = future
+    for segment in done:  # averaged before DDP asked (sent early)
+        state._deliver(waiter, segment)
     return future

@@ -15,6 +15,7 @@ Exit codes: 0 done, 3 `PeerLost` (the message goes to stderr), 4 other
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -46,6 +47,18 @@ def make_model(dtype: torch.dtype, hidden: int = 32) -> nn.Module:
         nn.Linear(hidden, 10),
     )
     return model.to(dtype)
+
+
+class WithUnused(nn.Module):
+    """`inner`, and a layer its forward never uses."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.unused = nn.Linear(4, 4).to(next(inner.parameters()).dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
 
 
 def batch(step: int, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +108,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-samples", action="store_true",
                     help="with --ddp-hook: leave the hook's samples unset (the plain mean)")
     ap.add_argument("--wider", action="store_true", help="a different model (mismatch test)")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="with --ddp-hook: micro-batches per step, all but the last under "
+                         "DDP's no_sync()")
+    ap.add_argument("--unused", action="store_true",
+                    help="with --ddp-hook: DDP wraps the model with a layer forward never "
+                         "uses (find_unused_parameters=True)")
+    ap.add_argument("--ddp-option", action="append", default=[], metavar="NAME",
+                    help="with --ddp-hook: a DDP flag to set (gradient_as_bucket_view, "
+                         "static_graph)")
     ap.add_argument("--hidden", type=int, default=32,
                     help="units of the hidden linear layer (`make_model`; 512: 159 KB)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
@@ -183,7 +205,11 @@ def run_ddp_hook(
     import gradlane.shim as gl
 
     dist.init_process_group("gloo", rank=rank, world_size=len(sizes))
-    ddp = DistributedDataParallel(model)
+    flags = dict.fromkeys(args.ddp_option, True)
+    if args.unused:
+        ddp = DistributedDataParallel(WithUnused(model), find_unused_parameters=True, **flags)
+    else:
+        ddp = DistributedDataParallel(model, **flags)
     state = gl.HookState(ddp, chunk_bytes=args.chunk_bytes, timeout_s=args.timeout, job="test",
                          leaf=args.leaf, exchange=args.exchange,
                          daemon_socket=args.daemon_socket, address=args.address)
@@ -193,10 +219,14 @@ def run_ddp_hook(
         x, y = batch(step, sum(sizes), dtype)
         if not args.no_samples:
             state.samples = sizes[rank]
-        loss = nn.functional.cross_entropy(
-            ddp(x[start : start + sizes[rank]]), y[start : start + sizes[rank]]
-        )
-        loss.backward()
+        # Micro-batches: each loss weighted by its share of the slice, so the accumulated
+        # gradient is the slice's mean, as without them.
+        cuts = torch.arange(start, start + sizes[rank]).tensor_split(args.accumulate)
+        for i, part in enumerate(c for c in cuts if len(c)):
+            last = i == sum(1 for c in cuts if len(c)) - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                loss = nn.functional.cross_entropy(ddp(x[part]), y[part]) * len(part) / sizes[rank]
+                loss.backward()
         opt.step()
         scheduler.step()
         opt.zero_grad()
@@ -209,7 +239,8 @@ def run_ddp_hook(
           flush=True)
     largest = max((c.stop - c.start) * g.grad.element_size()
                   for g in state._groups.values() for c in g.chunks)
-    print(f"rank {rank} hook chunk bytes {state.chunk_bytes}, largest cut {largest}", flush=True)
+    print(f"rank {rank} hook chunk bytes {state.chunk_bytes}, largest cut {largest}, "
+          f"early sends {state.early_sends}", flush=True)
     print(f"rank {rank} owners taken at {state.owners_taken_at}, owned {state.owned_bytes()}",
           flush=True)
     state.close()

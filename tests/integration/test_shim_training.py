@@ -106,6 +106,19 @@ CASES = {
     "ddp-comm-hook-chunks-from-the-model": ("sgd", "float32", "3,5,2,6", True,
                                             ("--ddp-hook", "--chunk-bytes", str(1 << 20),
                                              "--hidden", "512"), ""),
+    # Gradient accumulation: the hook's gradient hooks send nothing in backwards under
+    # DDP's no_sync(), only the step's last (3 micro-batches; rank 2's 2 samples, 2).
+    "ddp-comm-hook-no-sync": ("sgd", "float32", "3,5,2,6", True,
+                              ("--ddp-hook", "--accumulate", "3"), ""),
+    # A parameter no rank's backward reaches (find_unused_parameters=True): its bucket's
+    # group goes when DDP calls the hook, with DDP's zeros for it.
+    "ddp-comm-hook-unused-parameter": ("adamw", "float32", "3,5,2,6", True,
+                                       ("--ddp-hook", "--unused"), ""),
+    # DDP's options that change how its buckets and gradients are kept.
+    "ddp-comm-hook-bucket-view": ("sgd", "float32", "3,5,2,6", True,
+                                  ("--ddp-hook", "--ddp-option", "gradient_as_bucket_view"), ""),
+    "ddp-comm-hook-static-graph": ("sgd", "float32", "3,5,2,6", True,
+                                   ("--ddp-hook", "--ddp-option", "static_graph"), ""),
     # Rank 0 is advised, as by a control plan, that rank 3 owns every chunk: all ranks take
     # it at step 10 (`OWNERS_EVERY`) and regroup, and training stays exact.
     "ddp-comm-hook-plan-owners": ("sgd", "float32", "3,5,2,6", True,
@@ -140,6 +153,11 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
             cut = re.search(rf"rank {rank} hook chunk bytes {MIN_CHUNK_BYTES}, largest cut (\d+)",
                             log)
             assert cut and int(cut.group(1)) <= MIN_CHUNK_BYTES, log[-3000:]
+        if "--ddp-hook" in flags:
+            # Once DDP's buckets settle (after its first step), groups go from their
+            # parameters' gradient hooks, before DDP calls the hook for their bucket.
+            early = re.search(rf"rank {rank} hook chunk bytes .* early sends (\d+)", log)
+            assert early and int(early.group(1)) > 0, log[-3000:]
         if "--advise-owners" in flags:
             owned = re.search(r"owners taken at 10, owned \[0, 0, 0, (\d+)\]", log)
             assert owned and int(owned.group(1)) > 0, log[-3000:]
