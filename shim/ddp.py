@@ -80,8 +80,8 @@ class _Segment:
     params: list[torch.Tensor]  # in the bucket's order
     offsets: list[int]  # each parameter's first element in the group
     first: int  # the bucket's index of its first parameter
-    given: list[bool] = field(default_factory=list)  # which gradients this step gave it
-    left: int = 0  # how many it has not
+    given: list[bool] = field(init=False)  # which gradients this step gave it
+    left: int = field(init=False)  # how many it has not
 
     def __post_init__(self) -> None:
         self.restart()
@@ -372,10 +372,10 @@ class HookState:
         bucket.segments = []
         for k, (run, numel, cut) in enumerate(zip(runs, numels, ranges, strict=True)):
             key = f"{bucket.index}.{bucket.version}:{bucket.numel}:{bucket.dtype}/{k}"
-            mine = [next(balanced) for _ in cut]
+            spread = [next(balanced) for _ in cut]
             owners = self._planned.get(key)
             if owners is None or len(owners) != len(cut):
-                owners = mine
+                owners = spread
             gid = zlib.crc32(f"{self._generation}:{key}".encode()) & 0x7FFFFFFF
             group = self.engine.add_group(
                 gid, f"bucket {key}", torch.empty(numel, dtype=bucket.dtype), cut, owners,
@@ -383,8 +383,7 @@ class HookState:
                 on_done=self._segment_done)
             members = [bucket.params[i] for i in run]
             offsets = [sum(p.numel() for p in members[:j]) for j in range(len(members))]
-            bucket.segments.append(_Segment(group, key, members, offsets, run[0],
-                                            left=len(members)))
+            bucket.segments.append(_Segment(group, key, members, offsets, run[0]))
             self._groups[gid] = group
             self._keys[gid] = key
         if bucket.armed:
