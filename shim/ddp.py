@@ -444,7 +444,7 @@ class HookState:
             self.engine.raise_error()
             raise TransportError(f"rank {self.rank}: sends did not drain before regrouping")
         self.engine.retire(list(self._groups.values()))
-        self._groups, self._keys, self._slots = {}, {}, {}
+        self._groups, self._keys, self._slots, self._done = {}, {}, {}, {}
         self._planned = {str(k): [int(o) for o in v] for k, v in posted.items()}
         self._generation += 1
         for bucket in sorted(self._buckets.values(), key=lambda b: b.index):
