@@ -221,9 +221,10 @@ def run_ddp_hook(
             state.samples = sizes[rank]
         # Micro-batches: each loss weighted by its share of the slice, so the accumulated
         # gradient is the slice's mean, as without them.
-        cuts = torch.arange(start, start + sizes[rank]).tensor_split(args.accumulate)
-        for i, part in enumerate(c for c in cuts if len(c)):
-            last = i == sum(1 for c in cuts if len(c)) - 1
+        parts = [c for c in torch.arange(start, start + sizes[rank]).tensor_split(
+            args.accumulate) if len(c)]
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 loss = nn.functional.cross_entropy(ddp(x[part]), y[part]) * len(part) / sizes[rank]
                 loss.backward()
@@ -232,7 +233,8 @@ def run_ddp_hook(
         opt.zero_grad()
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
         if rank == 0 and step == args.advise_owners:  # what gradlaned passes on from a plan
-            chunks = sum(len(state._groups[gid].chunks) for gid in state._last_ready)
+            chunks = sum(len(state._groups[gid].chunks) for gid in state._last_ready
+                         if gid in state._groups)
             state.client.advised_owners = (len(sizes) - 1,) * chunks
         time.sleep(args.step_sleep)
     print(f"rank {rank} leaves {state.leaves} hosts {state.hosts} {state.engine.kind}",
