@@ -1,20 +1,37 @@
-"""The shim's options, validated once."""
+"""The shim's options, validated once, and what it refuses in a model."""
 
 from __future__ import annotations
 
 import difflib
 import os
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, EXCHANGE_OPTIONS, LAYOUTS
 
-__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig", "default_job"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig", "default_job",
+           "refuse_sparse_gradients"]
 
 # Band 0 first: gradlaned's default table. The daemon's welcome overrides it.
 DEFAULT_DSCP = DEFAULT_BAND_DSCP
 EXCHANGES = EXCHANGE_OPTIONS  # `gradlane.policies.chunks.uses_ring`
+
+
+def refuse_sparse_gradients(model: nn.Module) -> None:
+    """Raise `ConfigError` naming the modules of `model` whose gradients are sparse
+    (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``): chunks are cut from dense
+    gradients, and a sparse one would fail in backward with torch's own error."""
+    sparse = [name or "the model" for name, module in model.named_modules()
+              if getattr(module, "sparse", False) is True
+              and any(p.requires_grad for p in module.parameters(recurse=False))]
+    if sparse:
+        raise ConfigError(f"{', '.join(sparse[:3])}: sparse gradients (sparse=True); "
+                          "gradlane averages dense ones, so build these with sparse=False")
 
 
 def default_job() -> str:

@@ -55,7 +55,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.policies.chunks import Routes, group_consecutive, layout_sizes
 from gradlane.shim.client import DaemonClient
-from gradlane.shim.config import ShimConfig
+from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
 from gradlane.shim.engine import Engine, Group, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
@@ -145,6 +145,7 @@ class HookState:
 
     def __init__(self, model: nn.Module, *, address: str | Sequence[str] | None = None,
                  **options: Any) -> None:
+        refuse_sparse_gradients(model)
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("HookState needs torch.distributed.init_process_group() first")
         self.config = ShimConfig.of(options)

@@ -63,7 +63,7 @@ from gradlane.policies.chunks import (
     trial_schedule,
 )
 from gradlane.shim.client import DaemonClient
-from gradlane.shim.config import ShimConfig
+from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
 from gradlane.shim.engine import Engine, Group, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
@@ -279,6 +279,7 @@ class Sync:
     ) -> None:
         if isinstance(optimizer, torch.optim.SparseAdam):
             raise ConfigError("SparseAdam needs sparse gradients; gradlane averages dense ones")
+        refuse_sparse_gradients(model)
         self.model, self.optimizer, self.config = model, optimizer, config
         self.rank, self.world = rank, world
         self.step = 0

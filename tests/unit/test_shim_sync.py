@@ -443,6 +443,13 @@ def test_misuse_gets_clear_errors() -> None:
             attach(model(), opt)
     with attach(m, opt):
         pass
+    # Sparse gradients (an embedding with sparse=True), at attach and at the DDP hook's
+    # state, before anything needs a process group: not torch's error in backward.
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 3))
+    with pytest.raises(ConfigError, match=r"^0: sparse gradients \(sparse=True\)"):
+        attach(sparse, torch.optim.SGD(sparse.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match=r"^0: sparse gradients"):
+        gl.HookState(sparse)
     # Parameters off the CPU (here the meta device, as a CUDA one would be) are refused.
     elsewhere = model().to("meta")
     with pytest.raises(ConfigError, match="only dense CPU parameters"):
