@@ -16,8 +16,8 @@ its layers) and, once DDP's buckets have settled (it rebuilds them after its
 first step), sends a group from the gradient hooks of its parameters, so the
 first layers' bytes cross the network while backward computes the rest. DDP
 still waits for every bucket's future, and each bucket's average is in the
-bucket when its future completes, so training is DDP's, bit for bit the same
-replicas. Each group is cut into chunks with balanced owners (with a control
+bucket when its future completes, so training goes on as DDP's does (every
+replica holding the same averages, bit for bit). Each group is cut into chunks with balanced owners (with a control
 plane, its plan's, taken by every rank at one step as `attach` takes them),
 ordered by the forward order of its parameters (first used = first sent)
 and sent over the DSCP-marked band connections that gradlaned schedules;
