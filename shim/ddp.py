@@ -17,8 +17,9 @@ first step), sends a group from the gradient hooks of its parameters, so the
 first layers' bytes cross the network while backward computes the rest. DDP
 still waits for every bucket's future, and each bucket's average is in the
 bucket when its future completes, so training goes on as DDP's does (every
-replica holding the same averages, bit for bit). Each group is cut into chunks with balanced owners (with a control
-plane, its plan's, taken by every rank at one step as `attach` takes them),
+replica holding the same averages, bit for bit). Each group is cut into
+chunks with balanced owners (with a control plane, its plan's, taken by
+every rank at one step as `attach` takes them),
 ordered by the forward order of its parameters (first used = first sent)
 and sent over the DSCP-marked band connections that gradlaned schedules;
 when every rank knows its leaf switch (``leaf=``, `ShimConfig.leaf`, or the
@@ -42,6 +43,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -149,7 +151,9 @@ class HookState:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("HookState needs torch.distributed.init_process_group() first")
         self.config = ShimConfig.of(options)
-        self._model = model
+        # Weakly: DDP holds this state (its comm hook's), and a cycle would keep DDP alive
+        # past `destroy_process_group()`, where freeing it may hang (README, "Keeping DDP").
+        self._model = weakref.ref(model)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._store = store = dist.distributed_c10d._get_default_store()
         self._prefix = f"gradlane/{self.config.job}/ddp"
@@ -352,7 +356,7 @@ class HookState:
         """Whether DDP will rebuild its buckets at a coming forward: it does once, in
         gradient-ready order, unless it looks for unused parameters in a dynamic graph
         (DDP's own attributes; without them, no: a rebuild is then seen, in `_segments`)."""
-        ddp = self._model
+        ddp = self._model()
         rebuilds = bool(getattr(ddp, "static_graph", False)
                         or not getattr(ddp, "find_unused_parameters", True))
         return rebuilds and not getattr(ddp, "_has_rebuilt_buckets", True)

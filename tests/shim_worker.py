@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -248,7 +249,10 @@ def run_ddp_hook(
     state.close()
     # DDP's reducer first, while the process group is registered (`gradlane.worker`: freed
     # after it, the reducer joins the group's gloo threads holding the GIL; a hang at exit).
+    # So nothing of gradlane's may keep DDP alive once the names are gone.
+    alive = weakref.ref(ddp)
     del ddp, state
+    print(f"rank {rank} DDP freed before the group: {alive() is None}", flush=True)
     dist.destroy_process_group()
     torch.save(
         {k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt"

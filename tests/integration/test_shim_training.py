@@ -158,6 +158,7 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
             # parameters' gradient hooks, before DDP calls the hook for their bucket.
             early = re.search(rf"rank {rank} hook chunk bytes .* early sends (\d+)", log)
             assert early and int(early.group(1)) > 0, log[-3000:]
+            assert f"rank {rank} DDP freed before the group: True" in log, log[-3000:]
         if "--advise-owners" in flags:
             owned = re.search(r"owners taken at 10, owned \[0, 0, 0, (\d+)\]", log)
             assert owned and int(owned.group(1)) > 0, log[-3000:]
