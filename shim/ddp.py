@@ -472,8 +472,20 @@ class HookState:
             if not future.done():
                 future.set_exception(error)  # type: ignore[arg-type]
 
+    def _check_peers(self) -> None:
+        """Fail the buckets DDP waits on if a peer their groups need is gone (the engine
+        says so at once only when one vanishes before anything waits)."""
+        with self._lock:
+            groups = [segment.group for _, segment in self._waiting.values()]
+        lost = self.engine.error or self.engine.lost(groups)
+        if lost is not None:
+            self._fail_pending(lost)
+
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
+            if not self._pending:
+                continue
+            self._check_peers()
             idle = time.monotonic() - self.engine.last_rx
             if self._pending and idle > self.config.timeout_s:
                 with self._lock:
@@ -530,4 +542,6 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
             state._pending[bucket.index()] = future
     for segment in done:  # averaged before DDP asked (sent early)
         state._deliver(waiter, segment)
+    if not future.done():
+        state._check_peers()  # a peer lost before this bucket was asked for
     return future

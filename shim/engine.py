@@ -350,15 +350,9 @@ class Engine:
                 pending = [g for g in groups if g.done_step < step]
                 if not pending:
                     return
-                if self.left:
-                    # A peer that vanished breaks the job; one that said goodbye
-                    # only matters if we still wait on it.
-                    missing = self._missing(pending, step)
-                    gone = [p for p in self.left if p in self._vanished]
-                    gone += [p for p in self.left if p in missing]
-                    if gone:
-                        raise PeerLost(self._blame.get(gone[0], gone[0]), step,
-                                       self.left[gone[0]])
+                lost = self._lost_for(pending, step)
+                if lost is not None:
+                    raise lost
                 idle = time.monotonic() - max(self.last_rx, started)
                 if idle >= self.timeout_s:
                     missing = self._missing(pending, step)
@@ -370,6 +364,25 @@ class Engine:
                         f"{pending[0].label}; waiting on ranks {sorted(set(missing))}",
                     )
                 self._cond.wait(min(1.0, self.timeout_s - idle))
+
+    def lost(self, groups: Sequence[Group], step: int | None = None) -> PeerLost | None:
+        """Why `groups` cannot be averaged for `step` (default: current), if a peer they
+        need is gone; None while they may still be (`wait` raises it)."""
+        step = self.step if step is None else step
+        with self._cond:
+            return self._lost_for([g for g in groups if g.done_step < step], step)
+
+    def _lost_for(self, pending: Sequence[Group], step: int) -> PeerLost | None:
+        if not (pending and self.left):
+            return None
+        # A peer that vanished breaks the job; one that said goodbye only matters if we
+        # still wait on it.
+        missing = self._missing(pending, step)
+        gone = [p for p in self.left if p in self._vanished]
+        gone += [p for p in self.left if p in missing]
+        if not gone:
+            return None
+        return PeerLost(self._blame.get(gone[0], gone[0]), step, self.left[gone[0]])
 
     def _missing(self, groups: Sequence[Group], step: int) -> list[int]:
         ranks = []

@@ -228,7 +228,14 @@ def run_ddp_hook(
             last = i == len(parts) - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 loss = nn.functional.cross_entropy(ddp(x[part]), y[part]) * len(part) / sizes[rank]
-                loss.backward()
+                if step == args.die_at:
+                    loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+                try:
+                    loss.backward()
+                except RuntimeError as exc:  # DDP's, around the hook's PeerLost
+                    print(f"PeerLost (through DDP): {exc}", file=sys.stderr, flush=True)
+                    state.close()  # its goodbyes name the rank lost, for the others
+                    sys.exit(3)
         opt.step()
         scheduler.step()
         opt.zero_grad()

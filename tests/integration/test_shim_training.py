@@ -204,6 +204,28 @@ def test_sigkilled_peer_makes_the_others_raise_within_the_timeout(tmp_path: Path
 
 
 @pytest.mark.timeout(120)
+def test_with_the_ddp_hook_a_sigkilled_peer_makes_the_others_raise_promptly(
+    tmp_path: Path,
+) -> None:
+    timeout = 20.0
+    # Rank 3 SIGKILLs itself as the backward of step 5 starts, while its peers' gradient
+    # hooks send the step's first groups: DDP's backward raises on the others, well within
+    # the timeout (the lost connection says so; no need to wait for silence).
+    procs = launch(tmp_path, "--ddp-hook", "--steps", "30", "--timeout", str(timeout),
+                   per_rank={3: ["--die-at", "5"]})
+    procs[3].wait(timeout=60)
+    died = time.monotonic()
+    assert procs[3].returncode == -9
+    results = finish(procs, timeout=timeout + 30)[:3]
+    elapsed = time.monotonic() - died
+    for rank, (code, log) in enumerate(results):
+        assert code == 3, f"rank {rank} should have raised PeerLost:\n{log[-2000:]}"
+        assert re.search(r"PeerLost \(through DDP\): .*rank 3 lost", log), log[-2000:]
+    print(f"the others raised {elapsed:.1f} s after rank 3 died")
+    assert elapsed < timeout / 2
+
+
+@pytest.mark.timeout(120)
 def test_workers_register_with_the_daemon_and_survive_its_death(
     tmp_path: Path, daemon: RunningDaemon
 ) -> None:
