@@ -204,13 +204,10 @@ class HookState:
         self._batch_agreed = False
         self.step = 0
         self._in_step = False
-        self._groups: dict[int, Group] = {}
-        self._keys: dict[int, str] = {}  # each group's key: bucket (version), size, dtype, run
         self._buckets: dict[int, _Bucket] = {}  # by DDP's bucket index
         self._versions = 0  # buckets seen (made anew when DDP rebuilds them)
         # The parameters of armed buckets: (segment, place in it), by id.
         self._slots: dict[int, tuple[_Segment, int]] = {}
-        self._done: dict[int, int] = {}  # each group's last step averaged
         # By group id: the bucket (and the segment of it) its average goes to.
         self._waiting: dict[int, tuple[_Waiter, _Segment]] = {}
         self._syncing = False  # the last forward was one whose backward DDP synchronizes
@@ -226,12 +223,12 @@ class HookState:
         self._order: dict[torch.Tensor, int] = {}
         inner = getattr(model, "module", model)
         assert isinstance(inner, nn.Module)
-        # Buckets are cut as `attach` cuts its fine groups (`layout_sizes`): at most a
+        # Buckets are cut as `attach` cuts its fine groups (`layout_sizes`): at parameters
+        # into groups of at least its least size, and those into chunks of at most a
         # quarter of a rank's share of the model, W-1 times smaller on the ring, whose
         # hops store and forward whole chunks (1 MiB chunks left the last bucket's hops a
         # tail: on the VGG-19 trace on four hosts 23 ms a step behind plain DDP, 13 ms
         # with 256 KiB ones).
-        # Buckets are cut at parameters into groups of at least the same least size.
         grads = sum(p.numel() * p.element_size() for p in inner.parameters() if p.requires_grad)
         self._least, self.chunk_bytes = layout_sizes(grads, self.world, self.config.chunk_bytes,
                                                      "fine", ring=self.engine.ring)
@@ -332,8 +329,7 @@ class HookState:
         if known is not None and known.same(params, buffer):
             if not known.armed and not self._rebuild_pending():
                 known.armed = True
-                self._slots.update((id(p), (segment, i)) for segment in known.segments
-                                   for i, p in enumerate(segment.params))
+                self._arm(known)
             return known.segments
         # New (the first step), or DDP rebuilt its buckets: what held these parameters
         # before goes. If it was armed, its groups that this step's gradients completed
@@ -344,7 +340,6 @@ class HookState:
                 for segment in old.segments:
                     for p in segment.params:
                         self._slots.pop(id(p), None)
-                    self._groups.pop(segment.group.gid, None)
                 del self._buckets[index]
         self._versions += 1
         new = _Bucket(bucket.index(), list(params), buffer.numel(), buffer.dtype, self._versions)
@@ -389,17 +384,27 @@ class HookState:
             members = [bucket.params[i] for i in run]
             offsets = [sum(p.numel() for p in members[:j]) for j in range(len(members))]
             bucket.segments.append(_Segment(group, key, members, offsets, run[0]))
-            self._groups[gid] = group
-            self._keys[gid] = key
         if bucket.armed:
-            self._slots.update((id(p), (segment, i)) for segment in bucket.segments
-                               for i, p in enumerate(segment.params))
+            self._arm(bucket)
+
+    def _arm(self, bucket: _Bucket) -> None:
+        """From now on, `bucket`'s parameters give their gradients to its segments as soon as
+        backward has them (`_on_grad`)."""
+        self._slots.update((id(p), (segment, i)) for segment in bucket.segments
+                           for i, p in enumerate(segment.params))
+
+    def _by_gid(self) -> dict[int, _Segment]:
+        """The segments of DDP's current buckets, by group id."""
+        return {s.group.gid: s for bucket in self._buckets.values() for s in bucket.segments}
+
+    @property
+    def _groups(self) -> dict[int, Group]:
+        return {gid: segment.group for gid, segment in self._by_gid().items()}
 
     def _segment_done(self, group: Group) -> None:
         """A group's average is in (an engine thread): into its bucket, if DDP asked for it."""
         with self._lock:
             self._t_averaged = time.perf_counter()
-            self._done[group.gid] = group.done_step
             waiting = self._waiting.pop(group.gid, None)
         if waiting is not None:
             self._deliver(*waiting)
@@ -432,14 +437,15 @@ class HookState:
         advised = self.client.advised_owners if self.rank == 0 else None
         if advised is not None:
             # As gradlaned orders a step's chunk events: by priority, then as they came.
-            ordered = sorted((gid for gid in self._last_ready if gid in self._groups),
-                             key=lambda gid: self._groups[gid].priority)
-            current = [c.owner for gid in ordered for c in self._groups[gid].chunks]
+            by_gid = self._by_gid()
+            ordered = sorted((by_gid[gid] for gid in self._last_ready if gid in by_gid),
+                             key=lambda segment: segment.group.priority)
+            current = [c.owner for segment in ordered for c in segment.group.chunks]
             if len(advised) == len(current) and list(advised) != current:
                 said, at = {}, 0
-                for gid in ordered:
-                    n = len(self._groups[gid].chunks)
-                    said[self._keys[gid]] = list(advised[at : at + n])
+                for segment in ordered:
+                    n = len(segment.group.chunks)
+                    said[segment.key] = list(advised[at : at + n])
                     at += n
         posted = rank0_says(self._store, f"{self._prefix}/owners/{self.step}", self.rank,
                             said, f"{self._prefix}/owners/{self.step - OWNERS_EVERY}")
@@ -449,7 +455,7 @@ class HookState:
             self.engine.raise_error()
             raise TransportError(f"rank {self.rank}: sends did not drain before regrouping")
         self.engine.retire(list(self._groups.values()))
-        self._groups, self._keys, self._slots, self._done = {}, {}, {}, {}
+        self._slots = {}
         self._planned = {str(k): [int(o) for o in v] for k, v in posted.items()}
         self._generation += 1
         for bucket in sorted(self._buckets.values(), key=lambda b: b.index):
@@ -460,7 +466,8 @@ class HookState:
 
     def owned_bytes(self) -> list[int]:
         """The gradient bytes each rank owns in the last step's groups, by rank."""
-        return owned_bytes((self._groups[gid] for gid in self._last_ready if gid in self._groups),
+        groups = self._groups
+        return owned_bytes((groups[gid] for gid in self._last_ready if gid in groups),
                            self.world)
 
     def _fail_pending(self, error: Exception) -> None:
@@ -533,10 +540,10 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
             state.step += 1
             state._last_ready, state._ready = state._ready, []
     waiter = _Waiter(future, bucket.index(), bucket.buffer(), gradients, len(segments))
-    with state._lock:
-        done = [s for s in segments if state._done.get(s.group.gid, -1) >= step]
+    with state._lock:  # (the engine marks a group done before `_segment_done` takes it)
+        done = [s for s in segments if s.group.done_step >= step]
         for segment in segments:
-            if state._done.get(segment.group.gid, -1) < step:
+            if segment not in done:
                 state._waiting[segment.group.gid] = (waiter, segment)
         if len(done) < len(segments):
             state._pending[bucket.index()] = future

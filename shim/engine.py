@@ -1,8 +1,8 @@
 """The chunk engine: priority queues, reduce-scatter and all-gather per chunk.
 
 A *group* is a flat gradient buffer that is synchronized as a unit (one
-layer's gradients of one dtype, or a run of one DDP bucket's parameters). It is cut into chunks;
-each chunk has one owner rank and a reduction tree towards it
+layer's gradients of one dtype, or a run of one DDP bucket's parameters). It
+is cut into chunks; each chunk has one owner rank and a reduction tree towards it
 (`gradlane.policies.chunks.reduction_parents`): with every rank on one leaf
 (the default) all ranks send straight to the owner; with the ranks' leaf
 switches known, ranks send to their leaf's leader, which forwards the leaf's
