@@ -178,13 +178,12 @@ class HookState:
             self.leaves, self.hosts = reduction_groups(
                 store, self._prefix, self.rank, self.world, self.client.leaf(),
                 self.client.host(), self.mesh.address, self.config.exchange)
-            self.mesh.connect(Routes.agreed(self.config.exchange, self.world, self.leaves,
-                                            self.hosts).peers(self.rank))
+            routes = Routes.agreed(self.config.exchange, self.world, self.leaves, self.hosts)
+            self.mesh.connect(routes.peers(self.rank))
             self.client.flows_changed()
             self.engine = Engine(
                 self.mesh, self.config.timeout_s, on_event=self.client.chunk_event,
-                leaves=self.leaves, exchange=self.config.exchange, hosts=self.hosts,
-                plane_rates=self.client.plane_rates(self.mesh.addresses),
+                routes=routes, plane_rates=self.client.plane_rates(self.mesh.addresses),
             )
         except BaseException:
             self.client.close()

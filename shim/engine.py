@@ -9,7 +9,7 @@ switches known, ranks send to their leaf's leader, which forwards the leaf's
 partial sum, so one copy per leaf crosses the spine; with ranks sharing hosts,
 the same within each host first (one copy per host on its NIC), under the leaves
 when both are known. With the ring exchange
-(`Engine` ``exchange``, one leaf, `gradlane.policies.chunks.uses_ring`) the tree
+(`Engine` ``routes`` of kind ``ring``: `gradlane.policies.chunks.uses_ring`) the tree
 is a path around the ring of ranks, starting at the owner's successor, and the
 result goes on around the ring (`gradlane.policies.chunks.ring_routes`): every
 rank sends only to its successor. For every step:
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradlane.errors import ConfigError, PeerLost, TransportError
+from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import Routes
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
@@ -138,14 +138,10 @@ class Engine:
         timeout_s: see `ShimConfig.timeout_s`.
         on_event: called ``(group, chunk, kind)`` when a chunk is queued
             ("ready") and when it is averaged ("done"); for the daemon client.
-        leaves: each rank's leaf switch, the same on every rank (default: one
-            leaf, the flat exchange); see the module docstring.
-        hosts: each rank's host when ranks share some
-            (`gradlane.policies.chunks.host_groups`): each chunk is reduced
-            within hosts first, then within `leaves` if given.
-        exchange: `ShimConfig.exchange`; where
-            `gradlane.policies.chunks.uses_ring` says so, every chunk goes
-            around the ring of ranks (`gradlane.policies.chunks.ring_routes`).
+        routes: the paths every rank agreed on (`gradlane.policies.chunks.Routes.agreed`
+            from `ShimConfig.exchange`, the ranks' leaves and hosts; the mesh
+            connected to its `peers`); default: the flat exchange, straight to
+            each chunk's owner. See the module docstring.
         plane_rates: with several planes (`Mesh.addresses`), each one's rate:
             chunks spread over them in proportion (default: equally).
     """
@@ -155,9 +151,7 @@ class Engine:
         mesh: Mesh,
         timeout_s: float,
         on_event: Callable[[Group, Chunk, str], None] | None = None,
-        leaves: Sequence[int] | None = None,
-        exchange: str = "flat",
-        hosts: Sequence[int] | None = None,
+        routes: Routes | None = None,
         plane_rates: Sequence[float] | None = None,
     ) -> None:
         self.mesh = mesh
@@ -167,10 +161,9 @@ class Engine:
                                  f"got {list(plane_rates)}")
         self.plane_rates = tuple(plane_rates or (1.0,) * mesh.planes)
         self.rank, self.world = mesh.rank, mesh.world
-        try:
-            self.routes = Routes.agreed(exchange, self.world, leaves, hosts)
-        except ConfigError as exc:
-            raise TransportError(str(exc)) from None
+        self.routes = routes or Routes.agreed("flat", self.world)
+        if self.routes.world != self.world:
+            raise TransportError(f"routes for {self.routes.world} ranks on a mesh of {self.world}")
         self.kind = self.routes.kind  # what gradlaned and the control plane are told
         self.ring = self.kind == "ring"
         unlinked = set(self.routes.peers(self.rank)) - set(mesh.peers())

@@ -320,9 +320,7 @@ class Sync:
                 self.mesh,
                 config.timeout_s,
                 on_event=self.client.chunk_event,
-                leaves=self.leaves,
-                exchange=config.exchange,
-                hosts=self.hosts,
+                routes=routes,
                 plane_rates=self.client.plane_rates(self.mesh.addresses),
             )
             self.client.exchange_agreed(self.engine.kind)

@@ -100,8 +100,9 @@ def run(job: Job) -> list[list[list[torch.Tensor]]]:
         # Connections to the ranks the exchange sends to only, as the shim's.
         mesh = Mesh(rank, job.world, store, PLANES[:job.planes], DSCP, credit_bytes=128 << 10,
                     timeout_s=30, prefix=prefix, connect=False)
-        mesh.connect(Routes.agreed(job.exchange, job.world, job.leaves).peers(rank))
-        engine = Engine(mesh, timeout_s=30, leaves=job.leaves, exchange=job.exchange)
+        routes = Routes.agreed(job.exchange, job.world, job.leaves)
+        mesh.connect(routes.peers(rank))
+        engine = Engine(mesh, timeout_s=30, routes=routes)
         engines[rank] = engine
         for gid, spec in enumerate(job.groups):
             esize = torch.empty(0, dtype=spec.dtype).element_size()
@@ -270,7 +271,7 @@ def test_a_lost_rank_is_named_by_the_ranks_not_connected_to_it() -> None:
         mesh = Mesh(rank, 4, store, "127.0.0.1", DSCP, credit_bytes=128 << 10, timeout_s=30,
                     prefix=prefix, connect=False)
         mesh.connect(routes.peers(rank))
-        engine = Engine(mesh, timeout_s=30, exchange="ring")
+        engine = Engine(mesh, timeout_s=30, routes=routes)
         engine.add_group(0, "g", torch.zeros(3000), [(0, 3000)], [0], 0, 0)
         engines.append(engine)
 
