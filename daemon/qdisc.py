@@ -293,6 +293,9 @@ class QdiscManager:
         # change sent; None = read it again before the next diff.
         self._view: _View | None = None
         self._ifindex: int | None = None
+        # Whether this manager has held the root (installed or taken over its tree):
+        # a default root found after that means the tree was deleted behind its back.
+        self._holding = False
 
     # -- lifecycle -------------------------------------------------------
 
@@ -455,6 +458,7 @@ class QdiscManager:
         self._state_file.unlink(missing_ok=True)
         self._last_bytes.clear()
         self._view = None
+        self._holding = False
         return restored
 
     def class_stats(self) -> list[ClassStats]:
@@ -541,11 +545,24 @@ class QdiscManager:
     def _ensure_root(self, index: int, changes: list[str]) -> None:
         root = self._root_qdisc(index)
         if root is not None and _is_ours(root):
+            self._holding = True
             return
-        self._state = _Persisted(original=self._snapshot(root))
-        self._save_state()
+        found = self._snapshot(root)
+        if self._holding and found.is_default and self._state.original is not None:
+            # Our tree was deleted behind our back (`tc qdisc del ... root`): the kernel's
+            # default came back, but what the end restores stays what we found at first.
+            logger.warning("%s: gradlane's root qdisc was removed by someone else; "
+                           "installing it again", self.ifname)
+        else:
+            if self._holding:
+                logger.warning("%s: gradlane's root qdisc was replaced by %s %s; taking the "
+                               "interface over again (that one is restored at the end)",
+                               self.ifname, found.kind, fmt_handle(found.handle))
+            self._state = _Persisted(original=found)
+            self._save_state()
         with translated(self.ifname, "install root qdisc htb 474c:"):
             self.ipr.tc("replace", "htb", index, ROOT, default=OTHER_CLASS & 0xFFFF)
+        self._holding = True
         changes.append("install root qdisc")
 
     def _snapshot(self, root: Any | None) -> _Original:

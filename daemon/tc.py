@@ -23,9 +23,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.rtnl.tcmsg import cls_u32, tcmsg
+from pyroute2.netlink.rtnl.tcmsg import cls_u32, plugins, sched_pfifo, tcmsg
 
 from gradlane.errors import TcError
+
+# pyroute2 0.9 knows pfifo's options but not bfifo's, which are the same struct
+# (tc_fifo_qopt: the limit, in bytes for bfifo): without this a bfifo root reads as
+# a hex string and is re-created with the kernel's default limit, whatever is asked.
+plugins.setdefault("bfifo", sched_pfifo)
 
 __all__ = [
     "ETH_P_ALL",

@@ -186,9 +186,12 @@ def test_restore_gives_back_the_exact_default_root(cluster: Cluster, tmp_path: P
     assert not (tmp_path / "q.json").exists()
 
 
-def test_restore_gives_back_an_operators_pfifo(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind, limit", [("pfifo", "321"), ("bfifo", "64000")])
+def test_restore_gives_back_an_operators_fifo(
+    cluster: Cluster, tmp_path: Path, kind: str, limit: str
+) -> None:
     ns = cluster.ns("h1")
-    tc(ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "8123:", "pfifo", "limit", "321")
+    tc(ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "8123:", kind, "limit", limit)
     try:
         before = tc(ns, "qdisc", "show", "dev", "eth0")
         with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
@@ -197,6 +200,42 @@ def test_restore_gives_back_an_operators_pfifo(cluster: Cluster, tmp_path: Path)
         assert tc(ns, "qdisc", "show", "dev", "eth0") == before
     finally:
         tc(ns, "qdisc", "del", "dev", "eth0", "root")
+
+
+def test_a_tree_removed_behind_its_back_is_rebuilt_and_the_original_still_restored(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`tc qdisc del ... root` under a running manager: its next verifying apply (gradlaned's
+    every 30 s) builds the tree again, and the end still restores the operator's qdisc the
+    manager found at first, not the kernel default the deletion left. A qdisc of one's own
+    put in instead (restorable) is what the end restores."""
+    ns = cluster.ns("h1")
+    tc(ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "8125:", "pfifo", "limit", "456")
+    try:
+        before = tc(ns, "qdisc", "show", "dev", "eth0")
+        with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
+            qm.apply(job_spec())
+            built = tc(ns, "class", "show", "dev", "eth0")
+            tc(ns, "qdisc", "del", "dev", "eth0", "root")
+            assert not qm.owned()
+            assert qm.apply(job_spec()) == []  # the kept view sees nothing wrong ...
+            assert "install root qdisc" in qm.apply(job_spec(), verify=True)  # ... a read does
+            assert tc(ns, "class", "show", "dev", "eth0") == built
+            assert qm.restore() is True
+        assert tc(ns, "qdisc", "show", "dev", "eth0") == before
+
+        with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
+            qm.apply(job_spec())
+            tc(ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "8126:", "bfifo",
+               "limit", "65000")  # fmt: skip
+            theirs = tc(ns, "qdisc", "show", "dev", "eth0")
+            qm.apply(job_spec(), verify=True)
+            assert qm.owned()
+            assert qm.restore() is True
+        assert tc(ns, "qdisc", "show", "dev", "eth0") == theirs
+    finally:
+        if "noqueue 0:" not in tc(ns, "qdisc", "show", "dev", "eth0"):  # not yet the default
+            tc(ns, "qdisc", "del", "dev", "eth0", "root")
 
 
 def test_foreign_root_is_left_alone(cluster: Cluster, tmp_path: Path) -> None:
