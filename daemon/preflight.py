@@ -102,9 +102,11 @@ def _interface(config: DaemonConfig, name: str, rate_bps: int) -> Finding:
         parts.append(f"link {state.lower()}")
     try:
         with QdiscManager(name, state_file=config.state_dir / f"qdisc-{name}.json") as manager:
-            ours = manager.owned()
+            ours, foreign = manager.owned(), manager.foreign_root()
     except GradlaneError as exc:
         return Finding(check, FAIL, f"reading its qdiscs failed: {exc}")
+    if foreign is not None:  # gradlaned would run but leave this interface unshaped
+        return Finding(check, FAIL, "; ".join([*parts, str(foreign)]))
     if ours:
         then = "takes it over" if config.on_start == "takeover" else "restores it first"
         parts.append(f"holds a gradlane tree (a running gradlaned's, or one a crash left: "

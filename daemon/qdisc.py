@@ -340,6 +340,18 @@ class QdiscManager:
         root = self._root_qdisc(self._index())
         return root is not None and _is_ours(root)
 
+    def foreign_root(self) -> ForeignQdiscError | None:
+        """What `apply` would raise for the interface's root qdisc as it is now (an
+        operator's own tree it could not restore), or None if it may replace or keep it."""
+        root = self._root_qdisc(self._index())
+        if root is None or _is_ours(root):
+            return None
+        try:
+            self._snapshot(root)
+        except ForeignQdiscError as exc:
+            return exc
+        return None
+
     def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]:
         """Make the interface's tree match `spec`; return the changes sent.
 

@@ -49,7 +49,13 @@ from gradlane.daemon.control import read_token, start_site
 from gradlane.daemon.qdisc import ClassStats, FlowMatch, JobSpec, QdiscManager, QdiscSpec
 from gradlane.daemon.registry import Credentials, Registry, Worker
 from gradlane.daemon.uplink import ControlLink
-from gradlane.errors import ConfigError, GradlaneError, ProtocolError, TcError
+from gradlane.errors import (
+    ConfigError,
+    ForeignQdiscError,
+    GradlaneError,
+    ProtocolError,
+    TcError,
+)
 from gradlane.policies import JobClassPlan, JobState, Plan, State, get_policy
 from gradlane.units import MIN_RATE_BPS
 
@@ -140,6 +146,7 @@ class Daemon:
         self._reconciles = 0
         self._reconcile_errors = 0
         self._last_changes: list[str] = []
+        self._unshaped: dict[str, str] = {}  # interface -> why gradlaned leaves it alone
         self.api_errors: Counter[str] = Counter()
         self.metrics = CollectorRegistry(auto_describe=True)
         self._reconcile_hist = Histogram(
@@ -402,7 +409,16 @@ class Daemon:
                 if verify:  # an address may come or go after the start (DHCP, a late NIC)
                     self._addresses[backend.ifname] = await self._tc(backend.addresses)
                 spec = self.spec_for(backend, plan)
-                changes += await self._tc(partial(backend.apply, spec, verify=verify))
+                try:
+                    changes += await self._tc(partial(backend.apply, spec, verify=verify))
+                except ForeignQdiscError as exc:
+                    # An operator's own root: left alone, and this interface unshaped until
+                    # it goes (every reconcile looks again); the others are shaped.
+                    if self._unshaped.get(backend.ifname) != str(exc):
+                        logger.warning("%s not shaped: %s", backend.ifname, exc)
+                    self._unshaped[backend.ifname] = str(exc)
+                else:
+                    self._unshaped.pop(backend.ifname, None)
         except Exception as exc:  # netlink's own errors included: the daemon must keep running
             if isinstance(exc, TcError) and exc.errno == errno.EPERM:  # would never succeed
                 raise GradlaneError(f"{exc}: gradlaned needs CAP_NET_ADMIN (run it as root, "
@@ -620,6 +636,7 @@ class Daemon:
                 {
                     "name": b.ifname,
                     "shaped_bps": self._shaped(b),
+                    "not_shaped": self._unshaped.get(b.ifname),
                     "classes": [asdict(c) for c in self._stats.get(b.ifname, [])],
                 }
                 for b in self._backends

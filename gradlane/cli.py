@@ -844,6 +844,9 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
             )
     out.print(jobs)
     for iface in data["interfaces"]:
+        if iface.get("not_shaped"):  # an operator's own root qdisc, left alone
+            out.print(Text(f"{iface['name']}: not shaped: {iface['not_shaped']}", "bold yellow"))
+            continue
         classes = Table(title=f"{iface['name']}: shaped to {format_rate(iface['shaped_bps'])}")
         for column in (
             "class",

@@ -263,3 +263,46 @@ def test_check_beside_a_running_gradlaned_warns_and_passes(cluster: Cluster,
         assert _found(done.stdout, "http 127.0.0.1:9464").startswith("warn in use")
     finally:
         assert stop(daemon) == 0
+
+
+def test_an_operators_own_root_is_left_alone_said_and_taken_once_gone(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A root qdisc gradlaned could not put back (a tbf): `--check` fails naming it; the
+    daemon serves shims, leaves the interface alone, says so once in its log and in
+    `gradlane status`; once the operator removes it, the next change installs the tree."""
+    ns = cluster.ns("h1")
+    tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "9:", "tbf",
+       "rate", "50mbit", "burst", "32kb", "latency", "50ms")  # fmt: skip
+    removed = False
+    try:
+        done = _check(cluster, tmp_path, "-i", "eth0=200mbit")
+        assert done.returncode == 1
+        assert _found(done.stdout, "interface eth0").startswith("fail line rate 200Mbit")
+        assert "root qdisc tbf 9:0 on eth0: installed by someone else" in done.stdout
+        daemon, sock = start_daemon(cluster, "h1", tmp_path)
+        try:
+            client = register(sock, hello([]))  # served: the shims train on, marked
+            flows = [{"band": 0, "src": cluster.addr("h1"), "sport": 40100,
+                      "dst": cluster.addr("h2"), "dport": 5201}]
+            why = status(cluster)["interfaces"][0]["not_shaped"]
+            assert why.startswith("root qdisc tbf 9:0 on eth0: installed by someone else"), why
+            shown = cluster.run("h1", [sys.executable, "-m", "gradlane.cli", "status"]).stdout
+            assert "eth0: not shaped: root qdisc tbf 9:0" in " ".join(shown.split()), shown
+            assert "tbf 9: root" in tc(ns, "qdisc", "show", "dev", "eth0")
+            tc(ns, "qdisc", "del", "dev", "eth0", "root")
+            removed = True
+            client.close()
+            client = register(sock, hello(flows))  # a change: the next reconcile takes it
+            wait_for(lambda: "474c:200" in classes(cluster), "the tree and the job's classes")
+            assert status(cluster)["interfaces"][0]["not_shaped"] is None
+            client.close()
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            log = daemon.communicate(timeout=20)[1]
+        assert daemon.returncode == 0
+    finally:
+        if not removed:
+            tc(ns, "qdisc", "del", "dev", "eth0", "root")
+    assert "noqueue 0: root" in tc(ns, "qdisc", "show", "dev", "eth0")  # what it found
+    assert log.count("eth0 not shaped") == 1 and "Traceback" not in log, log
