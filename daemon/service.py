@@ -698,10 +698,17 @@ class _StateCollector:
         workers = GaugeMetricFamily("gradlane_workers", "Registered workers", labels=["job"])
         for name, ws in self.daemon.registry.jobs().items():
             workers.add_metric([name], len(ws))
+        shaped = GaugeMetricFamily(
+            "gradlane_interface_shaped",
+            "1 while gradlane's tree shapes the interface, 0 while a root qdisc of someone "
+            "else's keeps it out (see /status)", labels=["interface"])
+        for backend in self.daemon._backends:
+            shaped.add_metric([backend.ifname], 0 if backend.ifname in self.daemon._unshaped else 1)
         yield from counters.values()
         yield backlog
         yield throughput
         yield workers
+        yield shaped
 
 
 def _scaled(cls: JobClassPlan, scale: float) -> JobClassPlan:

@@ -265,6 +265,13 @@ def test_check_beside_a_running_gradlaned_warns_and_passes(cluster: Cluster,
         assert stop(daemon) == 0
 
 
+def _metrics(cluster: Cluster) -> str:
+    """h1's gradlaned's /metrics."""
+    fetch = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:9464/metrics').read()" \
+            ".decode())"
+    return cluster.run("h1", [sys.executable, "-c", fetch]).stdout
+
+
 def test_an_operators_own_root_is_left_alone_said_and_taken_once_gone(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -289,6 +296,7 @@ def test_an_operators_own_root_is_left_alone_said_and_taken_once_gone(
             assert why.startswith("root qdisc tbf 9:0 on eth0: installed by someone else"), why
             shown = cluster.run("h1", [sys.executable, "-m", "gradlane.cli", "status"]).stdout
             assert "eth0: not shaped: root qdisc tbf 9:0" in " ".join(shown.split()), shown
+            assert 'gradlane_interface_shaped{interface="eth0"} 0.0' in _metrics(cluster)
             assert "tbf 9: root" in tc(ns, "qdisc", "show", "dev", "eth0")
             tc(ns, "qdisc", "del", "dev", "eth0", "root")
             removed = True
@@ -296,6 +304,7 @@ def test_an_operators_own_root_is_left_alone_said_and_taken_once_gone(
             client = register(sock, hello(flows))  # a change: the next reconcile takes it
             wait_for(lambda: "474c:200" in classes(cluster), "the tree and the job's classes")
             assert status(cluster)["interfaces"][0]["not_shaped"] is None
+            assert 'gradlane_interface_shaped{interface="eth0"} 1.0' in _metrics(cluster)
             client.close()
         finally:
             daemon.send_signal(signal.SIGTERM)
