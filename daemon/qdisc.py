@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -53,7 +54,13 @@ from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST
-from pyroute2.netlink.rtnl import RTM_DELTFILTER, RTM_NEWTFILTER, TC_H_ROOT
+from pyroute2.netlink.rtnl import (
+    RTM_DELQDISC,
+    RTM_DELTFILTER,
+    RTM_NEWQDISC,
+    RTM_NEWTFILTER,
+    TC_H_ROOT,
+)
 
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.daemon.tc import (
@@ -85,6 +92,7 @@ __all__ = [
     "JobSpec",
     "QdiscManager",
     "QdiscSpec",
+    "RootWatch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -712,6 +720,70 @@ class QdiscManager:
         tmp = self._state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(raw, indent=1))
         os.replace(tmp, self._state_file)
+
+
+
+class RootWatch:
+    """The kernel's word of root qdiscs replaced or deleted, in this network namespace.
+
+    A netlink socket in rtnetlink's tc group (no privilege needed), read without
+    blocking (`fileno` for an event loop's reader): `roots_changed` says which
+    interfaces' root qdisc someone deleted or replaced since it was last called,
+    so a tree removed behind gradlane's back is rebuilt at once rather than at
+    the next periodic verification. The kernel also announces every class and
+    filter change (gradlane's own included): only the headers are read.
+    """
+
+    ALL = -1  # in `roots_changed`: messages were lost (the socket overflowed)
+    _RTMGRP_TC = 0x8
+    _NLMSG = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, seq, pid
+    _TCMSG = struct.Struct("=BxxxiIII")  # tcmsg: family, ifindex, handle, parent, info
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_NETLINK,
+                                   socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
+                                   socket.NETLINK_ROUTE)
+        self._sock.bind((0, self._RTMGRP_TC))
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def roots_changed(self) -> set[int]:
+        """The ifindex of every interface whose root qdisc went or was replaced by one
+        not gradlane's since the last call (`ALL` among them if some word was lost)."""
+        changed: set[int] = set()
+        while True:
+            try:
+                data = self._sock.recv(1 << 16)
+            except BlockingIOError:
+                return changed
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                changed.add(self.ALL)  # the receive buffer overflowed: anything may have
+                continue
+            changed |= self.roots_in(data)
+
+    @classmethod
+    def roots_in(cls, data: bytes) -> set[int]:
+        """The interfaces of the root qdiscs deleted, or added not gradlane's, in one
+        read of netlink messages."""
+        changed: set[int] = set()
+        offset = 0
+        while offset + cls._NLMSG.size + cls._TCMSG.size <= len(data):
+            length, kind = cls._NLMSG.unpack_from(data, offset)[:2]
+            if length < cls._NLMSG.size:
+                break
+            if kind in (RTM_NEWQDISC, RTM_DELQDISC):
+                _, ifindex, qhandle, parent, _ = cls._TCMSG.unpack_from(data, offset
+                                                                        + cls._NLMSG.size)
+                if parent == TC_H_ROOT and not (kind == RTM_NEWQDISC and qhandle == ROOT):
+                    changed.add(ifindex)
+            offset += (length + 3) & ~3  # NLMSG_ALIGN
+        return changed
 
 
 def _is_ours(root: Any) -> bool:

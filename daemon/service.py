@@ -46,7 +46,14 @@ from gradlane import __version__
 from gradlane.daemon import protocol
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
 from gradlane.daemon.control import read_token, start_site
-from gradlane.daemon.qdisc import ClassStats, FlowMatch, JobSpec, QdiscManager, QdiscSpec
+from gradlane.daemon.qdisc import (
+    ClassStats,
+    FlowMatch,
+    JobSpec,
+    QdiscManager,
+    QdiscSpec,
+    RootWatch,
+)
 from gradlane.daemon.registry import Credentials, Registry, Worker
 from gradlane.daemon.uplink import ControlLink
 from gradlane.errors import (
@@ -201,11 +208,13 @@ class Daemon:
 
     async def serve(self, notify_socket: str | None = None) -> None:
         """Run until `stop()`; restore every interface on the way out, whatever happens."""
+        watch: RootWatch | None = None
         try:
             await self._start_tc()
             server: asyncio.Server | None = None
             runner: web.AppRunner | None = None
             try:
+                watch = self._watch_roots()
                 server = await self._start_socket()
                 runner = await self._start_http()
                 self.ready.set()
@@ -238,6 +247,9 @@ class Daemon:
                 if runner is not None:
                     await runner.cleanup()
         finally:
+            if watch is not None:  # before restoring: that deletes our roots too
+                asyncio.get_running_loop().remove_reader(watch.fileno())
+                watch.close()
             await self._restore_tc()
             with contextlib.suppress(FileNotFoundError):
                 self.config.socket_path.unlink()
@@ -273,6 +285,29 @@ class Daemon:
                 else:
                     logger.warning("%s: taking over a tree left by a previous run", backend.ifname)
         await self._reconcile()
+
+    def _watch_roots(self) -> RootWatch | None:
+        """Verify at once when the kernel says a root qdisc of ours was deleted or replaced
+        (`tc qdisc del`, another tool's own), not up to `VERIFY_EVERY` later."""
+        try:
+            watch = RootWatch()
+        except OSError as exc:
+            logger.warning("no netlink word of qdisc changes (%s): gradlaned repairs its "
+                           "trees every %.0f s only", exc, VERIFY_EVERY)
+            return None
+
+        def heard() -> None:
+            changed = watch.roots_changed()
+            ours = set()
+            for backend in self._backends:
+                with contextlib.suppress(OSError):  # gone: the verification will say so
+                    ours.add(socket.if_nametoindex(backend.ifname))
+            if changed & ours or RootWatch.ALL in changed:
+                self._verified_at = -VERIFY_EVERY
+                self._dirty.set()
+
+        asyncio.get_running_loop().add_reader(watch.fileno(), heard)
+        return watch
 
     async def _restore_tc(self) -> None:
         for backend in self._backends:

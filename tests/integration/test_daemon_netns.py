@@ -276,8 +276,8 @@ def test_an_operators_own_root_is_left_alone_said_and_taken_once_gone(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """A root qdisc gradlaned could not put back (a tbf): `--check` fails naming it; the
-    daemon serves shims, leaves the interface alone, says so once in its log and in
-    `gradlane status`; once the operator removes it, the next change installs the tree."""
+    daemon serves shims, leaves the interface alone, says so once in its log, in
+    `gradlane status` and in /metrics; once the operator removes it, the tree goes in."""
     ns = cluster.ns("h1")
     tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "9:", "tbf",
        "rate", "50mbit", "burst", "32kb", "latency", "50ms")  # fmt: skip
@@ -300,8 +300,10 @@ def test_an_operators_own_root_is_left_alone_said_and_taken_once_gone(
             assert "tbf 9: root" in tc(ns, "qdisc", "show", "dev", "eth0")
             tc(ns, "qdisc", "del", "dev", "eth0", "root")
             removed = True
+            wait_for(lambda: "htb 474c: root" in tc(ns, "qdisc", "show", "dev", "eth0"),
+                     "the tree, once the kernel said the tbf went")  # not at 30 s
             client.close()
-            client = register(sock, hello(flows))  # a change: the next reconcile takes it
+            client = register(sock, hello(flows))
             wait_for(lambda: "474c:200" in classes(cluster), "the tree and the job's classes")
             assert status(cluster)["interfaces"][0]["not_shaped"] is None
             assert 'gradlane_interface_shaped{interface="eth0"} 1.0' in _metrics(cluster)
@@ -315,3 +317,33 @@ def test_an_operators_own_root_is_left_alone_said_and_taken_once_gone(
             tc(ns, "qdisc", "del", "dev", "eth0", "root")
     assert "noqueue 0: root" in tc(ns, "qdisc", "show", "dev", "eth0")  # what it found
     assert log.count("eth0 not shaped") == 1 and "Traceback" not in log, log
+
+
+def test_a_tree_deleted_under_gradlaned_is_rebuilt_at_once_and_the_original_restored(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`tc qdisc del dev eth0 root` under a running gradlaned: the kernel's word of it makes
+    gradlaned verify at once (not at its next 30 s verification), rebuilding the tree with
+    the job's classes and filters; SIGTERM still restores the operator's pfifo it found."""
+    ns = cluster.ns("h1")
+    tc(ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "8127:", "pfifo", "limit", "321")
+    try:
+        original = tc(ns, "qdisc", "show", "dev", "eth0")
+        daemon, sock = start_daemon(cluster, "h1", tmp_path)
+        try:
+            flows = [{"band": b, "src": cluster.addr("h1"), "sport": 40200 + b,
+                      "dst": cluster.addr("h2"), "dport": 5201} for b in range(4)]
+            client = register(sock, hello(flows))
+            wait_for(lambda: filter_prefs(cluster).count(0x100) == 4, "the flows' filters")
+            built = (classes(cluster), filter_prefs(cluster))
+            tc(ns, "qdisc", "del", "dev", "eth0", "root")
+            deleted = time.monotonic()
+            wait_for(lambda: (classes(cluster), filter_prefs(cluster)) == built, "the tree again")
+            print(f"rebuilt in {time.monotonic() - deleted:.2f} s")
+            assert time.monotonic() - deleted < 10  # the periodic verification: 30 s
+            client.close()
+        finally:
+            assert stop(daemon) == 0
+        assert tc(ns, "qdisc", "show", "dev", "eth0") == original
+    finally:
+        tc(ns, "qdisc", "del", "dev", "eth0", "root")

@@ -1,9 +1,16 @@
 """The qdisc manager's pure parts: spec validation, the wanted tree, the filter diff."""
 
+import struct
 from dataclasses import replace
 
 import pytest
-from pyroute2.netlink.rtnl import TC_H_ROOT
+from pyroute2.netlink.rtnl import (
+    RTM_DELQDISC,
+    RTM_NEWQDISC,
+    RTM_NEWTCLASS,
+    RTM_NEWTFILTER,
+    TC_H_ROOT,
+)
 
 from gradlane.daemon.qdisc import (
     DSCP_PREF_BASE,
@@ -11,14 +18,16 @@ from gradlane.daemon.qdisc import (
     FLOW_PREF,
     FLOW_TABLE,
     LINK_KEYS,
+    MARKER,
     FlowMatch,
     JobSpec,
     QdiscSpec,
+    RootWatch,
     _diff_filters,
     _wanted_classes,
     _wanted_filters,
 )
-from gradlane.daemon.tc import U32Filter, dscp_key, u32_bytemap
+from gradlane.daemon.tc import U32Filter, dscp_key, handle, u32_bytemap
 from gradlane.errors import ConfigError
 
 M = 1_000_000
@@ -162,3 +171,22 @@ def test_a_bucket_holds_at_most_4095_flows() -> None:
     no_port = tuple(FlowMatch(0, sport=1 + i) for i in range(4095))
     with pytest.raises(ConfigError, match="at most 4094 registered flows without a destination"):
         spec(jobs=(JobSpec("a", M, 100 * M, flows=no_port),))
+
+
+def test_root_watch_hears_roots_deleted_or_replaced_not_its_own_nor_classes() -> None:
+    def message(kind: int, ifindex: int, qhandle: int, parent: int, pad: int = 0) -> bytes:
+        body = struct.pack("=BxxxiIII", 0, ifindex, qhandle, parent, 0) + b"\0" * pad
+        header = struct.pack("=IHHII", 16 + len(body), kind, 0, 0, 0)  # length before padding
+        return header + body + b"\0" * (-len(body) % 4)
+
+    ours, theirs = handle(MARKER, 0), handle(0x8001, 0)
+    heard = RootWatch.roots_in(b"".join([
+        message(RTM_NEWQDISC, 2, ours, TC_H_ROOT),  # gradlane's own tree installed
+        message(RTM_NEWTCLASS, 3, handle(MARKER, 1), ours),  # classes and filters: not roots
+        message(RTM_NEWTFILTER, 4, 0, ours),
+        message(RTM_NEWQDISC, 5, handle(0x10, 0), handle(MARKER, 0x101), pad=3),  # not a root
+        message(RTM_DELQDISC, 6, ours, TC_H_ROOT, pad=1),  # `tc qdisc del ... root`
+        message(RTM_NEWQDISC, 7, theirs, TC_H_ROOT),  # someone else's root put in
+    ]))
+    assert heard == {6, 7}
+    assert RootWatch.roots_in(b"\x08\0\0\0" + b"\0" * 40) == set()  # a bad length: no loop
