@@ -298,6 +298,8 @@ class Daemon:
 
         def heard() -> None:
             changed = watch.roots_changed()
+            if not changed:  # the kernel's word of classes and filters (ours, mostly)
+                return
             ours = set()
             for backend in self._backends:
                 with contextlib.suppress(OSError):  # gone: the verification will say so

@@ -238,6 +238,47 @@ def test_a_tree_removed_behind_its_back_is_rebuilt_and_the_original_still_restor
             tc(ns, "qdisc", "del", "dev", "eth0", "root")
 
 
+WATCHER = textwrap.dedent(
+    """
+    import select, socket, subprocess, sys, time
+    from pathlib import Path
+    from gradlane.daemon import FlowMatch, JobSpec, QdiscManager, QdiscSpec
+    from gradlane.daemon.qdisc import RootWatch
+    def spec(flows):
+        return QdiscSpec(rate_bps=190_000_000, other_rate_bps=10_000_000, dscp_job="train",
+                         jobs=(JobSpec("train", 100_000_000, 190_000_000, flows=flows),))
+    watch = RootWatch()
+    with QdiscManager("eth0", state_file=Path(sys.argv[1])) as qm:
+        qm.apply(spec(()))
+        time.sleep(0.1)
+        print("install", sorted(watch.roots_changed()), flush=True)
+        for port in range(40000, 40050):  # 50 filters and a flow table: none of it heard
+            qm.apply(spec((FlowMatch(0, "10.200.0.1", port, "10.200.0.2", 5201),)))
+        time.sleep(0.1)
+        queued = bool(select.select([watch], [], [], 0)[0])
+        print("flows", sorted(watch.roots_changed()), int(queued), flush=True)
+        subprocess.run(["tc", "qdisc", "del", "dev", "eth0", "root"], check=True)
+        time.sleep(0.1)
+        print("deleted", sorted(watch.roots_changed()), socket.if_nametoindex("eth0"), flush=True)
+        qm.apply(spec(()), verify=True)
+        qm.restore()
+    """
+)
+
+
+def test_the_root_watch_hears_roots_go_and_nothing_of_classes_and_filters(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`RootWatch` in a host: the kernel's word of gradlane's tree going comes through; of
+    its many class and filter changes nothing does (the socket filter drops them)."""
+    out = cluster.run("h1", [sys.executable, "-c", WATCHER, str(tmp_path / "q.json")]).stdout
+    lines = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
+    index = lines["deleted"][-1]
+    assert lines["install"] == [f"[{index}]"]  # the default root it replaced
+    assert lines["flows"] == ["[]", "0"], out  # nothing was even queued
+    assert lines["deleted"][:-1] == [f"[{index}]"], out
+
+
 def test_foreign_root_is_left_alone(cluster: Cluster, tmp_path: Path) -> None:
     ns = cluster.ns("h1")
     tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "9:", "tbf",
