@@ -289,16 +289,24 @@ class Daemon:
     def _watch_roots(self) -> RootWatch | None:
         """Verify at once when the kernel says a root qdisc of ours was deleted or replaced
         (`tc qdisc del`, another tool's own), not up to `VERIFY_EVERY` later."""
+        def unheard(exc: OSError) -> None:
+            logger.warning("no netlink word of qdisc changes (%s): gradlaned repairs its "
+                           "trees every %.0f s only", exc, VERIFY_EVERY)
+
         try:
             watch = RootWatch()
         except OSError as exc:
-            logger.warning("no netlink word of qdisc changes (%s): gradlaned repairs its "
-                           "trees every %.0f s only", exc, VERIFY_EVERY)
+            unheard(exc)
             return None
 
         def heard() -> None:
-            changed = watch.roots_changed()
-            if not changed:  # the kernel's word of classes and filters (ours, mostly)
+            try:
+                changed = watch.roots_changed()
+            except OSError as exc:  # not to be retried at every wake-up
+                unheard(exc)
+                asyncio.get_running_loop().remove_reader(watch.fileno())
+                return
+            if not changed:  # a qdisc below a root, or gradlane's own root put in
                 return
             ours = set()
             for backend in self._backends:
