@@ -312,7 +312,7 @@ class Daemon:
             for backend in self._backends:
                 with contextlib.suppress(OSError):  # gone: the verification will say so
                     ours.add(socket.if_nametoindex(backend.ifname))
-            if changed & ours or RootWatch.ALL in changed:
+            if changed & ours or watch.ALL in changed:
                 self._verified_at = -VERIFY_EVERY
                 self._dirty.set()
 

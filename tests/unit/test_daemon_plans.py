@@ -2,6 +2,7 @@
 and addresses that change while it runs."""
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import os
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from gradlane.daemon import service
 from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
-from gradlane.daemon.qdisc import FlowMatch, QdiscSpec
+from gradlane.daemon.qdisc import FlowMatch, QdiscSpec, RootWatch
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import RESTART_FIELDS, VERIFY_EVERY, Daemon
 from gradlane.errors import GradlaneError, TcError
@@ -241,3 +243,70 @@ def test_a_control_plane_s_classes_are_split_by_the_link_it_planned_for(
         assert job.rate_bps == each and job.flows == tuple(
             FlowMatch(0, f.src, f.sport, f.dst, f.dport) for f in flows
             if f.src in backend.addresses())
+
+
+class _Word:
+    """A stand-in for `RootWatch`: a pipe to wake the loop, and what it says when read."""
+
+    ALL = RootWatch.ALL
+
+    def __init__(self, says: set[int] | OSError) -> None:
+        self.says = says
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+
+    def fileno(self) -> int:
+        return self.r
+
+    def roots_changed(self) -> set[int]:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.r, 64)
+        if isinstance(self.says, OSError):
+            raise self.says
+        return self.says
+
+    def close(self) -> None:
+        os.close(self.r)
+        os.close(self.w)
+
+
+def test_the_kernel_s_word_of_a_root_gone_makes_the_next_reconcile_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    daemon = _daemon(tmp_path)
+    words: list[_Word] = []
+
+    def watch(says: set[int] | OSError) -> None:
+        words.append(_Word(says))
+        monkeypatch.setattr(service, "RootWatch", lambda: words[-1])
+
+    async def heard(word: _Word) -> None:
+        os.write(word.w, b"x")
+        await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        # Another interface's root (index 99: not the fake's, which has none): nothing.
+        watch({99})
+        assert daemon._watch_roots() is words[-1]
+        daemon._verified_at, daemon._dirty = 100.0, asyncio.Event()
+        await heard(words[-1])
+        assert not daemon._dirty.is_set() and daemon._verified_at == 100.0
+        asyncio.get_running_loop().remove_reader(words[-1].fileno())
+        # Words lost (the socket overflowed): verify at the next reconcile.
+        watch({RootWatch.ALL})
+        daemon._watch_roots()
+        await heard(words[-1])
+        assert daemon._dirty.is_set() and daemon._verified_at == -VERIFY_EVERY
+        asyncio.get_running_loop().remove_reader(words[-1].fileno())
+        # The socket failing: one warning, and it is not read again.
+        watch(OSError(errno.EBADF, "Bad file descriptor"))
+        daemon._watch_roots()
+        await heard(words[-1])
+        await heard(words[-1])
+
+    asyncio.run(main())
+    for word in words:
+        word.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["no netlink word of qdisc changes ([Errno 9] Bad file descriptor): "
+                      "gradlaned repairs its trees every 30 s only"]
