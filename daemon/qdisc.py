@@ -733,10 +733,8 @@ class RootWatch:
     so a tree removed behind gradlane's back is rebuilt at once rather than at
     the next periodic verification. The kernel also announces every class and
     filter change (gradlane's own: one per flow registered): a socket filter
-    (classic BPF) drops all but qdisc messages in the kernel, so those never
-    wake gradlaned (when they did, they added 0.1-0.7 ms to each change's 3 ms
-    in four paired runs of `bench/daemon.py` on this machine; with the filter,
-    none).
+    (classic BPF) drops all but qdisc messages in the kernel, so gradlaned's
+    own changes never wake it to read them.
     """
 
     ALL = -1  # in `roots_changed`: messages were lost (the socket overflowed)
