@@ -125,7 +125,7 @@ def main() -> None:
     runs: dict[str, list[list[float]]] = {"overlap": [], "no_overlap": []}
     exposed: dict[str, list[float]] = {"overlap": [], "no_overlap": []}
     with tempfile.TemporaryDirectory() as tmp, Cluster(Topology.build("bovl", 2, rate)) as c:
-        socks = [c.start_daemon(h, Path(tmp))[1] for h in ("h1", "h2")]
+        socks = [sock for _, sock in c.start_daemons(["h1", "h2"], Path(tmp)).values()]
         port = 29420
         for r in range(args.rounds):
             for name, overlap in (("overlap", 1), ("no_overlap", 0)):

@@ -362,9 +362,8 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
         for r in range(scenario.rounds):
             for system in systems:
                 if system in DAEMON_SYSTEMS and sockets is None:
-                    sockets = [
-                        c.start_daemon(f"h{i}", out)[1] for i in range(1, scenario.hosts + 1)
-                    ]
+                    daemons = c.start_daemons(range(1, scenario.hosts + 1), out)
+                    sockets = [sock for _, sock in daemons.values()]
                 port += 1
                 started = time.monotonic()
                 run, _ = run_on_cluster(

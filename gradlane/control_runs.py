@@ -208,12 +208,11 @@ def controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) -
     token_file = workdir / "control.token"
     token_file.write_text(token)
     url = f"http://{c.addr(control_host)}:{CONTROL_PORT}"
-    daemons, sockets = {}, {}
-    for host in hosts:
-        leaf = c.topology.leaf_of(c.host_index(host))
-        daemons[host], sockets[host] = c.start_daemon(host, workdir, args=[
-            "--control-url", url, "--control-token-file", str(token_file),
-            "--control-host", host, "--control-leaf", str(leaf)])
+    started = c.start_daemons(hosts, workdir, args=lambda host: [
+        "--control-url", url, "--control-token-file", str(token_file),
+        "--control-host", host, "--control-leaf", str(c.topology.leaf_of(c.host_index(host)))])
+    daemons = {host: proc for host, (proc, _) in started.items()}
+    sockets = {host: sock for host, (_, sock) in started.items()}
     return Controlled(c, control_host, token, token_file, daemons, sockets)
 
 

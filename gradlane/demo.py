@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from rich.table import Table
 
 from gradlane.errors import TestbedError
 from gradlane.policies.chunks import trial_schedule
+from gradlane.testbed.forked import Proc
 
 __all__ = ["DemoResult", "MachineCpu", "SystemRun", "nic_tx_bytes", "past_warm_up", "run_demo",
            "steady_start"]
@@ -277,9 +278,14 @@ def pick_rate(hosts: int, compute_s: float, size: int) -> int:
     return int(min(1e9, max(10e6, rate)) // 1e6 * 1e6)
 
 
+def _worker_options(system: str, out: Path, extra: list[str]) -> list[str]:
+    """`gradlane.worker`'s options."""
+    return ["--system", system, "--out", str(out), *extra]
+
+
 def _worker_argv(system: str, out: Path, extra: list[str]) -> list[str]:
     """The worker module and its options (after python's or torchrun's own)."""
-    return ["-m", "gradlane.worker", "--system", system, "--out", str(out), *extra]
+    return ["-m", "gradlane.worker", *_worker_options(system, out, extra)]
 
 
 # Systems whose workers wait for averages in the next forward, where the wait can be timed
@@ -355,7 +361,7 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
     )
 
 
-def _finish(procs: list[subprocess.Popen[str]], what: str, timeout: float) -> None:
+def _finish(procs: Sequence[Proc], what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     failed = None
     for p in procs:
@@ -539,7 +545,7 @@ class Launched:
     system: str
     out: Path
     hosts: list[str]
-    procs: list[subprocess.Popen[str]]
+    procs: list[Proc]
     tx_before: dict[str, int]  # per host (once, however many ranks it runs)
     started: float
     cpu: MachineCpu
@@ -565,11 +571,12 @@ def launch(
 
     With `torchrun` (the demo: how users launch a job) each worker runs under
     torchrun, one node per rank; without it (the benchmarks and scenario
-    runs) it is started with the environment torchrun gives such a worker
-    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK 0 of
-    LOCAL_WORLD_SIZE 1): the same training, without torchrun's agent, which
-    imports torch too (about 3 s less start-up and tear-down for 4 workers on
-    this 2-core machine).
+    runs) it is forked with torch already imported (`Cluster.fork`), in the
+    environment torchrun gives such a worker (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT; LOCAL_RANK 0 of LOCAL_WORLD_SIZE 1), its output in
+    ``out/<system>-rank<R>.log``: the same training, without torchrun's agent
+    and without each worker importing torch (seconds of CPU each; start-up
+    is in no measured iteration).
 
     `worker_args` go to `gradlane.worker`; `sockets` are the hosts' gradlaned
     sockets (gradlane only), `speeds` each rank's `--speed`, `batches` its
@@ -600,14 +607,14 @@ def launch(
                     "--nproc-per-node", "1", "--node-rank", str(rank),
                     "--master-addr", c.addr(names[0]), "--master-port", str(port),
                     *_worker_argv(system, out, extra)]  # fmt: skip
-            rank_env = env
-        else:
-            argv = [sys.executable, *_worker_argv(system, out, extra)]
-            rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(len(names)),
-                        "MASTER_ADDR": c.addr(names[0]), "MASTER_PORT": str(port),
-                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
-        procs.append(c.popen(host, argv, env=rank_env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True))
+            procs.append(c.popen(host, argv, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True))
+            continue
+        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(len(names)),
+                    "MASTER_ADDR": c.addr(names[0]), "MASTER_PORT": str(port),
+                    "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+        procs.append(c.fork(host, "gradlane.worker:main", _worker_options(system, out, extra),
+                            env=rank_env, log=out / f"{system}-rank{rank}.log"))
     return Launched(system, out, names, procs, before, time.monotonic(), MachineCpu())
 
 
@@ -696,7 +703,7 @@ def run_cluster(
             c, "ddp", ["--steps", str(steps)], port=29500, out=out, bands=True, torchrun=True
         )
         say("starting gradlaned on every host")
-        sockets = [c.start_daemon(f"h{i}", out)[1] for i in range(1, hosts + 1)]
+        sockets = [sock for _, sock in c.start_daemons(range(1, hosts + 1), out).values()]
         say(f"gradlane: {hosts} workers under torchrun, {steps} steps")
         result.runs["gradlane"], result.bands = run_on_cluster(
             c, "gradlane", ["--steps", str(steps)], port=29501, out=out, sockets=sockets,

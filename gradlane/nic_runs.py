@@ -73,12 +73,11 @@ def run_two_nics(workdir: Path, steps: int = 40, say: Callable[[str], None] = la
                     for h in HOSTS]
             shares[label] = [[n / sum(s) for n in s] for s in sent]
 
-        daemons = {h: c.start_daemon(h, workdir) for h in HOSTS}
+        daemons = c.start_daemons(HOSTS, workdir)
         for label, nics in RUNS.items():
             run(label, nics, daemons)
         codes = stop_daemons({h: proc for h, (proc, _) in daemons.items()})
-        daemons = {h: c.start_daemon(h, workdir, rate=[str(line), str(line // 2)])
-                   for h in HOSTS}
+        daemons = c.start_daemons(HOSTS, workdir, rate=[str(line), str(line // 2)])
         run(UNEVEN, 2, daemons)
         codes += stop_daemons({h: proc for h, (proc, _) in daemons.items()})
     # What gradlaned was told each NIC's line rate is, per run (it shapes under it).

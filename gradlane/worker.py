@@ -2,7 +2,9 @@
 
 ``torchrun ... -m gradlane.worker --system S --steps N --out DIR [workload options]``
 (the demo), or ``python -m gradlane.worker ...`` with torchrun's environment
-(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the benchmarks, `gradlane.demo.launch`).
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the benchmarks (`gradlane.demo.launch`)
+call `main` the same way in a process forked with torch imported
+(`gradlane.testbed.forked`).
 
 Workloads (`gradlane.workloads`): ``cnn`` (a small real CNN, synthetic data,
 the same seed in every system) or ``trace`` (per-layer sleeps and parameter

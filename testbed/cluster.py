@@ -20,9 +20,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
@@ -30,6 +30,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from gradlane.errors import GradlaneError, TestbedError
 from gradlane.testbed import links
 from gradlane.testbed import netns as gl_netns
+from gradlane.testbed.forked import Forked, Main, Proc
 from gradlane.testbed.topology import Topology
 
 __all__ = ["Cluster", "ns_argv"]
@@ -44,6 +45,8 @@ def ns_argv(namespace: str, argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "gradlane.testbed.nsexec", namespace, "--", *argv]
 
 
+HostT = TypeVar("HostT", bound=str | int)  # a host as "h3" or 3
+
 DOWN_ATTEMPTS = 5  # how many interruptions `Cluster.down` rides out before giving up
 
 
@@ -53,13 +56,13 @@ class Cluster:
     ``with Cluster(Topology.build("demo", 4, "1gbit")) as c: c.run("h1", [...])``
 
     Hosts are named ``"h1"``..``"hN"`` (or given as 1..N). Processes started
-    with `popen` are stopped when the cluster goes down, and so is anything
+    with `popen` or `fork` are stopped when the cluster goes down, and so is anything
     else still running in its namespaces.
     """
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
-        self._procs: list[subprocess.Popen[Any]] = []
+        self._procs: list[Proc] = []
         # A forked child (pyroute2 forks to enter a namespace) that unwinds
         # this stack must not tear down the parent's cluster.
         self._owner = os.getpid()
@@ -162,6 +165,15 @@ class Cluster:
         self._procs.append(proc)
         return proc
 
+    def fork(self, host: str | int, main: Main, argv: Sequence[str], *, env: dict[str, str],
+             log: Path) -> Forked:
+        """Run ``main(argv)`` in `host` (`main`: a function or its "module:name"), forked
+        with torch already imported (`gradlane.testbed.forked`), `env` its whole
+        environment, its output in `log`; stopped as `popen`'s."""
+        proc = Forked(main, argv, env, log, namespace=self.ns(host))
+        self._procs.append(proc)
+        return proc
+
     def run(
         self,
         host: str | int,
@@ -212,32 +224,63 @@ class Cluster:
         Raises:
             TestbedError: it exited or did not serve within `timeout`.
         """
-        name = f"h{self.host_index(host)}"
-        rate = rate or str(links.line_rate(self.topology.rates[self.host_index(host) - 1]))
-        rates = [rate] * self.topology.nics if isinstance(rate, str) else list(rate)
-        if len(rates) != self.topology.nics:
-            raise TestbedError(f"{len(rates)} rates for {self.topology.nics} NICs")
-        sock = workdir / f"{name}.sock"
-        nics = [arg for k, r in enumerate(rates) for arg in ("-i", f"eth{k}={r}")]
-        argv = [sys.executable, "-m", "gradlane.cli", "daemon", *nics,
-                "--socket", str(sock), "--state-dir", str(workdir / f"state-{name}"),
-                "--http", "127.0.0.1:9464", *args]  # fmt: skip
+        return self.start_daemons([host], workdir, rate=rate, args=args, timeout=timeout,
+                                  **popen)[host]
+
+    def start_daemons(
+        self,
+        hosts: Sequence[HostT],
+        workdir: Path,
+        *,
+        rate: str | Sequence[str] | None = None,
+        args: Sequence[str] | Callable[[str], Sequence[str]] = (),
+        timeout: float = 20,
+        **popen: Any,
+    ) -> dict[HostT, tuple[subprocess.Popen[Any], Path]]:
+        """`start_daemon` on each of `hosts`, all started before any is waited for; `args`
+        the same for every host, or a function of the host's name ("h3").
+
+        Raises:
+            TestbedError: one exited or did not serve within `timeout` (those started are
+                stopped with the cluster).
+        """
         popen.setdefault("stderr", subprocess.PIPE)
         popen.setdefault("text", True)
-        proc = self.popen(host, argv, **popen)
+        started = {}
+        for host in hosts:
+            name = f"h{self.host_index(host)}"
+            line = str(links.line_rate(self.topology.rates[self.host_index(host) - 1]))
+            rates = [rate or line] * self.topology.nics if isinstance(rate, str | None) \
+                else list(rate)
+            if len(rates) != self.topology.nics:
+                raise TestbedError(f"{len(rates)} rates for {self.topology.nics} NICs")
+            sock = workdir / f"{name}.sock"
+            nics = [arg for k, r in enumerate(rates) for arg in ("-i", f"eth{k}={r}")]
+            argv = [sys.executable, "-m", "gradlane.cli", "daemon", *nics,
+                    "--socket", str(sock), "--state-dir", str(workdir / f"state-{name}"),
+                    "--http", "127.0.0.1:9464",
+                    *(args(name) if callable(args) else args)]  # fmt: skip
+            started[host] = (self.popen(host, argv, **popen), sock)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.connect(str(sock))
-                return proc, sock
-            except OSError:
-                if proc.poll() is not None:
-                    _, err = proc.communicate()
-                    raise TestbedError(f"gradlaned on {name} exited: {err or ''}"[-2000:]) from None
-                if time.monotonic() > deadline:
-                    raise TestbedError(f"gradlaned on {name} did not serve in {timeout}s") from None
+        waiting = dict(started)
+        while waiting:
+            for host, (proc, sock) in list(waiting.items()):
+                name = f"h{self.host_index(host)}"
+                try:
+                    with socket.socket(socket.AF_UNIX) as probe:
+                        probe.connect(str(sock))
+                    del waiting[host]
+                except OSError:
+                    if proc.poll() is not None:
+                        _, err = proc.communicate()
+                        raise TestbedError(f"gradlaned on {name} exited: {err or ''}"[-2000:]) \
+                            from None
+                    if time.monotonic() > deadline:
+                        raise TestbedError(f"gradlaned on {name} did not serve in {timeout}s") \
+                            from None
+            if waiting:
                 time.sleep(0.05)
+        return started
 
     def set_port(self, host: str | int, up: bool, nic: int = 0) -> None:
         """Take the switch port of `host`'s NIC `nic` down (a cut cable) or bring it back.

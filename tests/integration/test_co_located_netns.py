@@ -55,7 +55,7 @@ def test_ranks_sharing_hosts_reduce_within_them_first(tmp_path: Path) -> None:
             addresses[rank] = c.topology.address(SECOND + host)
             subprocess.run(["ip", "-n", c.ns(PLACEMENT[rank]), "addr", "add",
                             f"{addresses[rank]}/24", "dev", "eth0"], check=True)
-        daemons = {h: c.start_daemon(h, tmp_path) for h in ("h1", "h2")}
+        daemons = c.start_daemons(["h1", "h2"], tmp_path)
         sockets = {h: sock for h, (_, sock) in daemons.items()}
         probe = c.popen("h1", [sys.executable, "-c", PROBE, "90"], stdout=subprocess.PIPE,
                         text=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import time
@@ -37,6 +38,7 @@ def launch(
     procs = []
     for rank in range(world):
         env = {
+            **os.environ,
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gradlane.testbed import Cluster, Topology, remove_cluster
+from gradlane.testbed.forked import Forked
 from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
 from tests.integration.helpers import max_goodput
 
@@ -107,6 +110,47 @@ def test_second_nic_is_an_independent_path() -> None:
         )
     # each gets a whole 100 Mbit/s link: together more than one link could carry
     assert nic0 >= 85 * M and nic1 >= 85 * M, (nic0, nic1)
+
+
+def forked_main(argv: list[str]) -> None:
+    """Run forked in a host by the next test: says where it runs and with what environment,
+    then does as `argv[1]` asks."""
+    with socket.socket() as s:
+        try:
+            s.bind((argv[2], 0))  # only this host has its address
+            bound = True
+        except OSError:
+            bound = False
+    Path(argv[0]).write_text(json.dumps({"bound": bound, "env": dict(os.environ)}))
+    if argv[1] == "raise":
+        raise RuntimeError("asked to fail")
+    if argv[1] == "sleep":
+        time.sleep(60)
+
+
+def test_a_forked_worker_runs_in_its_host_with_its_environment_and_goes_with_the_cluster(
+    tmp_path: Path,
+) -> None:
+    with Cluster(Topology.build("tfork", 2, "100mbit")) as c:
+        def fork(host: str, what: str) -> Forked:
+            return c.fork(host, forked_main, [str(tmp_path / f"{what}.json"), what, c.addr("h2")],
+                          env={"ONLY": what}, log=tmp_path / f"{what}.log")
+
+        there, elsewhere = fork("h2", "return"), fork("h1", "raise")
+        sleeper = c.fork("h2", "tests.integration.test_testbed:forked_main",
+                         [str(tmp_path / "sleep.json"), "sleep", c.addr("h2")],
+                         env={}, log=tmp_path / "sleep.log")
+        assert there.wait(timeout=60) == 0, there.output()
+        assert json.loads((tmp_path / "return.json").read_text()) == {
+            "bound": True, "env": {"ONLY": "return"}}
+        assert elsewhere.wait(timeout=60) == 1
+        assert "RuntimeError: asked to fail" in elsewhere.communicate()[1]
+        assert json.loads((tmp_path / "raise.json").read_text())["bound"] is False
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "sleep.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sleeper.poll() is None
+    assert sleeper.returncode == -signal.SIGTERM
 
 
 def test_cli_up_run_down() -> None:
