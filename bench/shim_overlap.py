@@ -23,10 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,12 +45,25 @@ def trace(args: argparse.Namespace) -> list[tuple[int, float, float]]:
     return trace_spec(args.model, args.model_mb, args.forward_ms / 1000)
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(argv: Sequence[str]) -> None:
+    """One rank (forked in its host: `gradlane.testbed.Cluster.fork`); rank 0 writes its
+    iteration times and waits to `--out`."""
     import torch
 
     import gradlane.shim as gl
     from gradlane.workloads import make_trace, trace_batch
 
+    ap = argparse.ArgumentParser(prog="shim_overlap.py worker")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--model-mb", type=float, required=True)
+    ap.add_argument("--forward-ms", type=float, required=True)
+    ap.add_argument("--iters", type=int, required=True)
+    ap.add_argument("--chunk-kb", type=int)
+    ap.add_argument("--overlap", type=int, required=True)
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
     model = make_trace(args.model, args.model_mb, args.forward_ms / 1000)
@@ -61,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     with gl.attach(
         model,
         opt,
-        overlap=args.overlap,
+        overlap=bool(args.overlap),
         daemon_socket=args.socket,
         job="overlap",
         address=args.address,
@@ -79,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
             last = now
         sync.flush()
     if int(os.environ["RANK"]) == 0:
-        print(json.dumps({"times": times, "waited": waited}))
+        args.out.write_text(json.dumps({"times": times, "waited": waited}))
 
 
 def main() -> None:
@@ -95,15 +108,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk-kb", type=int, default=None, help="chunk size (default: shim's)")
     ap.add_argument("--rate", type=int, help="link rate in bit/s (default: comm = compute)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--overlap", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--socket", help=argparse.SUPPRESS)
-    ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        args.overlap = bool(args.overlap)
-        worker(args)
-        return
     if os.geteuid() != 0:
         raise SystemExit("bench/shim_overlap.py needs root (it builds an emulated cluster)")
     from gradlane.testbed import Cluster, Topology
@@ -117,10 +122,8 @@ def main() -> None:
     payload_bps = PAYLOAD_EFFICIENCY * DEFAULT_SHAPE_FRACTION  # per bit/s of link rate
     rate = args.rate or int(model_bytes * 8 / compute_s / payload_bps)
     comm_s = model_bytes * 8 / (rate * payload_bps)
-    base = [sys.executable, str(Path(__file__).resolve()), "--worker",
-            "--model", args.model, "--model-mb", str(args.model_mb),
-            "--forward-ms", str(args.forward_ms),
-            "--iters", str(args.iters),
+    base = ["--model", args.model, "--model-mb", str(args.model_mb),
+            "--forward-ms", str(args.forward_ms), "--iters", str(args.iters),
             *(["--chunk-kb", str(args.chunk_kb)] if args.chunk_kb else [])]  # fmt: skip
     runs: dict[str, list[list[float]]] = {"overlap": [], "no_overlap": []}
     exposed: dict[str, list[float]] = {"overlap": [], "no_overlap": []}
@@ -130,39 +133,20 @@ def main() -> None:
         for r in range(args.rounds):
             for name, overlap in (("overlap", 1), ("no_overlap", 0)):
                 port += 1
+                result = Path(tmp) / f"{name}-{r}.json"
                 procs = []
                 for rank, host in enumerate(("h1", "h2")):
-                    env = {
-                        **os.environ,
-                        "RANK": str(rank),
-                        "WORLD_SIZE": "2",
-                        "MASTER_ADDR": c.addr("h1"),
-                        "MASTER_PORT": str(port),
-                        "OMP_NUM_THREADS": "1",
-                    }
-                    procs.append(
-                        c.popen(
-                            host,
-                            [
-                                *base,
-                                "--overlap",
-                                str(overlap),
-                                "--socket",
-                                str(socks[rank]),
-                                "--address",
-                                c.addr(host),
-                            ],
-                            env=env,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            text=True,
-                        )
-                    )
-                outs = [p.communicate(timeout=300) for p in procs]
-                for p, (_, err) in zip(procs, outs, strict=True):
-                    if p.returncode:
-                        raise SystemExit(f"a worker failed:\n{err[-3000:]}")
-                out = json.loads(outs[0][0])
+                    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+                           "MASTER_ADDR": c.addr("h1"), "MASTER_PORT": str(port),
+                           "OMP_NUM_THREADS": "1"}  # fmt: skip
+                    argv = [*base, "--overlap", str(overlap), "--socket", str(socks[rank]),
+                            "--address", c.addr(host), "--out", str(result)]
+                    procs.append(c.fork(host, worker, argv, env=env,
+                                        log=Path(tmp) / f"{name}-{r}-rank{rank}.log"))
+                for p in procs:
+                    if p.wait(timeout=300):
+                        raise SystemExit(f"a worker failed:\n{p.output()[-3000:]}")
+                out = json.loads(result.read_text())
                 times = out["times"][args.warmup :]
                 runs[name].append(times)
                 exposed[name].extend(out["waited"][args.warmup :])

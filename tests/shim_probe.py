@@ -1,9 +1,10 @@
 """Measure the shim engine's chunk timing between two hosts (priority tests).
 
-``python -m tests.shim_probe --rank R --master ADDR:PORT --address A
---bands K --socket SOCK`` runs in both hosts of an emulated cluster, each
-with a gradlaned on SOCK. Both ranks register their band connections with
-their daemon, then run the same steps; rank 0 prints JSON:
+``main(["--rank", R, "--master", ADDR:PORT, "--address", A, "--bands", K,
+"--socket", SOCK, "--out", FILE])`` runs in both hosts of an emulated cluster
+(forked: `gradlane.testbed.Cluster.fork`), each with a gradlaned on SOCK.
+Both ranks register their band connections with their daemon, then run the
+same steps; rank 0 writes JSON to FILE:
 
 - ``order``: four 2 MB groups of priorities 0..3 (band = priority, or band 0
   with one band) are made ready in backward order 3, 2, 1, 0 within a few
@@ -19,6 +20,8 @@ import argparse
 import datetime
 import json
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,14 +35,15 @@ from gradlane.shim.transport import Mesh
 MB = 1 << 20
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--master", required=True)
     ap.add_argument("--address", required=True)
     ap.add_argument("--bands", type=int, choices=[1, 4], required=True)
     ap.add_argument("--socket", required=True)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     host, port = args.master.rsplit(":", 1)
     store = dist.TCPStore(
@@ -101,15 +105,8 @@ def main() -> None:
     engine.close()
     client.close()
     if args.rank == 0:
-        print(
-            json.dumps(
-                {
-                    "order": order,
-                    "high_latency_s": latency,
-                    "registered": client.daemon_bands is not None,
-                }
-            )
-        )
+        args.out.write_text(json.dumps({"order": order, "high_latency_s": latency,
+                                        "registered": client.daemon_bands is not None}))
 
 
 if __name__ == "__main__":

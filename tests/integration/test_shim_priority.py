@@ -1,7 +1,7 @@
 """Priority is real: the shim's bands through gradlaned's HTB leaves, in emulated hosts.
 
 Two hosts at 100 Mbit/s, each with the real gradlaned; tests/shim_probe.py
-runs one rank per host. Measured, not assumed: the completion order of
+runs one rank per host (forked with torch imported). Measured, not assumed: the completion order of
 chunks made ready in backward order, and how long a small band-0 chunk takes
 while a bulk band-3 transfer streams, against the same with one band (FIFO).
 """
@@ -9,8 +9,7 @@ while a bulk band-3 transfer streams, against the same with one band (FIFO).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from gradlane.testbed import Cluster, Topology
+from tests import shim_probe
 from tests.integration.helpers import start_netns_daemon, stop
 
 pytestmark = pytest.mark.netns
@@ -36,46 +36,31 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
                 assert stop(proc) == 0
 
 
-def probe(cluster: Cluster, sockets: list[Path], bands: int, port: int) -> dict[str, Any]:
+def probe(cluster: Cluster, sockets: list[Path], bands: int, port: int,
+          out: Path) -> dict[str, Any]:
+    result = out / f"probe-{bands}.json"
     procs = [
-        cluster.popen(
-            host,
-            [
-                sys.executable,
-                "-m",
-                "tests.shim_probe",
-                "--rank",
-                str(rank),
-                "--master",
-                f"{cluster.addr('h1')}:{port}",
-                "--address",
-                cluster.addr(host),
-                "--bands",
-                str(bands),
-                "--socket",
-                str(sockets[rank]),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        cluster.fork(host, shim_probe.main,
+                     ["--rank", str(rank), "--master", f"{cluster.addr('h1')}:{port}",
+                      "--address", cluster.addr(host), "--bands", str(bands),
+                      "--socket", str(sockets[rank]), "--out", str(result)],
+                     env=dict(os.environ), log=out / f"probe-{bands}-rank{rank}.log")
         for rank, host in enumerate(("h1", "h2"))
     ]
-    outs = [p.communicate(timeout=90) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    result: dict[str, Any] = json.loads(outs[0][0])
-    assert result["registered"], "the probe never registered with gradlaned"
-    return result
+    for p in procs:
+        assert p.wait(timeout=90) == 0, p.output()[-3000:]
+    found: dict[str, Any] = json.loads(result.read_text())
+    assert found["registered"], "the probe never registered with gradlaned"
+    return found
 
 
 @pytest.mark.timeout(240)
 def test_chunks_complete_in_priority_order_and_band0_preempts_bulk(
-    cluster: tuple[Cluster, list[Path]],
+    cluster: tuple[Cluster, list[Path]], tmp_path: Path,
 ) -> None:
     c, sockets = cluster
-    banded = probe(c, sockets, 4, 29410)
-    fifo = probe(c, sockets, 1, 29411)
+    banded = probe(c, sockets, 4, 29410, tmp_path)
+    fifo = probe(c, sockets, 1, 29411, tmp_path)
     print(
         f"band-0 chunk during bulk: {banded['high_latency_s'] * 1000:.1f} ms with 4 bands, "
         f"{fifo['high_latency_s'] * 1000:.1f} ms with one band; order {banded['order']}"

@@ -206,7 +206,7 @@ def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
 
 
 def test_same_scenario_same_result() -> None:
-    sc = cluster(hosts=128, hosts_per_leaf=32, jobs=4, iterations=3)
+    sc = cluster(hosts=64, hosts_per_leaf=16, jobs=4, iterations=2)  # jobs share uplinks
     a = simulate(sc, get_policy("gradlane")).to_json()
     b = simulate(sc, get_policy("gradlane")).to_json()
     for key in ("iteration_s", "cct_s", "utilization", "simulated_s"):
@@ -228,7 +228,7 @@ class _Checked(Policy):
 
 @pytest.mark.parametrize("name", ["fifo", "coflow", "gradlane"])
 def test_every_plan_made_during_a_cluster_run_is_valid(name: str) -> None:
-    sc = cluster(hosts=128, hosts_per_leaf=32, jobs=4, iterations=3)
+    sc = cluster(hosts=64, hosts_per_leaf=16, jobs=4, iterations=3)
     policy = _Checked(get_policy(name))
     result = simulate(sc, policy)
     assert policy.plans > 3
