@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -45,11 +46,9 @@ def environment() -> dict[str, Any]:
 
     import gradlane
 
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
+    try:  # the installed distribution's version: importing torch for it takes seconds
+        torch_version: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
         torch_version = None
 
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
