@@ -96,6 +96,7 @@ from gradlane.demo import past_warm_up, steady_start
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
 from gradlane.policies.chunks import LAYOUTS
+from gradlane.systems import DAEMON_SYSTEMS, REFERENCE, SYSTEMS
 from gradlane.testbed.links import FRAME_BYTES, line_rate
 
 if TYPE_CHECKING:
@@ -108,11 +109,6 @@ __all__ = [
 ]
 
 PAYLOAD_EFFICIENCY = 1448 / FRAME_BYTES
-SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "ddp-hook")
-# The systems run with gradlaned on every host (`gradlane.worker.DAEMON_SYSTEMS`: not
-# imported, as the worker imports torch).
-DAEMON_SYSTEMS = ("gradlane", "ddp-hook")
-REFERENCE = "local"  # compute alone (nothing exchanged): the bound's compute
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradlane.benchmark import PAYLOAD_EFFICIENCY, REFERENCE, lower_bound, summarize
+from gradlane.benchmark import PAYLOAD_EFFICIENCY, lower_bound, summarize
 from gradlane.demo import SystemRun, collect, launch, run_on_cluster, steady_start
 from gradlane.errors import ConfigError, TestbedError
 from gradlane.policies.profiles import trace_layers
 from gradlane.policies.straggler import proportional_shares
+from gradlane.systems import REFERENCE
 from gradlane.testbed import Cluster, Topology
 from gradlane.testbed.links import line_rate
 from gradlane.units import parse_rate

@@ -40,6 +40,7 @@ from rich.table import Table
 
 from gradlane.errors import TestbedError
 from gradlane.policies.chunks import trial_schedule
+from gradlane.systems import SHIM_SYSTEMS
 from gradlane.testbed.forked import Proc
 
 __all__ = ["DemoResult", "MachineCpu", "SystemRun", "nic_tx_bytes", "past_warm_up", "run_demo",
@@ -292,9 +293,6 @@ def _worker_argv(system: str, out: Path, extra: list[str]) -> list[str]:
     return ["-m", "gradlane.worker", *_worker_options(system, out, extra)]
 
 
-# Systems whose workers wait for averages in the next forward, where the wait can be timed
-# (DDP's is inside its backward; "local" exchanges nothing).
-_SHIM_SYSTEMS = ("fifo", "priority", "gradlane")
 
 
 def waits_for_slowest(ranks: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
@@ -343,7 +341,7 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
     raw = json.loads((out / f"{system}-rank0.json").read_text())
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob(f"{system}-rank*.json"))]
     ends = raw.get("ends") or []
-    exposed, slowest = waits_for_slowest(ranks) if system in _SHIM_SYSTEMS else ([], [])
+    exposed, slowest = waits_for_slowest(ranks) if system in SHIM_SYSTEMS else ([], [])
     return SystemRun(
         system,
         raw["times"],

@@ -45,10 +45,11 @@ import torch
 from torch import nn
 
 from gradlane.shim.config import EXCHANGES, LAYOUTS
+from gradlane.systems import DAEMON_SYSTEMS, REFERENCE
+from gradlane.systems import SYSTEMS as BENCHED
 from gradlane.workloads import BATCH, cnn_batch, make_cnn, make_trace, trace_batch
 
-SYSTEMS = ("ddp", "fifo", "priority", "gradlane", "ddp-hook", "local")
-DAEMON_SYSTEMS = ("gradlane", "ddp-hook")  # those that use gradlaned (as `gradlane.benchmark`'s)
+SYSTEMS = (*BENCHED, REFERENCE)
 
 
 def run_queue_s() -> float | None:
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             options["daemon_socket"] = "/nonexistent/gradlaned.sock"
         return options
 
-    if args.system == "local":
+    if args.system == REFERENCE:
         train(model)
     elif args.system in ("ddp", "ddp-hook"):
         import torch.distributed as dist
