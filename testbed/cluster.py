@@ -168,7 +168,8 @@ class Cluster:
     def fork(self, host: str | int, main: Main, argv: Sequence[str], *, env: dict[str, str],
              log: Path) -> Forked:
         """Run ``main(argv)`` in `host` (`main`: a function or its "module:name"), forked
-        with torch already imported (`gradlane.testbed.forked`), `env` its whole
+        with torch already imported (`gradlane.testbed.forked`: a script calling this
+        keeps its work under ``if __name__ == "__main__":``), `env` its whole
         environment, its output in `log`; stopped as `popen`'s."""
         proc = Forked(main, argv, env, log, namespace=self.ns(host))
         self._procs.append(proc)

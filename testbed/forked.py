@@ -10,6 +10,11 @@ arguments, its output in a file, and (on an emulated cluster) inside its
 host's network namespace. The training that follows is the same code as
 under ``python -m``; only the start differs, and start-up is never in a
 measured iteration time.
+
+As with any multiprocessing start method but fork, each forked process
+first imports the caller's main module again (as ``__mp_main__``): a script
+that forks workers must keep its work under ``if __name__ == "__main__":``,
+or every worker would run the script again (build its cluster, ...).
 """
 
 from __future__ import annotations
