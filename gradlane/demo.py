@@ -293,8 +293,6 @@ def _worker_argv(system: str, out: Path, extra: list[str]) -> list[str]:
     return ["-m", "gradlane.worker", *_worker_options(system, out, extra)]
 
 
-
-
 def waits_for_slowest(ranks: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
     """Per step, the ranks' mean wait for averages, and how much of it the slowest worker's
     own work caused.
