@@ -27,7 +27,6 @@ from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.rtnl import TC_H_ROOT
 
 from gradlane.daemon.config import DaemonConfig
 from gradlane.daemon.qdisc import FlowMatch, JobSpec, QdiscManager, QdiscSpec
@@ -90,8 +89,6 @@ def _interface(config: DaemonConfig, name: str, rate_bps: int) -> Finding:
         state = str(ipr.get_links(found[0])[0].get_attr("IFLA_OPERSTATE"))
         addresses = [a.get_attr("IFA_ADDRESS")
                      for a in ipr.get_addr(index=found[0], family=socket.AF_INET)]
-        roots = [str(q.get_attr("TCA_KIND")) for q in ipr.get_qdiscs(index=found[0])
-                 if q.get("parent") == TC_H_ROOT]
     shaped = format_rate(int(rate_bps * config.shape_fraction))
     parts = [f"line rate {format_rate(rate_bps)}, shaped to {shaped}",
              f"IPv4 {', '.join(addresses)}" if addresses else
@@ -102,17 +99,17 @@ def _interface(config: DaemonConfig, name: str, rate_bps: int) -> Finding:
         parts.append(f"link {state.lower()}")
     try:
         with QdiscManager(name, state_file=config.state_dir / f"qdisc-{name}.json") as manager:
-            ours, foreign = manager.owned(), manager.foreign_root()
+            root = manager.root()
     except GradlaneError as exc:
         return Finding(check, FAIL, f"reading its qdiscs failed: {exc}")
-    if foreign is not None:  # gradlaned would run but leave this interface unshaped
-        return Finding(check, FAIL, "; ".join([*parts, str(foreign)]))
-    if ours:
+    if root.foreign is not None:  # gradlaned would run but leave this interface unshaped
+        return Finding(check, FAIL, "; ".join([*parts, str(root.foreign)]))
+    if root.ours:
         then = "takes it over" if config.on_start == "takeover" else "restores it first"
         parts.append(f"holds a gradlane tree (a running gradlaned's, or one a crash left: "
                      f"gradlaned {then}, daemon.on_start)")
     else:
-        parts.append(f"root qdisc {roots[0] if roots else '(none)'}: gradlaned replaces it and "
+        parts.append(f"root qdisc {root.kind or '(none)'}: gradlaned replaces it and "
                      "puts it back when it stops")
     return Finding(check, level, "; ".join(parts))
 

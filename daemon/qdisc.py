@@ -92,6 +92,7 @@ __all__ = [
     "FlowMatch",
     "JobSpec",
     "QdiscManager",
+    "RootQdisc",
     "QdiscSpec",
     "RootWatch",
 ]
@@ -240,6 +241,16 @@ class ClassStats:
     throughput_bps: float | None  # None on the first read of this class
 
 
+@dataclass(frozen=True)
+class RootQdisc:
+    """An interface's root qdisc, as `QdiscManager.root` found it."""
+
+    kind: str | None  # None: there is none
+    ours: bool  # a gradlane tree (a running gradlaned's, or one a crash left)
+    # What `apply` would raise (an operator's own tree it could not restore), else None.
+    foreign: ForeignQdiscError | None
+
+
 @dataclass
 class _Original:
     """The root qdisc gradlane replaced: the kernel default, or a fifo to re-create."""
@@ -344,22 +355,22 @@ class QdiscManager:
 
     # -- public operations -------------------------------------------------
 
-    def owned(self) -> bool:
-        """True if the interface's root qdisc is a gradlane tree (ours or left by a crash)."""
+    def root(self) -> RootQdisc:
+        """The interface's root qdisc as it is now, read once."""
         root = self._root_qdisc(self._index())
-        return root is not None and _is_ours(root)
-
-    def foreign_root(self) -> ForeignQdiscError | None:
-        """What `apply` would raise for the interface's root qdisc as it is now (an
-        operator's own tree it could not restore), or None if it may replace or keep it."""
-        root = self._root_qdisc(self._index())
-        if root is None or _is_ours(root):
-            return None
+        if root is None:
+            return RootQdisc(None, False, None)
+        if _is_ours(root):
+            return RootQdisc(str(root.get_attr("TCA_KIND")), True, None)
         try:
             self._snapshot(root)
         except ForeignQdiscError as exc:
-            return exc
-        return None
+            return RootQdisc(str(root.get_attr("TCA_KIND")), False, exc)
+        return RootQdisc(str(root.get_attr("TCA_KIND")), False, None)
+
+    def owned(self) -> bool:
+        """True if the interface's root qdisc is a gradlane tree (ours or left by a crash)."""
+        return self.root().ours
 
     def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]:
         """Make the interface's tree match `spec`; return the changes sent.

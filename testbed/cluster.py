@@ -247,9 +247,9 @@ class Cluster:
         """
         popen.setdefault("stderr", subprocess.PIPE)
         popen.setdefault("text", True)
-        started = {}
+        started, names = {}, {}
         for host in hosts:
-            name = f"h{self.host_index(host)}"
+            name = names[host] = f"h{self.host_index(host)}"
             line = str(links.line_rate(self.topology.rates[self.host_index(host) - 1]))
             rates = [rate or line] * self.topology.nics if isinstance(rate, str | None) \
                 else list(rate)
@@ -266,7 +266,7 @@ class Cluster:
         waiting = dict(started)
         while waiting:
             for host, (proc, sock) in list(waiting.items()):
-                name = f"h{self.host_index(host)}"
+                name = names[host]
                 try:
                     with socket.socket(socket.AF_UNIX) as probe:
                         probe.connect(str(sock))

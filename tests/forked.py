@@ -12,4 +12,4 @@ from gradlane.testbed.forked import Forked, preload
 
 __all__ = ["Forked"]
 
-preload(["gradlane.shim", "tests.shim_worker"])
+preload(["tests.shim_worker"])  # gradlane.worker brings the shim
