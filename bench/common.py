@@ -1,5 +1,5 @@
-"""What the benchmarks share: the repository's root, the result writer, SIGTERM handling,
-and the command line and scratch directory of the emulated-cluster runs."""
+"""What the benchmarks share: the repository's root, the result writer, SIGTERM and SIGHUP
+handling, and the command line and scratch directory of the emulated-cluster runs."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from gradlane.provenance import start, write_result
-from gradlane.signals import unwind_on_sigterm
+from gradlane.signals import unwind_on_signals
 
 start()  # a benchmark imports this first: the checkout its results come from
 
 __all__ = ["REPO", "cluster_args", "owners_bench", "record_cluster_run", "run_ranks",
-           "unwind_on_sigterm", "write_result"]
+           "unwind_on_signals", "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
 

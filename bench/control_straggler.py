@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cluster_args, record_cluster_run, unwind_on_sigterm  # noqa: E402
+from common import cluster_args, record_cluster_run, unwind_on_signals  # noqa: E402
 
 from gradlane.control_runs import run_control_straggler  # noqa: E402
 
@@ -35,5 +35,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
+    unwind_on_signals()  # a SIGTERM or a hang-up removes this run's clusters, as Ctrl-C does
     main()

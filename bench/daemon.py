@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import unwind_on_sigterm, write_result  # noqa: E402
+from common import unwind_on_signals, write_result  # noqa: E402
 
 
 def measure(sock_path: str, daemon_pid: int, samples: int) -> dict[str, Any]:
@@ -228,5 +228,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
+    unwind_on_signals()  # a SIGTERM or a hang-up removes this run's clusters, as Ctrl-C does
     main()

@@ -31,7 +31,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import unwind_on_sigterm, write_result  # noqa: E402
+from common import unwind_on_signals, write_result  # noqa: E402
 
 LINK = "40gbit"
 OLD_FLOW_PREFS = 0x100  # where the manager used to put the first flow's priority
@@ -137,5 +137,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    unwind_on_sigterm()  # a SIGTERM removes this run's cluster, as Ctrl-C does
+    unwind_on_signals()  # a SIGTERM or a hang-up removes this run's cluster, as Ctrl-C does
     main()

@@ -46,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import run_ranks, unwind_on_sigterm, write_result  # noqa: E402
+from common import run_ranks, unwind_on_signals, write_result  # noqa: E402
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
 
@@ -219,5 +219,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
+    unwind_on_signals()  # a SIGTERM or a hang-up removes this run's clusters, as Ctrl-C does
     main()

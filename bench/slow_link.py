@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import owners_bench, unwind_on_sigterm  # noqa: E402
+from common import owners_bench, unwind_on_signals  # noqa: E402
 
 from gradlane.control_runs import run_slow_link  # noqa: E402
 
 if __name__ == "__main__":
-    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
+    unwind_on_signals()  # a SIGTERM or a hang-up removes this run's clusters, as Ctrl-C does
     owners_bench(__doc__, "slow_link", run_slow_link)

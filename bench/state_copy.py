@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, run_ranks, unwind_on_sigterm, write_result  # noqa: E402
+from common import REPO, run_ranks, unwind_on_signals, write_result  # noqa: E402
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
 
@@ -159,5 +159,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
+    unwind_on_signals()  # a SIGTERM or a hang-up removes this run's clusters, as Ctrl-C does
     main()

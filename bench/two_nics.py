@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cluster_args, record_cluster_run, unwind_on_sigterm  # noqa: E402
+from common import cluster_args, record_cluster_run, unwind_on_signals  # noqa: E402
 
 from gradlane.nic_runs import run_two_nics  # noqa: E402
 
 if __name__ == "__main__":
-    unwind_on_sigterm()  # a SIGTERM removes this run's clusters, as Ctrl-C does
+    unwind_on_signals()  # a SIGTERM or a hang-up removes this run's clusters, as Ctrl-C does
     args = cluster_args(__doc__, "two_nics", 40).parse_args()
     result = record_cluster_run("two_nics", args.json,
                                 lambda workdir: run_two_nics(workdir, args.steps, say=print))

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from gradlane import __version__
 from gradlane.errors import ConfigError, GradlaneError
-from gradlane.signals import unwind_on_sigterm
+from gradlane.signals import ending_signals, unwind_on_signals
 from gradlane.units import format_rate, parse_rate
 
 __all__ = ["main"]
@@ -541,7 +541,7 @@ DEFAULT_TOKEN = Path("/etc/gradlane/control.token")
                    "their leaf. Default: a non-blocking fabric.")
 def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: float,
             uplink: str | None) -> None:
-    """Run the control plane in the foreground until SIGTERM/SIGINT.
+    """Run the control plane in the foreground until SIGTERM/SIGINT (or a hang-up).
 
     Daemons connect to ws://LISTEN/api/v1/daemon; GET /api/v1/cluster shows
     the cluster, /metrics the Prometheus metrics (both need the token).
@@ -571,7 +571,7 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (*ending_signals(), signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
             await serve(config)
@@ -968,7 +968,7 @@ def daemon_main() -> None:
 
 
 def main() -> None:
-    unwind_on_sigterm()  # `with Cluster(...)` blocks clean up on SIGTERM as on Ctrl-C
+    unwind_on_signals()  # `with Cluster(...)` blocks clean up on SIGTERM or SIGHUP as on Ctrl-C
     try:
         cli(standalone_mode=True)
     except GradlaneError as exc:

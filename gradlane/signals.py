@@ -1,19 +1,52 @@
-"""SIGTERM as an exception, so that emulated clusters are removed on the way out."""
+"""SIGTERM and hang-ups as exceptions, so that emulated clusters are removed on the way out."""
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 
-__all__ = ["unwind_on_sigterm"]
+__all__ = ["ending_signals", "unwind_on_signals"]
 
 
-def unwind_on_sigterm(exc: type[BaseException] = SystemExit) -> None:
-    """Make SIGTERM raise `exc` (with 128 + the signal) in this process, as Ctrl-C does.
+def ending_signals() -> list[signal.Signals]:
+    """Besides Ctrl-C's SIGINT, the signals that end a run in the foreground: SIGTERM, and
+    SIGHUP unless this process ignores it (as under ``nohup``)."""
+    hang_up = [] if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else [signal.SIGHUP]
+    return [signal.SIGTERM, *hang_up]
 
-    A SIGTERM (a CI timeout, ``kill``) otherwise ends Python at once, and the
+
+def _leave_the_terminal() -> None:
+    """Send what went to a terminal (stdout, stderr) to /dev/null from now on.
+
+    After a hang-up the terminal is gone: a write to it fails (EIO), and a
+    message printed on the way out would interrupt the clean-up with an error
+    of its own. A file or a pipe keeps what is written to it.
+    """
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        dev_null = os.fstat(null)
+        for fd in (1, 2):
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                continue
+            if stat.S_ISCHR(st.st_mode) and not os.path.samestat(st, dev_null):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def unwind_on_signals(exc: type[BaseException] = SystemExit) -> None:
+    """Make SIGTERM and SIGHUP raise `exc` (with 128 + the signal) in this process, as
+    Ctrl-C does.
+
+    A SIGTERM (a CI timeout, ``kill``) or a hang-up (the terminal closed, an
+    ssh connection dropped) otherwise ends Python at once, and the
     ``with Cluster(...)`` blocks on the stack never remove their namespaces;
-    raised as an exception, the stack unwinds and they do. A child that
+    raised as an exception, the stack unwinds and they do. On a hang-up,
+    output to the terminal is dropped first (`_leave_the_terminal`). A
+    SIGHUP this process ignores (``nohup``) stays ignored. A child that
     pyroute2 forks to enter a namespace inherits the handler and is stopped
     with SIGTERM: it leaves at once instead of unwinding its copy of the
     parent's stack and removing the parent's clusters.
@@ -23,6 +56,9 @@ def unwind_on_sigterm(exc: type[BaseException] = SystemExit) -> None:
     def handler(signum: int, frame: object) -> None:
         if os.getpid() != main:
             os._exit(128 + signum)
+        if signum == signal.SIGHUP:
+            _leave_the_terminal()
         raise exc(128 + signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    for sig in ending_signals():
+        signal.signal(sig, handler)

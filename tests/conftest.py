@@ -1,5 +1,5 @@
 """Shared fixtures: root gating for namespace tests and the end-of-run leak check;
-SIGTERM ends a run as Ctrl-C does, cleaning up.
+SIGTERM or a hang-up ends a run as Ctrl-C does, cleaning up.
 
 Hypothesis runs without its per-example deadline (200 ms by default): that
 is a timing assertion, and on a shared, noisy machine it fails by chance.
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
-from gradlane.signals import unwind_on_sigterm
+from gradlane.signals import unwind_on_signals
 from tests import examples
 
 settings.register_profile("gradlane", deadline=None, max_examples=examples(100))
@@ -27,10 +27,10 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # A SIGTERM (a CI timeout, `kill`) stops the run as Ctrl-C does: the running test's
-    # `with Cluster(...)` blocks and every fixture's teardown still run, so no namespace,
-    # link or process is left behind.
-    unwind_on_sigterm(KeyboardInterrupt)
+    # A SIGTERM (a CI timeout, `kill`) or a hang-up stops the run as Ctrl-C does: the
+    # running test's `with Cluster(...)` blocks and every fixture's teardown still run, so
+    # no namespace, link or process is left behind.
+    unwind_on_signals(KeyboardInterrupt)
 
 
 def _can_use_namespaces() -> str | None:

@@ -17,6 +17,7 @@ from gradlane.testbed import Cluster, Topology, remove_cluster
 from gradlane.testbed.forked import Forked
 from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
 from tests.integration.helpers import max_goodput
+from tests.terminal import on_a_terminal, read_until
 
 pytestmark = pytest.mark.netns
 M = 1_000_000
@@ -209,6 +210,35 @@ def test_signal_during_a_run_cleans_up(sig: signal.Signals) -> None:
             proc.wait()
     assert proc.returncode != 0
     assert not {n for n in namespaces() if n.startswith(f"gl-{name}-")}
+    leftover = subprocess.run(
+        ["pgrep", "-f", "gradlane.testbed.traffic"], capture_output=True, text=True
+    ).stdout
+    assert leftover == "", "traffic processes survived the clean-up"
+
+
+def test_a_hang_up_during_a_run_cleans_up() -> None:
+    """The run's terminal goes away (an ssh connection drops) while its cluster carries
+    traffic and its spinner writes to the terminal: it unwinds as on Ctrl-C and leaves
+    nothing behind."""
+    name = "thup"
+    proc, master = on_a_terminal(
+        [*GRADLANE, "testbed", "smoke", "--name", name, "--seconds", "10"])
+    try:
+        read_until(master, proc, lambda _: any(n.startswith(f"gl-{name}-")
+                                               for n in namespaces()), timeout=20)
+        settled = time.monotonic() + 1.5  # the traffic processes start meanwhile
+        read_until(master, proc, lambda _: time.monotonic() > settled, timeout=5)
+    finally:
+        os.close(master)  # the hang-up
+        try:
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            left = remove_cluster(name)
+    assert proc.returncode == 128 + signal.SIGHUP  # unwound, not killed by the signal
+    assert not left
     leftover = subprocess.run(
         ["pgrep", "-f", "gradlane.testbed.traffic"], capture_output=True, text=True
     ).stdout

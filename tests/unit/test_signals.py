@@ -1,0 +1,96 @@
+"""`gradlane.signals`: a SIGTERM or a hang-up unwinds the stack, as Ctrl-C does.
+
+Each case runs a child on a terminal of its own (`tests.terminal`), which
+the test hangs up as a dropped ssh connection would.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.terminal import on_a_terminal, read_until
+
+_CHILD = """
+import sys, time
+from gradlane.signals import unwind_on_signals
+
+unwind_on_signals()
+print("ready", flush=True)
+try:
+    time.sleep(30)
+except SystemExit as exc:
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{exc.code}\\n")
+    print("on the way out", flush=True)  # to the terminal, gone after a hang-up
+    with open(sys.argv[1], "a") as f:
+        f.write("printed\\n")
+    raise
+"""
+
+
+def _on_a_terminal(log: Path, before: Callable[[], None] | None = None
+                   ) -> tuple[subprocess.Popen[bytes], int]:
+    """The child on a terminal of its own, once it said it is ready; and the terminal's
+    other side."""
+    proc, master = on_a_terminal([sys.executable, "-c", _CHILD, str(log)], before)
+    read_until(master, proc, lambda seen: b"ready" in seen, timeout=30)
+    return proc, master
+
+
+def _finish(proc: subprocess.Popen[bytes]) -> int:
+    try:
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_hang_up_unwinds_and_what_is_printed_on_the_way_out_goes_nowhere(
+        tmp_path: Path) -> None:
+    log = tmp_path / "unwound"
+    proc, master = _on_a_terminal(log)
+    os.close(master)  # the terminal goes away: hung up, SIGHUP to the session
+    assert _finish(proc) == 128 + signal.SIGHUP
+    assert log.read_text().split() == [str(128 + signal.SIGHUP), "printed"]
+
+
+def test_a_sigterm_unwinds_and_the_terminal_keeps_what_is_printed(tmp_path: Path) -> None:
+    log = tmp_path / "unwound"
+    proc, master = _on_a_terminal(log)
+    try:
+        proc.terminate()
+        assert _finish(proc) == 128 + signal.SIGTERM
+        seen = b""
+        while select.select([master], [], [], 5)[0]:
+            try:
+                chunk = os.read(master, 1024)
+            except OSError:  # EIO: the child and its side of the pty are gone
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(master)
+    assert log.read_text().split() == [str(128 + signal.SIGTERM), "printed"]
+    assert b"on the way out" in seen
+
+
+def test_under_nohup_a_hang_up_is_still_ignored(tmp_path: Path) -> None:
+    log = tmp_path / "unwound"
+    proc, master = _on_a_terminal(log, lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    os.close(master)
+    time.sleep(1.0)
+    assert proc.poll() is None  # not stopped by the hang-up
+    proc.terminate()
+    assert _finish(proc) != 0
+    # It unwound on the SIGTERM. Its print on the way out failed (the terminal is gone and
+    # only a hang-up leaves it), as before: nohup itself sends a terminal's output to a file.
+    assert log.read_text().split() == [str(128 + signal.SIGTERM)]
