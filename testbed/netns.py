@@ -48,11 +48,17 @@ def enter(name: str) -> None:
         os.close(fd)
 
 
-def _pids_in(name: str) -> list[int]:
+def _identity(name: str) -> tuple[int, int] | None:
+    """Namespace `name`'s identity (device, inode), which its processes' /proc/PID/ns/net
+    share; None if there is no such namespace."""
     try:
-        target = os.stat(NETNS_DIR / name)
+        st = os.stat(NETNS_DIR / name)
     except FileNotFoundError:
-        return []
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _pids_in(identity: tuple[int, int]) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -61,7 +67,7 @@ def _pids_in(name: str) -> list[int]:
             st = os.stat(f"/proc/{entry}/ns/net")
         except OSError:
             continue  # gone, or a kernel thread
-        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+        if (st.st_dev, st.st_ino) == identity:
             pids.append(int(entry))
     return pids
 
@@ -71,7 +77,13 @@ def kill_processes(name: str, grace: float = 2.0) -> int:
 
     Returns the number of processes found.
     """
-    pids = [p for p in _pids_in(name) if p != os.getpid()]
+    identity = _identity(name)
+    return 0 if identity is None else _kill_in(identity, grace)
+
+
+def _kill_in(identity: tuple[int, int], grace: float = 2.0) -> int:
+    pids = [p for p in _pids_in(identity) if p != os.getpid()]
+    found = len(pids)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -83,7 +95,7 @@ def kill_processes(name: str, grace: float = 2.0) -> int:
                 time.sleep(0.05)
         if not pids:
             break
-    return len(pids)
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -99,15 +111,21 @@ def _alive(pid: int) -> bool:
 
 
 def remove(name: str) -> None:
-    """Kill what runs in namespace `name`, then remove it (its links go with it)."""
-    if not exists(name):
+    """Remove namespace `name`, then kill what runs in it (its links go with the last).
+
+    The name goes first, so that nothing enters by it while its processes are
+    looked for (a worker starting at the moment a run is interrupted): what
+    entered before is found by the namespace's identity and killed.
+    """
+    identity = _identity(name)
+    if identity is None:
         return
-    kill_processes(name)
     try:
         netns.remove(name)
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             raise TestbedError(f"cannot remove network namespace {name!r}: {exc}") from exc
+    _kill_in(identity)
 
 
 def clean(prefix: str = NS_PREFIX) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gradlane.testbed import Cluster, Topology, remove_cluster
+from gradlane.testbed import netns as gl_netns
 from gradlane.testbed.forked import Forked
 from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
 from tests.integration.helpers import max_goodput
@@ -283,6 +284,38 @@ def test_sigterm_to_the_test_suite_cleans_up(tmp_path: Path) -> None:
     assert "KeyboardInterrupt" in out, out
     leftover = subprocess.run(["pgrep", "-f", "sleep 61.5"], capture_output=True, text=True)
     assert leftover.stdout == "", "the test's process in h1 survived"
+
+
+def test_nothing_enters_a_namespace_while_it_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process entering a namespace just after `remove` looked for the processes in it
+    (a worker starting the moment a run is interrupted) finds the namespace gone, rather
+    than running on in it unseen."""
+    name = "gl-tlate-h1"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    late: list[subprocess.Popen[bytes]] = []
+    scan = gl_netns._pids_in
+
+    def scan_then_a_late_entrant(identity: tuple[int, int]) -> list[int]:
+        pids = scan(identity)
+        if not late:
+            late.append(subprocess.Popen(["ip", "netns", "exec", name, "sleep", "61.7"],
+                                         stderr=subprocess.DEVNULL))
+            time.sleep(0.5)  # it is in by now, if it could enter
+        return pids
+
+    monkeypatch.setattr(gl_netns, "_pids_in", scan_then_a_late_entrant)
+    try:
+        gl_netns.remove(name)
+        assert late, "remove did not look for the namespace's processes"
+        assert late[0].wait(timeout=10) != 0  # could not enter
+    finally:
+        for proc in late:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if name in namespaces():
+            subprocess.run(["ip", "netns", "del", name])
+    assert name not in namespaces()
 
 
 def test_clean_removes_stale_namespaces_and_their_processes() -> None:
