@@ -82,7 +82,9 @@ a worker's lateness from its own longer wait for the step before's averages.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import statistics
 import tempfile
 import time
@@ -331,11 +333,15 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
     return summary
 
 
-def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, Any]:
-    """Run every system `rounds` times in one cluster; the result as JSON-ready data."""
-    from gradlane.demo import run_on_cluster
-    from gradlane.testbed import Cluster, Topology
+def run_scenario(scenario: Scenario, say: Callable[[str], None],
+                 keep_partial: Callable[[dict[str, Any]], None] | None = None
+                 ) -> dict[str, Any]:
+    """Run every system `rounds` times in one cluster; the result as JSON-ready data.
 
+    A run that stops early (a system fails, Ctrl-C, SIGTERM) once some
+    systems' runs are done hands those to `keep_partial` (`partial_result`),
+    with the cluster already removed, before its error goes on.
+    """
     compute, size = compute_and_bytes(scenario)
     traffic = 2 * (scenario.hosts - 1) / scenario.hosts * size
     rate = int(traffic * 8 / (compute * scenario.comm_to_compute) / PAYLOAD_EFFICIENCY)
@@ -347,6 +353,52 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
     systems = (REFERENCE, *scenario.systems)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     done: dict[str, list[SystemRun]] = {s: [] for s in systems}
+    try:
+        _run_rounds(scenario, rate, say, runs, done)
+    except BaseException as exc:
+        if keep_partial is not None and any(runs.values()):
+            try:
+                keep_partial(partial_result(scenario, rate, runs, exc))
+            except Exception as failed:  # the run's own error is the one to report
+                exc.add_note(f"the runs measured before it were not kept: {failed}")
+        raise
+    # Each round's warm-up dropped on its own, then all rounds pooled.
+    steady = {s: [t for run in rs for t in past_warm_up(run["iteration_s"])]
+              for s, rs in runs.items()}
+    measured = statistics.median(steady[REFERENCE])
+    bound = lower_bound(scenario.hosts, measured, size, rate)
+    layers = trace_layers(scenario, measured)
+    ordered = dependency_bound(scenario.hosts, layers, rate) if layers else None
+    summary = summarize(steady, bound, done, ordered)
+    say(f"compute alone ({REFERENCE}): {measured * 1000:.1f} ms; bound {bound * 1000:.1f} ms"
+        + (f", with the layers' order {ordered * 1000:.1f} ms" if ordered else ""))
+    return {
+        "scenario": _scenario_record(scenario),
+        "link_bps": rate,
+        # The line rate gradlaned was told (it shapes under it): the NIC the link emulates.
+        "daemon_line_bps": line_rate(rate),
+        "compute_s": measured,
+        "nominal_compute_s": compute,
+        "model_bytes": size,
+        "lower_bound_s": bound,
+        "nominal_lower_bound_s": nominal,
+        "dependency_bound_s": ordered,
+        # The medians, the waits and the machine's CPU are over each run's steps from this
+        # one on (`gradlane.demo.steady_start`: past the shim's layout trial).
+        "steady_from_step": steady_start(scenario.steps),
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+def _run_rounds(scenario: Scenario, rate: int, say: Callable[[str], None],
+                runs: dict[str, list[dict[str, Any]]], done: dict[str, list[SystemRun]]
+                ) -> None:
+    """Every system `rounds` times in one cluster, at `rate`; each run, once complete,
+    added to `done` and its raw data to `runs`."""
+    from gradlane.demo import run_on_cluster
+    from gradlane.testbed import Cluster, Topology
+
     port = 29700
     with (
         tempfile.TemporaryDirectory(prefix="gradlane-bench-") as tmp,
@@ -356,7 +408,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
         out.chmod(0o755)
         sockets: list[Path] | None = None
         for r in range(scenario.rounds):
-            for system in systems:
+            for system in runs:
                 if system in DAEMON_SYSTEMS and sockets is None:
                     daemons = c.start_daemons(range(1, scenario.hosts + 1), out)
                     sockets = [sock for _, sock in daemons.values()]
@@ -376,57 +428,67 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None]) -> dict[str, An
                     f"({time.monotonic() - started:.0f} s)"
                 )
                 done[system].append(run)
-                runs[system].append(
-                    {
-                        "iteration_s": run.times,
-                        "losses": run.losses,
-                        "wire_bytes": run.wire_bytes,
-                        "utilization": run.utilization,
-                        "cpu_cores_per_rank": run.cpu_cores,
-                        "cpu_sys_cores_per_rank": run.cpu_sys_cores,
-                        # Per rank: the training thread's wait for a core, per step.
-                        "run_queue_s_per_step": run.run_queue_s,
-                        "machine_cpu": run.machine_cpu,
-                        # Per step, the ranks' mean wait for averages and, of it, what the
-                        # slowest rank's own work held back (shim systems), and per rank
-                        # the series they come from (`gradlane.demo.waits_for_slowest`;
-                        # 0 for ddp, which cannot say): rank 0's iteration - waited is
-                        # the compute the simulator replays (`simulation.rank0_waited`).
-                        "exposed_s": run.exposed,
-                        "slowest_compute_s": run.slowest,
-                        "rank_steps": run.rank_steps,
-                        # The shim's grouping trial: each layout's median iteration, the
-                        # one kept (`ShimConfig.layout`).
-                        "layout_trial": run.layout_trial,
-                    }
-                )
-    # Each round's warm-up dropped on its own, then all rounds pooled.
-    steady = {s: [t for run in rs for t in past_warm_up(run["iteration_s"])]
-              for s, rs in runs.items()}
-    measured = statistics.median(steady[REFERENCE])
-    bound = lower_bound(scenario.hosts, measured, size, rate)
-    layers = trace_layers(scenario, measured)
-    ordered = dependency_bound(scenario.hosts, layers, rate) if layers else None
-    summary = summarize(steady, bound, done, ordered)
-    say(f"compute alone ({REFERENCE}): {measured * 1000:.1f} ms; bound {bound * 1000:.1f} ms"
-        + (f", with the layers' order {ordered * 1000:.1f} ms" if ordered else ""))
+                runs[system].append(_run_record(run))
+
+
+def _run_record(run: SystemRun) -> dict[str, Any]:
+    """A run's raw data, as a result's ``runs`` holds it."""
     return {
-        "scenario": {**scenario.__dict__, "systems": list(scenario.systems)},
-        "link_bps": rate,
-        # The line rate gradlaned was told (it shapes under it): the NIC the link emulates.
-        "daemon_line_bps": line_rate(rate),
-        "compute_s": measured,
-        "nominal_compute_s": compute,
-        "model_bytes": size,
-        "lower_bound_s": bound,
-        "nominal_lower_bound_s": nominal,
-        "dependency_bound_s": ordered,
-        # The medians, the waits and the machine's CPU are over each run's steps from this
-        # one on (`gradlane.demo.steady_start`: past the shim's layout trial).
-        "steady_from_step": steady_start(scenario.steps),
-        "summary": summary,
-        "runs": runs,
+        "iteration_s": run.times,
+        "losses": run.losses,
+        "wire_bytes": run.wire_bytes,
+        "utilization": run.utilization,
+        "cpu_cores_per_rank": run.cpu_cores,
+        "cpu_sys_cores_per_rank": run.cpu_sys_cores,
+        # Per rank: the training thread's wait for a core, per step.
+        "run_queue_s_per_step": run.run_queue_s,
+        "machine_cpu": run.machine_cpu,
+        # Per step, the ranks' mean wait for averages and, of it, what the slowest rank's
+        # own work held back (shim systems), and per rank the series they come from
+        # (`gradlane.demo.waits_for_slowest`; 0 for ddp, which cannot say): rank 0's
+        # iteration - waited is the compute the simulator replays
+        # (`simulation.rank0_waited`).
+        "exposed_s": run.exposed,
+        "slowest_compute_s": run.slowest,
+        "rank_steps": run.rank_steps,
+        # The shim's grouping trial: each layout's median iteration, the one kept
+        # (`ShimConfig.layout`).
+        "layout_trial": run.layout_trial,
     }
+
+
+def _scenario_record(scenario: Scenario) -> dict[str, Any]:
+    return {**scenario.__dict__, "systems": list(scenario.systems)}
+
+
+def partial_result(scenario: Scenario, rate_bps: int, runs: dict[str, list[dict[str, Any]]],
+                   stopped: BaseException) -> dict[str, Any]:
+    """What a run that stopped early had measured: the raw data of each system's completed
+    runs, as a full result's ``runs`` holds them, and why it stopped. No summary: the
+    bound's compute and the comparisons need every system's runs of a round."""
+    return {
+        "scenario": _scenario_record(scenario),
+        "link_bps": rate_bps,
+        "complete": False,
+        "stopped_by": stopped_by(stopped),
+        "runs": {system: rs for system, rs in runs.items() if rs},
+    }
+
+
+def stopped_by(exc: BaseException) -> str:
+    """Why a run stopped, in words: Ctrl-C, a signal (SIGTERM and hang-ups unwind as
+    `SystemExit(128 + signal)`: `gradlane.signals`), or the error."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    if isinstance(exc, SystemExit) and isinstance(exc.code, int) and exc.code > 128:
+        with contextlib.suppress(ValueError):
+            return f"stopped by {signal.Signals(exc.code - 128).name}"
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def is_partial(result: dict[str, Any]) -> bool:
+    """Whether `result` is what a run that stopped early kept (`partial_result`)."""
+    return result.get("complete") is False
 
 
 def cells(s: dict[str, Any]) -> list[str]:

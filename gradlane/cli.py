@@ -306,6 +306,10 @@ def bench_run(
 ) -> None:
     """Run SCENARIO (a TOML file) on an emulated cluster (needs root).
 
+    A run that stops early (a system fails, Ctrl-C) keeps the runs it
+    measured, raw, in the result's name with .partial.json (which a complete
+    run then replaces).
+
     \b
     sudo gradlane bench run bench/scenarios/trace-vgg19.toml
     sudo gradlane bench run bench/scenarios/trace-vgg19.toml --system gradlane \\
@@ -327,8 +331,17 @@ def bench_run(
     path = json_path or _writable(Path("bench/results") / f"{spec.name}.json", "--json")
     _require_root("gradlane bench run")
     out = _stdout_console()
-    result = run_scenario(spec, say=lambda text: out.log(text))
+    partial = path.with_name(f"{path.stem}.partial.json")
+
+    def keep(data: dict[str, Any]) -> None:
+        write_result(partial, data)
+        count = sum(len(rs) for rs in data["runs"].values())
+        out.log(f"{data['stopped_by']}; what it measured before ({count} "
+                f"run{'' if count == 1 else 's'}) is in {partial}")
+
+    result = run_scenario(spec, say=lambda text: out.log(text), keep_partial=keep)
     write_result(path, result)
+    partial.unlink(missing_ok=True)  # an earlier stopped run's, superseded
     title = f"{spec.name}: lower bound {result['lower_bound_s'] * 1000:.1f} ms"
     if result.get("dependency_bound_s"):
         title += f", with the layers' order {result['dependency_bound_s'] * 1000:.1f} ms"
@@ -354,9 +367,12 @@ def bench_run(
 )
 def bench_plot(result: Path, png: Path | None) -> None:
     """Draw RESULT's iteration times per system with the lower bound."""
-    from gradlane.benchmark import is_bench_result, plot, read_result
+    from gradlane.benchmark import is_bench_result, is_partial, plot, read_result
 
     data = read_result(result)
+    if is_partial(data):
+        raise click.ClickException(f"{result}: the runs a stopped run measured "
+                                   f"({data.get('stopped_by')}), no summary to plot")
     if not is_bench_result(data):
         raise click.ClickException(f"{result}: not a result of `gradlane bench run` (no "
                                    "per-system summary against a lower bound)")

@@ -27,13 +27,14 @@ from gradlane.benchmark import (
     lower_bound,
     markdown_table,
     narrowed,
+    run_scenario,
     summarize,
     trace_layers,
     worker_args,
 )
 from gradlane.cli import cli
-from gradlane.demo import steady_start
-from gradlane.errors import ConfigError
+from gradlane.demo import SystemRun, steady_start
+from gradlane.errors import ConfigError, TestbedError
 from gradlane.policies.chunks import trial_schedule
 from tests import examples
 
@@ -487,3 +488,106 @@ def test_table_and_plot_refuse_files_that_are_not_bench_results(tmp_path: Path) 
     shown = CliRunner().invoke(cli, ["bench", "table", str(garbled)])
     assert isinstance(shown.exception, ConfigError)
     assert "garbled.json: not a results file" in str(shown.exception)
+
+
+class _Cluster:
+    """Stands in for the emulated cluster: `run_on_cluster` is faked too."""
+
+    gone: list[bool] = []
+
+    def __init__(self, topology: Any) -> None:
+        self.topology = topology
+
+    def __enter__(self) -> _Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.gone.append(True)
+
+
+def _runs_until(monkeypatch: pytest.MonkeyPatch, stop: BaseException | None, after: int,
+                steps: int) -> list[str]:
+    """Fake every run (`steps` steps of 0.1 s), the one after `after` raising `stop`;
+    return the systems run, in order."""
+    started: list[str] = []
+
+    def run_on_cluster(c: Any, system: str, *args: Any, **kwargs: Any) -> tuple[SystemRun, Any]:
+        started.append(system)
+        if stop is not None and len(started) > after:
+            assert not _Cluster.gone
+            raise stop
+        return SystemRun(system, [0.1] * steps, [1.0] * steps, wall_s=0.1 * steps), {}
+
+    _Cluster.gone = []
+    monkeypatch.setattr("gradlane.testbed.Cluster", _Cluster)
+    monkeypatch.setattr("gradlane.demo.run_on_cluster", run_on_cluster)
+    return started
+
+
+@pytest.mark.parametrize(("stop", "said"), [
+    (TestbedError("rank 1 exited with 1"), "TestbedError: rank 1 exited with 1"),
+    (KeyboardInterrupt(), "interrupted (Ctrl-C)"),
+    (SystemExit(143), "stopped by SIGTERM"),
+    (SystemExit(129), "stopped by SIGHUP"),
+])
+def test_a_run_that_stops_keeps_the_runs_it_measured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: BaseException, said: str) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\nhosts = 2\nsteps = 30\nrounds = 2\n'
+                    'systems = ["ddp", "fifo"]\n[workload]\nkind = "cnn"\n')
+    scenario = load_scenario(path)
+    started = _runs_until(monkeypatch, stop, after=4, steps=30)
+    kept: list[dict[str, Any]] = []
+
+    def keep(data: dict[str, Any]) -> None:
+        assert _Cluster.gone  # the cluster was removed first
+        kept.append(data)
+
+    with pytest.raises(type(stop)):
+        run_scenario(scenario, say=lambda _: None, keep_partial=keep)
+    assert started == ["local", "ddp", "fifo", "local", "ddp"]
+    (data,) = kept
+    assert data["complete"] is False and data["stopped_by"] == said
+    assert {s: len(rs) for s, rs in data["runs"].items()} == {"local": 2, "ddp": 1, "fifo": 1}
+    assert data["runs"]["ddp"][0]["iteration_s"] == [0.1] * 30
+    assert data["scenario"]["systems"] == ["ddp", "fifo"]
+
+
+def test_a_run_that_stops_before_any_run_keeps_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\nhosts = 2\n[workload]\nkind = "cnn"\n')
+    _runs_until(monkeypatch, KeyboardInterrupt(), after=0, steps=40)
+    kept: list[dict[str, Any]] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_scenario(load_scenario(path), say=lambda _: None, keep_partial=kept.append)
+    assert kept == []
+
+
+def test_bench_run_keeps_a_stopped_run_beside_the_result_until_a_complete_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\nhosts = 2\nsteps = 30\nrounds = 1\n'
+                    'systems = ["ddp"]\n[workload]\nkind = "cnn"\n')
+    result, partial = tmp_path / "r.json", tmp_path / "r.partial.json"
+    monkeypatch.setattr("gradlane.cli._require_root", lambda what: None)
+    run = ["bench", "run", str(path), "--json", str(result)]
+
+    _runs_until(monkeypatch, TestbedError("rank 1 exited with 1"), after=1, steps=30)
+    shown = CliRunner().invoke(cli, run)
+    assert shown.exit_code != 0 and not result.exists()
+    said = " ".join(shown.output.split())
+    assert f"rank 1 exited with 1; what it measured before (1 run) is in {partial}" in said
+    data = json.loads(partial.read_text())
+    assert list(data["runs"]) == ["local"] and "commit" in json.dumps(data["environment"])
+    # Neither drawn nor tabled as a result:
+    shown = CliRunner().invoke(cli, ["bench", "plot", str(partial)])
+    assert shown.exit_code == 1 and "no summary to plot" in shown.output
+    shown = CliRunner().invoke(cli, ["bench", "table", str(partial)])
+    assert shown.exit_code == 1 and "none of these is a result of" in shown.output
+
+    _runs_until(monkeypatch, None, after=0, steps=30)
+    shown = CliRunner().invoke(cli, run)
+    assert shown.exit_code == 0, shown.output
+    assert set(json.loads(result.read_text())["summary"]) == {"local", "ddp"}
+    assert not partial.exists()  # superseded
