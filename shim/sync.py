@@ -191,12 +191,14 @@ def attach(
 
     Rank, world size and the rendezvous store follow torchrun: RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or an initialized default process
-    group's store). `address` is the one peers connect to (default: the local
-    address that routes to MASTER_ADDR); several, one per NIC, spread the
-    chunks over the NICs, bytes evenly (every rank gives as many, and its k-th
-    must reach the others' k-th: one switch plane per NIC, as rail-optimized
-    clusters have; `gradlane.shim.transport.Mesh`). Other keyword arguments are
-    `ShimConfig` fields (chunk_bytes, dscp, overlap, timeout_s, job, ...).
+    group's store); a process alone (``rank=0, world_size=1``, say to debug a
+    script without torchrun) needs no MASTER_PORT. `address` is the one peers
+    connect to (default: the local address that routes to MASTER_ADDR);
+    several, one per NIC, spread the chunks over the NICs, bytes evenly (every
+    rank gives as many, and its k-th must reach the others' k-th: one switch
+    plane per NIC, as rail-optimized clusters have;
+    `gradlane.shim.transport.Mesh`). Other keyword arguments are `ShimConfig`
+    fields (chunk_bytes, dscp, overlap, timeout_s, job, ...).
 
     Raises:
         ConfigError: bad options or environment.
@@ -212,8 +214,11 @@ def attach(
     try:
         rank = int(env["RANK"]) if rank is None else rank
         world_size = int(env["WORLD_SIZE"]) if world_size is None else world_size
-    except (KeyError, ValueError) as exc:
-        raise ConfigError(f"set RANK and WORLD_SIZE (torchrun does) or pass them: {exc}") from exc
+    except KeyError as exc:
+        raise ConfigError(f"{exc.args[0]} is not set: run under torchrun, or pass rank= and "
+                          "world_size=") from None
+    except ValueError as exc:
+        raise ConfigError(f"RANK and WORLD_SIZE must be integers: {exc}") from None
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is not in 0..{world_size - 1}")
     master = env.get("MASTER_ADDR", "127.0.0.1")
@@ -229,12 +234,17 @@ def _default_store(rank: int, world: int, master: str, timeout_s: float) -> Stor
 
     if dist.is_available() and dist.is_initialized():
         return dist.distributed_c10d._get_default_store()
+    text = os.environ.get("MASTER_PORT")
+    if text is None:
+        if world == 1:  # a process alone meets no one: a store of its own will do
+            return dist.HashStore()  # type: ignore[attr-defined]
+        raise ConfigError("MASTER_PORT is not set: run under torchrun, or pass store=")
     try:
-        port = int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError) as exc:
-        raise ConfigError(f"set MASTER_PORT (torchrun does) or pass store=: {exc}") from exc
+        port = int(text)
+    except ValueError:
+        port = -1
     if not 0 < port < 1 << 16:
-        raise ConfigError(f"MASTER_PORT must be a TCP port 1..65535, got {port}")
+        raise ConfigError(f"MASTER_PORT must be a TCP port 1..65535, got {text}")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return dist.TCPStore(  # type: ignore[attr-defined]
         master,

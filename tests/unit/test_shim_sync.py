@@ -123,6 +123,23 @@ def test_a_compiled_model_trains_exactly_as_plain_pytorch(overlap: bool) -> None
         assert torch.equal(a, b), name
 
 
+def test_a_process_alone_trains_as_plain_pytorch_without_torchrun(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python train.py`` with ``attach(..., rank=0, world_size=1)``: no rendezvous to
+    set up (no MASTER_PORT), and the model trains exactly as without gradlane."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    ref, mine = model(), model()
+    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    with gl.attach(mine, opt, rank=0, world_size=1, daemon_socket="/nonexistent/gl.sock"):
+        for step in range(3):
+            plain_step(mine, opt, None, step)
+            plain_step(ref, ref_opt, None, step)
+    for (name, a), b in zip(ref.state_dict().items(), mine.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
     # One band: the model's four small layers (all under MIN_GROUP_BYTES) form one group.
     compare(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), dscp=(46,))
@@ -424,14 +441,22 @@ def test_misuse_gets_clear_errors() -> None:
         attach(other, torch.optim.SGD(list(other.parameters())[:1], lr=0.1))
     with pytest.raises(ConfigError, match="chunk_bytes"):
         attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), chunk_bytes=10)
-    with pytest.raises(ConfigError, match="RANK"):
+    with (mock.patch.dict(os.environ), pytest.raises(ConfigError, match="^RANK is not set")):
+        os.environ.pop("RANK", None)
         gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), world_size=1)
+    with (mock.patch.dict(os.environ, {"RANK": "one"}),
+          pytest.raises(ConfigError, match="RANK and WORLD_SIZE must be integers")):
+        gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), world_size=1)
+    with (mock.patch.dict(os.environ), pytest.raises(ConfigError, match="^MASTER_PORT is not set")):
+        os.environ.pop("MASTER_PORT", None)
+        gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), rank=0, world_size=2)
     with pytest.raises(ConfigError, match="unknown option 'chunk_byte': did you mean "
                                           "'chunk_bytes'"):
         attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), chunk_byte=4096)
-    with (mock.patch.dict(os.environ, {"MASTER_PORT": "99999"}),
-          pytest.raises(ConfigError, match="MASTER_PORT must be a TCP port 1..65535, got 99999")):
-        gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), rank=0, world_size=1)
+    for port in ("99999", "http"):
+        with (mock.patch.dict(os.environ, {"MASTER_PORT": port}),
+              pytest.raises(ConfigError, match=f"must be a TCP port 1..65535, got {port}")):
+            gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), rank=0, world_size=1)
     # A model or an optimizer attached twice would have its gradients hooked and its
     # step patched twice; after close() it may be attached again.
     m = model()
