@@ -16,7 +16,7 @@ from pyroute2 import IPRoute, netns
 from gradlane.errors import TestbedError
 from gradlane.testbed.topology import NS_PREFIX
 
-__all__ = ["clean", "enter", "exists", "kill_processes", "list_namespaces", "remove"]
+__all__ = ["clean", "enter", "exists", "list_namespaces", "remove"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +72,10 @@ def _pids_in(identity: tuple[int, int]) -> list[int]:
     return pids
 
 
-def kill_processes(name: str, grace: float = 2.0) -> int:
-    """SIGTERM every process in namespace `name`, SIGKILL what remains after `grace` s.
-
-    Returns the number of processes found.
-    """
-    identity = _identity(name)
-    return 0 if identity is None else _kill_in(identity, grace)
-
-
-def _kill_in(identity: tuple[int, int], grace: float = 2.0) -> int:
+def _kill_in(identity: tuple[int, int], grace: float = 2.0) -> None:
+    """SIGTERM every process in the namespace of `identity`, SIGKILL what remains after
+    `grace` s."""
     pids = [p for p in _pids_in(identity) if p != os.getpid()]
-    found = len(pids)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -95,7 +87,6 @@ def _kill_in(identity: tuple[int, int], grace: float = 2.0) -> int:
                 time.sleep(0.05)
         if not pids:
             break
-    return found
 
 
 def _alive(pid: int) -> bool:
