@@ -10,10 +10,10 @@ iteration times of both.
 
 The link rate defaults to the one at which one iteration's communication
 takes about as long as its compute: the model's compute time is measured here
-first (scaled by workers per core, since the emulated hosts share this
-machine's CPUs), and each worker sends ``2 (W-1)/W`` model sizes per iteration
-in both systems (ring all-reduce for gloo, reduce-scatter + all-gather for
-gradlane).
+first, by as many processes training it at once as there will be workers
+(the emulated hosts share this machine's CPUs), and each worker sends
+``2 (W-1)/W`` model sizes per iteration in both systems (ring all-reduce for
+gloo, reduce-scatter + all-gather for gradlane).
 
 Without root there is no cluster and no traffic control: both systems run on
 loopback, and the report says so.
@@ -228,8 +228,9 @@ class DemoResult:
         }
 
 
-def _measure_model(steps: int = 12) -> tuple[float, int]:
-    """(median seconds of one training step on one thread, parameter bytes)."""
+def _measure_model(steps: int = 24) -> tuple[list[tuple[float, float]], int]:
+    """(when each training step on one thread began and ended, on the monotonic clock all
+    processes share; parameter bytes)."""
     import torch
     from torch import nn
 
@@ -238,9 +239,9 @@ def _measure_model(steps: int = 12) -> tuple[float, int]:
 
     torch.set_num_threads(1)
     model = make_model()
-    times = []
+    spans = []
     for step in range(steps):
-        start = time.perf_counter()
+        start = time.monotonic()
         x, y = batch(step, 0)
         nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
         # Plain SGD by hand: the same arithmetic as torch.optim.SGD's step, without the
@@ -250,31 +251,59 @@ def _measure_model(steps: int = 12) -> tuple[float, int]:
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-0.02)
                     p.grad = None
-        times.append(time.perf_counter() - start)
+        spans.append((start, time.monotonic()))
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    return statistics.median(times[2:]), size
+    return spans, size
+
+
+def _measure_main(argv: Sequence[str]) -> None:
+    """`_measure_model` in a forked process, its result as JSON in the file ``argv[0]``."""
+    Path(argv[0]).write_text(json.dumps(_measure_model()))
+
+
+def steps_together(spans: list[list[tuple[float, float]]]) -> list[float]:
+    """The step times, of every process, of the steps that ran while all of them did:
+    after the last one's first step began, before the first one's last step ended
+    (past each one's first step, which warms up)."""
+    begin = max(s[1][0] for s in spans)
+    end = min(s[-1][1] for s in spans)
+    return [b - a for s in spans for a, b in s[1:] if a >= begin and b <= end]
 
 
 def calibrate(hosts: int) -> tuple[float, int]:
     """Seconds of compute per iteration per worker as the hosts will see it, and model bytes.
 
-    Measured in a child process: this one keeps torch (and its threads) out,
-    because entering a namespace through pyroute2 may fork.
+    `hosts` processes train the model at once on this machine's cores, as the
+    workers will: the median of their steps while all of them ran
+    (`steps_together`). One process's time scaled by workers per core fell
+    short, by up to a third with four workers on two cores. Forked
+    (`gradlane.testbed.forked`): this process keeps torch (and its threads)
+    out, because entering a namespace through pyroute2 may fork.
     """
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import json, gradlane.demo as d; print(json.dumps(d._measure_model()))",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if out.returncode:
-        raise TestbedError(f"measuring the demo model failed: {out.stderr[-2000:]}")
-    step_s, size = json.loads(out.stdout)
-    return step_s * max(1.0, hosts / (os.cpu_count() or 1)), size
+    from gradlane.testbed.forked import Forked
+
+    with tempfile.TemporaryDirectory(prefix="gradlane-calibrate-") as tmp:
+        files = [Path(tmp) / f"{i}.json" for i in range(hosts)]
+        procs = [Forked(_measure_main, [str(f)], env=dict(os.environ),
+                        log=f.with_suffix(".log")) for f in files]
+        try:
+            for proc in procs:
+                proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise TestbedError("measuring the demo model took over 120 s") from None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for proc in procs:
+            if proc.returncode:
+                raise TestbedError(f"measuring the demo model failed: {proc.output()[-2000:]}")
+        measured = [json.loads(f.read_text()) for f in files]
+    together = steps_together([spans for spans, _ in measured])
+    if not together:
+        raise TestbedError("measuring the demo model: its processes never ran at once")
+    return statistics.median(together), measured[0][1]
 
 
 def pick_rate(hosts: int, compute_s: float, size: int) -> int:

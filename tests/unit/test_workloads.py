@@ -1,6 +1,9 @@
-"""The trace workload's emulated accelerator: late wake-ups do not add up."""
+"""The workloads: the trace's emulated accelerator (late wake-ups do not add up), and
+how the demo measures its CNN's compute."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -75,3 +78,45 @@ def test_a_trace_batch_computes_the_whole_profile(clock: FakeClock) -> None:
     clock.asked.clear()
     model(workloads.trace_batch(workloads.BATCH // 2)).sum().backward()
     assert sum(clock.asked) == pytest.approx(0.075)
+
+
+def test_the_demo_measures_its_model_with_every_worker_training_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gradlane.demo.calibrate`: one process per worker, all started before any is waited
+    for; the step time is the median of theirs and the bytes are the CNN's."""
+    from gradlane.demo import calibrate
+    from gradlane.testbed import forked
+
+    events: list[str] = []
+
+    class Counted(forked.Forked):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            events.append("start")
+
+        def wait(self, timeout: float | None = None) -> int:
+            events.append("wait")
+            return super().wait(timeout)
+
+    monkeypatch.setattr(forked, "Forked", Counted)
+    step_s, size = calibrate(3)
+    assert events[:4] == ["start", "start", "start", "wait"]
+    model = workloads.make_cnn()
+    assert size == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < step_s < 10
+
+
+def test_only_steps_that_ran_while_every_process_did_count() -> None:
+    from gradlane.demo import steps_together
+
+    def steps(start: float, n: int, length: float) -> list[tuple[float, float]]:
+        return [(start + k * length, start + (k + 1) * length) for k in range(n)]
+
+    # One process starts 1 s before the other and ends 1 s before it.
+    early, late = steps(0.0, 6, 0.5), steps(1.0, 6, 0.5)
+    # Together from the late one's second step (1.5 s: each one's first is a warm-up) to
+    # the early one's end (3.0 s): three steps of each.
+    assert sorted(steps_together([early, late])) == [0.5] * 6
+    # From 1.7 s to 3.0 s: two steps of each.
+    assert steps_together([early, steps(1.2, 6, 0.5)]) == pytest.approx([0.5] * 4)
+    assert steps_together([steps(0.0, 3, 1.0), steps(5.0, 3, 1.0)]) == []  # never at once
