@@ -263,8 +263,8 @@ def _measure_main(argv: Sequence[str]) -> None:
 
 def steps_together(spans: list[list[tuple[float, float]]]) -> list[float]:
     """The step times, of every process, of the steps that ran while all of them did:
-    after the last one's first step began, before the first one's last step ended
-    (past each one's first step, which warms up)."""
+    from when the last one began its second step (each one's first warms up) until the
+    first one's last step ended."""
     begin = max(s[1][0] for s in spans)
     end = min(s[-1][1] for s in spans)
     return [b - a for s in spans for a, b in s[1:] if a >= begin and b <= end]
