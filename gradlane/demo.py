@@ -287,18 +287,11 @@ def calibrate(hosts: int) -> tuple[float, int]:
         procs = [Forked(_measure_main, [str(f)], env=dict(os.environ),
                         log=f.with_suffix(".log")) for f in files]
         try:
-            for proc in procs:
-                proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            raise TestbedError("measuring the demo model took over 120 s") from None
-        finally:
+            _finish(procs, "measuring the demo model", timeout=120)
+        finally:  # interrupted: they go too
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
-                    proc.wait()
-        for proc in procs:
-            if proc.returncode:
-                raise TestbedError(f"measuring the demo model failed: {proc.output()[-2000:]}")
         measured = [json.loads(f.read_text()) for f in files]
     together = steps_together([spans for spans, _ in measured])
     if not together:
