@@ -44,6 +44,13 @@ def _writable(path: Path, option: str) -> Path:
     return path
 
 
+def _default_result(name: str, option: str) -> Path:
+    """Where a result goes without `option`: ``bench/results/`` in a checkout (where the
+    shipped results are), else the current directory (gradlane installed elsewhere)."""
+    results = Path("bench/results")
+    return _writable(results / name if results.is_dir() else Path(name), option)
+
+
 def _output(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
     """Click callback of the options naming a file to write (`_writable`)."""
     return None if value is None else _writable(value, param.opts[0])
@@ -286,7 +293,7 @@ def bench() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     callback=_output,
-    help="Result file (default: bench/results/<name>.json).",
+    help="Result file (default: bench/results/<name>.json; <name>.json outside a checkout).",
 )
 @click.option(
     "--system",
@@ -328,7 +335,7 @@ def bench_run(
         spec = narrowed(spec, systems, rounds)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    path = json_path or _writable(Path("bench/results") / f"{spec.name}.json", "--json")
+    path = json_path or _default_result(f"{spec.name}.json", "--json")
     _require_root("gradlane bench run")
     out = _stdout_console()
     partial = path.with_name(f"{path.stem}.partial.json")
@@ -441,7 +448,8 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, callback=_output,
               help="Result file (default: bench/results/sim-EXPERIMENT.json, a suffix per "
-                   "option that changes the scenario, e.g. -hosts64).")
+                   "option that changes the scenario, e.g. -hosts64; in the current "
+                   "directory outside a checkout).")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=_output, help="Figure (default: next to the JSON).")
 def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed: float,
@@ -475,8 +483,7 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
         suffix += f"-hosts{hosts}" if hosts != 1024 else ""
         suffix += f"-buckets{buckets}" if buckets is not None else ""
         suffix += "-store-forward" if store_forward else ""
-    path = json_path or _writable(Path("bench/results") / f"sim-{experiment}{suffix}.json",
-                                  "--json")
+    path = json_path or _default_result(f"sim-{experiment}{suffix}.json", "--json")
     out = _stdout_console()
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=out, transient=True) as bar:

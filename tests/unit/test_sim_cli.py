@@ -102,6 +102,18 @@ def test_sim_refuses_an_option_the_experiment_would_ignore(
     assert not out.exists()  # refused before a run
 
 
+def test_outside_a_checkout_the_result_goes_in_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gradlane installed with pip, run from a home directory: no bench/results to write in.
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["sim", "heterogeneous", "--policy", "straggler"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "sim-heterogeneous.json", "sim-heterogeneous.png"]
+    assert "straggler" in json.loads((tmp_path / "sim-heterogeneous.json").read_text())["results"]
+
+
 def test_a_variant_of_the_cluster_gets_a_file_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
