@@ -534,6 +534,16 @@ class Sync:
             del name
         count_samples = torch.compiler.disable(self._count_samples)  # type: ignore[no-untyped-call]
         self._hooks.append(self.model.register_forward_pre_hook(count_samples))
+        # A checkpoint saved or loaded right after ``optimizer.step()`` sees the step's
+        # update, as without the shim: the pending one is applied first.
+        self._hooks += [
+            self.model.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                self._before_state_dict),
+            self.model.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                self._before_state_dict),
+            self.optimizer.register_state_dict_pre_hook(self._before_state_dict),
+            self.optimizer.register_load_state_dict_pre_hook(self._before_state_dict),
+        ]
         for layer in self._layers:
             for p in layer.params:
                 self._hooks.append(
@@ -774,6 +784,16 @@ class Sync:
                     self._counted += a.shape[0]
                     break
 
+    def _before_state_dict(self, *_: Any) -> None:
+        """Hook of the model's and optimizer's ``state_dict`` and ``load_state_dict``."""
+        if self.engine.healthy:
+            self.flush()
+        elif self._pending is not None:
+            behind = sum(not layer.updated for layer in self._layers)
+            logger.warning("gradlane: rank %d: a peer is gone; %d of %d layers lack step %d's "
+                           "update in this state", self.rank, behind, len(self._layers),
+                           self._pending_step())
+
     def _before_module(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         layers = self._by_module[module]
         if not self._laid_out:
@@ -984,7 +1004,8 @@ class Sync:
         return self.client.advised_batch_size
 
     def flush(self) -> None:
-        """Apply every pending per-layer update now (e.g. before saving a checkpoint)."""
+        """Apply every pending per-layer update now (before reading the parameters;
+        the model's and the optimizer's ``state_dict`` and ``load_state_dict`` do it)."""
         if self._pending is None:
             return
         for layer in self._order or self._layers:

@@ -140,6 +140,81 @@ def test_a_process_alone_trains_as_plain_pytorch_without_torchrun(
         assert torch.equal(a, b), name
 
 
+def checkpoint(m: nn.Module, opt: torch.optim.Optimizer, optimizer_first: bool = False
+               ) -> dict[str, Any]:
+    """Copies of both states, each taken the moment its ``state_dict()`` returns."""
+    if optimizer_first:
+        saved = {"opt": copy.deepcopy(opt.state_dict())}
+        return {"model": copy.deepcopy(m.state_dict()), **saved}
+    saved = {"model": copy.deepcopy(m.state_dict())}
+    return {**saved, "opt": copy.deepcopy(opt.state_dict())}
+
+
+def assert_same_checkpoint(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for (name, x), y in zip(a["model"].items(), b["model"].values(), strict=True):
+        assert torch.equal(x, y), name
+    states = a["opt"]["state"], b["opt"]["state"]
+    assert states[0].keys() == states[1].keys()
+    for i, per_param in states[0].items():
+        for key, x in per_param.items():
+            assert torch.equal(x, states[1][i][key]), (i, key)
+
+
+def test_a_checkpoint_right_after_step_holds_the_step() -> None:
+    """``optimizer.step()`` returns before the layers are updated (they update as their
+    averages arrive); ``state_dict()`` of the model or the optimizer applies them first,
+    so a checkpoint saved without ``flush()`` is the one plain PyTorch saves."""
+    ref, mine = model(), model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(mine.parameters(), lr=0.01)
+    with attach(mine, opt, overlap=True) as sync:
+        for step in range(3):
+            plain_step(ref, ref_opt, None, step)
+            plain_step(mine, opt, None, step)
+            assert sync.layerwise and sync._pending is not None  # the step is still pending
+            mine_saved = checkpoint(mine, opt, optimizer_first=bool(step % 2))
+            assert_same_checkpoint(checkpoint(ref, ref_opt), mine_saved)
+
+
+def test_a_checkpoint_with_a_peer_gone_says_which_update_it_lacks(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With a peer gone the pending averages will not come: the state is saved as it
+    is (an emergency save must not wait for them), and the log says it lacks a step."""
+    mine = model()
+    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
+    with attach(mine, opt, overlap=True) as sync:
+        plain_step(mine, opt, None, 0)
+        before = copy.deepcopy(mine.state_dict())  # flushed: step 0 is in
+        plain_step(mine, opt, None, 1)
+        monkeypatch.setattr(type(sync.engine), "healthy", property(lambda engine: False))
+        with caplog.at_level("WARNING", logger="gradlane.shim.sync"):
+            saved = mine.state_dict()
+        for name, x in before.items():
+            assert torch.equal(x, saved[name]), name  # step 1 is not applied
+        assert "a peer is gone; 3 of 3 layers lack step 1's update" in caplog.text
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_a_checkpoint_loaded_right_after_step_is_not_overwritten_by_it(
+        optimizer_first: bool) -> None:
+    """Going back to a checkpoint after ``optimizer.step()``: the pending update goes
+    before the load, not onto the loaded weights at the next forward."""
+    ref, mine = model(), model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
+    with attach(mine, opt, overlap=True):
+        for m, o in ((ref, ref_opt), (mine, opt)):
+            plain_step(m, o, None, 0)
+            saved = checkpoint(m, o)
+            plain_step(m, o, None, 1)
+            loads = [(m, saved["model"]), (o, saved["opt"])]
+            for target, state in loads[::-1] if optimizer_first else loads:
+                target.load_state_dict(state)
+            for step in (2, 3):
+                plain_step(m, o, None, step)
+        assert_same_checkpoint(checkpoint(ref, ref_opt), checkpoint(mine, opt))
+
+
 def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
     # One band: the model's four small layers (all under MIN_GROUP_BYTES) form one group.
     compare(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), dscp=(46,))
