@@ -176,6 +176,22 @@ def test_a_checkpoint_right_after_step_holds_the_step() -> None:
             assert_same_checkpoint(checkpoint(ref, ref_opt), mine_saved)
 
 
+def test_an_evaluation_right_after_step_sees_the_updated_model() -> None:
+    ref, mine = model(), model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+    with attach(mine, opt, overlap=True):
+        for step in range(3):
+            plain_step(ref, ref_opt, None, step)
+            plain_step(mine, opt, None, step)
+            x, _ = data(100 + step)
+            ref.eval(), mine.eval()
+            no_grad = torch.inference_mode() if step % 2 else torch.no_grad()
+            with no_grad:
+                assert torch.equal(ref(x), mine(x))
+            ref.train(), mine.train()
+
+
 def test_a_checkpoint_with_a_peer_gone_says_which_update_it_lacks(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """With a peer gone the pending averages will not come: the state is saved as it
