@@ -192,6 +192,30 @@ def test_an_evaluation_right_after_step_sees_the_updated_model() -> None:
             ref.train(), mine.train()
 
 
+def test_unfreezing_a_layer_asks_to_attach_again_and_then_trains_as_plain_pytorch() -> None:
+    """A layer frozen at `attach` and unfrozen later (fine-tuning) has no hook: its
+    gradient would be neither averaged nor applied. The backward says so; attached
+    again, the model trains exactly as it does without the shim."""
+    ref, mine = model(), model()
+    for m in (ref, mine):
+        m[0].requires_grad_(False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
+    sync = attach(mine, opt, overlap=True)
+    for m, o in ((ref, ref_opt), (mine, opt)):
+        plain_step(m, o, None, 0)
+        m[0].requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"^0\.weight, 0\.bias require grad now but did not"):
+        plain_step(mine, opt, None, 1)
+    opt.zero_grad()
+    sync.close()
+    with attach(mine, opt, overlap=True):
+        for step in (1, 2):
+            plain_step(ref, ref_opt, None, step)
+            plain_step(mine, opt, None, step)
+    assert_same_checkpoint(checkpoint(ref, ref_opt), checkpoint(mine, opt))
+
+
 def test_a_checkpoint_with_a_peer_gone_says_which_update_it_lacks(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """With a peer gone the pending averages will not come: the state is saved as it
