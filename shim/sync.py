@@ -95,6 +95,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Per parameter, how many of its gradient's elements step() compares with what backward
+# left (`Sync._refuse_changed_grads`).
+CHECKED_ELEMENTS = 1 << 16
+
 
 # Coarse replaces fine only when the trial's timings make it faster at this confidence.
 TRIAL_P = 0.05
@@ -904,6 +908,7 @@ class Sync:
             return self._step_with_closure(closure)
         if self._state != "reduced":
             raise ConfigError("optimizer.step() without a synchronized backward() before it")
+        self._refuse_changed_grads()
         if self.layerwise and not self._clipped:
             self._pending = (self.step, self._hyper())
             for layer in self._layers:
@@ -917,6 +922,29 @@ class Sync:
                 result = self._original_step()
         self._finish_step()
         return result
+
+    def _refuse_changed_grads(self) -> None:
+        """Raise `ConfigError` if a layer's local gradients changed after backward took
+        them (``torch.nn.utils.clip_grad_norm_`` where DDP users clip): the averages are of
+        what backward left, so the change would be lost without a word. One layer a step,
+        in turn, and each of its parameters' first `CHECKED_ELEMENTS` (a clip scales every
+        gradient; the whole model would be one more pass over all gradients, an
+        embedding's alone tens of ms here)."""
+        layer = self._layers[self.step % len(self._layers)]
+        for p in layer.params:
+            if p.grad is None or p not in self._seen:
+                continue
+            slot = self._slots[p]
+            n = min(slot.numel, CHECKED_ELEMENTS)
+            took = slot.group.grad[slot.offset : slot.offset + n]
+            now = p.grad.reshape(-1)[:n]
+            # Bit for bit: a NaN gradient equals itself.
+            if not torch.equal(now.view(torch.uint8), took.view(torch.uint8)):
+                raise ConfigError(
+                    f"rank {self.rank}: the gradients of layer {layer.name!r} changed between "
+                    "backward() and optimizer.step() (torch.nn.utils.clip_grad_norm_?); "
+                    "gradlane averages them as backward() left them, so the change would "
+                    "be lost: clip with sync.clip_grad_norm_")
 
     def _drain(self, before: str) -> None:
         """Wait until this rank's queued sends have left.

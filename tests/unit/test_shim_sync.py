@@ -455,6 +455,48 @@ class _null:
         return None
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_clipping_the_local_gradients_is_refused_not_lost(overlap: bool) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` after backward, as with DDP, clips the local
+    gradients, which gradlane has already taken: step() says so instead of stepping
+    unclipped. It looks at one layer a step, in turn, so a change to any one layer's
+    gradients is found within as many steps as there are layers."""
+    mine = model()
+    layers = [name for name, m in mine.named_children() if list(m.parameters())]
+    for clipped in layers:
+        mine = model()
+        opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+        with attach(mine, opt, overlap=overlap):
+            for step in range(len(layers)):
+                x, y = data(step)
+                nn.functional.cross_entropy(mine(x), y).backward()
+                norm = torch.nn.utils.clip_grad_norm_(mine.parameters(), 1e6)
+                assert norm < 1e6  # no clip: nothing changed
+                torch.nn.utils.clip_grad_norm_(mine.get_submodule(clipped).parameters(), 1e-3)
+                try:
+                    opt.step()
+                except ConfigError as exc:
+                    assert str(exc).startswith(
+                        f"rank 0: the gradients of layer {clipped!r} changed between backward()"
+                        " and optimizer.step() (torch.nn.utils.clip_grad_norm_?)")
+                    break
+                opt.zero_grad()
+            else:
+                pytest.fail(f"clipping layer {clipped} went unnoticed")
+
+
+def test_nan_gradients_are_not_taken_for_changed_ones() -> None:
+    mine = model()
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+    with attach(mine, opt, overlap=True) as sync:
+        for step in range(len(sync._layers)):
+            x, y = data(step)
+            nn.functional.cross_entropy(mine(x * float("nan")), y).backward()
+            assert all(p.grad.isnan().all() for p in mine.parameters() if p.grad is not None)
+            opt.step()  # NaN != NaN, but they are the bits backward left
+            opt.zero_grad()
+
+
 def test_clip_grad_norm_on_averaged_gradients() -> None:
     def clipped(sync_of: dict[int, gl.Sync]) -> Loop:
         def loop(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
