@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import select
 import signal
 import stat
+import threading
 
-__all__ = ["ending_signals", "unwind_on_signals"]
+__all__ = ["end_with", "end_with_parent", "ending_signals", "unwind_on_signals"]
+
+_PR_SET_PDEATHSIG = 1
 
 
 def ending_signals() -> list[signal.Signals]:
@@ -62,3 +67,42 @@ def unwind_on_signals(exc: type[BaseException] = SystemExit) -> None:
 
     for sig in ending_signals():
         signal.signal(sig, handler)
+
+
+def end_with_parent(parent: int) -> None:
+    """Have the kernel send this process SIGTERM when its parent, process `parent`, ends;
+    if it has ended already, exit now (128 + SIGTERM).
+
+    For what the testbed starts in a host: a caller that cannot unwind
+    (SIGKILL, the OOM killer) takes its workers and daemons with it, instead
+    of leaving them to run on in its namespaces. SIGTERM lets each end as it
+    does when stopped (torchrun stops its workers, gradlaned restores the
+    qdisc). The kernel's "parent" is the thread that started the process:
+    start it from one that outlives it. Survives exec (unless set-user-ID).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    if os.getppid() != parent:  # it ended before the kernel was told to watch it
+        os._exit(128 + signal.SIGTERM)
+
+
+def end_with(pid: int) -> None:
+    """Send this process SIGTERM when process `pid` ends (any process, not only the
+    parent: a thread waits on its pidfd); if it has ended already, exit now.
+
+    For a worker forked by multiprocessing's fork server, whose parent is the
+    server, not the caller: the server outlives the caller while any of its
+    children do, so `end_with_parent` would never fire.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(128 + signal.SIGTERM)
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once `pid` has exited
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name=f"gl-end-with-{pid}", daemon=True).start()

@@ -41,8 +41,10 @@ PREFIX_LEN = 24
 
 
 def ns_argv(namespace: str, argv: Sequence[str]) -> list[str]:
-    """An argv that runs `argv` inside `namespace` (see `gradlane.testbed.nsexec`)."""
-    return [sys.executable, "-m", "gradlane.testbed.nsexec", namespace, "--", *argv]
+    """An argv that runs `argv` inside `namespace`, ending with this process
+    (`gradlane.testbed.nsexec`)."""
+    return [sys.executable, "-m", "gradlane.testbed.nsexec", namespace,
+            "--parent", str(os.getpid()), "--", *argv]
 
 
 HostT = TypeVar("HostT", bound=str | int)  # a host as "h3" or 3
@@ -160,7 +162,9 @@ class Cluster:
         return self.topology.address(self.host_index(host), nic)
 
     def popen(self, host: str | int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start `argv` in `host`; it is stopped at the latest when the cluster goes down."""
+        """Start `argv` in `host`; it is stopped at the latest when the cluster goes down,
+        or when this process ends without taking the cluster down (SIGKILL): start it
+        from a thread that outlives it (`gradlane.signals.end_with_parent`)."""
         proc = subprocess.Popen(ns_argv(self.ns(host), argv), **kwargs)
         self._procs.append(proc)
         return proc

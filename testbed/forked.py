@@ -5,7 +5,8 @@ CPU before its first step: importing torch, then, at its first optimizer,
 torch._dynamo (torch.optim imports it lazily). On a 2-core machine running
 eight of them that is most of a short scenario's time. multiprocessing's
 forkserver imports both once (`PRELOAD`), then forks a clean process for
-each worker: no threads, no state of the caller, its own environment and
+each worker: no state of the caller, no thread but one that waits for the
+caller to end (then the worker gets SIGTERM), its own environment and
 arguments, its output in a file, and (on an emulated cluster) inside its
 host's network namespace. The training that follows is the same code as
 under ``python -m``; only the start differs, and start-up is never in a
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from gradlane.signals import end_with
 from gradlane.testbed.netns import enter
 
 __all__ = ["PRELOAD", "Forked", "Main", "Proc", "preload"]
@@ -76,7 +78,8 @@ Main = Callable[[Sequence[str]], None] | str  # a function, or its "module:name"
 
 
 def _run(main: Main, argv: list[str], env: dict[str, str], log: str,
-         namespace: str | None) -> None:
+         namespace: str | None, caller: int) -> None:
+    end_with(caller)  # rather than train on in a cluster nobody will remove
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -111,7 +114,8 @@ class Forked:
         name = main if isinstance(main, str) else f"{main.__module__}:{main.__qualname__}"
         self.args = [name, *argv]
         self._proc = _SERVER.Process(target=_run,
-                                     args=(main, list(argv), env, str(log), namespace))
+                                     args=(main, list(argv), env, str(log), namespace,
+                                           os.getpid()))
         self._proc.start()
         self.pid = self._proc.pid
 

@@ -1,4 +1,5 @@
-"""``python -m gradlane.testbed.nsexec NAMESPACE -- ARGV...``: exec ARGV inside a namespace.
+"""``python -m gradlane.testbed.nsexec NAMESPACE [--parent PID] -- ARGV...``: exec ARGV
+inside a namespace (with ``--parent``, ending with process PID: `end_with_parent`).
 
 The testbed starts every in-host process through this, so it never shells out
 to ``ip netns exec`` and never runs code between fork and exec.
@@ -9,12 +10,20 @@ from __future__ import annotations
 import os
 import sys
 
+from gradlane.signals import end_with_parent
 from gradlane.testbed.netns import enter
+
+USAGE = "usage: python -m gradlane.testbed.nsexec NAMESPACE [--parent PID] -- ARGV..."
 
 
 def main(args: list[str]) -> None:
+    if len(args) >= 3 and args[1] == "--parent":
+        if not args[2].isdigit():
+            sys.exit(USAGE)
+        end_with_parent(int(args[2]))
+        args = [args[0], *args[3:]]
     if len(args) < 3 or args[1] != "--":
-        sys.exit("usage: python -m gradlane.testbed.nsexec NAMESPACE -- ARGV...")
+        sys.exit(USAGE)
     enter(args[0])
     try:
         os.execvp(args[2], args[2:])

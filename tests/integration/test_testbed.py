@@ -286,6 +286,61 @@ def test_sigterm_to_the_test_suite_cleans_up(tmp_path: Path) -> None:
     assert leftover.stdout == "", "the test's process in h1 survived"
 
 
+_KILLED_CALLER = """
+import json, sys, time
+from pathlib import Path
+from gradlane.testbed import Cluster, Topology
+
+def sleeper(argv):
+    time.sleep(60)
+
+if __name__ == "__main__":
+    with Cluster(Topology.build("tkill", 2, "100mbit")) as c:
+        started = c.popen("h1", ["sleep", "60"])
+        forked = c.fork("h2", sleeper, [], env={}, log=Path(sys.argv[1]))
+        print(json.dumps([started.pid, forked.pid]), flush=True)
+        time.sleep(60)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigkilled_caller_takes_the_processes_it_started_in_hosts_with_it(
+        tmp_path: Path) -> None:
+    """SIGKILL cannot be caught: the namespaces stay (for `gradlane testbed clean`), but
+    what the caller started in them, through `popen` or `fork`, does not run on."""
+    (tmp_path / "caller.py").write_text(_KILLED_CALLER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "caller.py"), str(tmp_path / "f.log")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # bounded: the script sleeps 60 s at most
+        assert line, proc.stdout.read()
+        pids = json.loads(line)
+        assert all(_running(pid) for pid in pids)
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = [pid for pid in pids if _running(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+        left = remove_cluster("tkill")  # the namespaces a SIGKILL leaves (and their processes)
+    assert not running, f"still running after their caller was killed: {running}"
+    assert left == ["gl-tkill-h1", "gl-tkill-h2", "gl-tkill-sw"]
+
+
 def test_nothing_enters_a_namespace_while_it_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process entering a namespace just after `remove` looked for the processes in it
     (a worker starting the moment a run is interrupted) finds the namespace gone, rather
