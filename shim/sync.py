@@ -35,6 +35,7 @@ the model's first tensor input, summed over forwards since the last step, or
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import functools
@@ -179,6 +180,25 @@ PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # The models and optimizers of open Syncs: a second Sync on one would hook its
 # gradients and patch its step twice.
 _ATTACHED: weakref.WeakSet[Any] = weakref.WeakSet()
+# The open Syncs, which the interpreter's exit closes (`_close_at_exit`).
+_OPEN: weakref.WeakSet[Sync] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the Syncs a script left open (no ``with``, no ``close()``) as it ends.
+
+    Its peers may still need this rank: the last step's averages of the chunks
+    it owns are computed and sent by its threads once every rank's gradients
+    are in, and the interpreter stops those threads after the exit handlers. A
+    script ending right after its last ``optimizer.step()`` would otherwise
+    take them along, and its peers' last step fails ("a peer is gone").
+    """
+    for sync in list(_OPEN):
+        try:
+            sync.close()
+        except Exception as exc:  # the exit goes on; say why this one failed
+            logger.warning("gradlane: rank %d: closing at exit failed: %s", sync.rank, exc)
 
 
 def attach(
@@ -388,6 +408,7 @@ class Sync:
         self._install_hooks()
         self._patch_optimizer()
         _ATTACHED.update((model, optimizer))
+        _OPEN.add(self)
 
     # -- set-up -------------------------------------------------------------
 
@@ -792,13 +813,21 @@ class Sync:
 
     def _before_state_dict(self, *_: Any) -> None:
         """Hook of the model's and optimizer's ``state_dict`` and ``load_state_dict``."""
-        if self.engine.healthy:
+        self._flush_what_can_be("this state")
+
+    def _flush_what_can_be(self, where: str) -> None:
+        """`flush`, as far as the averages can still come: with a peer they need gone,
+        the layers whose averages are in are updated, and the log says how many lack
+        the step in `where`. (A peer that left after sending them takes nothing.)"""
+        if self._pending is None:
+            return
+        step = self._pending_step()
+        try:
             self.flush()
-        elif self._pending is not None:
+        except TransportError as exc:
             behind = sum(not layer.updated for layer in self._layers)
-            logger.warning("gradlane: rank %d: a peer is gone; %d of %d layers lack step %d's "
-                           "update in this state", self.rank, behind, len(self._layers),
-                           self._pending_step())
+            logger.warning("gradlane: rank %d: %d of %d layers lack step %d's update in %s: %s",
+                           self.rank, behind, len(self._layers), step, where, exc)
 
     def _before_module(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         layers = self._by_module[module]
@@ -1088,16 +1117,19 @@ class Sync:
     def close(self, flush: bool = True) -> None:
         """Apply pending updates, finish sending, close connections, remove hooks.
 
-        With ``flush=False`` (used when an exception leaves the ``with`` block),
-        or when a peer is gone, pending updates are dropped and the
-        connections close at once.
+        With ``flush=False`` (used when an exception leaves the ``with`` block)
+        pending updates are dropped and the connections close at once; so are
+        those whose averages a peer gone would have had to send (the log says
+        how many layers lack the step). A peer that closed after sending them
+        (it ended first) takes nothing.
         """
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         try:
-            if flush and self.engine.healthy:
-                self.flush()
+            if flush:
+                self._flush_what_can_be("the model")
         finally:
             self.optimizer.__class__ = self._base_class
             _ATTACHED.difference_update((self.model, self.optimizer))

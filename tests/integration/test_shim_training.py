@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -316,6 +317,68 @@ def test_ddp_hook_workers_register_with_the_daemon(
     for rank, (code, log) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
         assert f"rank {rank} step 149" in log
+
+
+_NEVER_CLOSED = """
+import atexit, os, sys, time
+from pathlib import Path
+import torch
+from torch import nn
+
+rank, out = int(os.environ["RANK"]), Path(sys.argv[1])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 4))
+# Registered before gradlane's own exit handler, so it runs after it (last in, first out).
+# The parameters themselves: state_dict() would apply the last step by itself.
+atexit.register(lambda: torch.save(
+    {name: p.detach().clone() for name, p in model.named_parameters()}, out / f"rank{rank}.pt"))
+import gradlane.shim as gl
+
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+sync = gl.attach(model, opt, daemon_socket="/nonexistent/gl.sock")
+for step in range(3):
+    if rank == 1 and step == 2:
+        time.sleep(1.0)  # rank 0 reaches its end before this backward
+    g = torch.Generator().manual_seed(10 * step + rank)
+    x, y = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+if rank == 1:
+    while not (out / "rank0.pt").exists():
+        time.sleep(0.05)
+    time.sleep(0.5)  # rank 0's process is gone
+    sync.flush()
+print("done", flush=True)
+"""
+
+
+def test_a_script_that_never_closes_its_sync_still_gives_its_peers_the_last_step(
+        tmp_path: Path) -> None:
+    """``sync = gl.attach(...)`` and no ``close()``: as the script ends, gradlane closes
+    it. Rank 0 ends before rank 1's last backward; without that, its threads went with
+    it, the chunks it owns were never averaged, and rank 1's last step failed."""
+    (tmp_path / "train.py").write_text(_NEVER_CLOSED)
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
+        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=90)[0])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for proc, output in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, output
+        assert "lack step" not in output and "lost" not in output, output
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name
 
 
 @pytest.mark.timeout(120)

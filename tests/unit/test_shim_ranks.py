@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -280,6 +281,40 @@ def test_a_layer_some_or_no_rank_used_is_stepped_as_plain_pytorch_steps_it(
         assert torch.equal(states[0][name], states[1][name]), name
         error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
         assert error <= 1e-9, f"{name} is {error:.2e} off plain PyTorch"
+
+
+def test_ranks_that_leave_one_after_the_other_end_identical() -> None:
+    """No ``flush()``: leaving the ``with`` block applies the last step. Rank 0 leaves
+    first, having sent its averages; the others, closing after it, still apply theirs
+    (they used to drop them, as if rank 0 were lost, and end a step behind it)."""
+    case = Case(widths=(12, 40, 5), twice=False, unused=False, dtype=torch.float64,
+                optimizer="sgd", overlap=True, layout="fine", exchange="flat",
+                batches=(2, 3, 1), steps=3)
+    store, job, world = dist.HashStore(), f"ranks{next(_jobs)}", len(case.batches)
+    models = [Net(case) for _ in range(world)]
+    first_left = threading.Event()
+
+    def body(rank: int) -> None:
+        opt, _ = optimizer(case, models[rank])
+        mine = slice(sum(case.batches[:rank]), sum(case.batches[:rank + 1]))
+        with gl.attach(models[rank], opt, rank=rank, world_size=world, store=store,
+                       address="127.0.0.1", daemon_socket="/nonexistent/gl.sock", job=job,
+                       timeout_s=30) as sync:
+            for step in range(case.steps):
+                x, y = batch(case, step)
+                nn.functional.cross_entropy(models[rank](x[mine]), y[mine]).backward()
+                opt.step()
+                opt.zero_grad()
+            if rank:
+                assert first_left.wait(30)
+                while not sync.engine.left:  # rank 0's goodbye is in
+                    time.sleep(0.01)
+        if not rank:
+            first_left.set()
+
+    on_every_rank(world, body)
+    states = [m.state_dict() for m in models]
+    check_replicas(case, states)
 
 
 class HalvingSGD(torch.optim.Optimizer):

@@ -27,7 +27,7 @@ from torch import nn
 
 import gradlane.shim as gl
 import gradlane.shim.sync as sync_module
-from gradlane.errors import ConfigError, TransportError
+from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.shim.transport import Mesh, local_address
 from tests import examples
 
@@ -218,20 +218,28 @@ def test_unfreezing_a_layer_asks_to_attach_again_and_then_trains_as_plain_pytorc
 
 def test_a_checkpoint_with_a_peer_gone_says_which_update_it_lacks(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """With a peer gone the pending averages will not come: the state is saved as it
-    is (an emergency save must not wait for them), and the log says it lacks a step."""
+    """With a peer gone before it sent the pending averages, they will not come: the
+    state is saved as it is (an emergency save must not fail for them), and the log says
+    it lacks a step. Closing drops the step too, saying so."""
     mine = model()
     opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
     with attach(mine, opt, overlap=True) as sync:
         plain_step(mine, opt, None, 0)
         before = copy.deepcopy(mine.state_dict())  # flushed: step 0 is in
         plain_step(mine, opt, None, 1)
-        monkeypatch.setattr(type(sync.engine), "healthy", property(lambda engine: False))
+
+        def gone(*_: Any) -> None:
+            raise PeerLost(1, 1, "closed its connections without saying goodbye")
+
+        monkeypatch.setattr(sync.engine, "wait", gone)
         with caplog.at_level("WARNING", logger="gradlane.shim.sync"):
             saved = mine.state_dict()
         for name, x in before.items():
             assert torch.equal(x, saved[name]), name  # step 1 is not applied
-        assert "a peer is gone; 3 of 3 layers lack step 1's update" in caplog.text
+        assert ("rank 0: 3 of 3 layers lack step 1's update in this state: step 1: rank 1 "
+                "lost: closed its connections") in caplog.text
+        caplog.clear()
+    assert "3 of 3 layers lack step 1's update in the model" in caplog.text
 
 
 @pytest.mark.parametrize("optimizer_first", [False, True])
