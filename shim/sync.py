@@ -363,7 +363,8 @@ class Sync:
                 client.close()  # its thread would otherwise retry the daemon until exit
             self.mesh.close()
             raise
-        self._by_module: dict[nn.Module, list[_Layer]] = {}
+        self._by_module: dict[nn.Module, list[_Layer]] = {}  # the layers each gate updates
+        self._at_forward_start: list[_Layer] = []  # those no gate updates (`_place_unseen`)
         self._slots: dict[nn.Parameter, _Slot] = {}
         self._averages: dict[nn.Parameter, torch.Tensor] = {}  # views of the groups' output
         self._flags: list[torch.Tensor] = []  # per group, its flags (views of its input)
@@ -559,8 +560,8 @@ class Sync:
                 self._by_module[module] = layers
                 self._gates.append(module.register_forward_pre_hook(before_module))
             del name
-        count_samples = torch.compiler.disable(self._count_samples)  # type: ignore[no-untyped-call]
-        self._hooks.append(self.model.register_forward_pre_hook(count_samples))
+        before_forward = torch.compiler.disable(self._before_forward)  # type: ignore[no-untyped-call]
+        self._hooks.append(self.model.register_forward_pre_hook(before_forward))
         # A checkpoint saved or loaded right after ``optimizer.step()`` sees the step's
         # update, as without the shim: the pending one is applied first.
         self._hooks += [
@@ -579,17 +580,13 @@ class Sync:
 
     def _lay_out(self) -> None:
         """Freeze priorities, groups, chunks and owners (at the first backward)."""
-        seen = len(self._order)
         rest = [layer for layer in self._layers if layer not in self._order]
-        order = self._order + rest
         if not self._laid_out:
-            order = self._agree_order(order)
+            order = self._agree_order(self._place_unseen(self._order, rest))
+        else:
+            order = self._order + rest
         for i, layer in enumerate(order):
             layer.order = i
-        if rest and seen:
-            logger.info(
-                "gradlane: %d layers did not run in the first forward; lowest priority", len(rest)
-            )
         model = sum(p.numel() * p.element_size() for layer in self._layers for p in layer.params)
         least, chunk_bytes = layout_sizes(
             model, self.world, self.config.chunk_bytes, self.layout, ring=self.engine.ring
@@ -643,6 +640,40 @@ class Sync:
         self._laid_out = True
         if not self.layerwise:  # the order is known and nothing will gate: a compiled
             self._remove_gates()  # model's forward then runs as one graph again
+
+    def _place_unseen(self, seen: list[_Layer], unseen: list[_Layer]) -> list[_Layer]:
+        """The forward order, with the layers whose modules the first forward did not run.
+
+        A layer's parameters can be used without its module running:
+        ``nn.MultiheadAttention`` hands ``out_proj``'s to
+        ``F.multi_head_attention_forward`` and never calls ``out_proj``. Its own gate
+        never opens, so its update must come from another: each such layer goes right
+        after the nearest module around it whose gate opened (its parameters are used
+        inside that module's forward), and that gate updates it too. One with no such
+        module (used by the model's own forward, or not at all) is updated as the
+        model's forward starts, and goes first. A layer that did not run because its
+        branch was not taken is placed the same way: updated early, never late.
+        """
+        modules = dict(self.model.named_modules())
+        opened = {m for m, layers in self._by_module.items() if any(x in seen for x in layers)}
+        order, first = list(seen), []
+        for layer in unseen:
+            path = [] if layer.name == "<root>" else layer.name.split(".")
+            around = (modules.get(".".join(path[:k])) for k in range(len(path) - 1, -1, -1))
+            host = next((m for m in around if m in opened), None)
+            if host is None:
+                first.append(layer)
+                self._at_forward_start.append(layer)
+                continue
+            gated = self._by_module[host]
+            at = max(order.index(x) for x in gated if x in order) + 1
+            gated.append(layer)
+            order.insert(at, layer)
+        if unseen:
+            logger.info("gradlane: %d layers' modules did not run in the first forward; %d "
+                        "are updated by a module around them, %d as the forward starts",
+                        len(unseen), len(unseen) - len(first), len(first))
+        return first + order
 
     def _remove_gates(self) -> None:
         for hook in self._gates:
@@ -802,7 +833,13 @@ class Sync:
 
     # -- hooks ----------------------------------------------------------------
 
-    def _count_samples(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """The model's forward starts: count its samples, and update the layers no gate of
+        their own updates (`_place_unseen`)."""
+        if self._pending is not None:
+            for layer in self._at_forward_start:
+                if not layer.updated:
+                    self._step_layer(layer)
         if self._t_forward is None:
             self._t_forward = time.perf_counter()
         if torch.is_grad_enabled():

@@ -263,6 +263,45 @@ def test_a_checkpoint_loaded_right_after_step_is_not_overwritten_by_it(
         assert_same_checkpoint(checkpoint(ref, ref_opt), checkpoint(mine, opt))
 
 
+class Functional(nn.Module):
+    """`proj`'s parameters are used by the model's own forward, `proj` never runs; inside
+    `attn` (``nn.MultiheadAttention``), so are `out_proj`'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.linear(x, self.proj.weight, self.proj.bias).relu()
+        return self.fc(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+def test_parameters_used_without_their_module_are_updated_before_they_are_used() -> None:
+    """No gate of their own opens: `proj`, used before any gate opened, is updated as the
+    model's forward starts (it was used a step behind, then updated under autograd's
+    feet); `out_proj` goes right after `attn`, whose gate updates it."""
+    ref, mine = Functional(), Functional()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+    with attach(mine, opt, overlap=True) as sync:
+        for step in range(4):
+            for m, o in ((ref, ref_opt), (mine, opt)):
+                g = torch.Generator().manual_seed(step)
+                x, y = torch.randn(6, 5, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+                nn.functional.cross_entropy(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+        order = [layer.name for layer in sync._order]
+        assert order == ["proj", "attn", "attn.out_proj", "fc"]
+        assert [x.name for x in sync._at_forward_start] == ["proj"]
+        assert [x.name for x in sync._by_module[mine.attn]] == ["attn", "attn.out_proj"]
+    for (name, a), b in zip(ref.state_dict().items(), mine.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
     # One band: the model's four small layers (all under MIN_GROUP_BYTES) form one group.
     compare(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), dscp=(46,))
