@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -245,12 +246,32 @@ def attach(
         raise ConfigError(f"RANK and WORLD_SIZE must be integers: {exc}") from None
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is not in 0..{world_size - 1}")
+    # Open here as this rank (ranks may be threads of one process, as in the tests).
+    open_jobs = {sync.config.job for sync in _OPEN if sync.rank == rank}
+    if "job" not in options:
+        config = dataclasses.replace(config, job=_own_job(config.job, open_jobs))
+    elif config.job in open_jobs:
+        raise ConfigError(f"job {config.job!r} has an open Sync as rank {rank} in this process "
+                          "already (another model): give each model a job= of its own")
     master = env.get("MASTER_ADDR", "127.0.0.1")
     if store is None:
         store = _default_store(rank, world_size, master, config.timeout_s)
     if address is None:
         address = local_address(master)
     return Sync(model, optimizer, config, rank, world_size, store, address)
+
+
+def _own_job(job: str, open_jobs: set[str]) -> str:
+    """The default `job`, or with ``#2``, ``#3``... the first such name no open Sync of
+    this process has: a GAN's generator and discriminator, each attached, are two jobs.
+    Every rank attaches and closes its models in the same order (as DDP asks of its
+    modules), so every rank names each the same."""
+    n = 1
+    name = job
+    while name in open_jobs:
+        n += 1
+        name = f"{job}#{n}"
+    return name
 
 
 def _default_store(rank: int, world: int, master: str, timeout_s: float) -> Store:

@@ -29,6 +29,7 @@ from torch import nn
 
 import gradlane.shim as gl
 import gradlane.shim.sync as sync_module
+from gradlane.errors import ConfigError
 from gradlane.shim.transport import agree_batch, get_all, reduction_groups, same_host
 from tests import examples
 from tests.ranks import on_every_rank
@@ -315,6 +316,68 @@ def test_ranks_that_leave_one_after_the_other_end_identical() -> None:
     on_every_rank(world, body)
     states = [m.state_dict() for m in models]
     check_replicas(case, states)
+
+
+def test_two_models_of_one_job_each_attached_train_as_plain_pytorch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generator and a discriminator, each with its optimizer and its Sync: without a
+    job= each, the second is the job's name with ``#2`` on every rank (they rendezvoused
+    under one name before: "rank 1's model differs from rank 0's"). Both replicas end as
+    one process on the whole batch."""
+    job = f"127.0.0.1:{29000 + next(_jobs)}"  # the job's default name: its rendezvous
+    monkeypatch.setenv("MASTER_ADDR", job.split(":")[0])
+    monkeypatch.setenv("MASTER_PORT", job.split(":")[1])
+    world, steps = 2, 3
+
+    def models() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        return (nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4)).double(),
+                nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)).double())
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(4 * world, 4, generator=g, dtype=torch.float64),
+                torch.randn(4 * world, 4, generator=g, dtype=torch.float64) + 2)
+
+    def train(gen: nn.Module, dis: nn.Module, rank: int | None, syncs: list[Any]) -> None:
+        og, od = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (gen, dis))
+        if rank is not None:
+            syncs += [gl.attach(m, o, rank=rank, world_size=world, store=store,
+                                address="127.0.0.1", daemon_socket="/nonexistent/gl.sock",
+                                timeout_s=30) for m, o in ((gen, og), (dis, od))]
+        mine = slice(None) if rank is None else slice(4 * rank, 4 * rank + 4)
+        for step in range(steps):
+            z, real = (t[mine] for t in data(step))
+            loss = nn.functional.softplus(-dis(real)).mean()
+            (loss + nn.functional.softplus(dis(gen(z).detach())).mean()).backward()
+            od.step()
+            od.zero_grad()
+            dis.requires_grad_(False)
+            nn.functional.softplus(-dis(gen(z))).mean().backward()
+            dis.requires_grad_(True)
+            og.step()
+            og.zero_grad()
+        for sync in syncs:
+            sync.close()
+
+    store = dist.HashStore()
+    replicas = [models() for _ in range(world)]
+    syncs: list[list[Any]] = [[] for _ in range(world)]
+    on_every_rank(world, lambda rank: train(*replicas[rank], rank, syncs[rank]))
+    assert [[s.config.job for s in mine] for mine in syncs] == [[job, f"{job}#2"]] * world
+    ref = models()
+    train(*ref, None, [])
+    for m, r in zip((*replicas[0], *replicas[1]), (*ref, *ref), strict=True):
+        for (name, a), b in zip(r.state_dict().items(), m.state_dict().values(), strict=True):
+            error = float((a - b).norm() / a.norm().clamp_min(1e-30))
+            assert error <= 1e-9, f"{name} is {error:.2e} off plain PyTorch"
+    # Named by the user, one name for two models is a mistake to say.
+    gen, dis = models()
+    kwargs = {"rank": 0, "world_size": 1, "store": dist.HashStore(), "address": "127.0.0.1",
+              "daemon_socket": "/nonexistent/gl.sock", "job": "mine"}
+    with gl.attach(dis, torch.optim.SGD(dis.parameters(), lr=0.1), **kwargs), \
+            pytest.raises(ConfigError, match="job 'mine' has an open Sync as rank 0 in this"):
+        gl.attach(gen, torch.optim.SGD(gen.parameters(), lr=0.1), **kwargs)
 
 
 class HalvingSGD(torch.optim.Optimizer):
