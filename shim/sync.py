@@ -916,8 +916,10 @@ class Sync:
             raise TransportError("backward() after sync.close()")
         if self._state == "reduced":
             raise ConfigError(
-                "backward() ran twice without optimizer.step(); wrap the "
-                "accumulating backward passes in sync.no_sync()"
+                "backward() reached this model twice without its optimizer.step(): to "
+                "accumulate, wrap the backward passes before the last in sync.no_sync(); if "
+                "another model's loss reaches it (a GAN's generator step), freeze it for that "
+                "backward (requires_grad_(False))"
             )
         self._refuse_unfrozen()
         if not self._laid_out:

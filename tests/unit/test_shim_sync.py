@@ -302,6 +302,18 @@ def test_parameters_used_without_their_module_are_updated_before_they_are_used()
         assert torch.equal(a, b), name
 
 
+def test_a_second_backward_without_a_step_says_how_to_accumulate_or_freeze() -> None:
+    mine = model()
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+    with attach(mine, opt):
+        x, y = data(0)
+        nn.functional.cross_entropy(mine(x), y).backward()
+        with pytest.raises(ConfigError, match=r"reached this model twice without its optimizer"
+                           r".*sync.no_sync\(\).*requires_grad_\(False\)"):
+            nn.functional.cross_entropy(mine(x), y).backward()
+        opt.step()
+
+
 def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
     # One band: the model's four small layers (all under MIN_GROUP_BYTES) form one group.
     compare(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), dscp=(46,))
