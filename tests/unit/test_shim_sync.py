@@ -74,6 +74,15 @@ def plain_step(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) 
     opt.zero_grad()
 
 
+def twins(make_opt: Callable[[Any], torch.optim.Optimizer] = lambda p: torch.optim.SGD(
+        p, lr=0.01, momentum=0.9)) -> tuple[nn.Module, torch.optim.Optimizer,
+                                           nn.Module, torch.optim.Optimizer]:
+    """Two copies of `model` and an optimizer each: (reference, its optimizer, the one to
+    attach, its optimizer)."""
+    ref, mine = model(), model()
+    return ref, make_opt(ref.parameters()), mine, make_opt(mine.parameters())
+
+
 def compare(
     make_opt: Callable[[Any], torch.optim.Optimizer],
     loop: Loop = plain_step,
@@ -129,9 +138,7 @@ def test_a_process_alone_trains_as_plain_pytorch_without_torchrun(
     set up (no MASTER_PORT), and the model trains exactly as without gradlane."""
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    ref, mine = model(), model()
-    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    ref, ref_opt, mine, opt = twins()
     with gl.attach(mine, opt, rank=0, world_size=1, daemon_socket="/nonexistent/gl.sock"):
         for step in range(3):
             plain_step(mine, opt, None, step)
@@ -164,9 +171,7 @@ def test_a_checkpoint_right_after_step_holds_the_step() -> None:
     """``optimizer.step()`` returns before the layers are updated (they update as their
     averages arrive); ``state_dict()`` of the model or the optimizer applies them first,
     so a checkpoint saved without ``flush()`` is the one plain PyTorch saves."""
-    ref, mine = model(), model()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
-    opt = torch.optim.AdamW(mine.parameters(), lr=0.01)
+    ref, ref_opt, mine, opt = twins(lambda p: torch.optim.AdamW(p, lr=0.01))
     with attach(mine, opt, overlap=True) as sync:
         for step in range(3):
             plain_step(ref, ref_opt, None, step)
@@ -177,9 +182,7 @@ def test_a_checkpoint_right_after_step_holds_the_step() -> None:
 
 
 def test_an_evaluation_right_after_step_sees_the_updated_model() -> None:
-    ref, mine = model(), model()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+    ref, ref_opt, mine, opt = twins()
     with attach(mine, opt, overlap=True):
         for step in range(3):
             plain_step(ref, ref_opt, None, step)
@@ -196,11 +199,9 @@ def test_unfreezing_a_layer_asks_to_attach_again_and_then_trains_as_plain_pytorc
     """A layer frozen at `attach` and unfrozen later (fine-tuning) has no hook: its
     gradient would be neither averaged nor applied. The backward says so; attached
     again, the model trains exactly as it does without the shim."""
-    ref, mine = model(), model()
+    ref, ref_opt, mine, opt = twins()
     for m in (ref, mine):
         m[0].requires_grad_(False)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
-    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
     sync = attach(mine, opt, overlap=True)
     for m, o in ((ref, ref_opt), (mine, opt)):
         plain_step(m, o, None, 0)
@@ -247,9 +248,7 @@ def test_a_checkpoint_loaded_right_after_step_is_not_overwritten_by_it(
         optimizer_first: bool) -> None:
     """Going back to a checkpoint after ``optimizer.step()``: the pending update goes
     before the load, not onto the loaded weights at the next forward."""
-    ref, mine = model(), model()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
-    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
+    ref, ref_opt, mine, opt = twins()
     with attach(mine, opt, overlap=True):
         for m, o in ((ref, ref_opt), (mine, opt)):
             plain_step(m, o, None, 0)
@@ -650,7 +649,7 @@ def test_misuse_gets_clear_errors() -> None:
     with attach(m, opt):
         x, y = data(0)
         nn.functional.cross_entropy(m(x), y).backward()
-        with pytest.raises(ConfigError, match="twice without optimizer.step"):
+        with pytest.raises(ConfigError, match="twice without its optimizer.step"):
             nn.functional.cross_entropy(m(x), y).backward()
     other = model()
     with pytest.raises(ConfigError, match="not in the optimizer"):
