@@ -58,7 +58,7 @@ from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.policies.chunks import Routes, group_consecutive, layout_sizes
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
-from gradlane.shim.engine import Engine, Group, owned_bytes
+from gradlane.shim.engine import OPEN, Engine, Group, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
     Mesh,
@@ -245,6 +245,8 @@ class HookState:
         self._t_backward = 0.0  # the last bucket of the step before
         self._t_averaged = 0.0  # its last average in
         self._compute_s: float | None = None  # the step before's, not yet reported
+        self._closed = False
+        OPEN.add(self)  # closed at exit, if not before
 
     def _record(self, module: nn.Module, args: Any) -> None:
         for p in module.parameters(recurse=False):
@@ -505,6 +507,12 @@ class HookState:
                 )
 
     def close(self) -> None:
+        """Stop the watchdog, remove the gradient hooks, send what is queued and close the
+        connections (`Engine.close`); at the interpreter's exit if not before."""
+        if self._closed:
+            return
+        self._closed = True
+        OPEN.discard(self)
         self._stop.set()
         self._watchdog.join(2.0)
         for handle in self._handles:

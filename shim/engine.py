@@ -48,6 +48,7 @@ from anyone for `timeout_s` while a caller waits, makes every wait raise
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import heapq
 import itertools
@@ -56,8 +57,10 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -65,9 +68,37 @@ from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import Routes
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
-__all__ = ["Chunk", "Engine", "Group", "owned_bytes"]
+__all__ = ["OPEN", "Chunk", "Engine", "Group", "owned_bytes"]
 
 logger = logging.getLogger(__name__)
+
+
+class _Closable(Protocol):
+    rank: int
+
+    def close(self) -> Any: ...
+
+
+# What holds an Engine and was not closed yet (`Sync`, `HookState`): each adds itself
+# and leaves at its close; the interpreter's exit closes those left (`_close_at_exit`).
+OPEN: weakref.WeakSet[_Closable] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close what a script left open (no ``with``, no ``close()``) as it ends.
+
+    Its peers may still need this rank: the averages of the chunks it owns are
+    computed and sent by its engine's threads once every rank's gradients are
+    in, and the interpreter stops those threads after the exit handlers. A
+    script ending right after its last step would otherwise take them along,
+    and its peers' last step would fail ("a peer is gone").
+    """
+    for owner in list(OPEN):
+        try:
+            owner.close()
+        except Exception as exc:  # the exit goes on; say why this one failed
+            logger.warning("gradlane: rank %d: closing at exit failed: %s", owner.rank, exc)
 
 RS, AG, BYE, PS = 1, 2, 3, 4
 _HDR = struct.Struct("<BxxxIQIII")  # kind, group, step, chunk, nbytes, samples

@@ -35,7 +35,6 @@ the model's first tensor input, summed over forwards since the last step, or
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -66,7 +65,7 @@ from gradlane.policies.chunks import (
 )
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
-from gradlane.shim.engine import Engine, Group, owned_bytes
+from gradlane.shim.engine import OPEN, Engine, Group, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
     Mesh,
@@ -181,25 +180,6 @@ PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # The models and optimizers of open Syncs: a second Sync on one would hook its
 # gradients and patch its step twice.
 _ATTACHED: weakref.WeakSet[Any] = weakref.WeakSet()
-# The open Syncs, which the interpreter's exit closes (`_close_at_exit`).
-_OPEN: weakref.WeakSet[Sync] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """Close the Syncs a script left open (no ``with``, no ``close()``) as it ends.
-
-    Its peers may still need this rank: the last step's averages of the chunks
-    it owns are computed and sent by its threads once every rank's gradients
-    are in, and the interpreter stops those threads after the exit handlers. A
-    script ending right after its last ``optimizer.step()`` would otherwise
-    take them along, and its peers' last step fails ("a peer is gone").
-    """
-    for sync in list(_OPEN):
-        try:
-            sync.close()
-        except Exception as exc:  # the exit goes on; say why this one failed
-            logger.warning("gradlane: rank %d: closing at exit failed: %s", sync.rank, exc)
 
 
 def attach(
@@ -247,7 +227,7 @@ def attach(
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is not in 0..{world_size - 1}")
     # Open here as this rank (ranks may be threads of one process, as in the tests).
-    open_jobs = {sync.config.job for sync in _OPEN if sync.rank == rank}
+    open_jobs = {s.config.job for s in OPEN if isinstance(s, Sync) and s.rank == rank}
     if "job" not in options:
         config = dataclasses.replace(config, job=_own_job(config.job, open_jobs))
     elif config.job in open_jobs:
@@ -430,7 +410,7 @@ class Sync:
         self._install_hooks()
         self._patch_optimizer()
         _ATTACHED.update((model, optimizer))
-        _OPEN.add(self)
+        OPEN.add(self)  # closed at exit, if not before
 
     # -- set-up -------------------------------------------------------------
 
@@ -1186,7 +1166,7 @@ class Sync:
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
+        OPEN.discard(self)
         try:
             if flush:
                 self._flush_what_can_be("the model")

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradlane.shim as gl
+import gradlane.shim.engine as engine_module
 import gradlane.shim.sync as sync_module
 from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.shim.transport import Mesh, local_address
@@ -311,6 +312,33 @@ def test_a_second_backward_without_a_step_says_how_to_accumulate_or_freeze() -> 
                            r".*sync.no_sync\(\).*requires_grad_\(False\)"):
             nn.functional.cross_entropy(mine(x), y).backward()
         opt.step()
+
+
+def test_what_is_left_open_is_closed_at_exit(caplog: pytest.LogCaptureFixture) -> None:
+    """A Sync (or a DDP hook's state) not closed by the script is closed by the exit
+    handler; one that fails to close does not keep the others open."""
+    closed: list[int] = []
+
+    class Holder:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+            engine_module.OPEN.add(self)
+
+        def close(self) -> None:
+            engine_module.OPEN.discard(self)
+            closed.append(self.rank)
+            if self.rank == 1:
+                raise TransportError("a peer is gone")
+
+    mine = model()
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+    sync = attach(mine, opt)
+    assert sync in engine_module.OPEN
+    holders = [Holder(1), Holder(2)]
+    engine_module._close_at_exit()
+    assert sync not in engine_module.OPEN and sync._closed
+    assert sorted(closed) == [1, 2] and not set(engine_module.OPEN) & set(holders)
+    assert "rank 1: closing at exit failed: a peer is gone" in caplog.text
 
 
 def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
