@@ -53,6 +53,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import os
 import socket
 import struct
 import threading
@@ -81,7 +82,10 @@ class _Closable(Protocol):
 
 # What holds an Engine and was not closed yet (`Sync`, `HookState`): each adds itself
 # and leaves at its close; the interpreter's exit closes those left (`_close_at_exit`).
+# A forked child (a DataLoader worker) starts with none: closing its copies would shut
+# down the parent's connections, which it shares.
 OPEN: weakref.WeakSet[_Closable] = weakref.WeakSet()
+os.register_at_fork(after_in_child=OPEN.clear)
 
 
 @atexit.register

@@ -339,6 +339,15 @@ def test_what_is_left_open_is_closed_at_exit(caplog: pytest.LogCaptureFixture) -
     assert sync not in engine_module.OPEN and sync._closed
     assert sorted(closed) == [1, 2] and not set(engine_module.OPEN) & set(holders)
     assert "rank 1: closing at exit failed: a peer is gone" in caplog.text
+    # A forked child (a DataLoader worker) that exits normally closes nothing of its
+    # parent's: the connections are shared.
+    child_model = model()
+    with attach(child_model, torch.optim.SGD(child_model.parameters(), lr=0.1)) as sync:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(len(engine_module.OPEN))  # atexit's view in the child
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert sync in engine_module.OPEN
 
 
 def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
