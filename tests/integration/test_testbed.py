@@ -290,11 +290,13 @@ _KILLED_CALLER = """
 import json, sys, time
 from pathlib import Path
 from gradlane.testbed import Cluster, Topology
+from gradlane.testbed import forked
 
 def sleeper(argv):
     time.sleep(60)
 
 if __name__ == "__main__":
+    forked._SERVER.set_forkserver_preload([])  # no torch to import: seconds sooner
     with Cluster(Topology.build("tkill", 2, "100mbit")) as c:
         started = c.popen("h1", ["sleep", "60"])
         forked = c.fork("h2", sleeper, [], env={}, log=Path(sys.argv[1]))
