@@ -49,6 +49,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class AgentStore:
+    """A rendezvous store listening in the test process before any rank starts, as
+    torchrun's agent holds one for its workers; `env` has ranks on loopback meet there.
+
+    A port merely free when the test picks it (`free_port`) can be taken before rank 0
+    binds it, seconds later on a loaded machine: rank 0 then fails (EADDRINUSE) and its
+    peers wait out their rendezvous timeout. Keep the object as long as the ranks run.
+    """
+
+    def __init__(self, timeout_s: float = 120) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False)
+        self.env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
 @dataclass
 class RunningDaemon:
     proc: subprocess.Popen[bytes]

@@ -23,32 +23,35 @@ from gradlane import worker
 from gradlane.policies.chunks import MIN_CHUNK_BYTES
 from tests import shim_worker
 from tests.forked import Forked
-from tests.integration.helpers import RunningDaemon, free_port, start_daemon
+from tests.integration.helpers import AgentStore, RunningDaemon, free_port, start_daemon
 from tests.shim_worker import reference
 
 WORLD = 4
 
 
+class Ranks(list[Forked]):
+    """The ranks `launch` started, and the store they meet at (listening as long as this
+    list is referenced)."""
+
+    def __init__(self, procs: list[Forked], store: AgentStore) -> None:
+        super().__init__(procs)
+        self.store = store
+
+
 def launch(
     out: Path, *args: str, world: int = WORLD, per_rank: dict[int, list[str]] | None = None,
     main: Callable[[Sequence[str]], None] = shim_worker.main,
-) -> list[Forked]:
+) -> Ranks:
     """`world` ranks of `main` (`tests.shim_worker`'s by default; forked: `tests.forked`),
     each with its log."""
-    port = free_port()
+    store = AgentStore()
     procs = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
+        env = {**os.environ, **store.env, "RANK": str(rank), "WORLD_SIZE": str(world),
+               "OMP_NUM_THREADS": "1"}
         argv = ["--out", str(out), *args, *(per_rank or {}).get(rank, [])]
         procs.append(Forked(main, argv, env, out / f"rank{rank}.log"))
-    return procs
+    return Ranks(procs, store)
 
 
 def finish(procs: list[Forked], timeout: float = 90) -> list[tuple[int | None, str]]:
@@ -65,6 +68,13 @@ def finish(procs: list[Forked], timeout: float = 90) -> list[tuple[int | None, s
                 p.kill()
                 p.wait(timeout=10)
     return [(p.returncode, p.output()) for p in procs]
+
+
+def report(procs: list[Forked]) -> str:
+    """Why a test stopped waiting on ranks: each one's exit code and the end of its log
+    (text, which pytest shows whole, where a list's repr is cut short)."""
+    return "\n".join(f"--- rank {rank}, exit code {code}:\n{log[-3000:]}"
+                     for rank, (code, log) in enumerate(finish(procs)))
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -243,7 +253,7 @@ def test_workers_register_with_the_daemon_and_survive_its_death(
             workers = [w for j in jobs if j["name"] == "test" for w in j["workers"]]
             if len(workers) == 2 and all(w["chunk_events"] > 0 for w in workers):
                 break
-            assert all(p.poll() is None for p in procs), finish(procs)
+            assert all(p.poll() is None for p in procs), report(procs)
             assert time.monotonic() < deadline, jobs
             time.sleep(0.2)
         # One peer, 4 bands: 4 band connections per worker, each a registered flow.
@@ -298,7 +308,7 @@ def test_ddp_hook_workers_register_with_the_daemon(
             if len(workers) == 3 and all(w["chunk_events"] > 0 and w["last_timing"]
                                          for w in workers):
                 break
-            assert all(p.poll() is None for p in procs), finish(procs)
+            assert all(p.poll() is None for p in procs), report(procs)
             assert time.monotonic() < deadline, jobs
             time.sleep(0.2)
         # Two peers, 4 bands each; three ranks under one switch take the ring, and say so.
@@ -356,11 +366,11 @@ def test_a_script_that_never_closes_its_sync_still_gives_its_peers_the_last_step
     it. Rank 0 ends before rank 1's last backward; without that, its threads went with
     it, the chunks it owns were never averaged, and rank 1's last step failed."""
     (tmp_path / "train.py").write_text(_NEVER_CLOSED)
-    port = free_port()
+    store = AgentStore()
     procs = [subprocess.Popen(
         [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
-        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, **store.env, "RANK": str(rank), "WORLD_SIZE": "2",
+             "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
     outputs = []
     for proc in procs:
@@ -408,7 +418,7 @@ def test_the_bench_s_ddp_hook_system_trains_as_ddp_and_registers_with_the_daemon
                     workers = jobs.get("hooked", {}).get("workers", [])
                     if len(workers) == 2 and all(w["chunk_events"] > 0 for w in workers):
                         break
-                    assert all(p.poll() is None for p in procs), finish(procs)
+                    assert all(p.poll() is None for p in procs), report(procs)
                     assert time.monotonic() < deadline, jobs
                     time.sleep(0.1)
                 # Two ranks exchange flat; each says how many samples it trains on.
