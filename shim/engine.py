@@ -50,12 +50,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import heapq
 import itertools
 import logging
 import os
 import socket
 import struct
+import sys
+import termios
 import threading
 import time
 import weakref
@@ -237,16 +240,17 @@ class Engine:
         self._qcond = {key: threading.Condition() for key in mesh.links}
         self._queued_bytes = 0
         self._closing = False
-        self._threads: list[threading.Thread] = []
+        self._senders: list[threading.Thread] = []
+        self._receivers: list[threading.Thread] = []
         for link in mesh.links.values():
             name = f"{link.peer}.{link.band}" + (f".{link.plane}" if mesh.planes > 1 else "")
-            self._spawn(self._send_loop, f"gl-send-{name}", link)
-            self._spawn(self._recv_loop, f"gl-recv-{name}", link)
+            self._senders.append(self._spawn(self._send_loop, f"gl-send-{name}", link))
+            self._receivers.append(self._spawn(self._recv_loop, f"gl-recv-{name}", link))
 
-    def _spawn(self, target: Callable[..., None], name: str, arg: object) -> None:
+    def _spawn(self, target: Callable[..., None], name: str, arg: object) -> threading.Thread:
         thread = threading.Thread(target=target, args=(arg,), name=name, daemon=True)
         thread.start()
-        self._threads.append(thread)
+        return thread
 
     # -- groups ------------------------------------------------------------
 
@@ -446,9 +450,12 @@ class Engine:
         """Send what is queued, say goodbye on every connection, stop threads.
 
         Unless the job is failing, it waits up to `linger_s` for queued chunks to
-        go out and for the peers' goodbyes (closing earlier could reset data still
-        in flight). Failing (an error, or a rank lost), it drops what is queued,
-        and its goodbyes name the rank lost, for the peers to report.
+        go out and to be delivered: until the peers' kernels have acknowledged
+        every byte, or the peers said goodbye too (closing earlier could reset data
+        still in flight; a peer reads what it received before a reset). A rank that
+        ends while its peers go on (rank 0 saving a checkpoint) need not wait for
+        them. Failing (an error, or a rank lost), it drops what is queued, and its
+        goodbyes name the rank lost, for the peers to report.
         """
         if self._closing:
             return
@@ -471,14 +478,23 @@ class Engine:
                 continue
             self._enqueue(peer, _LAST, bye, None, band, plane)
         deadline = time.monotonic() + (0.5 if failing else linger_s)
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        while not self._delivered() and time.monotonic() < deadline:
+            time.sleep(0.005)
         for link in self.mesh.links.values():
             with contextlib.suppress(OSError):
                 link.sock.shutdown(socket.SHUT_RDWR)  # wakes threads blocked in recv/send
-        for thread in self._threads:
+        for thread in self._senders + self._receivers:
             thread.join(1.0)
         self.mesh.close()
+
+    def _delivered(self) -> bool:
+        """Every goodbye sent, and every byte in the peers' kernels: acknowledged, or
+        the peers said goodbye too (they had it all, and so have we)."""
+        if any(t.is_alive() for t in self._senders):
+            return False
+        if not any(t.is_alive() for t in self._receivers):
+            return True
+        return all(_unacknowledged(link.sock) == 0 for link in self.mesh.links.values())
 
     def _lost(self) -> int | None:
         """The rank whose loss stops this worker, as far as it knows (None: none)."""
@@ -722,6 +738,17 @@ def owned_bytes(groups: Iterable[Group], world: int) -> list[int]:
         for chunk in group.chunks:
             owned[chunk.owner] += chunk.nbytes
     return owned
+
+
+def _unacknowledged(sock: socket.socket) -> int:
+    """Bytes (and FIN) `sock` sent that the peer's kernel has not acknowledged yet: TCP's
+    SIOCOUTQ, which Linux numbers as TIOCOUTQ. A socket past use has nothing more to
+    deliver (0)."""
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)),
+                              sys.byteorder, signed=True)
+    except (OSError, ValueError):
+        return 0
 
 
 def _send_all(sock: socket.socket, header: bytes, payload: memoryview) -> None:
