@@ -58,7 +58,7 @@ from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.policies.chunks import Routes, group_consecutive, layout_sizes
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
-from gradlane.shim.engine import OPEN, Engine, Group, owned_bytes
+from gradlane.shim.engine import OPEN, Engine, Group, close_at_exit, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
     Mesh,
@@ -246,7 +246,7 @@ class HookState:
         self._t_averaged = 0.0  # its last average in
         self._compute_s: float | None = None  # the step before's, not yet reported
         self._closed = False
-        OPEN.add(self)  # closed at exit, if not before
+        close_at_exit(self)
 
     def _record(self, module: nn.Module, args: Any) -> None:
         for p in module.parameters(recurse=False):

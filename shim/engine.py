@@ -54,6 +54,8 @@ import fcntl
 import heapq
 import itertools
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
 import socket
 import struct
@@ -72,7 +74,7 @@ from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import Routes
 from gradlane.shim.transport import Link, Mesh, tensor_bytes
 
-__all__ = ["OPEN", "Chunk", "Engine", "Group", "owned_bytes"]
+__all__ = ["OPEN", "Chunk", "Engine", "Group", "close_at_exit", "owned_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +85,28 @@ class _Closable(Protocol):
     def close(self) -> Any: ...
 
 
-# What holds an Engine and was not closed yet (`Sync`, `HookState`): each adds itself
-# and leaves at its close; the interpreter's exit closes those left (`_close_at_exit`).
+# What holds an Engine and was not closed yet (`Sync`, `HookState`): each is held here
+# (`close_at_exit`) and leaves at its close; the exit closes those left (`_close_at_exit`).
 # A forked child (a DataLoader worker) starts with none: closing its copies would shut
 # down the parent's connections, which it shares.
 OPEN: weakref.WeakSet[_Closable] = weakref.WeakSet()
 os.register_at_fork(after_in_child=OPEN.clear)
+_finalized_in: int | None = None  # the process whose multiprocessing finalizer closes them
+
+
+def close_at_exit(owner: _Closable) -> None:
+    """Have `owner` closed as the process ends, unless closed before.
+
+    A multiprocessing child started by fork (``mp.Process``, ``torch.multiprocessing``
+    with ``start_method="fork"``, as in notebooks) ends with ``os._exit``, past the
+    interpreter's exit handlers; multiprocessing runs its own finalizers first, so one
+    of those closes them there.
+    """
+    global _finalized_in
+    OPEN.add(owner)
+    if multiprocessing.parent_process() is not None and _finalized_in != os.getpid():
+        multiprocessing.util.Finalize(None, _close_at_exit, exitpriority=100)
+        _finalized_in = os.getpid()
 
 
 @atexit.register

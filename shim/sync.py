@@ -65,7 +65,7 @@ from gradlane.policies.chunks import (
 )
 from gradlane.shim.client import DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
-from gradlane.shim.engine import OPEN, Engine, Group, owned_bytes
+from gradlane.shim.engine import OPEN, Engine, Group, close_at_exit, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
     Mesh,
@@ -410,7 +410,7 @@ class Sync:
         self._install_hooks()
         self._patch_optimizer()
         _ATTACHED.update((model, optimizer))
-        OPEN.add(self)  # closed at exit, if not before
+        close_at_exit(self)
 
     # -- set-up -------------------------------------------------------------
 

@@ -330,48 +330,74 @@ def test_ddp_hook_workers_register_with_the_daemon(
 
 
 _NEVER_CLOSED = """
-import atexit, os, sys, time
+import atexit, multiprocessing, multiprocessing.util, os, sys, time
 from pathlib import Path
 import torch
 from torch import nn
 
-rank, out = int(os.environ["RANK"]), Path(sys.argv[1])
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 4))
-# Registered before gradlane's own exit handler, so it runs after it (last in, first out).
-# The parameters themselves: state_dict() would apply the last step by itself.
-atexit.register(lambda: torch.save(
-    {name: p.detach().clone() for name, p in model.named_parameters()}, out / f"rank{rank}.pt"))
-import gradlane.shim as gl
 
-opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-sync = gl.attach(model, opt, daemon_socket="/nonexistent/gl.sock")
-for step in range(3):
-    if rank == 1 and step == 2:
-        time.sleep(1.0)  # rank 0 reaches its end before this backward
-    g = torch.Generator().manual_seed(10 * step + rank)
-    x, y = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
-    nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-if rank == 1:
-    sync.flush()  # the averages rank 0 owns come from its exit, or never
-print("done", flush=True)
+def train(rank, out):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 4))
+
+    def save():  # the parameters themselves: state_dict() would apply the last step itself
+        torch.save({name: p.detach().clone() for name, p in model.named_parameters()},
+                   out / f"rank{rank}.pt")
+
+    # After gradlane's own exit handler: registered before it (last in, first out); in a
+    # multiprocessing child, which ends past the exit handlers, a finalizer ranked below.
+    if multiprocessing.parent_process() is None:
+        atexit.register(save)
+    else:
+        multiprocessing.util.Finalize(None, save, exitpriority=0)
+    import gradlane.shim as gl
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sync = gl.attach(model, opt, rank=rank, daemon_socket="/nonexistent/gl.sock")
+    for step in range(3):
+        if rank == 1 and step == 2:
+            time.sleep(1.0)  # rank 0 reaches its end before this backward
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 1:
+        sync.flush()  # the averages rank 0 owns come from its exit, or never
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    if sys.argv[2] == "fork":  # both ranks children of this process, started by fork
+        ranks = [multiprocessing.get_context("fork").Process(target=train, args=(r, out))
+                 for r in range(2)]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(90)
+        sys.exit(0 if all(p.exitcode == 0 for p in ranks) else 1)
+    train(int(os.environ["RANK"]), out)
 """
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("started", ["processes", "fork"])
 def test_a_script_that_never_closes_its_sync_still_gives_its_peers_the_last_step(
-        tmp_path: Path) -> None:
+        tmp_path: Path, started: str) -> None:
     """``sync = gl.attach(...)`` and no ``close()``: as the script ends, gradlane closes
     it. Rank 0 ends before rank 1's last backward; without that, its threads went with
-    it, the chunks it owns were never averaged, and rank 1's last step failed."""
+    it, the chunks it owns were never averaged, and rank 1's last step failed. Ranks
+    run as processes of their own (torchrun's way) or as multiprocessing children
+    started by fork, which end past the exit handlers."""
     (tmp_path / "train.py").write_text(_NEVER_CLOSED)
     store = AgentStore()
+    ranks = [str(r) for r in range(2)] if started == "processes" else [""]
     procs = [subprocess.Popen(
-        [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
-        env={**os.environ, **store.env, "RANK": str(rank), "WORLD_SIZE": "2",
+        [sys.executable, str(tmp_path / "train.py"), str(tmp_path), started],
+        env={**os.environ, **store.env, "RANK": rank, "WORLD_SIZE": "2",
              "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in ranks]
     outputs = []
     for proc in procs:
         try:
