@@ -996,17 +996,22 @@ class Sync:
         """Raise `ConfigError` if a layer's local gradients changed after backward took
         them (``torch.nn.utils.clip_grad_norm_`` where DDP users clip): the averages are of
         what backward left, so the change would be lost without a word. One layer a step,
-        in turn, and each of its parameters' first `CHECKED_ELEMENTS` (a clip scales every
-        gradient; the whole model would be one more pass over all gradients, an
-        embedding's alone tens of ms here)."""
-        layer = self._layers[self.step % len(self._layers)]
+        in turn, and `CHECKED_ELEMENTS` of each of its parameters, the next ones each time
+        the layer's turn comes round (the whole model would be one more pass over all
+        gradients, an embedding's alone tens of ms here). A clip of the norm scales every
+        element, so it is found in one round of the layers; one of values, changing a few,
+        within as many rounds as the largest parameter has such windows."""
+        turn, at = divmod(self.step, len(self._layers))
+        layer = self._layers[at]
         for p in layer.params:
             if p.grad is None or p not in self._seen:
                 continue
             slot = self._slots[p]
-            n = min(slot.numel, CHECKED_ELEMENTS)
-            took = slot.group.grad[slot.offset : slot.offset + n]
-            now = p.grad.reshape(-1)[:n]
+            windows = -(-slot.numel // CHECKED_ELEMENTS)
+            start = turn % windows * CHECKED_ELEMENTS
+            stop = min(slot.numel, start + CHECKED_ELEMENTS)
+            took = slot.group.grad[slot.offset + start : slot.offset + stop]
+            now = p.grad.reshape(-1)[start:stop]
             # Bit for bit: a NaN gradient equals itself.
             if not torch.equal(now.view(torch.uint8), took.view(torch.uint8)):
                 raise ConfigError(

@@ -568,6 +568,26 @@ def test_clipping_the_local_gradients_is_refused_not_lost(overlap: bool) -> None
                 pytest.fail(f"clipping layer {clipped} went unnoticed")
 
 
+def test_a_change_to_one_gradient_element_past_the_first_checked_is_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A change to a few elements (``clip_grad_value_``) anywhere in a parameter: each
+    turn of a layer compares the next `CHECKED_ELEMENTS` of each parameter, so the last
+    element of the largest one is found within a round of the layers per window."""
+    monkeypatch.setattr(sync_module, "CHECKED_ELEMENTS", 16)
+    mine = model()
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+    weight = mine.get_submodule("3").weight  # 720 elements: 45 windows of 16
+    with attach(mine, opt, overlap=True) as sync:
+        rounds = len(sync._layers) * -(-weight.numel() // 16)
+        with pytest.raises(ConfigError, match="the gradients of layer '3' changed"):
+            for step in range(rounds):
+                x, y = data(step)
+                nn.functional.cross_entropy(mine(x), y).backward()
+                weight.grad.view(-1)[-1] += 1.0
+                opt.step()
+                opt.zero_grad()
+
+
 def test_nan_gradients_are_not_taken_for_changed_ones() -> None:
     mine = model()
     opt = torch.optim.SGD(mine.parameters(), lr=0.1)
