@@ -506,13 +506,14 @@ class Engine:
         self.mesh.close()
 
     def _delivered(self) -> bool:
-        """Every goodbye sent, and every byte in the peers' kernels: acknowledged, or
-        the peers said goodbye too (they had it all, and so have we)."""
+        """Every goodbye sent, and every byte in the kernels of the peers still there
+        (acknowledged); those that said goodbye had all they needed, and may be gone."""
         if any(t.is_alive() for t in self._senders):
             return False
-        if not any(t.is_alive() for t in self._receivers):
-            return True
-        return all(_unacknowledged(link.sock) == 0 for link in self.mesh.links.values())
+        with self._cond:
+            left = set(self.left)
+        return all(_unacknowledged(link.sock) == 0 for link in self.mesh.links.values()
+                   if link.peer not in left)
 
     def _lost(self) -> int | None:
         """The rank whose loss stops this worker, as far as it knows (None: none)."""

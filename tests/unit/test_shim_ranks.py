@@ -286,16 +286,17 @@ def test_a_layer_some_or_no_rank_used_is_stepped_as_plain_pytorch_steps_it(
 
 def test_ranks_that_leave_one_after_the_other_end_identical() -> None:
     """No ``flush()``: leaving the ``with`` block applies the last step. Rank 0 leaves
-    first, having sent its averages; the others, closing after it, still apply theirs
-    (they used to drop them, as if rank 0 were lost, and end a step behind it). Rank 0's
-    close returns once its peers' kernels have all it sent, not when they close (it used
-    to wait the whole 10 s linger for goodbyes that only come as they do)."""
+    first, having sent its averages, then rank 1, then rank 2; those closing after rank 0
+    still apply theirs (they used to drop them, as if rank 0 were lost, and end a step
+    behind it). Each close returns once the kernels of the peers still there have all it
+    sent, not when they close (it used to wait the whole 10 s linger for goodbyes that
+    only come as they do)."""
     case = Case(widths=(12, 40, 5), twice=False, unused=False, dtype=torch.float64,
                 optimizer="sgd", overlap=True, layout="fine", exchange="flat",
                 batches=(2, 3, 1), steps=3)
     store, job, world = dist.HashStore(), f"ranks{next(_jobs)}", len(case.batches)
     models = [Net(case) for _ in range(world)]
-    first_left = threading.Event()
+    closed = [threading.Event() for _ in range(world)]
 
     def body(rank: int) -> None:
         opt, _ = optimizer(case, models[rank])
@@ -308,12 +309,11 @@ def test_ranks_that_leave_one_after_the_other_end_identical() -> None:
                 nn.functional.cross_entropy(models[rank](x[mine]), y[mine]).backward()
                 opt.step()
                 opt.zero_grad()
-            if rank:  # 5 s: half the linger rank 0 would spend waiting for them
-                assert first_left.wait(5), "rank 0's close waited for the others to close"
-                while not sync.engine.left:  # rank 0's goodbye is in
+            if rank:  # 5 s: half the linger the one before would spend waiting for us
+                assert closed[rank - 1].wait(5), f"rank {rank - 1}'s close waited for us"
+                while rank - 1 not in sync.engine.left:  # its goodbye is in
                     time.sleep(0.01)
-        if not rank:
-            first_left.set()
+        closed[rank].set()
 
     on_every_rank(world, body)
     states = [m.state_dict() for m in models]
