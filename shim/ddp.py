@@ -64,6 +64,7 @@ from gradlane.shim.transport import (
     Mesh,
     agree_batch,
     local_address,
+    meeting_prefix,
     rank0_says,
     reduction_groups,
 )
@@ -156,7 +157,7 @@ class HookState:
         self._model = weakref.ref(model)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._store = store = dist.distributed_c10d._get_default_store()
-        self._prefix = f"gradlane/{self.config.job}/ddp"
+        self._prefix = meeting_prefix(f"{self.config.job}/ddp", self.rank)
         if address is None:
             address = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         self.mesh = Mesh(

@@ -74,6 +74,7 @@ from gradlane.shim.transport import (
     gather,
     get_all,
     local_address,
+    meeting_prefix,
     rank0_says,
     reduction_groups,
     relay,
@@ -270,14 +271,19 @@ def _default_store(rank: int, world: int, master: str, timeout_s: float) -> Stor
         port = -1
     if not 0 < port < 1 << 16:
         raise ConfigError(f"MASTER_PORT must be a TCP port 1..65535, got {text}")
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        master,
-        port,
-        world,
-        is_master=rank == 0 and not agent,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    key = (master, port, hosts)
+    if key not in _STORES:
+        _STORES[key] = dist.TCPStore(  # type: ignore[attr-defined]
+            master, port, world, is_master=hosts, timeout=datetime.timedelta(seconds=timeout_s))
+    return _STORES[key]
+
+
+# The store `_default_store` made in this process, by address, port and whether this
+# process hosts it: a job attached again meets there (under new keys, `meeting_prefix`),
+# as it would at a process group's. A second server could not bind the port while the
+# first lives (the Sync holds it), and the peers' clients would lose the first.
+_STORES: dict[tuple[str, int, bool], Store] = {}
 
 
 @dataclass(eq=False)
@@ -327,7 +333,7 @@ class Sync:
         # (communication not hidden behind compute).
         self.exposed_comm_s = 0.0
         self.last_exposed_comm_s = 0.0
-        self._prefix = f"gradlane/{config.job}"
+        self._prefix = meeting_prefix(config.job, rank)
         self._store = store  # rank 0 may host it: keep it alive while others rendezvous
         self._layers = self._find_layers(model, optimizer)
         self._check_same_model(store)

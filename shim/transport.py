@@ -17,6 +17,7 @@ so that only ``credit_bytes`` of unsent data sit in the kernel per band.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import json
@@ -47,6 +48,7 @@ __all__ = [
     "get_all",
     "local_address",
     "mark",
+    "meeting_prefix",
     "reduction_groups",
     "relay",
     "same_host",
@@ -85,6 +87,27 @@ class Link:
         src, sport = self.sock.getsockname()[:2]
         dst, dport = self.sock.getpeername()[:2]
         return {"band": self.band, "src": src, "sport": sport, "dst": dst, "dport": dport}
+
+
+# How many times each (name, rank) met its peers in this process (`meeting_prefix`).
+_MEETINGS: collections.Counter[tuple[str, int]] = collections.Counter()
+
+
+def meeting_prefix(name: str, rank: int) -> str:
+    """The store keys of `rank`'s next rendezvous under `name` (a job's Sync, its DDP hook):
+    the n-th in this process, of this torchrun attempt (TORCHELASTIC_RESTART_COUNT).
+
+    A store can outlive a rendezvous (torchrun's agent holds it across restarts; the
+    default process group's lasts the whole run): under the same keys, a rank ahead of
+    rank 0 at the next one (attaching again to train unfrozen layers) would read the
+    last one's addresses and connect to listeners closed since. Every rank meets its
+    peers as many times and in the same order (it runs the same script), so every rank
+    names each meeting alike.
+    """
+    n = _MEETINGS[name, rank]
+    _MEETINGS[name, rank] = n + 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"gradlane/{name}/attempt{attempt}/{n}"
 
 
 def gather(store: Store, key: str, rank: int, world: int, mine: str) -> list[str]:

@@ -4,6 +4,7 @@ a fake-backed gradlaned process."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -47,6 +48,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_below_ephemeral(start: int = 20000) -> int:
+    """A loopback port free now and below the kernel's ephemeral range, for a rank 0 that
+    binds it later: no bind to port 0 or outgoing connection takes one from there
+    meanwhile, as they may a `free_port`."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in range(start + os.getpid() % 1000, low):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {start}..{low}")
 
 
 class AgentStore:

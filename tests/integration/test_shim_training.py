@@ -23,7 +23,13 @@ from gradlane import worker
 from gradlane.policies.chunks import MIN_CHUNK_BYTES
 from tests import shim_worker
 from tests.forked import Forked
-from tests.integration.helpers import AgentStore, RunningDaemon, free_port, start_daemon
+from tests.integration.helpers import (
+    AgentStore,
+    RunningDaemon,
+    free_port,
+    port_below_ephemeral,
+    start_daemon,
+)
 from tests.shim_worker import reference
 
 WORLD = 4
@@ -409,6 +415,59 @@ def test_a_script_that_never_closes_its_sync_still_gives_its_peers_the_last_step
     for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output
         assert "lack step" not in output and "lost" not in output, output
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name
+
+
+_ATTACHED_AGAIN = """
+import os, sys, time
+from pathlib import Path
+import torch
+from torch import nn
+import gradlane.shim as gl
+
+rank = int(os.environ["RANK"])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for attach in range(3):
+    if rank == attach - 1:  # rank 0 comes last to the second rendezvous, rank 1 to the third
+        time.sleep(1.0)
+    sync = gl.attach(model, opt, daemon_socket="/nonexistent/gl.sock")
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * (2 * attach + step) + rank)
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    sync.close()
+torch.save(model.state_dict(), Path(sys.argv[1]) / f"rank{rank}.pt")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_attaching_again_under_plain_environment_variables_meets_at_the_same_store(
+        tmp_path: Path) -> None:
+    """A script run by hand or by a batch system (RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT set; no process group) attaches, closes and attaches again: rank 0's
+    second store could not bind the port its first still held ("address already in use"),
+    and its peers lost the first. Now every attach of the process meets at the first."""
+    (tmp_path / "train.py").write_text(_ATTACHED_AGAIN)
+    port = port_below_ephemeral()
+    procs = [subprocess.Popen(
+        [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
+        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    for proc in procs:
+        try:
+            output = proc.communicate(timeout=90)[0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                output = proc.communicate()[0]
+        assert proc.returncode == 0, output[-3000:]
     first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for name, value in first.items():
         assert torch.equal(value, second[name]), name

@@ -320,6 +320,41 @@ def test_ranks_that_leave_one_after_the_other_end_identical() -> None:
     check_replicas(case, states)
 
 
+def test_attaching_again_meets_the_peers_afresh_whoever_comes_first() -> None:
+    """Closed and attached again in the same run (to train layers unfrozen since), on a
+    store that outlived the first rendezvous (torchrun's, the default process group's),
+    with rank 0 the last to come: the others read the first rendezvous' addresses under
+    the same keys and connected to rank 0's closed listeners ("connection refused")."""
+    store, job, world = dist.HashStore(), f"ranks{next(_jobs)}", 3
+    models = []
+    for _ in range(world):
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+    first = [p.detach().clone() for p in models[0].parameters()]
+
+    def body(rank: int) -> None:
+        opt = torch.optim.SGD(models[rank].parameters(), lr=0.1)
+        for attach in range(3):
+            if rank == 0:
+                time.sleep(0.5 * attach)  # the others are at the rendezvous first
+            with gl.attach(models[rank], opt, rank=rank, world_size=world, store=store,
+                           address="127.0.0.1", daemon_socket="/nonexistent/gl.sock",
+                           job=job, timeout_s=30):
+                for step in range(2):
+                    g = torch.Generator().manual_seed(10 * (2 * attach + step) + rank)
+                    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+                    nn.functional.cross_entropy(models[rank](x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+
+    on_every_rank(world, body)
+    for rank in range(1, world):
+        for a, b in zip(models[0].parameters(), models[rank].parameters(), strict=True):
+            assert torch.equal(a, b), rank
+    assert not all(torch.equal(a, b) for a, b in zip(first, models[0].parameters(),
+                                                      strict=True))
+
+
 def test_two_models_of_one_job_each_attached_train_as_plain_pytorch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A generator and a discriminator, each with its optimizer and its Sync: without a
@@ -545,7 +580,8 @@ def test_the_ranks_take_the_plans_chunk_owners_together(
 
     on_every_rank(world, body)
     # Rank 0 deletes each check's key at the next one: the store does not grow with steps.
-    assert [store.check([f"gradlane/{job}/owners/{s}"]) for s in (4, 8)] == [False, True]
+    keys = f"gradlane/{job}/attempt0/0/owners"  # the job's first rendezvous in this process
+    assert [store.check([f"{keys}/{s}"]) for s in (4, 8)] == [False, True]
     last = (world - 1,) * len(owners[0][0])
     for rank in range(world):
         # Steps 4 and 8 began with a check: the first plan's length did not fit; the second did.
