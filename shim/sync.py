@@ -519,7 +519,8 @@ class Sync:
                         t.detach().copy_(flat)
 
     def _patch_optimizer(self) -> None:
-        """Route ``optimizer.step()`` through `Sync._step`.
+        """Route ``optimizer.step()`` through `Sync._step`, and ``optimizer.zero_grad()``
+        in its place through `Sync.skip_step`.
 
         The optimizer's class is swapped for a subclass whose ``step`` is ours,
         so ``isinstance`` still holds and a bound method stays a bound method
@@ -538,13 +539,19 @@ class Sync:
             opt._opt_called = True  # type: ignore[attr-defined]
             return sync._step(closure)
 
+        def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+            if sync._state == "reduced":  # in place of step(): the step is skipped, as in DDP
+                sync.skip_step()
+            base.zero_grad(opt, set_to_none)
+
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.__dict__.pop("step", None)  # a scheduler's wrapper from before attach
         # GradScaler.step hands an optimizer that says so `found_inf` instead of unscaling
         # it silently: the way to refuse it (above) rather than step with scaled averages.
         optimizer.__class__ = type(
             base.__name__, (base,),
-            {"step": step, "__module__": base.__module__, "_step_supports_amp_scaling": True},
+            {"step": step, "zero_grad": zero_grad, "__module__": base.__module__,
+             "_step_supports_amp_scaling": True},
         )
         self._base_class = base
 
@@ -905,7 +912,8 @@ class Sync:
                 "backward() reached this model twice without its optimizer.step(): to "
                 "accumulate, wrap the backward passes before the last in sync.no_sync(); if "
                 "another model's loss reaches it (a GAN's generator step), freeze it for that "
-                "backward (requires_grad_(False))"
+                "backward (requires_grad_(False)); to skip a step, optimizer.zero_grad() or "
+                "sync.skip_step() in its place"
             )
         self._refuse_unfrozen()
         if not self._laid_out:
@@ -1144,6 +1152,19 @@ class Sync:
             yield
         finally:
             self._no_sync = previous
+
+    def skip_step(self) -> None:
+        """Drop this step's update, in place of ``optimizer.step()`` (which
+        ``optimizer.zero_grad()`` there does by itself, as under DDP): a step whose
+        gradient norm is not finite, as `clip_grad_norm_` returns it alike on every rank.
+        Waits for this step's averages, whose buffers the next backward fills; the
+        parameters and the optimizer's state stay as they are."""
+        if self._state != "reduced":
+            raise ConfigError("skip_step belongs between backward() and optimizer.step()")
+        waited = time.perf_counter()
+        self.engine.wait([g for layer in self._layers for g in layer.groups], self.step)
+        self.exposed_comm_s += time.perf_counter() - waited
+        self._finish_step()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the *averaged* gradients by their global norm; returns that norm.

@@ -355,6 +355,71 @@ def test_attaching_again_meets_the_peers_afresh_whoever_comes_first() -> None:
                                                       strict=True))
 
 
+def test_a_step_skipped_for_a_non_finite_norm_is_skipped_on_every_rank() -> None:
+    """DDP's way to skip a bad step: ``if not norm.isfinite(): opt.zero_grad(); continue``.
+    One rank's NaN input makes every rank's averaged norm NaN (`sync.clip_grad_norm_`);
+    each skips (rank 2 with ``sync.skip_step()`` and the model's ``zero_grad``). Every
+    rank also skips a step by a rule, straight after backward, the averages still on
+    their way. All end as plain PyTorch on the whole batch with those steps skipped
+    (AdamW: its step count does not move). Before, the next backward raised "reached
+    this model twice"."""
+    store, job, world, steps, bad, ruled = dist.HashStore(), f"ranks{next(_jobs)}", 3, 6, 2, 4
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4 * world, 8, generator=g)
+        y = torch.randint(0, 3, (4 * world,), generator=g)
+        if step == bad:
+            x[5] = float("nan")  # in rank 1's slice
+        return x, y
+
+    ref = fresh()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = data(step)
+        nn.functional.cross_entropy(ref(x), y).backward()
+        if step != ruled and torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).isfinite():
+            ref_opt.step()
+        ref_opt.zero_grad()
+    models = [fresh() for _ in range(world)]
+    skipped = [0] * world
+
+    def body(rank: int) -> None:
+        model = models[rank]
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        with gl.attach(model, opt, rank=rank, world_size=world, store=store,
+                       address="127.0.0.1", daemon_socket="/nonexistent/gl.sock", job=job,
+                       timeout_s=30) as sync:
+            for step in range(steps):
+                x, y = data(step)
+                mine = slice(4 * rank, 4 * rank + 4)
+                nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+                if step == ruled:  # no norm waited for: the averages are still coming
+                    opt.zero_grad()
+                    continue
+                if not sync.clip_grad_norm_(1e9).isfinite():
+                    skipped[rank] += 1
+                    if rank == 2:
+                        sync.skip_step()
+                        model.zero_grad()
+                    else:
+                        opt.zero_grad()
+                    continue
+                opt.step()
+                opt.zero_grad()
+        assert opt.state_dict()["state"][0]["step"] == steps - 2
+
+    on_every_rank(world, body)
+    assert skipped == [1] * world
+    for rank in range(world):
+        for (name, a), b in zip(ref.named_parameters(), models[rank].parameters(), strict=True):
+            assert float((b - a).detach().norm() / a.detach().norm()) <= 1e-6, (rank, name)
+
+
 def test_two_models_of_one_job_each_attached_train_as_plain_pytorch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A generator and a discriminator, each with its optimizer and its Sync: without a

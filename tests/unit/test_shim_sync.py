@@ -691,13 +691,18 @@ def test_a_grad_scaler_is_refused_at_its_first_step() -> None:
 def test_misuse_gets_clear_errors() -> None:
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    with attach(m, opt):
+    with attach(m, opt) as sync:
         x, y = data(0)
         nn.functional.cross_entropy(m(x), y).backward()
-        # Both ways out: accumulate under no_sync, or freeze a model another's loss reaches.
+        # The ways out: accumulate under no_sync, freeze a model another's loss reaches,
+        # or skip the step.
         with pytest.raises(ConfigError, match=r"reached this model twice without its optimizer"
-                           r".*sync.no_sync\(\).*requires_grad_\(False\)"):
+                           r".*sync.no_sync\(\).*requires_grad_\(False\).*optimizer.zero_grad"
+                           r"\(\) or sync.skip_step\(\) in its place"):
             nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        with pytest.raises(ConfigError, match="skip_step belongs between backward"):
+            sync.skip_step()
     other = model()
     with pytest.raises(ConfigError, match="not in the optimizer"):
         attach(other, torch.optim.SGD(list(other.parameters())[:1], lr=0.1))
