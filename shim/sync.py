@@ -848,15 +848,17 @@ class Sync:
     # -- hooks ----------------------------------------------------------------
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """The model's forward starts: count its samples, and update the layers no gate of
-        their own updates (`_place_unseen`)."""
+        """The model's forward starts: count its samples, start the step's compute timer,
+        and update the layers no gate of their own updates (`_place_unseen`). A forward
+        without gradients (an evaluation between steps) neither counts nor times: what
+        gradlaned and the control plane learn is training's pace."""
         if self._pending is not None:
             for layer in self._at_forward_start:
                 if not layer.updated:
                     self._step_layer(layer)
-        if self._t_forward is None:
-            self._t_forward = time.perf_counter()
         if torch.is_grad_enabled():
+            if self._t_forward is None:
+                self._t_forward = time.perf_counter()
             for a in args:
                 if isinstance(a, torch.Tensor) and a.dim() > 0:
                     self._counted += a.shape[0]

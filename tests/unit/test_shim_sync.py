@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from unittest import mock
@@ -686,6 +687,26 @@ def test_a_grad_scaler_is_refused_at_its_first_step() -> None:
         with pytest.raises(ConfigError, match="GradScaler"):
             scaler.step(opt)
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+
+
+def test_an_evaluation_between_steps_is_not_timed_as_training(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute time each step reports (gradlaned's and the control plane's view of a
+    worker's pace, which batch shares follow) starts at the first forward with gradients:
+    an evaluation under ``torch.no_grad()`` after a step, 0.3 s here, is not in it."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with attach(m, opt) as sync:
+        reported: list[float] = []
+        monkeypatch.setattr(sync.client, "timing", lambda compute, comm: reported.append(compute))
+        for step in range(2):
+            plain_step(m, opt, None, step)
+            m.eval()
+            with torch.no_grad():
+                m(data(10)[0])
+                time.sleep(0.3)  # as more evaluation batches would take
+            m.train()
+    assert len(reported) == 2 and reported[1] < 0.3, reported
 
 
 def test_misuse_gets_clear_errors() -> None:
