@@ -520,7 +520,7 @@ class Sync:
 
     def _patch_optimizer(self) -> None:
         """Route ``optimizer.step()`` through `Sync._step`, and ``optimizer.zero_grad()``
-        in its place through `Sync.skip_step`.
+        or ``model.zero_grad()`` in its place through `Sync.skip_step`.
 
         The optimizer's class is swapped for a subclass whose ``step`` is ours,
         so ``isinstance`` still holds and a bound method stays a bound method
@@ -559,6 +559,14 @@ class Sync:
             return base.step(optimizer, *args)
 
         self._original_step = original
+        model = self.model
+
+        def model_zero_grad(set_to_none: bool = True) -> None:  # the model's, likewise
+            if sync._state == "reduced":
+                sync.skip_step()
+            type(model).zero_grad(model, set_to_none)
+
+        model.__dict__["zero_grad"] = self._model_zero_grad = model_zero_grad
 
     def _install_hooks(self) -> None:
         # Under torch.compile the forward hooks run as plain Python, not traced (they
@@ -1206,6 +1214,8 @@ class Sync:
                 self._flush_what_can_be("the model")
         finally:
             self.optimizer.__class__ = self._base_class
+            if self.model.__dict__.get("zero_grad") is self._model_zero_grad:
+                del self.model.__dict__["zero_grad"]
             _ATTACHED.difference_update((self.model, self.optimizer))
             for hook in self._hooks:
                 hook.remove()

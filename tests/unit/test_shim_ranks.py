@@ -358,7 +358,8 @@ def test_attaching_again_meets_the_peers_afresh_whoever_comes_first() -> None:
 def test_a_step_skipped_for_a_non_finite_norm_is_skipped_on_every_rank() -> None:
     """DDP's way to skip a bad step: ``if not norm.isfinite(): opt.zero_grad(); continue``.
     One rank's NaN input makes every rank's averaged norm NaN (`sync.clip_grad_norm_`);
-    each skips (rank 2 with ``sync.skip_step()`` and the model's ``zero_grad``). Every
+    each skips: rank 0 with the optimizer's ``zero_grad()``, rank 1 with the model's,
+    rank 2 with ``sync.skip_step()``. Every
     rank also skips a step by a rule, straight after backward, the averages still on
     their way. All end as plain PyTorch on the whole batch with those steps skipped
     (AdamW: its step count does not move). Before, the next backward raised "reached
@@ -403,10 +404,12 @@ def test_a_step_skipped_for_a_non_finite_norm_is_skipped_on_every_rank() -> None
                     continue
                 if not sync.clip_grad_norm_(1e9).isfinite():
                     skipped[rank] += 1
-                    if rank == 2:
-                        sync.skip_step()
+                    if rank == 0:
+                        opt.zero_grad()
+                    elif rank == 1:
                         model.zero_grad()
-                    else:
+                    else:  # in place of the step, and the gradients zeroed as after one
+                        sync.skip_step()
                         opt.zero_grad()
                     continue
                 opt.step()

@@ -793,14 +793,15 @@ def test_a_job_is_named_by_its_rendezvous_address_unless_named(
         gl.ShimConfig(job="_gradlane")
 
 
-def test_close_restores_the_optimizer_and_removes_hooks() -> None:
+def test_close_restores_the_optimizer_and_the_model_and_removes_hooks() -> None:
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     cls = type(opt)
     sync = attach(m, opt)
     assert isinstance(opt, torch.optim.SGD) and type(opt) is not cls
+    assert "zero_grad" in vars(m)  # a skip goes through the model's zero_grad too
     sync.close()
-    assert type(opt) is cls
+    assert type(opt) is cls and "zero_grad" not in vars(m)
     plain = copy.deepcopy(m)
     x, y = data(0)
     for mm in (m, plain):
