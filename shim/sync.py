@@ -540,8 +540,7 @@ class Sync:
             return sync._step(closure)
 
         def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-            if sync._state == "reduced":  # in place of step(): the step is skipped, as in DDP
-                sync.skip_step()
+            sync._skip_unstepped()
             base.zero_grad(opt, set_to_none)
 
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
@@ -561,9 +560,8 @@ class Sync:
         self._original_step = original
         model = self.model
 
-        def model_zero_grad(set_to_none: bool = True) -> None:  # the model's, likewise
-            if sync._state == "reduced":
-                sync.skip_step()
+        def model_zero_grad(set_to_none: bool = True) -> None:
+            sync._skip_unstepped()
             type(model).zero_grad(model, set_to_none)
 
         model.__dict__["zero_grad"] = self._model_zero_grad = model_zero_grad
@@ -1175,6 +1173,11 @@ class Sync:
         self.engine.wait([g for layer in self._layers for g in layer.groups], self.step)
         self.exposed_comm_s += time.perf_counter() - waited
         self._finish_step()
+
+    def _skip_unstepped(self) -> None:
+        """Gradients zeroed between backward and step: the step is skipped, as under DDP."""
+        if self._state == "reduced":
+            self.skip_step()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the *averaged* gradients by their global norm; returns that norm.
