@@ -44,16 +44,11 @@ def tc(namespace: str, *args: str) -> str:
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def port_below_ephemeral(start: int = 20000) -> int:
-    """A loopback port free now and below the kernel's ephemeral range, for a rank 0 that
-    binds it later: no bind to port 0 or outgoing connection takes one from there
-    meanwhile, as they may a `free_port`."""
+    """A loopback port free now and below the kernel's ephemeral range, for a server that
+    binds it later (a rank 0's store, a daemon in its own process): no bind to port 0 or
+    outgoing connection takes one from there meanwhile, as they may one found by binding
+    port 0."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for port in range(start + os.getpid() % 1000, low):
         with socket.socket() as s:
@@ -69,7 +64,7 @@ class AgentStore:
     """A rendezvous store listening in the test process before any rank starts, as
     torchrun's agent holds one for its workers; `env` has ranks on loopback meet there.
 
-    A port merely free when the test picks it (`free_port`) can be taken before rank 0
+    A port merely free when the test picks it (binding port 0) can be taken before rank 0
     binds it, seconds later on a loaded machine: rank 0 then fails (EADDRINUSE) and its
     peers wait out their rendezvous timeout. Keep the object as long as the ranks run.
     """
@@ -112,7 +107,7 @@ def start_daemon(sock: Path, http: str) -> subprocess.Popen[bytes]:
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
     sock = tmp_path / "gl.sock"
-    port = free_port()
+    port = port_below_ephemeral()
     proc = start_daemon(sock, f"127.0.0.1:{port}")
     running = RunningDaemon(proc, sock, f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + 20

@@ -26,7 +26,6 @@ from tests.forked import Forked
 from tests.integration.helpers import (
     AgentStore,
     RunningDaemon,
-    free_port,
     port_below_ephemeral,
     start_daemon,
 )
@@ -271,7 +270,7 @@ def test_workers_register_with_the_daemon_and_survive_its_death(
         daemon.proc.kill()
         daemon.proc.wait()
         # A new daemon on the same socket: the shims find it again by themselves.
-        port = free_port()
+        port = port_below_ephemeral()
         again = RunningDaemon(
             start_daemon(daemon.socket, f"127.0.0.1:{port}"),
             daemon.socket,

@@ -6,7 +6,6 @@ control plane run in one event loop; a shim is played over the Unix socket.
 
 import asyncio
 import dataclasses
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -23,14 +22,9 @@ from gradlane.daemon.service import Daemon
 from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
 from tests.fakes import FakeBackend, fake_config
+from tests.integration.helpers import port_below_ephemeral
 
 TOKEN = "t0ken-for-tests-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _start_control(port: int) -> tuple[web.AppRunner, ControlPlane]:
@@ -85,7 +79,7 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
     monkeypatch.setattr(uplink, "REPORT_EVERY", 3600.0)
 
     async def main() -> None:
-        port = _free_port()
+        port = port_below_ephemeral()
         config = _daemon_config(tmp_path, port)
         daemon = Daemon(config, backend_factory=FakeBackend)
         backend = daemon._backends[0]
@@ -259,7 +253,7 @@ def test_a_host_whose_shims_use_both_nics_is_planned_with_their_sum(
                 for i, src in enumerate(sources)]
 
     async def main() -> None:
-        port = _free_port()
+        port = port_below_ephemeral()
         config = _daemon_config(tmp_path, port, interfaces=(
             InterfaceConfig("fake0", 2 * 10**9), InterfaceConfig("fake1", 10**9)))
         daemon = Daemon(config, backend_factory=TwoNics)

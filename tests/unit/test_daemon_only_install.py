@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.integration.helpers import port_below_ephemeral
 
 DAEMON_ONLY = ("torch", "matplotlib", "scipy")
 CONTROL_HOST = ("torch", "matplotlib")  # the control extra installed
@@ -88,17 +89,11 @@ print("fine")
     assert out.returncode == 0 and out.stdout.strip() == "fine", out.stderr[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(60)
 def test_the_control_plane_serves_without_torch(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("a-token-of-sixteen-or-more\n")
-    port = _free_port()
+    port = port_below_ephemeral()
     argv = ["gradlane", "control", "--listen", f"127.0.0.1:{port}", "--token-file", str(token)]
     code = f"sys.argv = {argv!r}\nfrom gradlane.cli import main\nmain()"
     proc = subprocess.Popen([sys.executable, "-c", without(CONTROL_HOST) + code],
