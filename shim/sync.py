@@ -1084,9 +1084,7 @@ class Sync:
             layers, step = self._layers, self.step
         else:
             step = self._pending_step()
-        waited = time.perf_counter()
-        self.engine.wait([g for layer in layers for g in layer.groups], step)
-        self.exposed_comm_s += time.perf_counter() - waited
+        self._wait_for_averages(layers, step)
         chosen = [p for layer in layers for p in layer.params]
         saved = [p.grad for p in chosen]
         try:
@@ -1096,6 +1094,12 @@ class Sync:
         finally:
             for p, grad in zip(chosen, saved, strict=True):
                 p.grad = grad
+
+    def _wait_for_averages(self, layers: list[_Layer], step: int) -> None:
+        """Until `layers`' averages of `step` are in, counted as communication not hidden."""
+        waited = time.perf_counter()
+        self.engine.wait([g for layer in layers for g in layer.groups], step)
+        self.exposed_comm_s += time.perf_counter() - waited
 
     def _average_or_none(self, p: nn.Parameter) -> torch.Tensor | None:
         """`p`'s averaged gradient; None if no rank gave it one (optimizers skip it)."""
@@ -1169,9 +1173,7 @@ class Sync:
         parameters and the optimizer's state stay as they are."""
         if self._state != "reduced":
             raise ConfigError("skip_step belongs between backward() and optimizer.step()")
-        waited = time.perf_counter()
-        self.engine.wait([g for layer in self._layers for g in layer.groups], self.step)
-        self.exposed_comm_s += time.perf_counter() - waited
+        self._wait_for_averages(self._layers, self.step)
         self._finish_step()
 
     def _skip_unstepped(self) -> None:

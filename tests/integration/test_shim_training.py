@@ -82,6 +82,36 @@ def report(procs: list[Forked]) -> str:
                      for rank, (code, log) in enumerate(finish(procs)))
 
 
+def run_script(out: Path, text: str, envs: list[dict[str, str]], *args: str) -> list[str]:
+    """`text` saved as a script in `out` and run once per environment of `envs` (added to
+    this one's), given `out` and `args`; each run's output, once all exited 0 (each
+    bounded: 90 s, then killed)."""
+    (out / "train.py").write_text(text)
+    procs = [subprocess.Popen([sys.executable, str(out / "train.py"), str(out), *args],
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for env in envs]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=90)[0])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for proc, output in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, output[-3000:]
+    return outputs
+
+
+def assert_replicas_equal(out: Path, world: int) -> None:
+    """The states ranks saved as ``out/rank<R>.pt`` are bit for bit rank 0's."""
+    states = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    for r in range(1, world):
+        for name, value in states[0].items():
+            assert torch.equal(value, states[r][name]), f"rank {r} differs in {name}"
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -186,16 +216,14 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
         layouts = {re.search(r"layout (\w+) trial (\w+)", log).groups()  # type: ignore[union-attr]
                    for _, log in results}
         assert len(layouts) == 1 and next(iter(layouts))[0] == next(iter(layouts))[1], layouts
-    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for r in range(1, WORLD):
-        for name, value in states[0].items():
-            assert torch.equal(value, states[r][name]), f"rank {r} differs in {name}"
+    assert_replicas_equal(tmp_path, WORLD)
+    first = torch.load(tmp_path / "rank0.pt")
     hidden = int(flags[flags.index("--hidden") + 1]) if "--hidden" in flags else 32
     ref = reference(
         optimizer, getattr(torch, dtype), 20, [int(b) for b in batches.split(",")], sched, hidden
     )
     for name, value in ref.items():
-        assert relative_error(states[0][name], value) <= 1e-5, name
+        assert relative_error(first[name], value) <= 1e-5, name
         assert not torch.equal(
             value, reference(optimizer, getattr(torch, dtype), 0, [1], False, hidden)[name]
         ), f"{name} never trained"
@@ -395,28 +423,12 @@ def test_a_script_that_never_closes_its_sync_still_gives_its_peers_the_last_step
     it, the chunks it owns were never averaged, and rank 1's last step failed. Ranks
     run as processes of their own (torchrun's way) or as multiprocessing children
     started by fork, which end past the exit handlers."""
-    (tmp_path / "train.py").write_text(_NEVER_CLOSED)
     store = AgentStore()
     ranks = [str(r) for r in range(2)] if started == "processes" else [""]
-    procs = [subprocess.Popen(
-        [sys.executable, str(tmp_path / "train.py"), str(tmp_path), started],
-        env={**os.environ, **store.env, "RANK": rank, "WORLD_SIZE": "2",
-             "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in ranks]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=90)[0])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    for proc, output in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, output
+    envs = [{**store.env, "RANK": rank, "WORLD_SIZE": "2"} for rank in ranks]
+    for output in run_script(tmp_path, _NEVER_CLOSED, envs, started):
         assert "lack step" not in output and "lost" not in output, output
-    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
-    for name, value in first.items():
-        assert torch.equal(value, second[name]), name
+    assert_replicas_equal(tmp_path, 2)
 
 
 _ATTACHED_AGAIN = """
@@ -452,24 +464,11 @@ def test_attaching_again_under_plain_environment_variables_meets_at_the_same_sto
     MASTER_PORT set; no process group) attaches, closes and attaches again: rank 0's
     second store could not bind the port its first still held ("address already in use"),
     and its peers lost the first. Now every attach of the process meets at the first."""
-    (tmp_path / "train.py").write_text(_ATTACHED_AGAIN)
-    port = port_below_ephemeral()
-    procs = [subprocess.Popen(
-        [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
-        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    for proc in procs:
-        try:
-            output = proc.communicate(timeout=90)[0]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                output = proc.communicate()[0]
-        assert proc.returncode == 0, output[-3000:]
-    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
-    for name, value in first.items():
-        assert torch.equal(value, second[name]), name
+    port = str(port_below_ephemeral())
+    run_script(tmp_path, _ATTACHED_AGAIN, [
+        {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        for rank in range(2)])
+    assert_replicas_equal(tmp_path, 2)
 
 
 @pytest.mark.timeout(120)
