@@ -36,6 +36,7 @@ the model's first tensor input, summed over forwards since the last step, or
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import dataclasses
 import datetime
 import functools
@@ -413,8 +414,11 @@ class Sync:
             )
         self._hooks: list[Any] = []
         self._gates: list[Any] = []  # the per-module forward hooks (order, then gating)
+        self._layer_of = {p: layer for layer in self._layers for p in layer.params}
+        self._quiet_reads = False
         self._install_hooks()
         self._patch_optimizer()
+        self._patch_model()
         _ATTACHED.update((model, optimizer))
         close_at_exit(self)
 
@@ -520,12 +524,13 @@ class Sync:
 
     def _patch_optimizer(self) -> None:
         """Route ``optimizer.step()`` through `Sync._step`, and ``optimizer.zero_grad()``
-        or ``model.zero_grad()`` in its place through `Sync.skip_step`.
+        in its place through `Sync.skip_step`.
 
         The optimizer's class is swapped for a subclass whose ``step`` is ours,
         so ``isinstance`` still holds and a bound method stays a bound method
         (LR schedulers rebind ``optimizer.step.__func__``). Our ``step`` also
-        does the schedulers' bookkeeping, so they do not wrap it again.
+        does the schedulers' bookkeeping, so they do not wrap it again. A copy
+        or a pickle of it is of the optimizer's own class.
         """
         optimizer, sync = self.optimizer, self
         base = type(optimizer)
@@ -547,10 +552,14 @@ class Sync:
         optimizer.__dict__.pop("step", None)  # a scheduler's wrapper from before attach
         # GradScaler.step hands an optimizer that says so `found_inf` instead of unscaling
         # it silently: the way to refuse it (above) rather than step with scaled averages.
+        def __reduce_ex__(opt: torch.optim.Optimizer, protocol: Any) -> Any:
+            sync._flush_what_can_be("this copy")  # its state holds the step, as state_dict's
+            return _reduced_as(opt, base, protocol)
+
         optimizer.__class__ = type(
             base.__name__, (base,),
-            {"step": step, "zero_grad": zero_grad, "__module__": base.__module__,
-             "_step_supports_amp_scaling": True},
+            {"step": step, "zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__,
+             "__module__": base.__module__, "_step_supports_amp_scaling": True},
         )
         self._base_class = base
 
@@ -558,13 +567,78 @@ class Sync:
             return base.step(optimizer, *args)
 
         self._original_step = original
-        model = self.model
 
-        def model_zero_grad(set_to_none: bool = True) -> None:
+    def _patch_model(self) -> None:
+        """Swap the model's class for a subclass (``isinstance`` holds) whose
+        ``zero_grad()`` in place of the step skips it (`Sync.skip_step`), whose
+        parameters are updated as ``parameters()`` or ``named_parameters()`` hands them
+        out, and whose copies and pickles are the model without gradlane.
+
+        Code that reads the weights after ``optimizer.step()`` goes through those
+        iterators: an average of the weights (``AveragedModel``, an EMA) gets them
+        updated, as without the shim. ``copy.deepcopy(model)`` (how those averages
+        start) and ``torch.save(model)`` get the model's own class, its parameters
+        updated and none of the shim's hooks: they would hold this `Sync` (its sockets and threads
+        cannot be copied) and, copied, update a model that is not attached.
+        """
+        sync, base = self, type(self.model)
+
+        def zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
             sync._skip_unstepped()
-            type(model).zero_grad(model, set_to_none)
+            sync._quiet_reads = True  # zeroing gradients reads no weight
+            try:
+                base.zero_grad(module, set_to_none)
+            finally:
+                sync._quiet_reads = False
 
-        model.__dict__["zero_grad"] = self._model_zero_grad = model_zero_grad
+        def named_parameters(module: nn.Module, prefix: str = "", recurse: bool = True,
+                             remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+            for name, p in base.named_parameters(module, prefix, recurse, remove_duplicate):
+                sync._update_before_read(p)
+                yield name, p
+
+        def __reduce_ex__(module: nn.Module, protocol: Any) -> Any:
+            sync._flush_what_can_be("this copy")
+            return _reduced_as(sync._plain(module), base, protocol)
+
+        self.model.__class__ = type(
+            base.__name__, (base,),
+            {"zero_grad": zero_grad, "named_parameters": named_parameters,
+             "__reduce_ex__": __reduce_ex__, "__module__": base.__module__,
+             "__qualname__": base.__qualname__},
+        )
+        self._model_class = base
+
+    def _update_before_read(self, p: nn.Parameter) -> None:
+        """Apply the pending update of `p`'s layer (and of those whose averages are in)."""
+        if self._pending is None or self._quiet_reads:
+            return
+        layer = self._layer_of.get(p)
+        if layer is not None and not layer.updated:
+            self._step_layer(layer)
+
+    def _plain(self, root: nn.Module) -> nn.Module:
+        """A shallow copy of `root` (the attached model) and its modules as without
+        gradlane: the same parameters, buffers and other hooks, the model's own class."""
+        ours = {handle.id for handle in self._hooks + self._gates}
+        copies: dict[int, nn.Module] = {}
+
+        def plain(module: nn.Module) -> nn.Module:
+            if id(module) in copies:  # a module at two places stays one
+                return copies[id(module)]
+            cls = self._model_class if module is root else type(module)
+            copy = copies[id(module)] = cls.__new__(cls)
+            state = dict(module.__dict__)
+            for key, value in state.items():
+                if isinstance(value, dict) and (key.endswith("hooks") or "_hooks_" in key):
+                    state[key] = type(value)(
+                        (k, v) for k, v in value.items() if k not in ours)
+            state["_modules"] = type(module._modules)(
+                (name, None if m is None else plain(m)) for name, m in module._modules.items())
+            copy.__dict__.update(state)
+            return copy
+
+        return plain(root)
 
     def _install_hooks(self) -> None:
         # Under torch.compile the forward hooks run as plain Python, not traced (they
@@ -889,7 +963,9 @@ class Sync:
                            self.rank, behind, len(self._layers), step, where, exc)
 
     def _before_module(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        layers = self._by_module[module]
+        layers = self._by_module.get(module)
+        if layers is None:  # a copy of one of the model's modules (copy.deepcopy)
+            return
         if not self._laid_out:
             for layer in layers:
                 if layer not in self._order:
@@ -1219,8 +1295,8 @@ class Sync:
                 self._flush_what_can_be("the model")
         finally:
             self.optimizer.__class__ = self._base_class
-            if self.model.__dict__.get("zero_grad") is self._model_zero_grad:
-                del self.model.__dict__["zero_grad"]
+            if self.model.__class__.__bases__ == (self._model_class,):
+                self.model.__class__ = self._model_class
             _ATTACHED.difference_update((self.model, self.optimizer))
             for hook in self._hooks:
                 hook.remove()
@@ -1233,6 +1309,17 @@ class Sync:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.close(flush=kind is None)
+
+
+def _reduced_as(obj: object, cls: type, protocol: Any) -> Any:
+    """How pickle and copy rebuild `obj` (gradlane's subclass, which holds a `Sync`), as
+    an instance of `cls`, its class before: whoever loads it needs only that class."""
+    reduced: Any = cls.__reduce_ex__(obj, protocol)  # type: ignore[arg-type,call-arg]
+    rebuild, args, *rest = reduced
+    if rebuild is copyreg.__newobj__ and args == (type(obj),):  # type: ignore[attr-defined]
+        # pickle refuses __newobj__ of another class than the object's own
+        return (copyreg._reconstructor, (cls, object, None), *rest)  # type: ignore[attr-defined]
+    return reduced
 
 
 def _first_difference(reference: dict[str, Any], mine: dict[str, Any], rank: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import itertools
 import math
 import os
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import gradlane.shim as gl
 import gradlane.shim.engine as engine_module
@@ -195,6 +197,100 @@ def test_an_evaluation_right_after_step_sees_the_updated_model() -> None:
             with no_grad:
                 assert torch.equal(ref(x), mine(x))
             ref.train(), mine.train()
+
+
+def test_an_average_of_the_weights_kept_after_each_step_is_plain_pytorchs() -> None:
+    """An EMA updated right after ``optimizer.step()`` reads the weights through
+    ``parameters()``, which hands each one out with the step applied: torch's
+    ``AveragedModel`` (started mid-training from a deep copy of the attached model) and
+    one kept by hand average exactly what they average without gradlane."""
+    ref, ref_opt, mine, opt = twins()
+    kept: dict[nn.Module, tuple[AveragedModel, list[torch.Tensor]]] = {}
+    with attach(mine, opt, overlap=True) as sync:
+        for step in range(4):
+            for m, o in ((ref, ref_opt), (mine, opt)):
+                x, y = data(step)
+                nn.functional.cross_entropy(m(x), y).backward()
+                o.step()
+                assert m is ref or sync._pending is not None  # not applied yet
+                if step == 1:
+                    kept[m] = (AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)),
+                               [p.detach().clone() for p in m.parameters()])
+                if step >= 1:
+                    ema, by_hand = kept[m]
+                    ema.update_parameters(m)
+                    for average, p in zip(by_hand, m.parameters(), strict=True):
+                        average.mul_(0.9).add_(p.detach(), alpha=0.1)
+                o.zero_grad()
+    (ref_ema, ref_by_hand), (ema, by_hand) = kept[ref], kept[mine]
+    for a, b in zip(ref_ema.state_dict().values(), ema.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(ref_by_hand, by_hand, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_models_zero_grad_after_step_leaves_the_update_to_the_next_forward() -> None:
+    """``model.zero_grad()`` walks ``model.parameters()`` but reads no weight: the
+    step stays pending, to overlap the next forward, which applies it."""
+    ref, ref_opt, mine, opt = twins()
+    weights = list(mine.parameters())  # read directly, not through the model
+    with attach(mine, opt, overlap=True) as sync:
+        for step in range(3):
+            for m, o in ((ref, ref_opt), (mine, opt)):
+                x, y = data(step)
+                nn.functional.cross_entropy(m(x), y).backward()
+                before = [w.detach().clone() for w in weights]  # the last step applied
+                o.step()
+                m.zero_grad()
+            assert sync._pending is not None
+            assert all(torch.equal(w, b) for w, b in zip(weights, before, strict=True))
+            assert all(w.grad is None for w in weights)
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_copy_or_pickle_of_the_attached_model_is_the_model_without_gradlane() -> None:
+    """``copy.deepcopy`` (how an EMA starts) and ``torch.save`` of the optimizer and the
+    model while a step is pending: their own classes, the step applied, none of the
+    shim's hooks, the optimizer still holding the model's parameters (a copy of the
+    optimizer alone holds the step too). The copies train
+    on their own (a copy of one module too) and leave the attached model alone."""
+    ref, ref_opt, mine, opt = twins()
+    with attach(mine, opt, overlap=True) as sync:
+        for step in range(4):
+            plain_step(ref, ref_opt, None, step)
+            plain_step(mine, opt, None, step)
+            assert sync._pending is not None
+            if step == 1:
+                copied = copy.deepcopy(mine)
+                copied_opt = torch.optim.SGD(copied.parameters(), lr=0.5)
+            elif step == 2:
+                buffer = io.BytesIO()
+                torch.save({"optimizer": opt, "model": mine}, buffer)
+                buffer.seek(0)
+                saved = torch.load(buffer, weights_only=False)
+                copied, copied_opt = saved["model"], saved["optimizer"]
+                assert type(copied_opt) is torch.optim.SGD
+                held = copied_opt.param_groups[0]["params"]
+                assert all(a is b for a, b in zip(held, copied.parameters(), strict=True))
+                assert_same_checkpoint(checkpoint(ref, ref_opt),
+                                       checkpoint(copied, copied_opt))
+            else:  # the optimizer alone
+                alone = copy.deepcopy(opt)
+                assert type(alone) is torch.optim.SGD
+                assert_same_checkpoint({"model": {}, "opt": ref_opt.state_dict()},
+                                       {"model": {}, "opt": alone.state_dict()})
+                continue
+            assert type(copied) is nn.Sequential
+            assert not any(hooks for module in copied.modules()
+                           for key, hooks in vars(module).items() if key.endswith("hooks"))
+            for a, b in zip(ref.parameters(), copied.parameters(), strict=True):
+                assert torch.equal(a, b)
+            plain_step(copied, copied_opt, None, 7)
+            copied.zero_grad()
+        copy.deepcopy(mine[3])(torch.ones(2, 4 * 6 * 6)).sum().backward()
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_unfreezing_a_layer_asks_to_attach_again_and_then_trains_as_plain_pytorch() -> None:
@@ -799,9 +895,9 @@ def test_close_restores_the_optimizer_and_the_model_and_removes_hooks() -> None:
     cls = type(opt)
     sync = attach(m, opt)
     assert isinstance(opt, torch.optim.SGD) and type(opt) is not cls
-    assert "zero_grad" in vars(m)  # a skip goes through the model's zero_grad too
+    assert isinstance(m, nn.Sequential) and type(m) is not nn.Sequential  # zero_grad skips
     sync.close()
-    assert type(opt) is cls and "zero_grad" not in vars(m)
+    assert type(opt) is cls and type(m) is nn.Sequential
     plain = copy.deepcopy(m)
     x, y = data(0)
     for mm in (m, plain):
