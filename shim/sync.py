@@ -45,7 +45,9 @@ import logging
 import math
 import os
 import statistics
+import sys
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -393,6 +395,7 @@ class Sync:
         self._order: list[_Layer] = []
         self._laid_out = False
         self._state = "idle"  # idle -> backward -> reduced -> (step) idle
+        self._end_queued = False  # `_end_backward` will run as the backward ends
         self._no_sync = False
         self._seen: set[nn.Parameter] = set()
         # The parameters frozen at attach: each step checks that none was unfrozen since.
@@ -978,8 +981,12 @@ class Sync:
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._no_sync:
             return
+        if self._state == "backward" and p in self._seen and not self._end_queued:
+            self._end_backward()  # the last backward ran all inside reentrant ones
         if self._state != "backward":
             self._begin_backward()
+        if not self._end_queued:
+            self._queue_end()
         assert isinstance(p, nn.Parameter) and p.grad is not None
         slot = self._slots[p]
         slot.group.grad[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
@@ -1024,7 +1031,25 @@ class Sync:
         self._left = {gid: len(members) for gid, members in self._members.items()}
         self._clipped = False
         self._state = "backward"
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._end_queued = False
+
+    def _queue_end(self) -> None:
+        """Have `_end_backward` run as this backward ends, if this gradient came in the
+        outermost backward: ``torch.utils.checkpoint(use_reentrant=True)`` runs a
+        backward inside it per segment, whose end is not this backward's (ended there,
+        the layers still to come were sent as unused). A backward whose gradients all
+        come inside those ends at the step, a skip, a clip or the next backward
+        (`_reduced`)."""
+        if _backward_depth() <= 1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._end_queued = True
+
+    def _reduced(self) -> bool:
+        """Whether a backward's gradients are all with the engine (ending one `_queue_end`
+        could not)."""
+        if self._state == "backward" and not self._end_queued:
+            self._end_backward()
+        return self._state == "reduced"
 
     def _refuse_unfrozen(self) -> None:
         """Raise `ConfigError` if a parameter frozen at `attach` trains now: no hook takes
@@ -1073,7 +1098,7 @@ class Sync:
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         if closure is not None:
             return self._step_with_closure(closure)
-        if self._state != "reduced":
+        if not self._reduced():
             raise ConfigError("optimizer.step() without a synchronized backward() before it")
         self._refuse_changed_grads()
         if self.layerwise and not self._clipped:
@@ -1140,7 +1165,7 @@ class Sync:
 
         def synchronized() -> Any:
             loss = closure()
-            if self._state == "reduced":
+            if self._reduced():
                 self.engine.wait(self._groups)
                 for p in self._averages:
                     p.grad = self._average_or_none(p)
@@ -1247,14 +1272,14 @@ class Sync:
         gradient norm is not finite, as `clip_grad_norm_` returns it alike on every rank.
         Waits for this step's averages, whose buffers the next backward fills; the
         parameters and the optimizer's state stay as they are."""
-        if self._state != "reduced":
+        if not self._reduced():
             raise ConfigError("skip_step belongs between backward() and optimizer.step()")
         self._wait_for_averages(self._layers, self.step)
         self._finish_step()
 
     def _skip_unstepped(self) -> None:
         """Gradients zeroed between backward and step: the step is skipped, as under DDP."""
-        if self._state == "reduced":
+        if self._reduced():
             self.skip_step()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -1265,7 +1290,7 @@ class Sync:
         gradients). It waits for every average, so this step is a whole-model
         step: the overlap is lost for this iteration, the priority order is not.
         """
-        if self._state != "reduced":
+        if not self._reduced():
             raise ConfigError("clip_grad_norm_ belongs between backward() and optimizer.step()")
         self._clipped = True
         with self._averaged_grads():  # clips the averages in place, where step() reads them
@@ -1309,6 +1334,22 @@ class Sync:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.close(flush=kind is None)
+
+
+_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _backward_depth() -> int:
+    """How many backward passes this thread runs inside: more than one in a reentrant
+    backward. (Without torch's function every backward takes, 1: the outermost.)"""
+    if _RUN_BACKWARD is None:
+        return 1
+    code, depth = _RUN_BACKWARD.__code__, 0
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        depth += frame.f_code is code
+        frame = frame.f_back
+    return depth
 
 
 def _reduced_as(obj: object, cls: type, protocol: Any) -> Any:

@@ -27,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 import gradlane.shim as gl
 import gradlane.shim.engine as engine_module
@@ -291,6 +292,42 @@ def test_a_copy_or_pickle_of_the_attached_model_is_the_model_without_gradlane() 
         copy.deepcopy(mine[3])(torch.ones(2, 4 * 6 * 6)).sum().backward()
     for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+class Checkpointed(nn.Module):
+    """`model`, its last layers or all of it under ``torch.utils.checkpoint`` with
+    ``use_reentrant=True``, which runs each segment's backward inside the outer one."""
+
+    def __init__(self, segment: str) -> None:
+        super().__init__()
+        self.net, self.segment = model(), segment
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_()  # a reentrant segment needs an input that requires grad
+        if self.segment == "all":
+            return activation_checkpoint(self.net, x, use_reentrant=True)  # type: ignore[no-any-return]
+        return activation_checkpoint(  # type: ignore[no-any-return]
+            self.net[3:], self.net[:3](x), use_reentrant=True)
+
+
+@pytest.mark.parametrize("segment", ["last", "all"])
+def test_reentrant_activation_checkpointing_trains_as_plain_pytorch(segment: str) -> None:
+    """The step's backward ends with the outermost backward, not with the first segment's
+    inside it (there, the layers still to come were sent as unused and their gradients
+    then refused as a second backward); one all inside segments ends at the step. A
+    second backward without the step is still refused."""
+    ref, mine = Checkpointed(segment), Checkpointed(segment)
+    ref_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ref, mine))
+    with attach(mine, opt, overlap=True):
+        for step in range(4):
+            plain_step(ref, ref_opt, None, step)
+            plain_step(mine, opt, None, step)
+        for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+            assert torch.equal(a, b)
+        x, y = data(9)
+        nn.functional.cross_entropy(mine(x), y).backward()
+        with pytest.raises(ConfigError, match="reached this model twice"):
+            nn.functional.cross_entropy(mine(x), y).backward()
 
 
 def test_unfreezing_a_layer_asks_to_attach_again_and_then_trains_as_plain_pytorch() -> None:
