@@ -40,6 +40,27 @@ MAX_NICS = 64  # addresses a welcome's nics may list
 _MAX_QUEUED = 256  # messages; older batches are dropped past this (the daemon is behind)
 
 
+class ComputeClock:
+    """A step's compute, as `DaemonClient.timing` reports it: from the step's first
+    forward with gradients in training mode (with none, in eval mode) to its backward's
+    end. A forward in eval mode before one in training mode is an evaluation that left
+    gradients on, not training's pace."""
+
+    def __init__(self) -> None:
+        self._began: dict[bool, float] = {}  # per the model's training mode
+
+    def forward(self, training: bool, now: float) -> None:
+        """A forward with gradients begins, the model in training mode or not."""
+        self._began.setdefault(training, now)
+
+    def stop(self, now: float) -> float | None:
+        """Seconds since the step's compute began (None: no forward with gradients since
+        the last stop)."""
+        began = self._began.get(True, self._began.get(False))
+        self._began = {}
+        return None if began is None else now - began
+
+
 class DaemonClient:
     """Registers this worker's band connections with gradlaned and reports to it.
 

@@ -56,7 +56,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.policies.chunks import Routes, group_consecutive, layout_sizes
-from gradlane.shim.client import DaemonClient
+from gradlane.shim.client import ComputeClock, DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
 from gradlane.shim.engine import OPEN, Engine, Group, close_at_exit, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
@@ -242,7 +242,7 @@ class HookState:
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                           for p in inner.parameters() if p.requires_grad]
         # A step's compute: from its (first training) forward's start to its last bucket.
-        self._t_forward: float | None = None
+        self._clock = ComputeClock()
         self._t_backward = 0.0  # the last bucket of the step before
         self._t_averaged = 0.0  # its last average in
         self._compute_s: float | None = None  # the step before's, not yet reported
@@ -260,13 +260,14 @@ class HookState:
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         # Forwards without grad (evaluation) are not steps; with accumulation
         # (DDP's no_sync) the step starts at the first of its forwards.
-        if self._t_forward is None and torch.is_grad_enabled():
-            self._t_forward = time.perf_counter()
+        if torch.is_grad_enabled():
+            self._clock.forward(module.training, time.perf_counter())
 
     def _backward_ended(self) -> None:
-        if self._t_forward is not None:
-            self._t_backward = time.perf_counter()
-            self._compute_s, self._t_forward = self._t_backward - self._t_forward, None
+        now = time.perf_counter()
+        elapsed = self._clock.stop(now)
+        if elapsed is not None:
+            self._t_backward, self._compute_s = now, elapsed
 
     def _report_timing(self) -> None:
         """Tell gradlaned the step before's compute and how long DDP then waited for averages."""

@@ -66,7 +66,7 @@ from gradlane.policies.chunks import (
     layout_sizes,
     trial_schedule,
 )
-from gradlane.shim.client import DaemonClient
+from gradlane.shim.client import ComputeClock, DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
 from gradlane.shim.engine import OPEN, Engine, Group, close_at_exit, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
@@ -402,10 +402,13 @@ class Sync:
         self._frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
         self._members: dict[int, list[nn.Parameter]] = {}
         self._left: dict[int, int] = {}
-        self._counted = 0
+        # Per mode (the model's `training`), since the last step: the samples its forwards
+        # with gradients took, and when the first began. Training mode's count if any: a
+        # forward in eval mode then is an evaluation that left gradients on.
+        self._counted: dict[bool, int] = {}
+        self._clock = ComputeClock()
         self._pending: tuple[int, list[dict[str, Any]]] | None = None
         self._clipped = False
-        self._t_forward: float | None = None
         self._closed = False
         per_param = isinstance(optimizer, PER_PARAMETER_OPTIMIZERS)
         self.layerwise = config.overlap and per_param
@@ -933,18 +936,20 @@ class Sync:
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The model's forward starts: count its samples, start the step's compute timer,
         and update the layers no gate of their own updates (`_place_unseen`). A forward
-        without gradients (an evaluation between steps) neither counts nor times: what
-        gradlaned and the control plane learn is training's pace."""
+        without gradients (an evaluation between steps) neither counts nor times, nor does
+        one in eval mode when the step has one in training mode (an evaluation that left
+        gradients on, which would weigh this rank's gradients by its samples): what the
+        averages weigh and what gradlaned and the control plane learn is training's."""
         if self._pending is not None:
             for layer in self._at_forward_start:
                 if not layer.updated:
                     self._step_layer(layer)
         if torch.is_grad_enabled():
-            if self._t_forward is None:
-                self._t_forward = time.perf_counter()
+            mode = module.training
+            self._clock.forward(mode, time.perf_counter())
             for a in args:
                 if isinstance(a, torch.Tensor) and a.dim() > 0:
-                    self._counted += a.shape[0]
+                    self._counted[mode] = self._counted.get(mode, 0) + a.shape[0]
                     break
 
     def _before_state_dict(self, *_: Any) -> None:
@@ -1010,8 +1015,9 @@ class Sync:
         if not self._laid_out:
             self._lay_out()
         self.flush()
-        known = self.samples if self.samples is not None else self._counted  # 0: not counted
-        samples = self.samples if self.samples is not None else (self._counted or 1)
+        counted = self._counted.get(True) or self._counted.get(False, 0)  # 0: not counted
+        known = self.samples if self.samples is not None else counted
+        samples = self.samples if self.samples is not None else (counted or 1)
         if not self._batch_agreed:  # the first step: what the control plane splits
             self._batch_agreed = True
             self.global_batch = agree_batch(self._store, self._prefix, self.rank, self.world,
@@ -1022,7 +1028,7 @@ class Sync:
             self._try_layouts(samples)
         elif self.world > 1 and self.step and self.step % OWNERS_EVERY == 0:
             self._follow_plan_owners()
-        self._counted, self.samples = 0, None
+        self._counted, self.samples = {}, None
         self.engine.begin(self.step, samples)
         self.client.begin(self.step, known)  # 0: gradlaned is told the count is not known
         self._seen = set()
@@ -1084,10 +1090,9 @@ class Sync:
                     self._seen.add(p)
             self.engine.ready(group)
         self._state = "reduced"
-        if self._t_forward is not None:
-            elapsed = time.perf_counter() - self._t_forward
+        elapsed = self._clock.stop(time.perf_counter())
+        if elapsed is not None:
             self.client.timing(elapsed - self.exposed_comm_s, self.exposed_comm_s)
-            self._t_forward = None
         self.last_exposed_comm_s, self.exposed_comm_s = self.exposed_comm_s, 0.0
 
     # -- stepping ----------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 
 from gradlane.daemon import protocol
 from gradlane.daemon.service import Daemon
-from gradlane.shim.client import DaemonClient
+from gradlane.shim.client import ComputeClock, DaemonClient
 from gradlane.shim.config import ShimConfig
 from tests.fakes import FakeBackend, fake_config
 
@@ -365,3 +365,20 @@ def test_a_shim_with_more_bands_than_gradlaned_registers_and_follows_a_reload(
             await asyncio.wait_for(serving, 10)
 
     asyncio.run(main())
+
+
+def test_a_step_s_compute_starts_at_its_first_forward_in_training_mode() -> None:
+    """What `timing` reports as a step's compute: an evaluation with gradients left on in
+    eval mode before the step's training forward is not in it; a step in eval mode all
+    through is timed from its first forward; the clock restarts at each stop."""
+    clock = ComputeClock()
+    assert clock.stop(1.0) is None  # no forward with gradients: nothing to report
+    clock.forward(False, 10.0)  # the evaluation
+    clock.forward(True, 12.0)
+    clock.forward(True, 13.0)  # a second micro-batch
+    clock.forward(False, 14.0)
+    assert clock.stop(15.0) == 3.0
+    clock.forward(False, 20.0)
+    clock.forward(False, 21.0)
+    assert clock.stop(22.0) == 2.0
+    assert clock.stop(23.0) is None

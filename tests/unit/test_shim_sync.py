@@ -822,24 +822,37 @@ def test_a_grad_scaler_is_refused_at_its_first_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
 
 
-def test_an_evaluation_between_steps_is_not_timed_as_training(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("gradients", [False, True])
+def test_an_evaluation_between_steps_is_neither_timed_nor_counted_as_training(
+        monkeypatch: pytest.MonkeyPatch, gradients: bool) -> None:
     """The compute time each step reports (gradlaned's and the control plane's view of a
-    worker's pace, which batch shares follow) starts at the first forward with gradients:
-    an evaluation under ``torch.no_grad()`` after a step, 0.3 s here, is not in it."""
+    worker's pace, which batch shares follow) starts at the first forward with gradients
+    in training mode: an evaluation after a step, 0.3 s here, under ``torch.no_grad()``
+    or in eval mode with gradients left on, is not in it; nor are its samples in the
+    count the averages weigh this rank's gradients by. A model trained in eval mode
+    (every forward in it) is still counted and timed."""
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     with attach(m, opt) as sync:
         reported: list[float] = []
+        counted: list[int] = []
         monkeypatch.setattr(sync.client, "timing", lambda compute, comm: reported.append(compute))
-        for step in range(2):
+        begin = sync.client.begin
+        monkeypatch.setattr(sync.client, "begin",
+                            lambda step, known: (counted.append(known), begin(step, known))[1])
+        for step in range(3):
             plain_step(m, opt, None, step)
+            if step == 2:
+                break
             m.eval()
-            with torch.no_grad():
-                m(data(10)[0])
+            with contextlib.nullcontext() if gradients else torch.no_grad():
+                m(torch.randn(50, 3, 8, 8))
                 time.sleep(0.3)  # as more evaluation batches would take
             m.train()
-    assert len(reported) == 2 and reported[1] < 0.3, reported
+        m.eval()
+        plain_step(m, opt, None, 3)
+    assert counted == [6, 6, 6, 6]
+    assert len(reported) == 4 and max(reported[1:3]) < 0.3, reported
 
 
 def test_misuse_gets_clear_errors() -> None:
