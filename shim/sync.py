@@ -29,7 +29,8 @@ communication hides behind backward anyway stops paying per-message CPU for
 an order that gains nothing.
 
 Gradients are weighted by each worker's sample count (the first dimension of
-the model's first tensor input, summed over forwards since the last step, or
+the model's first tensor input, summed over forwards with gradients since the
+last step, those in eval mode only without any in training mode, or
 `Sync.samples` set by hand), so unequal batches average exactly.
 """
 
@@ -402,9 +403,9 @@ class Sync:
         self._frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
         self._members: dict[int, list[nn.Parameter]] = {}
         self._left: dict[int, int] = {}
-        # Per mode (the model's `training`), since the last step: the samples its forwards
-        # with gradients took, and when the first began. Training mode's count if any: a
-        # forward in eval mode then is an evaluation that left gradients on.
+        # Per mode (the model's `training`), the samples its forwards with gradients took
+        # since the last step. Training mode's count if any: a forward in eval mode then is
+        # an evaluation that left gradients on. The clock times the step alike.
         self._counted: dict[bool, int] = {}
         self._clock = ComputeClock()
         self._pending: tuple[int, list[dict[str, Any]]] | None = None
@@ -555,13 +556,13 @@ class Sync:
             base.zero_grad(opt, set_to_none)
 
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        optimizer.__dict__.pop("step", None)  # a scheduler's wrapper from before attach
-        # GradScaler.step hands an optimizer that says so `found_inf` instead of unscaling
-        # it silently: the way to refuse it (above) rather than step with scaled averages.
         def __reduce_ex__(opt: torch.optim.Optimizer, protocol: Any) -> Any:
             sync._flush_what_can_be("this copy")  # its state holds the step, as state_dict's
             return _reduced_as(opt, base, protocol)
 
+        optimizer.__dict__.pop("step", None)  # a scheduler's wrapper from before attach
+        # GradScaler.step hands an optimizer that says so `found_inf` instead of unscaling
+        # it silently: the way to refuse it (above) rather than step with scaled averages.
         optimizer.__class__ = type(
             base.__name__, (base,),
             {"step": step, "zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__,
@@ -584,8 +585,8 @@ class Sync:
         iterators: an average of the weights (``AveragedModel``, an EMA) gets them
         updated, as without the shim. ``copy.deepcopy(model)`` (how those averages
         start) and ``torch.save(model)`` get the model's own class, its parameters
-        updated and none of the shim's hooks: they would hold this `Sync` (its sockets and threads
-        cannot be copied) and, copied, update a model that is not attached.
+        updated and none of the shim's hooks: those hold this `Sync` (its sockets and
+        threads cannot be copied) and, copied, would update a model not attached.
         """
         sync, base = self, type(self.model)
 
