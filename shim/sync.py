@@ -401,6 +401,7 @@ class Sync:
         self._seen: set[nn.Parameter] = set()
         # The parameters frozen at attach: each step checks that none was unfrozen since.
         self._frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+        self._group_sizes = [len(group["params"]) for group in optimizer.param_groups]
         self._members: dict[int, list[nn.Parameter]] = {}
         self._left: dict[int, int] = {}
         # Per mode (the model's `training`), the samples its forwards with gradients took
@@ -1059,17 +1060,27 @@ class Sync:
         return self._state == "reduced"
 
     def _refuse_unfrozen(self) -> None:
-        """Raise `ConfigError` if a parameter frozen at `attach` trains now: no hook takes
-        its gradient, so it would be neither averaged nor, stepping layer by layer,
-        applied, and the ranks would part silently. (Walking the whole model each step
-        to find added ones too costs about 0.4 ms for a BERT-base here.)"""
+        """Raise `ConfigError` if a parameter frozen at `attach` trains now, or the
+        optimizer's parameter groups changed (``add_param_group``): no hook takes such a
+        parameter's gradient, so it would be neither averaged nor, stepping layer by
+        layer, applied, and the ranks would part silently. (Walking the whole model each
+        step to find parameters added to it costs about 0.4 ms for a BERT-base here; one
+        the optimizer does not have does not train.)"""
+        again = "sync.close() and attach again"
         new = [name for name, p in self._frozen if p.requires_grad]
         if new:
             more = f" and {len(new) - 3} more" if len(new) > 3 else ""
             raise ConfigError(
                 f"{', '.join(new[:3])}{more} require grad now but did not when "
                 "gradlane.shim.attach ran, so gradlane would not average their gradients: "
-                "after changing which parameters train, sync.close() and attach again")
+                f"after changing which parameters train, {again}")
+        sizes = [len(group["params"]) for group in self.optimizer.param_groups]
+        if sizes != self._group_sizes:
+            raise ConfigError(
+                f"the optimizer's parameter groups hold {sizes} parameters, "
+                f"{self._group_sizes} when gradlane.shim.attach ran (add_param_group?): "
+                "gradlane would not average the gradients of parameters added since; "
+                f"after changing what the optimizer trains, {again}")
 
     def _end_backward(self) -> None:
         """After the last gradient, the parameters this backward did not reach: a

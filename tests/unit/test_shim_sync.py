@@ -352,6 +352,28 @@ def test_unfreezing_a_layer_asks_to_attach_again_and_then_trains_as_plain_pytorc
     assert_same_checkpoint(checkpoint(ref, ref_opt), checkpoint(mine, opt))
 
 
+def test_a_parameter_group_added_asks_to_attach_again_and_then_trains_as_plain_pytorch(
+        ) -> None:
+    """A layer added with its own parameter group after `attach` (a new head) has no hook
+    either. The backward says so; attached again, the model trains as without the shim."""
+    ref, ref_opt, mine, opt = twins()
+    sync = attach(mine, opt, overlap=True)
+    for m, o in ((ref, ref_opt), (mine, opt)):
+        plain_step(m, o, None, 0)
+        torch.manual_seed(1)
+        m.append(nn.Linear(3, 3))
+        o.add_param_group({"params": m[-1].parameters(), "lr": 0.05})
+    with pytest.raises(ConfigError, match=r"groups hold \[6, 2\] parameters, \[6\] when"):
+        plain_step(mine, opt, None, 1)
+    opt.zero_grad()
+    sync.close()
+    with attach(mine, opt, overlap=True):
+        for step in (1, 2):
+            plain_step(ref, ref_opt, None, step)
+            plain_step(mine, opt, None, step)
+    assert_same_checkpoint(checkpoint(ref, ref_opt), checkpoint(mine, opt))
+
+
 def test_a_checkpoint_with_a_peer_gone_says_which_update_it_lacks(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """With a peer gone before it sent the pending averages, they will not come: the
