@@ -216,6 +216,7 @@ def attach(
         TransportError: rendezvous or connections failed.
     """
     config = ShimConfig.of(options)
+    _refuse_wrapped(model)
     for thing in (model, optimizer):
         if thing in _ATTACHED:
             raise ConfigError(f"this {type(thing).__name__} is attached already: close() its "
@@ -244,6 +245,28 @@ def attach(
     if address is None:
         address = local_address(master)
     return Sync(model, optimizer, config, rank, world_size, store, address)
+
+
+def _refuse_wrapped(model: nn.Module) -> None:
+    """Raise `ConfigError` for a model in a data-parallel wrapper, which would average the
+    gradients itself: every gradient sent twice, once outside gradlane's lanes."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: not used (seconds to)
+    sharded = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParallel", "FSDPModule")
+                    if hasattr(fsdp, name))
+    for name, module in model.named_modules():
+        where = name or "the model"
+        if isinstance(module, sharded):
+            raise ConfigError(
+                f"{where} is sharded by FSDP: gradlane averages whole replicas, one per worker")
+        if isinstance(module, (DataParallel, DistributedDataParallel)):
+            hint = ("; or keep DDP with gradlane's comm hook: ddp_model.register_comm_hook("
+                    "gl.HookState(ddp_model), gl.comm_hook)"
+                    if isinstance(module, DistributedDataParallel) else "")
+            raise ConfigError(
+                f"{where} is a {type(module).__name__}, which averages the gradients itself: "
+                f"attach the module it wraps ({name or 'model'}.module){hint}")
 
 
 def _own_job(job: str, open_jobs: set[str]) -> str:

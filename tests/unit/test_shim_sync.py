@@ -937,6 +937,24 @@ def test_misuse_gets_clear_errors() -> None:
         attach(elsewhere, torch.optim.SGD(elsewhere.parameters(), lr=0.1))
 
 
+def test_a_model_in_a_data_parallel_wrapper_is_refused_saying_what_to_attach() -> None:
+    """DDP or DataParallel around the model (or a part of it) would average every
+    gradient itself, a second time and outside gradlane's lanes."""
+    m = model()
+    with pytest.raises(ConfigError, match=r"^the model is a DataParallel, which averages "
+                                          r"the gradients itself: attach the module it wraps "
+                                          r"\(model.module\)$"):
+        attach(nn.DataParallel(m), torch.optim.SGD(m.parameters(), lr=0.1))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        outer = nn.Sequential(nn.parallel.DistributedDataParallel(m), nn.Linear(3, 3))
+        with pytest.raises(ConfigError, match=r"^0 is a DistributedDataParallel, .*\(0.module\)"
+                                              r"; or keep DDP with gradlane's comm hook"):
+            attach(outer, torch.optim.SGD(outer.parameters(), lr=0.1))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_ipv6_rendezvous_is_refused_saying_why() -> None:
     # Resolving would say only "Address family for hostname not supported".
     with pytest.raises(TransportError, match="IPv6 only.*IPv4 only"):
