@@ -622,10 +622,15 @@ class Sync:
             finally:
                 sync._quiet_reads = False
 
+        # Within a compiled forward (one asking its parameters' dtype), the update runs as
+        # plain Python, as the gates do: torch.compile compiled it, once per parameter.
+        update = torch.compiler.disable(self._update_before_read)  # type: ignore[no-untyped-call]
+
         def named_parameters(module: nn.Module, prefix: str = "", recurse: bool = True,
                              remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
             for name, p in base.named_parameters(module, prefix, recurse, remove_duplicate):
-                sync._update_before_read(p)
+                if sync._pending is not None:
+                    update(p)
                 yield name, p
 
         def __reduce_ex__(module: nn.Module, protocol: Any) -> Any:

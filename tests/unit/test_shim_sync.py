@@ -137,6 +137,37 @@ def test_a_compiled_model_trains_exactly_as_plain_pytorch(overlap: bool) -> None
         assert torch.equal(a, b), name
 
 
+class AsksItsDtype(nn.Module):
+    """A model whose forward reads its parameters' dtype, as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.to(next(self.parameters()).dtype))  # type: ignore[no-any-return]
+
+
+# Dynamo's own, when it takes the activations handed from one graph to the next.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_model_compiled_after_attach_that_reads_its_parameters_trains_as_plain_pytorch(
+        ) -> None:
+    """The update a parameter read applies runs as plain Python inside a compiled
+    forward, as the gates do: compiled, it recompiled once per parameter (here past the
+    limit of 2 set below, which then fails)."""
+    ref, mine = AsksItsDtype(), AsksItsDtype()
+    ref_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ref, mine))
+    with (torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True),
+          attach(mine, opt, overlap=True)):
+        compiled = torch.compile(mine, backend="aot_eager")
+        for step in range(4):
+            plain_step(ref, ref_opt, None, step)
+            plain_step(compiled, opt, None, step)
+    torch._dynamo.reset()
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_process_alone_trains_as_plain_pytorch_without_torchrun(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``python train.py`` with ``attach(..., rank=0, world_size=1)``: no rendezvous to
