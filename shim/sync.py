@@ -614,13 +614,23 @@ class Sync:
         """
         sync, base = self, type(self.model)
 
+        def quiet(method: Callable[..., Any]) -> Callable[..., Any]:
+            """`method`, which walks the parameters but reads no weight: the step it finds
+            pending stays so, to overlap the next forward (a GAN's discriminator frozen
+            for the generator's step keeps its update for the generator's forward)."""
+            def walk(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                previous, sync._quiet_reads = sync._quiet_reads, True
+                try:
+                    return method(module, *args, **kwargs)
+                finally:
+                    sync._quiet_reads = previous
+            return walk
+
+        zero_grads = quiet(base.zero_grad)
+
         def zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
             sync._skip_unstepped()
-            sync._quiet_reads = True  # zeroing gradients reads no weight
-            try:
-                base.zero_grad(module, set_to_none)
-            finally:
-                sync._quiet_reads = False
+            zero_grads(module, set_to_none)
 
         # Within a compiled forward (one asking its parameters' dtype), the update runs as
         # plain Python, as the gates do: torch.compile compiled it, once per parameter.
@@ -639,9 +649,9 @@ class Sync:
 
         self.model.__class__ = type(
             base.__name__, (base,),
-            {"zero_grad": zero_grad, "named_parameters": named_parameters,
-             "__reduce_ex__": __reduce_ex__, "__module__": base.__module__,
-             "__qualname__": base.__qualname__},
+            {"zero_grad": zero_grad, "requires_grad_": quiet(base.requires_grad_),
+             "named_parameters": named_parameters, "__reduce_ex__": __reduce_ex__,
+             "__module__": base.__module__, "__qualname__": base.__qualname__},
         )
         self._model_class = base
 

@@ -262,7 +262,8 @@ def test_an_average_of_the_weights_kept_after_each_step_is_plain_pytorchs() -> N
 
 
 def test_the_models_zero_grad_after_step_leaves_the_update_to_the_next_forward() -> None:
-    """``model.zero_grad()`` walks ``model.parameters()`` but reads no weight: the
+    """``model.zero_grad()`` and ``model.requires_grad_()`` (a GAN freezing its
+    discriminator after its step) walk ``model.parameters()`` but read no weight: the
     step stays pending, to overlap the next forward, which applies it."""
     ref, ref_opt, mine, opt = twins()
     weights = list(mine.parameters())  # read directly, not through the model
@@ -274,6 +275,8 @@ def test_the_models_zero_grad_after_step_leaves_the_update_to_the_next_forward()
                 before = [w.detach().clone() for w in weights]  # the last step applied
                 o.step()
                 m.zero_grad()
+                m.requires_grad_(False)
+                m.requires_grad_(True)
             assert sync._pending is not None
             assert all(torch.equal(w, b) for w, b in zip(weights, before, strict=True))
             assert all(w.grad is None for w in weights)
