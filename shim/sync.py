@@ -434,6 +434,10 @@ class Sync:
         self._clock = ComputeClock()
         self._pending: tuple[int, list[dict[str, Any]]] | None = None
         self._clipped = False
+        # Elementwise bounds on the averages (`clip_grad_value_`): this step's, and the
+        # pending step's, which its layers' updates apply as they run.
+        self._clip_value: float | None = None
+        self._pending_clip: float | None = None
         self._closed = False
         per_param = isinstance(optimizer, PER_PARAMETER_OPTIMIZERS)
         self.layerwise = config.overlap and per_param
@@ -1158,6 +1162,7 @@ class Sync:
         self._refuse_changed_grads()
         if self.layerwise and not self._clipped:
             self._pending = (self.step, self._hyper())
+            self._pending_clip = self._clip_value
             for layer in self._layers:
                 layer.updated = False
             result = None
@@ -1196,7 +1201,7 @@ class Sync:
                     f"rank {self.rank}: the gradients of layer {layer.name!r} changed between "
                     "backward() and optimizer.step() (torch.nn.utils.clip_grad_norm_?); "
                     "gradlane averages them as backward() left them, so the change would "
-                    "be lost: clip with sync.clip_grad_norm_")
+                    "be lost: clip with sync.clip_grad_norm_ or sync.clip_grad_value_")
 
     def _drain(self, before: str) -> None:
         """Wait until this rank's queued sends have left.
@@ -1212,6 +1217,7 @@ class Sync:
 
     def _finish_step(self) -> None:
         self._state = "idle"
+        self._clip_value = None
         self.step += 1
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
@@ -1223,7 +1229,7 @@ class Sync:
             if self._reduced():
                 self.engine.wait(self._groups)
                 for p in self._averages:
-                    p.grad = self._average_or_none(p)
+                    p.grad = self._average_or_none(p, self._clip_value)
                 self._finish_step()
             return loss
 
@@ -1237,15 +1243,15 @@ class Sync:
         layers, for the step whose update is pending.
         """
         if layers is None:
-            layers, step = self._layers, self.step
+            layers, step, clip = self._layers, self.step, self._clip_value
         else:
-            step = self._pending_step()
+            step, clip = self._pending_step(), self._pending_clip
         self._wait_for_averages(layers, step)
         chosen = [p for layer in layers for p in layer.params]
         saved = [p.grad for p in chosen]
         try:
             for p in chosen:
-                p.grad = self._average_or_none(p)
+                p.grad = self._average_or_none(p, clip)
             yield
         finally:
             for p, grad in zip(chosen, saved, strict=True):
@@ -1257,10 +1263,16 @@ class Sync:
         self.engine.wait([g for layer in layers for g in layer.groups], step)
         self.exposed_comm_s += time.perf_counter() - waited
 
-    def _average_or_none(self, p: nn.Parameter) -> torch.Tensor | None:
-        """`p`'s averaged gradient; None if no rank gave it one (optimizers skip it)."""
+    def _average_or_none(self, p: nn.Parameter, clip: float | None = None
+                         ) -> torch.Tensor | None:
+        """`p`'s averaged gradient (a copy within [-clip, clip] if `clip`: the average
+        itself may still be on its way to a peer); None if no rank gave it one
+        (optimizers skip it)."""
         slot = self._slots[p]  # its averaged flag: the share of samples whose rank gave one
-        return self._averages[p] if bool(slot.group.out[slot.flag]) else None
+        if not bool(slot.group.out[slot.flag]):
+            return None
+        average = self._averages[p]
+        return average if clip is None else average.clamp(-clip, clip)
 
     def _pending_step(self) -> int:
         assert self._pending is not None
@@ -1348,9 +1360,33 @@ class Sync:
         if not self._reduced():
             raise ConfigError("clip_grad_norm_ belongs between backward() and optimizer.step()")
         self._clipped = True
+        value, self._clip_value = self._clip_value, None  # a clip of values before, first
         with self._averaged_grads():  # clips the averages in place, where step() reads them
             self._drain("clipping")  # it changes the averages in place
+            if value is not None:
+                torch.nn.utils.clip_grad_value_(list(self._averages), value)
             return torch.nn.utils.clip_grad_norm_(list(self._averages), max_norm, norm_type)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clip the *averaged* gradients elementwise to [-clip_value, clip_value].
+
+        Call it between ``backward()`` and ``optimizer.step()`` instead of
+        ``torch.nn.utils.clip_grad_value_`` (which would see only local gradients).
+        Element by element, it needs no other layer's average: each layer's is
+        clipped as its update runs, and the step stays layer by layer. (After
+        `clip_grad_norm_` in the same step, the averages are clipped at once.)
+        """
+        if not self._reduced():
+            raise ConfigError("clip_grad_value_ belongs between backward() and optimizer.step()")
+        value = float(clip_value)
+        if not value >= 0:
+            raise ConfigError(f"clip_value must be >= 0, got {clip_value}")
+        if self._clipped:  # every average is in, and sent on (`clip_grad_norm_`)
+            with self._averaged_grads():
+                torch.nn.utils.clip_grad_value_(list(self._averages), value)
+        else:
+            self._clip_value = value if self._clip_value is None else min(value,
+                                                                          self._clip_value)
 
     def averaged_grad(self, p: nn.Parameter) -> torch.Tensor:
         """The averaged gradient of `p` for the current step (waits for it)."""

@@ -818,6 +818,42 @@ def test_clip_grad_norm_on_averaged_gradients() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("order", ["value", "value-then-norm", "norm-then-value"])
+def test_clip_grad_value_on_averaged_gradients_keeps_the_step_layer_by_layer(
+        order: str) -> None:
+    """``sync.clip_grad_value_`` bounds the averages as ``torch.nn.utils.clip_grad_value_``
+    bounds DDP's, in either order with a clip of the norm; alone it needs no other
+    layer's average, so the step stays pending, layer by layer."""
+    ref, ref_opt, mine, opt = twins(lambda p: torch.optim.SGD(p, lr=0.5))
+    bounds = {"value": 0.01, "norm": 0.05}
+    beyond = False  # whether some gradient was beyond the value's bound
+    with attach(mine, opt, overlap=True) as sync:
+        for step in range(4):
+            for m, o in ((ref, ref_opt), (mine, opt)):
+                x, y = data(step)
+                nn.functional.cross_entropy(m(x), y).backward()
+                beyond |= m is ref and any(p.grad.abs().max() > bounds["value"]
+                                           for p in m.parameters() if p.grad is not None)
+                for what in order.split("-then-"):
+                    if m is ref:
+                        clip = getattr(torch.nn.utils, f"clip_grad_{what}_")
+                        clip(m.parameters(), bounds[what])
+                    else:
+                        getattr(sync, f"clip_grad_{what}_")(bounds[what])
+                o.step()
+                assert m is ref or (sync._pending is not None) == (order == "value")
+                o.zero_grad()
+        with pytest.raises(ConfigError, match="clip_grad_value_ belongs between backward"):
+            sync.clip_grad_value_(0.1)
+        nn.functional.cross_entropy(mine(x), y).backward()
+        with pytest.raises(ConfigError, match="clip_value must be >= 0, got -1"):
+            sync.clip_grad_value_(-1)
+        sync.skip_step()
+    assert beyond
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_lbfgs_closure_falls_back_to_whole_model_steps() -> None:
     def loop(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
         x, y = data(step)
