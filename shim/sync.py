@@ -1389,9 +1389,11 @@ class Sync:
                                                                           self._clip_value)
 
     def averaged_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """The averaged gradient of `p` for the current step (waits for it)."""
+        """The averaged gradient of `p` for the current step (waits for it), clipped as
+        the step will take it."""
         self.engine.wait([self._slots[p].group])
-        return self._averages[p]
+        average, clip = self._averages[p], self._clip_value
+        return average if clip is None else average.clamp(-clip, clip)
 
     def close(self, flush: bool = True) -> None:
         """Apply pending updates, finish sending, close connections, remove hooks.

@@ -840,6 +840,11 @@ def test_clip_grad_value_on_averaged_gradients_keeps_the_step_layer_by_layer(
                         clip(m.parameters(), bounds[what])
                     else:
                         getattr(sync, f"clip_grad_{what}_")(bounds[what])
+                if m is ref:
+                    expected = [p.grad.clone() for p in m.parameters()]
+                else:  # what the step takes
+                    for e, p in zip(expected, m.parameters(), strict=True):
+                        assert torch.equal(e, sync.averaged_grad(p))
                 o.step()
                 assert m is ref or (sync._pending is not None) == (order == "value")
                 o.zero_grad()
