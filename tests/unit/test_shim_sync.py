@@ -1014,7 +1014,7 @@ def test_misuse_gets_clear_errors() -> None:
 
 def test_a_model_in_a_data_parallel_wrapper_is_refused_saying_what_to_attach() -> None:
     """DDP or DataParallel around the model (or a part of it) would average every
-    gradient itself, a second time and outside gradlane's lanes."""
+    gradient itself, a second time and outside gradlane's lanes; FSDP shards it."""
     m = model()
     with pytest.raises(ConfigError, match=r"^the model is a DataParallel, which averages "
                                           r"the gradients itself: attach the module it wraps "
@@ -1026,6 +1026,11 @@ def test_a_model_in_a_data_parallel_wrapper_is_refused_saying_what_to_attach() -
         with pytest.raises(ConfigError, match=r"^0 is a DistributedDataParallel, .*\(0.module\)"
                                               r"; or keep DDP with gradlane's comm hook"):
             attach(outer, torch.optim.SGD(outer.parameters(), lr=0.1))
+        from torch.distributed.fsdp import fully_shard
+        sharded = fully_shard(model())
+        with pytest.raises(ConfigError, match="^the model is sharded by FSDP: gradlane averages "
+                                              "whole replicas"):
+            attach(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1))
     finally:
         dist.destroy_process_group()
 
