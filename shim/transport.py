@@ -219,8 +219,9 @@ def agree_batch(store: Store, prefix: str, rank: int, world: int, mine: int | No
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Writable byte view of a contiguous CPU tensor's storage (no copy)."""
-    return t.view(torch.uint8).reshape(-1).numpy().data
+    """Writable byte view of a contiguous CPU tensor's storage (no copy); a 0-dim one's
+    too (BatchNorm's batch count, a scalar parameter)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def mark(sock: socket.socket, dscp: int) -> None:

@@ -137,6 +137,30 @@ def test_a_compiled_model_trains_exactly_as_plain_pytorch(overlap: bool) -> None
         assert torch.equal(a, b), name
 
 
+class Normalized(nn.Module):
+    """BatchNorm (whose batch count is a 0-dim buffer) and a 0-dim parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.norm = model(), nn.BatchNorm1d(3)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.net(x)) * self.scale  # type: ignore[no-any-return]
+
+
+def test_a_model_with_batchnorm_and_a_scalar_parameter_trains_as_plain_pytorch() -> None:
+    """attach copied rank 0's state as bytes, and a 0-dim tensor had none to view: every
+    model with BatchNorm failed at attach."""
+    ref, mine = Normalized(), Normalized()
+    ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ref, mine))
+    with attach(mine, opt, overlap=True):
+        for step in range(3):
+            plain_step(ref, ref_opt, None, step)
+            plain_step(mine, opt, None, step)
+    assert_same_checkpoint(checkpoint(ref, ref_opt), checkpoint(mine, opt))
+
+
 class AsksItsDtype(nn.Module):
     """A model whose forward reads its parameters' dtype, as Hugging Face models do."""
 
