@@ -247,6 +247,18 @@ def attach(
     return Sync(model, optimizer, config, rank, world_size, store, address)
 
 
+# The layer of the parameters the optimizer holds outside the model: updated as the
+# model's forward starts (`Sync._place_unseen`), before a loss can use them.
+OUTSIDE = "<outside the model>"
+
+
+def _outside(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The optimizer's parameters the model does not have, in the optimizer's order."""
+    mine = set(model.parameters())
+    found = (p for group in optimizer.param_groups for p in group["params"] if p not in mine)
+    return list(dict.fromkeys(found))
+
+
 def _refuse_wrapped(model: nn.Module) -> None:
     """Raise `ConfigError` for a model in a data-parallel wrapper, which would average the
     gradients itself: every gradient sent twice, once outside gradlane's lanes."""
@@ -424,6 +436,8 @@ class Sync:
         self._seen: set[nn.Parameter] = set()
         # The parameters frozen at attach: each step checks that none was unfrozen since.
         self._frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+        self._frozen += [(f"{OUTSIDE}[{i}]", p) for i, p in
+                         enumerate(_outside(model, optimizer)) if not p.requires_grad]
         self._group_sizes = [len(group["params"]) for group in optimizer.param_groups]
         self._members: dict[int, list[nn.Parameter]] = {}
         self._left: dict[int, int] = {}
@@ -461,6 +475,8 @@ class Sync:
 
     @staticmethod
     def _find_layers(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[_Layer]:
+        """Each module's parameters that train, a layer; those the optimizer holds outside
+        the model (a learned loss weight or temperature) one more, `OUTSIDE`."""
         in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
         layers, owned = [], set()
         for name, module in model.named_modules():
@@ -479,6 +495,12 @@ class Sync:
                     raise ConfigError(f"{name}: only dense CPU parameters are supported")
             owned.update(params)
             layers.append(_Layer(name or "<root>", params))
+        outside = [p for p in _outside(model, optimizer) if p.requires_grad]
+        for p in outside:
+            if p.is_sparse or p.device.type != "cpu":
+                raise ConfigError(f"{OUTSIDE}: only dense CPU parameters are supported")
+        if outside:
+            layers.append(_Layer(OUTSIDE, outside))
         if not layers:
             raise ConfigError("the model has no parameters that require grad")
         for layer in layers:
@@ -537,7 +559,7 @@ class Sync:
         on once it holds it)."""
         tensors = [
             t for t in self.model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)
-        ]
+        ] + [p for layer in self._layers if layer.name == OUTSIDE for p in layer.params]
         parents = routes.copy_parents()
         source = parents[self.rank]
         sinks = [r for r, up in enumerate(parents) if up == self.rank]

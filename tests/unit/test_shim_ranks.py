@@ -62,6 +62,7 @@ class Case:
     leaves: tuple[int, ...] | None = None  # per rank, its leaf switch (reduced in leaves first)
     scrambled: bool = False  # ranks but 0 start from other weights (attach copies rank 0's)
     hosts: tuple[int, ...] | None = None  # per rank, its host (an address of its own)
+    outside: bool = False  # a learned temperature the optimizer has and the model not
 
 
 class Net(nn.Module):
@@ -75,6 +76,14 @@ class Net(nn.Module):
         self.branch = nn.Linear(w[1], w[1])  # used by some ranks' samples, or none
         self.layers[0].bias.requires_grad_(not case.frozen)
         self.to(case.dtype)
+        # Not the model's: kept past Module's registration, as a loss's own would be.
+        self.__dict__["temperature"] = (
+            nn.Parameter(torch.tensor(1.5, dtype=case.dtype)) if case.outside else None)
+
+    def trained(self) -> list[nn.Parameter]:
+        """The parameters the optimizer has: the model's, and the temperature."""
+        return [*self.parameters(), *([self.temperature] if self.temperature is not None
+                                      else [])]
 
     def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
         x = torch.tanh(self.layers[0](x))
@@ -84,7 +93,7 @@ class Net(nn.Module):
             x = x + torch.tanh(self.branch(x))
         for layer in self.layers[1:]:
             x = layer(x)
-        return x
+        return x if self.temperature is None else x * self.temperature
 
 
 @st.composite
@@ -115,6 +124,7 @@ def cases(draw: st.DrawFn) -> Case:
         leaves=draw(st.none() | st.lists(st.integers(0, 1), min_size=world, max_size=world)
                     .map(tuple)),
         scrambled=draw(st.booleans()),
+        outside=draw(st.booleans()),
     )
 
 
@@ -136,6 +146,8 @@ def optimizer(case: Case, model: Net) -> tuple[torch.optim.Optimizer, Any]:
     opt = OPTIMIZERS[case.optimizer](params)
     if case.split:
         opt.param_groups[1]["lr"] *= 0.5
+    if model.temperature is not None:
+        opt.add_param_group({"params": [model.temperature]})
     if not case.schedule:
         return opt, None
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
@@ -167,7 +179,15 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store, job: str,
         sync.flush()
         # What the control plane would split into batch shares: every rank's first batch.
         assert sync.global_batch == sum(case.batches), (rank, sync.global_batch)
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return state(model)
+
+
+def state(model: Net) -> dict[str, torch.Tensor]:
+    """`model`'s state, with the temperature it trains outside it."""
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    if model.temperature is not None:
+        kept["<temperature>"] = model.temperature.detach().clone()
+    return kept
 
 
 def reference(case: Case) -> dict[str, torch.Tensor]:
@@ -185,12 +205,12 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
             start += n
         (loss / sum(case.batches)).backward()
         if case.clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+            nn.utils.clip_grad_norm_(model.trained(), case.clip)
         opt.step()
         if sched is not None:
             sched.step()
         opt.zero_grad()
-    return model.state_dict()
+    return state(model)
 
 
 def run(case: Case, linked: dict[int, list[int]] | None = None
@@ -202,7 +222,7 @@ def run(case: Case, linked: dict[int, list[int]] | None = None
     if case.scrambled:
         with torch.no_grad():
             for rank, model in enumerate(models):
-                for p in model.parameters():
+                for p in model.trained():
                     p.add_(rank)
     states: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
 
@@ -263,6 +283,20 @@ def test_sixteen_ranks_on_four_hosts_connect_to_host_mates_and_their_place_elsew
         mates = {r for r in range(16) if hosts[r] == hosts[rank]}
         place = {r for r in range(16) if r % 4 == rank % 4}
         assert set(linked[rank]) == (mates | place) - {rank}, (rank, linked[rank])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_parameter_the_optimizer_has_outside_the_model_trains_as_the_models_do(
+        overlap: bool) -> None:
+    """A learned temperature the loss applies, in the optimizer but not in the model (a
+    0-dim one): copied from rank 0 at attach, averaged, and stepped as the forward starts,
+    before the loss uses it. It was never stepped at all."""
+    case = Case(widths=(6, 12, 4), twice=False, unused=False, dtype=torch.float64,
+                optimizer="adamw", overlap=overlap, layout="fine", exchange="flat",
+                batches=(2, 3, 1), steps=3, scrambled=True, outside=True, clip=0.5)
+    states = run(case)
+    check_replicas(case, states)
+    assert float(states[0]["<temperature>"]) != 1.5
 
 
 @pytest.mark.parametrize("branch", [(True, False), (False, False)])
