@@ -487,10 +487,11 @@ class Sync:
                 continue
             for p in params:
                 if p not in in_optimizer:
+                    own = next(n for n, q in module.named_parameters(recurse=False) if q is p)
                     raise ConfigError(
-                        f"parameter of {name or 'the model'} requires grad but "
-                        "is not in the optimizer"
-                    )
+                        f"{name + '.' if name else ''}{own} requires grad but is not in the "
+                        "optimizer: gradlane steps every parameter that trains with the one "
+                        "optimizer attach is given (add it there, or freeze it)")
                 if p.is_sparse or p.device.type != "cpu":
                     raise ConfigError(f"{name}: only dense CPU parameters are supported")
             owned.update(params)
