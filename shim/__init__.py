@@ -10,8 +10,10 @@ options. `comm_hook` (with `HookState`) is the DDP communication hook for users 
 keep DDP: priority and chunking, but no cross-iteration overlap.
 """
 
+from gradlane.shim.chain import Chain, chain
 from gradlane.shim.config import ShimConfig
 from gradlane.shim.ddp import HookState, comm_hook
 from gradlane.shim.sync import PER_PARAMETER_OPTIMIZERS, Sync, attach
 
-__all__ = ["PER_PARAMETER_OPTIMIZERS", "HookState", "ShimConfig", "Sync", "attach", "comm_hook"]
+__all__ = ["PER_PARAMETER_OPTIMIZERS", "Chain", "HookState", "ShimConfig", "Sync", "attach",
+           "chain", "comm_hook"]

@@ -67,6 +67,7 @@ from gradlane.policies.chunks import (
     layout_sizes,
     trial_schedule,
 )
+from gradlane.shim.chain import Chain
 from gradlane.shim.client import ComputeClock, DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
 from gradlane.shim.engine import OPEN, Engine, Group, close_at_exit, owned_bytes
@@ -247,6 +248,11 @@ def attach(
     return Sync(model, optimizer, config, rank, world_size, store, address)
 
 
+def _chained(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers `optimizer` steps: those of a `chain`, or itself."""
+    return optimizer.optimizers if isinstance(optimizer, Chain) else [optimizer]
+
+
 # The layer of the parameters the optimizer holds outside the model: updated as the
 # model's forward starts (`Sync._place_unseen`), before a loss can use them.
 OUTSIDE = "<outside the model>"
@@ -357,7 +363,7 @@ class Sync:
         store: Store,
         address: str | Sequence[str],
     ) -> None:
-        if isinstance(optimizer, torch.optim.SparseAdam):
+        if any(isinstance(opt, torch.optim.SparseAdam) for opt in _chained(optimizer)):
             raise ConfigError("SparseAdam needs sparse gradients; gradlane averages dense ones")
         refuse_sparse_gradients(model)
         self.model, self.optimizer, self.config = model, optimizer, config
@@ -453,7 +459,8 @@ class Sync:
         self._clip_value: float | None = None
         self._pending_clip: float | None = None
         self._closed = False
-        per_param = isinstance(optimizer, PER_PARAMETER_OPTIMIZERS)
+        per_param = all(isinstance(opt, PER_PARAMETER_OPTIMIZERS) for opt in _chained(optimizer))
+        self.per_parameter = per_param
         self.layerwise = config.overlap and per_param
         if config.overlap and not per_param:
             logger.warning(
@@ -599,7 +606,8 @@ class Sync:
                     "torch.amp.GradScaler does not work with gradlane.shim.attach: it unscales "
                     "and checks each worker's own gradients, the shim steps with the averages"
                 )
-            opt._opt_called = True  # type: ignore[attr-defined]
+            for stepped in (opt, *_chained(opt)):  # as LR schedulers track (a chain's too)
+                stepped._opt_called = True  # type: ignore[attr-defined]
             return sync._step(closure)
 
         def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -1192,7 +1200,7 @@ class Sync:
         else:
             with self._averaged_grads():
                 # torch.optim's optimizers never write their gradients; others might.
-                if not isinstance(self.optimizer, PER_PARAMETER_OPTIMIZERS):
+                if not self.per_parameter:
                     self._drain("stepping")
                 result = self._original_step()
         self._finish_step()

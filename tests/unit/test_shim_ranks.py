@@ -34,10 +34,19 @@ from gradlane.shim.transport import agree_batch, get_all, reduction_groups, same
 from tests import examples
 from tests.ranks import on_every_rank
 
+
+def muon_and_sgd(params: Any) -> torch.optim.Optimizer:
+    """Muon for the matrices (it takes nothing else), SGD for the rest, chained."""
+    params = list(params)
+    return gl.chain(torch.optim.Muon([p for p in params if p.ndim == 2], lr=0.02),
+                    torch.optim.SGD([p for p in params if p.ndim != 2], lr=0.05, momentum=0.9))
+
+
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.01),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+    "muon+sgd": muon_and_sgd,
 }
 _jobs = itertools.count()
 
@@ -283,6 +292,17 @@ def test_sixteen_ranks_on_four_hosts_connect_to_host_mates_and_their_place_elsew
         mates = {r for r in range(16) if hosts[r] == hosts[rank]}
         place = {r for r in range(16) if r % 4 == rank % 4}
         assert set(linked[rank]) == (mates | place) - {rank}, (rank, linked[rank])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_model_split_between_two_chained_optimizers_trains_as_plain_pytorch(
+        overlap: bool) -> None:
+    """Muon's matrices and SGD's rest (`gl.chain`), on three ranks: replicas equal, and
+    where the chain steps the whole batch in one process."""
+    case = Case(widths=(6, 12, 4), twice=True, unused=False, dtype=torch.float64,
+                optimizer="muon+sgd", overlap=overlap, layout="fine", exchange="ring",
+                batches=(2, 3, 1), steps=3, scrambled=True, schedule=True)
+    check_replicas(case, run(case))
 
 
 @pytest.mark.parametrize("overlap", [True, False])

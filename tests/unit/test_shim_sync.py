@@ -883,6 +883,55 @@ def test_clip_grad_value_on_averaged_gradients_keeps_the_step_layer_by_layer(
         assert torch.equal(a, b)
 
 
+def muon_and_adamw(m: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """Muon for `m`'s matrices (it takes nothing else), AdamW for the rest."""
+    matrices = [p for p in m.parameters() if p.ndim == 2]
+    rest = [p for p in m.parameters() if p.ndim != 2]
+    return torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=0.01)
+
+
+def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch() -> None:
+    """``gl.chain(muon, adamw)`` is the one optimizer attach takes; each keeps its own
+    parameters, state and schedule, so the model ends where the two optimizers stepped
+    one after the other end it, bit for bit, and so do their states. The chain's state
+    saved and loaded, copied and pickled is the two optimizers'."""
+    ref, mine = model(), model()
+    ref_opts, opts = muon_and_adamw(ref), muon_and_adamw(mine)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in ref_opts + opts]
+    chained = gl.chain(*opts)
+    with attach(mine, chained, overlap=True) as sync:
+        assert sync.layerwise  # both update each parameter from its own gradient
+        for step in range(4):
+            x, y = data(step)
+            nn.functional.cross_entropy(ref(x), y).backward()
+            for o in ref_opts:
+                o.step()
+                o.zero_grad()
+            nn.functional.cross_entropy(mine(x), y).backward()
+            chained.step()
+            chained.zero_grad()
+            for schedule in schedules:
+                schedule.step()
+        saved = chained.state_dict()
+        copied = copy.deepcopy(chained)
+    assert [type(o) for o in copied.optimizers] == [torch.optim.Muon, torch.optim.AdamW]
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for ref_opt, opt, state in zip(ref_opts, opts, saved["chain"], strict=True):
+        assert_same_checkpoint({"model": {}, "opt": ref_opt.state_dict()},
+                               {"model": {}, "opt": state})
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]  # scheduled
+    again = gl.chain(*muon_and_adamw(model()))
+    again.load_state_dict(saved)
+    for ref_opt, opt in zip(ref_opts, again.optimizers, strict=True):
+        assert_same_checkpoint({"model": {}, "opt": ref_opt.state_dict()},
+                               {"model": {}, "opt": opt.state_dict()})
+    with pytest.raises(ConfigError, match="not a torch.optim.Optimizer"):
+        gl.chain(opts[0], mine)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="some parameters appear in more than one"):
+        gl.chain(opts[0], opts[0])
+
+
 def test_lbfgs_closure_falls_back_to_whole_model_steps() -> None:
     def loop(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
         x, y = data(step)

@@ -1,0 +1,112 @@
+"""`chain`: several optimizers as the one `attach` takes.
+
+A model may be split between optimizers: ``torch.optim.Muon`` takes only
+matrices, so the rest (biases, norms, embeddings) goes to another, AdamW say.
+`attach` steps one optimizer, layer by layer; `chain` makes one of several
+without changing any of them: each keeps its parameters, its state, its
+hyperparameters (its LR scheduler goes on scheduling them), and ``step``,
+``zero_grad``, ``state_dict`` and ``load_state_dict`` go to each in turn.
+
+    opt = gl.chain(torch.optim.Muon(matrices, lr=0.02),
+                   torch.optim.AdamW(the_rest, lr=3e-4))
+    with gl.attach(model, opt) as sync:
+        ...                                  # opt.step(), opt.zero_grad()
+
+How a step of some layers reaches the right optimizer: each of their parameter
+groups is tagged with the optimizer's place in the chain (`CHAIN_KEY`, a key
+the optimizers ignore), and `Chain.step` hands each the groups tagged its own,
+whichever groups the chain holds at the time (`Sync._step_layer` gives it one
+layer's parameters of each group).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradlane.errors import ConfigError
+
+__all__ = ["CHAIN_KEY", "Chain", "chain"]
+
+# The parameter-group key saying which optimizer of a chain a group is of.
+CHAIN_KEY = "gradlane_chain_index"
+
+
+class Chain(torch.optim.Optimizer):
+    """Optimizers stepped as one (see `chain`)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if not optimizers:
+            raise ConfigError("chain needs at least one optimizer")
+        for i, opt in enumerate(optimizers):
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError(f"chain's argument {i} is a {type(opt).__name__}, "
+                                  "not a torch.optim.Optimizer")
+            if isinstance(opt, Chain):
+                raise ConfigError("chain the optimizers themselves, not a chain of them")
+        groups = [group for opt in optimizers for group in opt.param_groups]
+        # Optimizer's own set-up (hooks, step patching); its check that no parameter is in
+        # two groups covers the optimizers' groups together.
+        super().__init__([{"params": group["params"]} for group in groups], {})
+        for i, opt in enumerate(optimizers):
+            for group in opt.param_groups:
+                group[CHAIN_KEY] = i
+        self.optimizers = list(optimizers)
+        self.param_groups = groups  # the optimizers' own: a scheduler's change is theirs
+        self.state = collections.ChainMap(  # type: ignore[assignment]
+            *(opt.state for opt in optimizers))
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Each optimizer's ``step`` over the groups of this chain that are its own."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        held = self.param_groups
+        for i, opt in enumerate(self.optimizers):
+            mine = [group for group in held if group[CHAIN_KEY] == i]
+            if not mine:
+                continue
+            own, opt.param_groups = opt.param_groups, mine
+            try:
+                opt.step()
+            finally:
+                opt.param_groups = own
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        return {"chain": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook(self, state_dict)
+        saved = state_dict.get("chain")
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            raise ValueError(f"not the state of a chain of {len(self.optimizers)} optimizers")
+        for opt, state in zip(self.optimizers, saved, strict=True):
+            opt.load_state_dict(state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"optimizers": self.optimizers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["optimizers"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"chain({', '.join(type(opt).__name__ for opt in self.optimizers)})"
+
+
+def chain(*optimizers: torch.optim.Optimizer) -> Chain:
+    """One optimizer stepping `optimizers`, each over its own parameters, for `attach`
+    (which takes one): a model split between ``torch.optim.Muon`` and AdamW, say. A
+    parameter may be in one of them only."""
+    return Chain(list(optimizers))
