@@ -388,40 +388,35 @@ def test_reentrant_activation_checkpointing_trains_as_plain_pytorch(segment: str
             nn.functional.cross_entropy(mine(x), y).backward()
 
 
-def test_unfreezing_a_layer_asks_to_attach_again_and_then_trains_as_plain_pytorch() -> None:
-    """A layer frozen at `attach` and unfrozen later (fine-tuning) has no hook: its
-    gradient would be neither averaged nor applied. The backward says so; attached
-    again, the model trains exactly as it does without the shim."""
+def unfreeze_the_first_layer(m: nn.Sequential, _: torch.optim.Optimizer) -> None:
+    m[0].requires_grad_(True)
+
+
+def add_a_head(m: nn.Sequential, o: torch.optim.Optimizer) -> None:
+    torch.manual_seed(1)
+    m.append(nn.Linear(3, 3))
+    o.add_param_group({"params": m[-1].parameters(), "lr": 0.05})
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (unfreeze_the_first_layer, r"^0\.weight, 0\.bias require grad now but did not"),
+    (add_a_head, r"groups hold \[6, 2\] parameters, \[6\] when"),
+])
+def test_a_change_to_what_trains_asks_to_attach_again_and_then_trains_as_plain_pytorch(
+        change: Callable[[nn.Sequential, torch.optim.Optimizer], None], says: str) -> None:
+    """A layer frozen at `attach` and unfrozen later (fine-tuning), or added with its own
+    parameter group (a new head), has no hook: its gradient would be neither averaged nor
+    applied. The next backward says so; attached again, the model trains exactly as it
+    does without the shim."""
     ref, ref_opt, mine, opt = twins()
-    for m in (ref, mine):
-        m[0].requires_grad_(False)
+    if change is unfreeze_the_first_layer:
+        for m in (ref, mine):
+            m[0].requires_grad_(False)
     sync = attach(mine, opt, overlap=True)
     for m, o in ((ref, ref_opt), (mine, opt)):
         plain_step(m, o, None, 0)
-        m[0].requires_grad_(True)
-    with pytest.raises(ConfigError, match=r"^0\.weight, 0\.bias require grad now but did not"):
-        plain_step(mine, opt, None, 1)
-    opt.zero_grad()
-    sync.close()
-    with attach(mine, opt, overlap=True):
-        for step in (1, 2):
-            plain_step(ref, ref_opt, None, step)
-            plain_step(mine, opt, None, step)
-    assert_same_checkpoint(checkpoint(ref, ref_opt), checkpoint(mine, opt))
-
-
-def test_a_parameter_group_added_asks_to_attach_again_and_then_trains_as_plain_pytorch(
-        ) -> None:
-    """A layer added with its own parameter group after `attach` (a new head) has no hook
-    either. The backward says so; attached again, the model trains as without the shim."""
-    ref, ref_opt, mine, opt = twins()
-    sync = attach(mine, opt, overlap=True)
-    for m, o in ((ref, ref_opt), (mine, opt)):
-        plain_step(m, o, None, 0)
-        torch.manual_seed(1)
-        m.append(nn.Linear(3, 3))
-        o.add_param_group({"params": m[-1].parameters(), "lr": 0.05})
-    with pytest.raises(ConfigError, match=r"groups hold \[6, 2\] parameters, \[6\] when"):
+        change(m, o)
+    with pytest.raises(ConfigError, match=says):
         plain_step(mine, opt, None, 1)
     opt.zero_grad()
     sync.close()
