@@ -50,14 +50,42 @@ class Chain(torch.optim.Optimizer):
         groups = [group for opt in optimizers for group in opt.param_groups]
         # Optimizer's own set-up (hooks, step patching); its check that no parameter is in
         # two groups covers the optimizers' groups together.
+        self._held: list[dict[str, Any]] | None = None  # groups to step instead of theirs
         super().__init__([{"params": group["params"]} for group in groups], {})
-        for i, opt in enumerate(optimizers):
-            for group in opt.param_groups:
-                group[CHAIN_KEY] = i
         self.optimizers = list(optimizers)
-        self.param_groups = groups  # the optimizers' own: a scheduler's change is theirs
+        self._held = None  # from now on, the optimizers' own groups (`param_groups`)
         self.state = collections.ChainMap(  # type: ignore[assignment]
             *(opt.state for opt in optimizers))
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizers' own groups, tagged (a scheduler's change is theirs, and so is a
+        group added to one of them since); or those `step` was given to step."""
+        if self._held is not None:
+            return self._held
+        if "optimizers" not in vars(self):  # Optimizer.__init__ not yet at its groups
+            return []
+        for i, opt in enumerate(self.optimizers):
+            for group in opt.param_groups:
+                group.setdefault(CHAIN_KEY, i)
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if "optimizers" not in vars(self):  # Optimizer.__init__ checking the groups
+            self._held = groups
+            return
+        # The optimizers' own again (gradlane restoring them after a step of some layers):
+        # follow the optimizers from now on.
+        own = [group for opt in self.optimizers for group in opt.param_groups]
+        same = len(groups) == len(own) and all(a is b for a, b in zip(groups, own, strict=True))
+        self._held = None if same else groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "optimizers" in vars(self):
+            raise ConfigError("add the group to one of the chained optimizers: the chain "
+                              "steps their groups")
+        super().add_param_group(param_group)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Each optimizer's ``step`` over the groups of this chain that are its own."""
@@ -82,18 +110,24 @@ class Chain(torch.optim.Optimizer):
             opt.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        return {"chain": [opt.state_dict() for opt in self.optimizers]}
+        """Each optimizer's, in the chain's order (hooks run as Optimizer's do)."""
+        for pre in self._optimizer_state_dict_pre_hooks.values():
+            pre(self)
+        state: dict[str, Any] = {"chain": [opt.state_dict() for opt in self.optimizers]}
+        for post in self._optimizer_state_dict_post_hooks.values():
+            state = post(self, state) or state
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook(self, state_dict)
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre(self, state_dict) or state_dict
         saved = state_dict.get("chain")
         if not isinstance(saved, list) or len(saved) != len(self.optimizers):
             raise ValueError(f"not the state of a chain of {len(self.optimizers)} optimizers")
         for opt, state in zip(self.optimizers, saved, strict=True):
             opt.load_state_dict(state)
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"optimizers": self.optimizers}

@@ -925,6 +925,22 @@ def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch() 
         gl.chain(opts[0], mine)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="some parameters appear in more than one"):
         gl.chain(opts[0], opts[0])
+    with pytest.raises(ConfigError, match="add the group to one of the chained optimizers"):
+        again.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+def test_a_group_added_to_a_chained_optimizer_after_attach_is_refused() -> None:
+    """The chain's groups are its optimizers' own, so one added to them since attach is
+    seen, and refused as a group added to an attached optimizer is."""
+    m = model()
+    opts = muon_and_adamw(m)
+    chained = gl.chain(*opts)
+    with attach(m, chained, overlap=True):
+        plain_step(m, chained, None, 0)
+        opts[1].add_param_group({"params": nn.Linear(3, 3).parameters()})
+        with pytest.raises(ConfigError, match=r"groups hold \[2, 4, 2\] parameters, \[2, 4\]"):
+            plain_step(m, chained, None, 1)
+        chained.zero_grad()
 
 
 def test_lbfgs_closure_falls_back_to_whole_model_steps() -> None:
