@@ -614,23 +614,29 @@ class Sync:
             sync._skip_unstepped()
             base.zero_grad(opt, set_to_none)
 
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         def __reduce_ex__(opt: torch.optim.Optimizer, protocol: Any) -> Any:
             sync._flush_what_can_be("this copy")  # its state holds the step, as state_dict's
             return _reduced_as(opt, base, protocol)
 
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        # The optimizer's step hooks (register_step_pre_hook, ..._post_hook) run around
+        # each step() called, once, as without the shim; the per-layer steps are the
+        # optimizer's step without them (they ran at each, after the next forward began).
+        hooked = torch.optim.Optimizer.profile_hook_step(step)
+        hooked.hooked = True  # type: ignore[attr-defined]  # Optimizer wraps it no more
+        raw = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step  # type: ignore[attr-defined]
         optimizer.__dict__.pop("step", None)  # a scheduler's wrapper from before attach
         # GradScaler.step hands an optimizer that says so `found_inf` instead of unscaling
         # it silently: the way to refuse it (above) rather than step with scaled averages.
         optimizer.__class__ = type(
             base.__name__, (base,),
-            {"step": step, "zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__,
+            {"step": hooked, "zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__,
              "__module__": base.__module__, "_step_supports_amp_scaling": True},
         )
         self._base_class = base
 
         def original(*args: Any) -> Any:
-            return base.step(optimizer, *args)
+            return raw(optimizer, *args)
 
         self._original_step = original
 

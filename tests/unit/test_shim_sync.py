@@ -285,6 +285,41 @@ def test_an_average_of_the_weights_kept_after_each_step_is_plain_pytorchs() -> N
         assert torch.equal(a, b)
 
 
+def test_the_optimizers_step_hooks_run_once_at_each_step_as_in_plain_pytorch() -> None:
+    """Hooks registered on the optimizer run around each ``step()``, once, as without
+    gradlane; a post-step hook keeping an average of the weights reads them updated
+    (through ``parameters()``). They ran at each per-layer step instead, after the next
+    forward began."""
+    ref, ref_opt, mine, opt = twins()
+    calls: list[str] = []
+    kept: dict[nn.Module, list[torch.Tensor]] = {}
+
+    def average(m: nn.Module) -> Callable[..., None]:
+        def post(*_: Any) -> None:
+            calls.append("post")
+            if m not in kept:
+                kept[m] = [p.detach().clone() for p in m.parameters()]
+            for average, p in zip(kept[m], m.parameters(), strict=True):
+                average.mul_(0.9).add_(p.detach(), alpha=0.1)
+        return post
+
+    for m, o in ((ref, ref_opt), (mine, opt)):
+        o.register_step_pre_hook(lambda *_: calls.append("pre"))
+        o.register_step_post_hook(average(m))
+    with attach(mine, opt, overlap=True):
+        for step in range(3):
+            for m, o in ((ref, ref_opt), (mine, opt)):
+                x, y = data(step)
+                nn.functional.cross_entropy(m(x), y).backward()
+                o.step()
+                assert calls == ["pre", "post"]
+                calls.clear()
+                o.zero_grad()
+    assert not calls
+    for a, b in zip(kept[ref], kept[mine], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_models_zero_grad_after_step_leaves_the_update_to_the_next_forward() -> None:
     """``model.zero_grad()`` and ``model.requires_grad_()`` (a GAN freezing its
     discriminator after its step) walk ``model.parameters()`` but read no weight: the
