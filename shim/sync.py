@@ -29,9 +29,10 @@ communication hides behind backward anyway stops paying per-message CPU for
 an order that gains nothing.
 
 Gradients are weighted by each worker's sample count (the first dimension of
-the model's first tensor input, summed over forwards with gradients since the
-last step, those in eval mode only without any in training mode, or
-`Sync.samples` set by hand), so unequal batches average exactly.
+the model's first tensor input, or keyword if it has none, summed over forwards
+with gradients since the last step, those in eval mode only without any in
+training mode, or `Sync.samples` set by hand), so unequal batches average
+exactly.
 """
 
 from __future__ import annotations
@@ -742,7 +743,7 @@ class Sync:
                 self._gates.append(module.register_forward_pre_hook(before_module))
             del name
         before_forward = torch.compiler.disable(self._before_forward)  # type: ignore[no-untyped-call]
-        self._hooks.append(self.model.register_forward_pre_hook(before_forward))
+        self._hooks.append(self.model.register_forward_pre_hook(before_forward, with_kwargs=True))
         # A checkpoint saved or loaded right after ``optimizer.step()`` sees the step's
         # update, as without the shim: the pending one is applied first.
         self._hooks += [
@@ -1014,7 +1015,8 @@ class Sync:
 
     # -- hooks ----------------------------------------------------------------
 
-    def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> None:
         """The model's forward starts: count its samples, start the step's compute timer,
         and update the layers no gate of their own updates (`_place_unseen`). A forward
         without gradients (an evaluation between steps) neither counts nor times, nor does
@@ -1028,7 +1030,7 @@ class Sync:
         if torch.is_grad_enabled():
             mode = module.training
             self._clock.forward(mode, time.perf_counter())
-            for a in args:
+            for a in (*args, *kwargs.values()):  # model(input_ids=...) passes only keywords
                 if isinstance(a, torch.Tensor) and a.dim() > 0:
                     self._counted[mode] = self._counted.get(mode, 0) + a.shape[0]
                     break

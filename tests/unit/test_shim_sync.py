@@ -1071,6 +1071,26 @@ def test_an_evaluation_between_steps_is_neither_timed_nor_counted_as_training(
     assert len(reported) == 4 and max(reported[1:3]) < 0.3, reported
 
 
+def test_a_model_called_with_keywords_only_counts_its_samples(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model(input_ids=..., attention_mask=...)``, as Hugging Face models are called:
+    the samples are the first tensor keyword's first dimension (none was found: the
+    rank's gradients weighed as one sample, and gradlaned told the count is unknown)."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with attach(m, opt) as sync:
+        counted: list[int] = []
+        begin = sync.client.begin
+        monkeypatch.setattr(sync.client, "begin",
+                            lambda step, known: (counted.append(known), begin(step, known))[1])
+        for step in range(2):
+            x, y = data(step)
+            nn.functional.cross_entropy(m(input=x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert counted == [6, 6]
+
+
 def test_misuse_gets_clear_errors() -> None:
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
