@@ -6,7 +6,8 @@
     sync.close()
 
 See `gradlane.shim.sync` for what happens underneath and `ShimConfig` for the
-options. `comm_hook` (with `HookState`) is the DDP communication hook for users who
+options. `chain` makes one optimizer of several (a model split between Muon and
+AdamW) for `attach`, which steps one. `comm_hook` (with `HookState`) is the DDP communication hook for users who
 keep DDP: priority and chunking, but no cross-iteration overlap.
 """
 
