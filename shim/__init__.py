@@ -7,8 +7,9 @@
 
 See `gradlane.shim.sync` for what happens underneath and `ShimConfig` for the
 options. `chain` makes one optimizer of several (a model split between Muon and
-AdamW) for `attach`, which steps one. `comm_hook` (with `HookState`) is the DDP communication hook for users who
-keep DDP: priority and chunking, but no cross-iteration overlap.
+AdamW) for `attach`, which steps one. `comm_hook` (with `HookState`) is the DDP
+communication hook for users who keep DDP: priority and chunking, but no
+cross-iteration overlap.
 """
 
 from gradlane.shim.chain import Chain, chain

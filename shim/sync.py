@@ -473,6 +473,7 @@ class Sync:
         self._gates: list[Any] = []  # the per-module forward hooks (order, then gating)
         self._layer_of = {p: layer for layer in self._layers for p in layer.params}
         self._quiet_reads = False
+        self._told_read = False  # the log said once what a read after the step costs
         self._install_hooks()
         self._patch_optimizer()
         self._patch_model()
@@ -681,7 +682,7 @@ class Sync:
         def named_parameters(module: nn.Module, prefix: str = "", recurse: bool = True,
                              remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
             for name, p in base.named_parameters(module, prefix, recurse, remove_duplicate):
-                if sync._pending is not None:
+                if sync._pending is not None and not sync._quiet_reads:
                     update(p)
                 yield name, p
 
@@ -703,6 +704,12 @@ class Sync:
             return
         layer = self._layer_of.get(p)
         if layer is not None and not layer.updated:
+            if not self._told_read:
+                self._told_read = True
+                logger.info("gradlane: rank %d: the model's parameters read after "
+                            "optimizer.step() get its update first, there: that step's "
+                            "overlap with the next forward is lost (to zero gradients, "
+                            "model.zero_grad() keeps it)", self.rank)
             self._step_layer(layer)
 
     def _plain(self, root: nn.Module) -> nn.Module:
