@@ -1100,6 +1100,8 @@ class Sync:
                 "another model's loss reaches it (a GAN's generator step), freeze it for that "
                 "backward (requires_grad_(False)); to skip a step, optimizer.zero_grad() or "
                 "sync.skip_step() in its place"
+                + ("; a chain steps through its own step(), not its optimizers'"
+                   if isinstance(self.optimizer, Chain) else "")
             )
         self._refuse_unfrozen()
         if not self._laid_out:

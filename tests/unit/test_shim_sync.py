@@ -978,6 +978,20 @@ def test_a_group_added_to_a_chained_optimizer_after_attach_is_refused() -> None:
         chained.zero_grad()
 
 
+def test_a_chained_optimizer_stepped_alone_is_told_to_step_the_chain() -> None:
+    """Its own step() goes past attach (local gradients); the next backward says what to
+    call instead."""
+    m = model()
+    opts = muon_and_adamw(m)
+    with attach(m, gl.chain(*opts), overlap=True):
+        x, y = data(0)
+        nn.functional.cross_entropy(m(x), y).backward()
+        for o in opts:
+            o.step()
+        with pytest.raises(ConfigError, match="a chain steps through its own step"):
+            nn.functional.cross_entropy(m(x), y).backward()
+
+
 def test_lbfgs_closure_falls_back_to_whole_model_steps() -> None:
     def loop(m: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
         x, y = data(step)
