@@ -26,6 +26,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import gradlane.shim as gl
 import gradlane.shim.sync as sync_module
@@ -72,6 +73,7 @@ class Case:
     scrambled: bool = False  # ranks but 0 start from other weights (attach copies rank 0's)
     hosts: tuple[int, ...] | None = None  # per rank, its host (an address of its own)
     outside: bool = False  # a learned temperature the optimizer has and the model not
+    ema: bool = False  # an AveragedModel (EMA) of the model, updated after every step
 
 
 class Net(nn.Module):
@@ -134,6 +136,7 @@ def cases(draw: st.DrawFn) -> Case:
                     .map(tuple)),
         scrambled=draw(st.booleans()),
         outside=draw(st.booleans()),
+        ema=draw(st.booleans()),
     )
 
 
@@ -174,6 +177,7 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store, job: str,
                    leaf=None if case.leaves is None else case.leaves[rank]) as sync:
         if linked is not None:
             linked[rank] = sync.mesh.peers()
+        ema = averaging(case, model)  # a deep copy of the attached model
         for step in range(case.steps):
             x, y = batch(case, step)
             mine = slice(start, start + case.batches[rank])
@@ -184,24 +188,35 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store, job: str,
             opt.step()
             if sched is not None:
                 sched.step()
+            if ema is not None:  # reads the weights right after the step, as EMAs do
+                ema.update_parameters(model)
             opt.zero_grad()
         sync.flush()
         # What the control plane would split into batch shares: every rank's first batch.
         assert sync.global_batch == sum(case.batches), (rank, sync.global_batch)
-    return state(model)
+    return state(model, ema)
 
 
-def state(model: Net) -> dict[str, torch.Tensor]:
-    """`model`'s state, with the temperature it trains outside it."""
+def averaging(case: Case, model: Net) -> AveragedModel | None:
+    """The EMA `case.ema` keeps of `model` (None without), started as AveragedModel does,
+    from a deep copy of it."""
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9)) if case.ema else None
+
+
+def state(model: Net, ema: AveragedModel | None) -> dict[str, torch.Tensor]:
+    """`model`'s state, with the temperature it trains outside it and its EMA's."""
     kept = {k: v.clone() for k, v in model.state_dict().items()}
     if model.temperature is not None:
         kept["<temperature>"] = model.temperature.detach().clone()
+    if ema is not None:
+        kept |= {f"<ema>.{k}": v.clone() for k, v in ema.state_dict().items()}
     return kept
 
 
 def reference(case: Case) -> dict[str, torch.Tensor]:
     model = Net(case)
     opt, sched = optimizer(case, model)
+    ema = averaging(case, model)
     for step in range(case.steps):
         x, y = batch(case, step)
         # The mean over the whole batch, each rank's slice through the branch or not.
@@ -218,8 +233,10 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
         opt.step()
         if sched is not None:
             sched.step()
+        if ema is not None:
+            ema.update_parameters(model)
         opt.zero_grad()
-    return state(model)
+    return state(model, ema)
 
 
 def run(case: Case, linked: dict[int, list[int]] | None = None
@@ -249,6 +266,9 @@ def check_replicas(case: Case, states: list[dict[str, torch.Tensor]]) -> None:
             assert torch.equal(value, state[name]), f"{case}: replicas differ in {name}"
     tolerance = 1e-5 if case.dtype == torch.float32 else 1e-9  # another summation order
     for name, value in reference(case).items():
+        if not value.is_floating_point():  # a count (the EMA's)
+            assert torch.equal(states[0][name], value), f"{case}: {name} differs"
+            continue
         error = float((states[0][name] - value).norm() / value.norm().clamp_min(1e-30))
         assert error <= tolerance, f"{case}: {name} is {error:.2e} off plain PyTorch"
 
@@ -292,6 +312,21 @@ def test_sixteen_ranks_on_four_hosts_connect_to_host_mates_and_their_place_elsew
         mates = {r for r in range(16) if hosts[r] == hosts[rank]}
         place = {r for r in range(16) if r % 4 == rank % 4}
         assert set(linked[rank]) == (mates | place) - {rank}, (rank, linked[rank])
+
+
+@pytest.mark.parametrize("exchange", ["flat", "ring"])
+def test_an_average_of_the_weights_kept_after_each_step_is_plain_pytorchs(
+        exchange: str) -> None:
+    """An AveragedModel (EMA) started from a deep copy of the attached model and updated
+    right after every ``optimizer.step()``: each weight it reads waits for its layer's
+    averages and update, on every rank, so the replicas' averages are equal and where
+    one process on the whole batch keeps its own."""
+    case = Case(widths=(6, 40, 12, 4), twice=False, unused=False, dtype=torch.float64,
+                optimizer="sgd", overlap=True, layout="fine", exchange=exchange,
+                batches=(2, 3, 1), steps=4, scrambled=True, ema=True)
+    states = run(case)
+    assert any(name.startswith("<ema>.") for name in states[0])
+    check_replicas(case, states)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
