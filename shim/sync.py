@@ -646,7 +646,8 @@ class Sync:
         """Swap the model's class for a subclass (``isinstance`` holds) whose
         ``zero_grad()`` in place of the step skips it (`Sync.skip_step`), whose
         parameters are updated as ``parameters()`` or ``named_parameters()`` hands them
-        out, and whose copies and pickles are the model without gradlane.
+        out (not as ``zero_grad()`` or ``requires_grad_()`` walks them), and whose
+        copies and pickles are the model without gradlane.
 
         Code that reads the weights after ``optimizer.step()`` goes through those
         iterators: an average of the weights (``AveragedModel``, an EMA) gets them
