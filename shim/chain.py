@@ -99,8 +99,14 @@ class Chain(torch.optim.Optimizer):
             if not mine:
                 continue
             own, opt.param_groups = opt.param_groups, mine
+            step = type(opt).step
             try:
-                opt.step()
+                if self._held is not None and getattr(step, "hooked", False):
+                    # Some layers' step (gradlane's): the optimizer's step hooks ran once
+                    # at the chain's step() (`Sync._patch_optimizer`), not at each of these.
+                    step.__wrapped__(opt)  # type: ignore[attr-defined]
+                else:
+                    opt.step()
             finally:
                 opt.param_groups = own
         return loss

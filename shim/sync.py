@@ -610,7 +610,18 @@ class Sync:
                 )
             for stepped in (opt, *_chained(opt)):  # as LR schedulers track (a chain's too)
                 stepped._opt_called = True  # type: ignore[attr-defined]
-            return sync._step(closure)
+            # A chain's optimizers step layer by layer later without their step hooks
+            # (`Chain.step`): those run here, once, as the chain's own do around this.
+            later = sync.layerwise and not sync._clipped and closure is None
+            chained = _chained(opt) if later and isinstance(opt, Chain) else []
+            for each in chained:
+                for pre in each._optimizer_step_pre_hooks.values():
+                    pre(each, (), {})
+            result = sync._step(closure)
+            for each in chained:
+                for post in each._optimizer_step_post_hooks.values():
+                    post(each, (), {})
+            return result
 
         def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
             sync._skip_unstepped()

@@ -922,12 +922,17 @@ def muon_and_adamw(m: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Opt
 
 def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch() -> None:
     """``gl.chain(muon, adamw)`` is the one optimizer attach takes; each keeps its own
-    parameters, state and schedule, so the model ends where the two optimizers stepped
-    one after the other end it, bit for bit, and so do their states. The chain's state
+    parameters, state, schedule and step hooks (once a step), so the model ends where the
+    two optimizers stepped one after the other end it, bit for bit, and so do their states. The chain's state
     saved and loaded, copied and pickled is the two optimizers'."""
     ref, mine = model(), model()
     ref_opts, opts = muon_and_adamw(ref), muon_and_adamw(mine)
     schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in ref_opts + opts]
+    calls: list[str] = []  # each optimizer's step hooks: once a step, as plain PyTorch's
+    for o in ref_opts + opts:
+        name = type(o).__name__
+        o.register_step_pre_hook(lambda *_, name=name: calls.append(f"{name} pre"))
+        o.register_step_post_hook(lambda *_, name=name: calls.append(f"{name} post"))
     chained = gl.chain(*opts)
     with attach(mine, chained, overlap=True) as sync:
         assert sync.layerwise  # both update each parameter from its own gradient
@@ -937,8 +942,11 @@ def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch() 
             for o in ref_opts:
                 o.step()
                 o.zero_grad()
-            nn.functional.cross_entropy(mine(x), y).backward()
+            plain, calls[:] = sorted(calls), []
+            nn.functional.cross_entropy(mine(x), y).backward()  # the last step's layers
             chained.step()
+            assert sorted(calls) == plain, (calls, plain)
+            calls.clear()
             chained.zero_grad()
             for schedule in schedules:
                 schedule.step()
