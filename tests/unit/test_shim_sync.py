@@ -923,8 +923,8 @@ def muon_and_adamw(m: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Opt
 def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch() -> None:
     """``gl.chain(muon, adamw)`` is the one optimizer attach takes; each keeps its own
     parameters, state, schedule and step hooks (once a step), so the model ends where the
-    two optimizers stepped one after the other end it, bit for bit, and so do their states. The chain's state
-    saved and loaded, copied and pickled is the two optimizers'."""
+    two optimizers stepped one after the other end it, bit for bit, and so do their
+    states. The chain's state saved and loaded, copied and pickled is the two optimizers'."""
     ref, mine = model(), model()
     ref_opts, opts = muon_and_adamw(ref), muon_and_adamw(mine)
     schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in ref_opts + opts]
