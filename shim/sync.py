@@ -266,6 +266,11 @@ def _outside(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Para
     return list(dict.fromkeys(found))
 
 
+def _refuse_unsupported(where: str, p: nn.Parameter) -> None:
+    if p.is_sparse or p.device.type != "cpu":
+        raise ConfigError(f"{where}: only dense CPU parameters are supported")
+
+
 def _refuse_wrapped(model: nn.Module) -> None:
     """Raise `ConfigError` for a model in a data-parallel wrapper, which would average the
     gradients itself: every gradient sent twice, once outside gradlane's lanes."""
@@ -381,7 +386,8 @@ class Sync:
         self.last_exposed_comm_s = 0.0
         self._prefix = meeting_prefix(config.job, rank)
         self._store = store  # rank 0 may host it: keep it alive while others rendezvous
-        self._layers = self._find_layers(model, optimizer)
+        outside = _outside(model, optimizer)
+        self._layers = self._find_layers(model, optimizer, outside)
         self._check_same_model(store)
         self.mesh = Mesh(
             rank,
@@ -443,8 +449,8 @@ class Sync:
         self._seen: set[nn.Parameter] = set()
         # The parameters frozen at attach: each step checks that none was unfrozen since.
         self._frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
-        self._frozen += [(f"{OUTSIDE}[{i}]", p) for i, p in
-                         enumerate(_outside(model, optimizer)) if not p.requires_grad]
+        self._frozen += [(f"{OUTSIDE}[{i}]", p) for i, p in enumerate(outside)
+                         if not p.requires_grad]
         self._group_sizes = [len(group["params"]) for group in optimizer.param_groups]
         self._members: dict[int, list[nn.Parameter]] = {}
         self._left: dict[int, int] = {}
@@ -460,10 +466,10 @@ class Sync:
         self._clip_value: float | None = None
         self._pending_clip: float | None = None
         self._closed = False
-        per_param = all(isinstance(opt, PER_PARAMETER_OPTIMIZERS) for opt in _chained(optimizer))
-        self.per_parameter = per_param
-        self.layerwise = config.overlap and per_param
-        if config.overlap and not per_param:
+        self.per_parameter = all(isinstance(opt, PER_PARAMETER_OPTIMIZERS)
+                                 for opt in _chained(optimizer))
+        self.layerwise = config.overlap and self.per_parameter
+        if config.overlap and not self.per_parameter:
             logger.warning(
                 "gradlane: %s is not known to update parameters independently; "
                 "stepping the whole model after all averages arrive",
@@ -483,9 +489,11 @@ class Sync:
     # -- set-up -------------------------------------------------------------
 
     @staticmethod
-    def _find_layers(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[_Layer]:
-        """Each module's parameters that train, a layer; those the optimizer holds outside
-        the model (a learned loss weight or temperature) one more, `OUTSIDE`."""
+    def _find_layers(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     outside: list[nn.Parameter]) -> list[_Layer]:
+        """Each module's parameters that train, a layer; those of `outside` (the
+        optimizer's not in the model: a learned loss weight or temperature) one more,
+        `OUTSIDE`."""
         in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
         layers, owned = [], set()
         for name, module in model.named_modules():
@@ -501,14 +509,12 @@ class Sync:
                         f"{name + '.' if name else ''}{own} requires grad but is not in the "
                         "optimizer: gradlane steps every parameter that trains with the one "
                         "optimizer attach is given (add it there, or freeze it)")
-                if p.is_sparse or p.device.type != "cpu":
-                    raise ConfigError(f"{name}: only dense CPU parameters are supported")
+                _refuse_unsupported(name, p)
             owned.update(params)
             layers.append(_Layer(name or "<root>", params))
-        outside = [p for p in _outside(model, optimizer) if p.requires_grad]
+        outside = [p for p in outside if p.requires_grad]
         for p in outside:
-            if p.is_sparse or p.device.type != "cpu":
-                raise ConfigError(f"{OUTSIDE}: only dense CPU parameters are supported")
+            _refuse_unsupported(OUTSIDE, p)
         if outside:
             layers.append(_Layer(OUTSIDE, outside))
         if not layers:
@@ -711,9 +717,8 @@ class Sync:
         self._model_class = base
 
     def _update_before_read(self, p: nn.Parameter) -> None:
-        """Apply the pending update of `p`'s layer (and of those whose averages are in)."""
-        if self._pending is None or self._quiet_reads:
-            return
+        """Apply the pending update of `p`'s layer (and of those whose averages are in);
+        `named_parameters` calls it only with a step pending, out of quiet walks."""
         layer = self._layer_of.get(p)
         if layer is not None and not layer.updated:
             if not self._told_read:
@@ -1325,14 +1330,12 @@ class Sync:
 
     def _average_or_none(self, p: nn.Parameter, clip: float | None = None
                          ) -> torch.Tensor | None:
-        """`p`'s averaged gradient (a copy within [-clip, clip] if `clip`: the average
-        itself may still be on its way to a peer); None if no rank gave it one
-        (optimizers skip it)."""
+        """`p`'s averaged gradient, bounded by `clip` (`_bounded`); None if no rank gave it
+        one (optimizers skip it)."""
         slot = self._slots[p]  # its averaged flag: the share of samples whose rank gave one
         if not bool(slot.group.out[slot.flag]):
             return None
-        average = self._averages[p]
-        return average if clip is None else average.clamp(-clip, clip)
+        return _bounded(self._averages[p], clip)
 
     def _pending_step(self) -> int:
         assert self._pending is not None
@@ -1445,15 +1448,14 @@ class Sync:
             with self._averaged_grads():
                 torch.nn.utils.clip_grad_value_(list(self._averages), value)
         else:
-            self._clip_value = value if self._clip_value is None else min(value,
-                                                                          self._clip_value)
+            held = self._clip_value
+            self._clip_value = value if held is None else min(value, held)
 
     def averaged_grad(self, p: nn.Parameter) -> torch.Tensor:
         """The averaged gradient of `p` for the current step (waits for it), clipped as
         the step will take it."""
         self.engine.wait([self._slots[p].group])
-        average, clip = self._averages[p], self._clip_value
-        return average if clip is None else average.clamp(-clip, clip)
+        return _bounded(self._averages[p], self._clip_value)
 
     def close(self, flush: bool = True) -> None:
         """Apply pending updates, finish sending, close connections, remove hooks.
@@ -1487,6 +1489,12 @@ class Sync:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.close(flush=kind is None)
+
+
+def _bounded(average: torch.Tensor, clip: float | None) -> torch.Tensor:
+    """`average`, or a copy of it within [-clip, clip] (it may still be on its way to a
+    peer: never clipped in place before the sends drained)."""
+    return average if clip is None else average.clamp(-clip, clip)
 
 
 _RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
