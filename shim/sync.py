@@ -620,13 +620,17 @@ class Sync:
             # (`Chain.step`): those run here, once, as the chain's own do around this.
             later = sync.layerwise and not sync._clipped and closure is None
             chained = _chained(opt) if later and isinstance(opt, Chain) else []
-            for each in chained:
-                for pre in each._optimizer_step_pre_hooks.values():
-                    pre(each, (), {})
-            result = sync._step(closure)
-            for each in chained:
-                for post in each._optimizer_step_post_hooks.values():
-                    post(each, (), {})
+            sync._stepping = True
+            try:
+                for each in chained:
+                    for pre in each._optimizer_step_pre_hooks.values():
+                        pre(each, (), {})
+                result = sync._step(closure)
+                for each in chained:
+                    for post in each._optimizer_step_post_hooks.values():
+                        post(each, (), {})
+            finally:
+                sync._stepping = False
             return result
 
         def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -653,11 +657,23 @@ class Sync:
              "__module__": base.__module__, "_step_supports_amp_scaling": True},
         )
         self._base_class = base
+        self._stepping = False  # in a step() of the optimizer attached
+        if isinstance(optimizer, Chain):
+            self._hooks += [child.register_step_pre_hook(self._refuse_chained_step)
+                            for child in optimizer.optimizers]
 
         def original(*args: Any) -> Any:
             return raw(optimizer, *args)
 
         self._original_step = original
+
+    def _refuse_chained_step(self, child: torch.optim.Optimizer, *_: Any) -> None:
+        """A step pre-hook of each optimizer of an attached chain: its own ``step()`` would
+        step its layers with this worker's gradients, outside the chain's averages."""
+        if not self._stepping:
+            raise ConfigError(
+                f"{type(child).__name__}.step() called on an optimizer of the chain attached: "
+                "call the chain's step() instead (it steps each of them with the averages)")
 
     def _patch_model(self) -> None:
         """Swap the model's class for a subclass (``isinstance`` holds) whose
@@ -1117,8 +1133,6 @@ class Sync:
                 "another model's loss reaches it (a GAN's generator step), freeze it for that "
                 "backward (requires_grad_(False)); to skip a step, optimizer.zero_grad() or "
                 "sync.skip_step() in its place"
-                + ("; a chain steps through its own step(), not its optimizers'"
-                   if isinstance(self.optimizer, Chain) else "")
             )
         self._refuse_unfrozen()
         if not self._laid_out:

@@ -986,18 +986,26 @@ def test_a_group_added_to_a_chained_optimizer_after_attach_is_refused() -> None:
         chained.zero_grad()
 
 
-def test_a_chained_optimizer_stepped_alone_is_told_to_step_the_chain() -> None:
-    """Its own step() goes past attach (local gradients); the next backward says what to
-    call instead."""
+def test_a_chained_optimizer_stepped_alone_is_refused_before_it_steps() -> None:
+    """Its own step() would step its layers with this worker's gradients: refused at the
+    call, no weight moved, and the chain's step() goes on as if it had not been tried."""
     m = model()
     opts = muon_and_adamw(m)
-    with attach(m, gl.chain(*opts), overlap=True):
+    chained = gl.chain(*opts)
+    with attach(m, chained, overlap=True):
         x, y = data(0)
         nn.functional.cross_entropy(m(x), y).backward()
+        before = [p.detach().clone() for p in m.parameters()]
         for o in opts:
-            o.step()
-        with pytest.raises(ConfigError, match="a chain steps through its own step"):
-            nn.functional.cross_entropy(m(x), y).backward()
+            with pytest.raises(ConfigError, match=rf"{type(o).__name__}\.step\(\) called on an "
+                               "optimizer of the chain attached: call the chain's step"):
+                o.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))
+        chained.step()
+        chained.zero_grad()
+        plain_step(m, chained, None, 1)
+    for o in opts:  # detached: each is an optimizer of its own again
+        o.step()
 
 
 def test_lbfgs_closure_falls_back_to_whole_model_steps() -> None:
