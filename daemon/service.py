@@ -263,7 +263,11 @@ class Daemon:
             logger.error("reload: %s changed; restart gradlaned to apply it (nothing reloaded)",
                          ", ".join(changed))
             return
-        policy = get_policy(config.policy)
+        try:
+            policy = get_policy(config.policy)
+        except ConfigError as exc:  # the file names a policy not here: keep the one running
+            logger.error("reload refused: %s (nothing reloaded)", exc)
+            return
         self.config, self.policy = config, policy
         self.registry.set_bands(len(config.bands))
         self._plan_changed()  # the shims mark their connections by the new bands

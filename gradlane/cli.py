@@ -589,6 +589,7 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
                                uplink_bps=None if uplink is None else parse_rate(uplink))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    _log_as_a_service()
 
     async def main() -> None:
         task = asyncio.current_task()
@@ -793,13 +794,17 @@ def run_daemon(config_path: Path | None, overrides: dict[str, Any]) -> None:
         loop.add_signal_handler(signal.SIGTERM, daemon.stop)
         loop.add_signal_handler(signal.SIGINT, daemon.stop)
 
+        reloads: set[asyncio.Task[None]] = set()  # the loop holds its tasks weakly
+
         def reload() -> None:
             try:
                 new = load_config(config_path, overrides)
             except GradlaneError as exc:
                 logging.getLogger("gradlane.daemon").error("reload refused: %s", exc)
                 return
-            loop.create_task(daemon.reload(new))
+            task = loop.create_task(daemon.reload(new))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
 
         loop.add_signal_handler(signal.SIGHUP, reload)
         await daemon.serve(notify_socket=os.environ.get("NOTIFY_SOCKET"))
@@ -812,7 +817,17 @@ def run_daemon(config_path: Path | None, overrides: dict[str, Any]) -> None:
 @_CHECK
 def daemon(check: bool, **kwargs: Any) -> None:
     """Run gradlaned, the per-host daemon, in the foreground (as `gradlaned` does)."""
+    if not check:
+        _log_as_a_service()
     (check_daemon if check else run_daemon)(*_load_daemon_config(**kwargs))
+
+
+def _log_as_a_service() -> None:
+    """A service in the foreground logs at INFO at least, as `gradlaned` does: when it is
+    ready, what it serves, who registers (without -v the commands log warnings only)."""
+    root = logging.getLogger()
+    if root.level > logging.INFO:
+        root.setLevel(logging.INFO)
 
 
 @cli.command()

@@ -121,3 +121,5 @@ def test_the_control_plane_serves_without_torch(tmp_path: Path) -> None:
             proc.kill()
             log = proc.communicate()[0]
     assert proc.returncode == 0, log[-3000:]
+    # A service in the foreground says it is up, without -v (as gradlaned does).
+    assert f"listening on 127.0.0.1:{port}" in log, log[-3000:]

@@ -197,6 +197,19 @@ def test_a_reload_that_changes_what_is_set_up_at_start_reloads_nothing(
         assert hasattr(before, name)
 
 
+def test_a_reload_to_a_policy_not_installed_keeps_the_running_one_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, the reload task raised, and asyncio logged "Task exception was never
+    # retrieved" with a traceback in place of a word on what was refused.
+    daemon = _daemon(tmp_path)
+    before, policy = daemon.config, daemon.policy
+    asyncio.run(daemon.reload(dataclasses.replace(before, policy="nosuch", bands=(46, 10))))
+    assert daemon.config is before and daemon.policy is policy
+    assert daemon.registry.bands == len(before.bands)
+    assert "reload refused: unknown policy 'nosuch'" in caplog.text
+
+
 class _PlanFrom:
     """A control link whose fresh plan gives job j `rate` for a host link of `link`."""
 
