@@ -285,8 +285,24 @@ def bench() -> None:
     """
 
 
+def _scenario(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    """Click callback of SCENARIO: a TOML file, or the name of one in the checkout's
+    ``bench/scenarios/`` (``trace-vgg19``)."""
+    given = Path(value)
+    if given.is_file():
+        return given
+    shipped = Path(__file__).resolve().parents[1] / "bench" / "scenarios"
+    named = shipped / f"{value}.toml"
+    if given.name == value and named.is_file():
+        return named
+    names = sorted(p.stem for p in shipped.glob("*.toml"))
+    raise click.BadParameter(
+        f"no file {value!r}" + (f", nor a scenario of that name (those in {shipped}: "
+                                f"{', '.join(names)})" if names else ""), param=param)
+
+
 @bench.command(name="run")
-@click.argument("scenario", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("scenario", callback=_scenario)
 @click.option(
     "--json",
     "json_path",
@@ -311,7 +327,8 @@ def bench() -> None:
 def bench_run(
     scenario: Path, json_path: Path | None, systems: tuple[str, ...], rounds: int | None
 ) -> None:
-    """Run SCENARIO (a TOML file) on an emulated cluster (needs root).
+    """Run SCENARIO (a TOML file, or the name of one in bench/scenarios/) on an emulated
+    cluster (needs root).
 
     A run that stops early (a system fails, Ctrl-C) keeps the runs it
     measured, raw, in the result's name with .partial.json (which a complete
@@ -319,7 +336,7 @@ def bench_run(
 
     \b
     sudo gradlane bench run bench/scenarios/trace-vgg19.toml
-    sudo gradlane bench run bench/scenarios/trace-vgg19.toml --system gradlane \\
+    sudo gradlane bench run trace-vgg19 --system gradlane \\
         --rounds 1 --json /tmp/vgg19-gradlane.json   # a quick look at one system
     """
     from gradlane.benchmark import CELL_NAMES, cells, load_scenario, narrowed, run_scenario

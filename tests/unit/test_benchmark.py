@@ -124,6 +124,26 @@ def test_a_narrowed_run_must_not_replace_the_scenarios_result(tmp_path: Path) ->
     assert not (tmp_path / "r.json").exists()
 
 
+def test_a_scenario_is_named_as_the_issue_names_it_or_given_as_its_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gradlane bench run trace-vgg19`, from any directory; an unknown name lists the
+    shipped ones."""
+    monkeypatch.chdir(tmp_path)
+    narrowed_run = ["--system", "nccl", "--json", str(tmp_path / "r.json")]
+    result = CliRunner().invoke(cli, ["bench", "run", "trace-vgg19", *narrowed_run])
+    # Past the scenario, loaded from the checkout's bench/scenarios/trace-vgg19.toml, to
+    # the systems it compares.
+    assert result.exit_code == 2 and "compares ddp, fifo, priority, gradlane; not nccl" in \
+        result.output, result.output
+    result = CliRunner().invoke(cli, ["bench", "run", "trace-vgg", *narrowed_run])
+    assert result.exit_code == 2 and "no file 'trace-vgg', nor a scenario of that name" in \
+        result.output and "trace-vgg19-x2" in result.output, result.output
+    (tmp_path / "trace-vgg19").write_text('name = "mine"\nsystems = ["ddp"]\n'
+                                          '[workload]\nkind = "cnn"\n')
+    result = CliRunner().invoke(cli, ["bench", "run", "trace-vgg19", *narrowed_run])
+    assert "compares ddp; not nccl" in result.output, result.output  # a file goes first
+
+
 def test_summary_speedups_are_over_ddp_and_skip_the_reference() -> None:
     summary = summarize({"local": [0.1] * 5, "ddp": [0.4] * 5, "gradlane": [0.2] * 5}, 0.1)
     assert summary["gradlane"]["speedup_over_ddp"] == pytest.approx(2.0)
