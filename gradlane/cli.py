@@ -171,11 +171,19 @@ def clean() -> None:
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(name: str, host: str, argv: tuple[str, ...]) -> None:
     """Run ARGV in HOST (h1, h2, ...) of cluster NAME: `run c1 h1 -- cmd args`."""
-    from gradlane.testbed.netns import enter
+    from gradlane.testbed import netns
 
     _require_root("gradlane testbed run")
     index = host[1:] if host.startswith("h") else host
-    enter(f"gl-{name}-h{index}")
+    namespace = f"gl-{name}-h{index}"
+    present = netns.list_namespaces(f"gl-{name}-")
+    if namespace not in present:
+        hosts = sorted((ns.rsplit("-", 1)[1] for ns in present if ns != f"gl-{name}-sw"),
+                       key=lambda h: int(h[1:]) if h[1:].isdigit() else 0)
+        raise click.ClickException(
+            f"cluster {name!r} has no host {host!r} (its hosts: {', '.join(hosts)})" if hosts
+            else f"no cluster named {name!r} (see: gradlane testbed list)")
+    netns.enter(namespace)
     try:
         os.execvp(argv[0], list(argv))
     except OSError as exc:

@@ -170,6 +170,12 @@ def test_cli_up_run_down() -> None:
             timeout=30,
         ).stdout
         assert "10.200.0.2/24" in out and "10.200.0.1/" not in out
+        for cluster, host, said in (("tcli", "h3", "cluster 'tcli' has no host 'h3' (its "
+                                     "hosts: h1, h2)"),
+                                    ("nosuch", "h1", "no cluster named 'nosuch'")):
+            out = subprocess.run([*GRADLANE, "testbed", "run", cluster, host, "--", "true"],
+                                 capture_output=True, text=True, timeout=30)
+            assert out.returncode == 1 and said in out.stderr, out.stderr
     finally:
         subprocess.run([*GRADLANE, "testbed", "down", "tcli"], check=True, timeout=30)
     assert not {n for n in namespaces() if n.startswith("gl-tcli-")}
