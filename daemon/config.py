@@ -184,10 +184,15 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
         else:
             detected = detect_link_rate(name)
             if detected is None:
+                try:
+                    socket.if_nametoindex(name)
+                except OSError:
+                    raise fail(f"{where}.name", f"no interface {name!r} here (`ip link` "
+                               "lists them)") from None
                 raise fail(
                     f"{where}.rate",
-                    f"cannot detect the line rate of {name} (missing, down, or virtual); "
-                    f'set it, e.g. rate = "10gbit"',
+                    f"cannot detect the line rate of {name} (down, or virtual: a veth, a bond "
+                    f'of unknown speed); set it, e.g. rate = "10gbit"',
                 )
             rate = detected
         ifaces.append(InterfaceConfig(name, rate))

@@ -74,8 +74,12 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, message: str) -> No
 def test_missing_file_and_undetectable_rate(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
-    with pytest.raises(ConfigError, match="cannot detect the line rate of nosuch0"):
+    with pytest.raises(ConfigError, match=r"interface\[0\].name: no interface 'nosuch0' here"):
         load_config(None, {"interface": ["nosuch0"]})
+    # Loopback is there, and has no line rate to read.
+    with pytest.raises(ConfigError, match=r"interface\[0\].rate: cannot detect the line rate "
+                       r"of lo \(down, or virtual"):
+        load_config(None, {"interface": ["lo"]})
 
 
 def test_the_command_line_shows_a_config_error_as_it_is(
