@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import gradlane.shim as gl
 from gradlane import worker
 from gradlane.policies.chunks import MIN_CHUNK_BYTES
 from tests import shim_worker
@@ -471,50 +472,43 @@ def test_attaching_again_under_plain_environment_variables_meets_at_the_same_sto
     assert_replicas_equal(tmp_path, 2)
 
 
-_RESTARTED = """
-import os, sys, time
-from pathlib import Path
-import torch
-from torch import nn
-import gradlane.shim as gl
-
-rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-if attempt == 1 and rank == 0:
-    time.sleep(1.0)  # rank 1 reaches the store first, where the first attempt's keys are
-with gl.attach(model, opt, daemon_socket="/nonexistent/gl.sock"):
-    for step in range(4):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        if attempt == 0 and rank == 1 and step == 1:
-            os._exit(3)  # a worker dies: torchrun stops the others and starts them all again
-torch.save(model.state_dict(), Path(sys.argv[1]) / f"rank{rank}.pt")
-print(f"rank {rank} finished attempt {attempt}")
-"""
+def restarted_main(argv: Sequence[str]) -> None:
+    """A rank of `test_a_job_torchrun_restarts_...`: attempt 0's rank 1 dies at step 1."""
+    out = Path(argv[0])
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if attempt == 1 and rank == 0:
+        time.sleep(1.0)  # rank 1 reaches the store first, where the first attempt's keys are
+    with gl.attach(model, opt, daemon_socket="/nonexistent/gl.sock"):
+        for step in range(4):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if attempt == 0 and rank == 1 and step == 1:
+                os._exit(3)  # a worker dies: torchrun stops the others, starts them all again
+    torch.save(model.state_dict(), out / f"rank{rank}.pt")
 
 
 @pytest.mark.timeout(120)
 def test_a_job_torchrun_restarts_after_a_worker_died_meets_again_and_trains(
         tmp_path: Path) -> None:
     """``torchrun --max-restarts``: the agent's store outlives the first attempt, whose keys
-    name listeners gone since; each attempt meets under its own (TORCHELASTIC_RESTART_COUNT).
-    The second trains to the end, its replicas equal."""
-    (tmp_path / "train.py").write_text(_RESTARTED)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--max-restarts", "1", "--master-addr", "127.0.0.1",
-            "--master-port", str(port_below_ephemeral()), str(tmp_path / "train.py"),
-            str(tmp_path)]
-    done = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=110)
-    said = done.stdout + done.stderr
-    assert done.returncode == 0, said[-3000:]
-    assert "rank 0 finished attempt 1" in said and "rank 1 finished attempt 1" in said, said
-    assert "finished attempt 0" not in said
+    name listeners gone since; each attempt meets under its own (TORCHELASTIC_RESTART_COUNT,
+    which torchrun counts up). The second trains to the end, its replicas equal."""
+    store = AgentStore()
+    for attempt in range(2):
+        procs = [Forked(restarted_main, [str(tmp_path)],
+                        {**os.environ, **store.env, "RANK": str(rank), "WORLD_SIZE": "2",
+                         "TORCHELASTIC_RESTART_COUNT": str(attempt), "OMP_NUM_THREADS": "1"},
+                        tmp_path / f"attempt{attempt}-rank{rank}.log")
+                 for rank in range(2)]
+        codes = [code for code, _ in finish(procs, timeout=50)]
+        assert codes == ([1, 3] if attempt == 0 else [0, 0]), report(procs)
+    assert "rank 1 lost" in (tmp_path / "attempt0-rank0.log").read_text()
     assert_replicas_equal(tmp_path, 2)
 
 
