@@ -628,8 +628,10 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
     asyncio.run(main())
 
 
-def _get_json(url: str, who: str, headers: dict[str, str] | None = None) -> Any:
-    """GET `url` as JSON; a refusal or no answer becomes a clear error naming `who`."""
+def _get_json(url: str, who: str, headers: dict[str, str] | None = None,
+              unanswered: str = "") -> Any:
+    """GET `url` as JSON; a refusal or no answer becomes a clear error naming `who` (and,
+    for no answer, what to check: `unanswered`)."""
     import json
     import urllib.error
     import urllib.request
@@ -642,7 +644,8 @@ def _get_json(url: str, who: str, headers: dict[str, str] | None = None) -> Any:
         raise click.ClickException(f"the {who} at {url} said {exc.code}: "
                                    f"{exc.read().decode(errors='replace').strip()}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise click.ClickException(f"no {who} answers at {url}: {exc}") from None
+        raise click.ClickException(f"no {who} answers at {url}: {exc}"
+                                   + (f"\n{unanswered}" if unanswered else "")) from None
 
 
 # How a job reduces, as its shims said ("exchange"; None: not said yet).
@@ -659,7 +662,8 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     data = _get_json(f"{url.rstrip('/')}/api/v1/cluster", "control plane",
-                     {"Authorization": f"Bearer {token}"})
+                     {"Authorization": f"Bearer {token}"},
+                     "Is `gradlane control` running there? Give its --listen address as --url.")
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
@@ -872,7 +876,10 @@ def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> N
         _cluster_status(url or "http://127.0.0.1:7800", token_file, as_json)
         return
     url = url or "http://127.0.0.1:9464"
-    data = _get_json(f"{url.rstrip('/')}/status", "gradlaned")
+    data = _get_json(f"{url.rstrip('/')}/status", "gradlaned", unanswered=(
+        "Is gradlaned running on this host (systemctl status gradlaned)? It serves /status on "
+        "its [daemon] http address (default 127.0.0.1:9464; \"\" turns it off): give another "
+        "as --url."))
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return

@@ -3,6 +3,7 @@
 import asyncio
 import io
 import json
+import socket
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -339,6 +340,26 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     assert "64.00 MB" in b and "2 (level 1)" in b
     assert view["jobs"]["a"]["global_batch"] == 64 and "[32, 32] of 64" in a  # its shares
     assert view["plan"]["owned_shares"]["a"] == [0.5, 0.5] and "50/50%" in a  # owned bytes
+
+
+def test_gradlane_status_with_nothing_answering_says_what_to_check(tmp_path: Path) -> None:
+    held = socket.socket()  # bound, never listening: connections to it are refused
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    with held:
+        _status_unanswered(tmp_path, port)
+
+
+def _status_unanswered(tmp_path: Path, port: int) -> None:
+    shown = CliRunner().invoke(cli.cli, ["status", "--url", f"http://127.0.0.1:{port}"])
+    assert shown.exit_code == 1 and f"no gradlaned answers at http://127.0.0.1:{port}/status" \
+        in shown.output and "Is gradlaned running on this host" in shown.output, shown.output
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    shown = CliRunner().invoke(cli.cli, ["status", "--cluster", "--token-file", str(token),
+                                         "--url", f"http://127.0.0.1:{port}"])
+    assert shown.exit_code == 1 and "no control plane answers" in shown.output and \
+        "Is `gradlane control` running there?" in shown.output, shown.output
 
 
 def test_gradlane_status_names_every_exchange_a_job_can_say() -> None:
