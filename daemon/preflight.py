@@ -29,7 +29,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from gradlane.daemon.config import DaemonConfig
-from gradlane.daemon.qdisc import FlowMatch, JobSpec, QdiscManager, QdiscSpec
+from gradlane.daemon.qdisc import FlowMatch, JobSpec, QdiscManager, QdiscSpec, claim_holder
 from gradlane.errors import GradlaneError
 from gradlane.units import format_rate
 
@@ -104,6 +104,11 @@ def _interface(config: DaemonConfig, name: str, rate_bps: int) -> Finding:
         return Finding(check, FAIL, f"reading its qdiscs failed: {exc}")
     if root.foreign is not None:  # gradlaned would run but leave this interface unshaped
         return Finding(check, FAIL, "; ".join([*parts, str(root.foreign)]))
+    holder = claim_holder(name)
+    if holder is not None:
+        who = f"a gradlaned (pid {holder})" if holder else "a gradlaned"
+        return Finding(check, WARN, "; ".join(
+            [*parts, f"{who} manages it now: a second one would refuse to start"]))
     if root.ours:
         then = "takes it over" if config.on_start == "takeover" else "restores it first"
         parts.append(f"holds a gradlane tree (a running gradlaned's, or one a crash left: "

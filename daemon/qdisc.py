@@ -277,6 +277,67 @@ class _Persisted:
     slots: dict[str, int] = field(default_factory=dict)
 
 
+def _claim_address(ifname: str) -> bytes:
+    return b"\0gradlane/qdisc/" + ifname.encode()
+
+
+class Claim:
+    """This process's claim on an interface's root qdisc, so that no two gradlaneds manage
+    one: an abstract Unix socket named for the interface. Abstract names belong to a
+    network namespace, as interfaces do, and go with the process that holds them, however
+    it ends (a tree a crash left is then taken over or restored, as before). Who asks
+    (`claim_holder`) is told the holder's pid by the kernel (SO_PEERCRED).
+
+    Raises:
+        TcError: EBUSY, another process holds the claim (its pid in the message).
+    """
+
+    def __init__(self, ifname: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX,
+                                   socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.bind(_claim_address(ifname))
+            self._sock.listen(16)
+        except OSError as exc:
+            self._sock.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise TcError(exc.errno or errno.EIO, ifname, "claim", str(exc)) from exc
+            holder = claim_holder(ifname)
+            who = f"gradlaned (pid {holder})" if holder else "another gradlaned"
+            raise TcError(errno.EBUSY, ifname, "root qdisc",
+                          f"{who} manages it already, in this network namespace: one "
+                          "gradlaned per interface (stop that one first)") from None
+
+    def answer(self) -> None:
+        """Let go of the askers that connected since the last call (the kernel told them
+        who holds the claim); they would fill the backlog."""
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def claim_holder(ifname: str) -> int | None:
+    """The pid of the process that holds `ifname`'s `Claim` in this network namespace: None
+    if none does, 0 if one does but its backlog was full."""
+    with socket.socket(socket.AF_UNIX,
+                       socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC) as sock:
+        try:
+            sock.connect(_claim_address(ifname))
+        except (BlockingIOError, InterruptedError):  # EAGAIN: its backlog is full
+            return 0
+        except OSError:  # ECONNREFUSED: no such name
+            return None
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid: int = struct.unpack("3i", cred)[0]
+        return pid
+
+
 class QdiscManager:
     """Owns the egress root qdisc of one interface.
 
@@ -292,6 +353,8 @@ class QdiscManager:
             survive a reboot either.
         netns: the network namespace of the interface (None: the current one).
         clock: monotonic seconds, for throughput between two reads.
+        exclusive: `open` claims the interface (`Claim`) for as long as the manager is
+            open, and raises if another process holds it: gradlaned's managers are.
     """
 
     def __init__(
@@ -301,9 +364,14 @@ class QdiscManager:
         state_file: Path,
         netns: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        exclusive: bool = False,
     ) -> None:
+        if exclusive and netns is not None:
+            raise ValueError("an exclusive manager claims an interface of its own namespace")
         self.ifname = ifname
         self.netns = netns
+        self._exclusive = exclusive
+        self._claim: Claim | None = None
         self._state_file = Path(state_file)
         self._clock = clock
         self._ipr: IPRoute | None = None
@@ -327,6 +395,8 @@ class QdiscManager:
         self.close()
 
     def open(self) -> None:
+        if self._exclusive and self._claim is None:
+            self._claim = Claim(self.ifname)  # before anything is read or changed
         if self._ipr is not None:
             return
         if self.netns is not None and not (NETNS_DIR / self.netns).exists():
@@ -345,6 +415,9 @@ class QdiscManager:
         if self._ipr is not None:
             self._ipr.close()
             self._ipr = None
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
 
     @property
     def ipr(self) -> IPRoute:
@@ -495,6 +568,8 @@ class QdiscManager:
 
     def class_stats(self) -> list[ClassStats]:
         """Counters of every class gradlane installed, with throughput since the last call."""
+        if self._claim is not None:
+            self._claim.answer()  # read as often as gradlaned reads its counters
         index = self._index()
         now = self._clock()
         names = {slot: name for name, slot in self._state.slots.items()}

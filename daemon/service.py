@@ -116,7 +116,8 @@ class Backend(Protocol):
 
 
 def qdisc_backend(iface: InterfaceConfig, config: DaemonConfig) -> Backend:
-    return QdiscManager(iface.name, state_file=config.state_dir / f"qdisc-{iface.name}.json")
+    return QdiscManager(iface.name, state_file=config.state_dir / f"qdisc-{iface.name}.json",
+                        exclusive=True)
 
 
 class Daemon:
@@ -208,6 +209,7 @@ class Daemon:
 
     async def serve(self, notify_socket: str | None = None) -> None:
         """Run until `stop()`; restore every interface on the way out, whatever happens."""
+        await self._open_tc()  # raises, nothing touched, if another gradlaned holds one
         watch: RootWatch | None = None
         try:
             await self._start_tc()
@@ -279,9 +281,20 @@ class Daemon:
         # pyroute2's sync socket cannot run inside the event loop.
         return await asyncio.get_running_loop().run_in_executor(self._tc_thread, fn, *args)
 
+    async def _open_tc(self) -> None:
+        """Open every interface (each claimed: `QdiscManager`'s ``exclusive``); if one
+        cannot be, close those opened and give up before any is read or changed."""
+        try:
+            for backend in self._backends:
+                await self._tc(backend.open)
+        except BaseException:
+            for backend in self._backends:
+                await self._tc(backend.close)
+            self._tc_thread.shutdown(wait=True)
+            raise
+
     async def _start_tc(self) -> None:
         for backend in self._backends:
-            await self._tc(backend.open)
             if await self._tc(backend.owned):
                 if self.config.on_start == "restore":
                     logger.warning("%s: restoring a tree left by a previous run", backend.ifname)

@@ -258,11 +258,36 @@ def test_check_beside_a_running_gradlaned_warns_and_passes(cluster: Cluster,
                                   "-i", "eth0=200mbit", "--socket", str(sock),
                                   "--state-dir", str(tmp_path / "state-h1")], check=False)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "holds a gradlane tree" in _found(done.stdout, "interface eth0")
+        assert _found(done.stdout, "interface eth0").endswith(
+            f"a gradlaned (pid {daemon.pid}) manages it now: a second one would refuse to start")
         assert _found(done.stdout, f"socket {sock}").startswith("warn a gradlaned serves it")
         assert _found(done.stdout, "http 127.0.0.1:9464").startswith("warn in use")
     finally:
         assert stop(daemon) == 0
+
+
+def test_a_second_gradlaned_on_an_interface_refuses_and_leaves_the_first_s_tree(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """One started by hand beside the service, with a socket, an HTTP port and a state dir
+    of its own: it took the running one's tree over as if a crash had left it, the two then
+    undid each other's classes, and the one stopping first restored the interface under
+    the other. Now it refuses before reading anything; once the first is gone, it starts."""
+    daemon, _ = start_daemon(cluster, "h1", tmp_path)
+    try:
+        before = tc(cluster.ns("h1"), "class", "show", "dev", "eth0")
+        second = ["daemon", "-i", "eth0=200mbit", "--socket", str(tmp_path / "second.sock"),
+                  "--http", "127.0.0.1:9465", "--state-dir", str(tmp_path / "second-state")]
+        done = cluster.run("h1", [sys.executable, "-m", "gradlane.cli", *second], check=False,
+                           timeout=30)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"root qdisc on eth0: gradlaned (pid {daemon.pid}) manages it already" in \
+            " ".join(done.stderr.split()), done.stderr
+        assert tc(cluster.ns("h1"), "class", "show", "dev", "eth0") == before
+        assert daemon.poll() is None
+    finally:
+        assert stop(daemon) == 0
+    after, _ = start_daemon(cluster, "h1", tmp_path)  # the claim went with the first
+    assert stop(after) == 0
 
 
 def _metrics(cluster: Cluster) -> str:

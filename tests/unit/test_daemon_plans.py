@@ -14,7 +14,14 @@ import pytest
 from gradlane.daemon import service
 from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
-from gradlane.daemon.qdisc import FlowMatch, QdiscSpec, RootWatch
+from gradlane.daemon.qdisc import (
+    Claim,
+    FlowMatch,
+    QdiscManager,
+    QdiscSpec,
+    RootWatch,
+    claim_holder,
+)
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import RESTART_FIELDS, VERIFY_EVERY, Daemon
 from gradlane.errors import GradlaneError, TcError
@@ -208,6 +215,70 @@ def test_a_reload_to_a_policy_not_installed_keeps_the_running_one_and_says_why(
     assert daemon.config is before and daemon.policy is policy
     assert daemon.registry.bands == len(before.bands)
     assert "reload refused: unknown policy 'nosuch'" in caplog.text
+
+
+def test_an_interface_claimed_by_another_process_stops_serve_before_anything_is_touched(
+        tmp_path: Path) -> None:
+    """Both interfaces are opened (claimed) first: the second's refusal closes the first
+    and restores nothing, since the tree there is the other gradlaned's."""
+    opened: list[str] = []
+
+    class Claimed(FakeBackend):
+        def open(self) -> None:
+            if self.ifname == "fake1":
+                raise TcError(errno.EBUSY, self.ifname, "root qdisc", "gradlaned (pid 1) "
+                              "manages it already")
+            opened.append(self.ifname)
+
+        def close(self) -> None:
+            if self.ifname in opened:
+                opened.remove(self.ifname)
+
+    config = dataclasses.replace(
+        fake_config(tmp_path / "gl.sock"),
+        interfaces=(InterfaceConfig("fake0", 10**9), InterfaceConfig("fake1", 10**9)))
+    daemon = Daemon(config, backend_factory=Claimed)
+    with pytest.raises(TcError, match=r"fake1: gradlaned \(pid 1\) manages it already"):
+        asyncio.run(daemon.serve())
+    backends = daemon._backends
+    assert not opened and not any(b.restored or b.applied for b in backends)  # type: ignore[attr-defined]
+    assert not (tmp_path / "gl.sock").exists()
+
+
+def test_a_claim_is_one_process_s_until_it_lets_go_and_names_its_pid() -> None:
+    name = f"glt{os.getpid()}"  # an abstract name of this test's own: no interface needed
+    assert claim_holder(name) is None
+    held = Claim(name)
+    try:
+        assert claim_holder(name) == os.getpid()
+        with pytest.raises(TcError, match=rf"root qdisc on {name}: gradlaned \(pid "
+                                          rf"{os.getpid()}\) manages it already") as refused:
+            Claim(name)
+        assert refused.value.errno == errno.EBUSY
+        # Askers the holder has not let go of fill its backlog: then the pid is not told,
+        # until the holder answers them (gradlaned does at each read of its counters).
+        while claim_holder(name):
+            pass
+        with pytest.raises(TcError, match=rf"{name}: another gradlaned manages it already"):
+            Claim(name)
+        held.answer()
+        assert claim_holder(name) == os.getpid()
+    finally:
+        held.close()
+    assert claim_holder(name) is None
+    Claim(name).close()
+
+
+def test_gradlaned_s_manager_holds_its_interface_s_claim_and_answers_at_each_read(
+        tmp_path: Path) -> None:
+    manager = QdiscManager("lo", state_file=tmp_path / "state.json", exclusive=True)
+    with manager:  # loopback: there everywhere; its counters read, nothing changed
+        assert claim_holder("lo") == os.getpid()
+        while claim_holder("lo"):  # a backlog of askers not let go of
+            pass
+        manager.class_stats()
+        assert claim_holder("lo") == os.getpid()
+    assert claim_holder("lo") is None
 
 
 class _PlanFrom:
