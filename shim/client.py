@@ -246,6 +246,9 @@ class DaemonClient:
             else:
                 try:
                     self._session(path)
+                except PermissionError as exc:
+                    self._absent(f"gradlaned at {path}: {exc} (the socket is for root and the "
+                                 "group its daemon.socket_group names: add this user to it)")
                 except (OSError, ProtocolError, ValueError) as exc:
                     self._absent(f"gradlaned at {path}: {exc}")
             self.connected = False

@@ -314,6 +314,28 @@ def test_no_daemon_no_host(tmp_path: Path) -> None:
         client.close()
 
 
+def test_a_socket_this_user_may_not_use_is_said_with_the_way_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As root the socket's mode cannot refuse: the refusal a user not in its group gets.
+    def refused(self: DaemonClient, path: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(DaemonClient, "_session", refused)
+    there = tmp_path / "gl.sock"
+    there.touch()
+    client = DaemonClient(ShimConfig(daemon_socket=str(there), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        deadline = time.monotonic() + 10
+        while "Permission denied" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.01)
+    finally:
+        client.close()
+    assert "daemon.socket_group names: add this user to it" in caplog.text
+    assert "training goes on with the local priority order" in caplog.text
+
+
 class _FourBands:
     """A worker's four band connections to one peer; the marks it was given."""
 
