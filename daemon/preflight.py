@@ -38,6 +38,7 @@ __all__ = ["CAP_NET_ADMIN", "Finding", "preflight", "scratch_veth"]
 CAP_NET_ADMIN = 12  # linux/capability.h
 SCRATCH_PREFIX = "gl-chk"  # `gradlane testbed clean` removes root-namespace links named gl-*
 OK, WARN, FAIL = "ok", "warn", "fail"
+IFF_LOOPBACK = 0x8  # a link's flags (<linux/if.h>)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,9 @@ def _interface(config: DaemonConfig, name: str, rate_bps: int) -> Finding:
         found = ipr.link_lookup(ifname=name)
         if not found:
             return Finding(check, FAIL, "no such interface")
-        state = str(ipr.get_links(found[0])[0].get_attr("IFLA_OPERSTATE"))
+        link = ipr.get_links(found[0])[0]
+        state = str(link.get_attr("IFLA_OPERSTATE"))
+        loopback = bool(link["flags"] & IFF_LOOPBACK)
         addresses = [a.get_attr("IFA_ADDRESS")
                      for a in ipr.get_addr(index=found[0], family=socket.AF_INET)]
     shaped = format_rate(int(rate_bps * config.shape_fraction))
@@ -97,6 +100,9 @@ def _interface(config: DaemonConfig, name: str, rate_bps: int) -> Finding:
     if state not in ("UP", "UNKNOWN"):
         level = WARN
         parts.append(f"link {state.lower()}")
+    if loopback:  # the shims' flows between hosts never leave by it
+        level = WARN
+        parts.append("loopback: shaped, it would slow every connection within this host")
     try:
         with QdiscManager(name, state_file=config.state_dir / f"qdisc-{name}.json") as manager:
             root = manager.root()
