@@ -93,20 +93,42 @@ def assign_owners(
 
 
 def _equal_weights(sizes: Sequence[int], world: int, groups: Sequence[int] | None) -> list[int]:
-    # The smallest finish is the smallest load: a heap keyed (group load, total load, rank).
+    """`assign_owners` with equal weights: each chunk to the rank of least load within its
+    group, then least owned bytes overall, then lowest rank."""
     total = [0] * world
-    heap = [(0, 0, r) for r in range(world)]
-    owners = []
-    current = groups[0] if groups else None
-    for i, size in enumerate(sizes):
-        if groups is not None and groups[i] != current:
-            current = groups[i]
+    # Every rank keyed (owned bytes, rank): a group of at most `world` chunks of some bytes
+    # each goes to as many ranks, those of least owned bytes, in order (each rank taken has
+    # a load in the group, those not taken none); only theirs change. So a group costs its
+    # chunks' pops and pushes, not a heap of every rank (a plan at 1,024 hosts has hundreds
+    # of groups of a few chunks for 128 ranks).
+    ranks = [(0, r) for r in range(world)]
+    owners: list[int] = []
+    start = 0
+    while start < len(sizes):
+        stop = start + 1
+        if groups is None:
+            stop = len(sizes)
+        else:
+            while stop < len(sizes) and groups[stop] == groups[start]:
+                stop += 1
+        group = sizes[start:stop]
+        if len(group) <= world and min(group) > 0:
+            taken = [heapq.heappop(ranks)[1] for _ in group]
+            for rank, size in zip(taken, group, strict=True):
+                total[rank] += size
+                heapq.heappush(ranks, (total[rank], rank))
+            owners += taken
+        else:  # ranks take several chunks: a heap keyed (load in the group, owned, rank)
             heap = [(0, total[r], r) for r in range(world)]
             heapq.heapify(heap)
-        load, _, best = heap[0]
-        total[best] += size
-        heapq.heapreplace(heap, (load + size, total[best], best))
-        owners.append(best)
+            for size in group:
+                load, _, best = heap[0]
+                total[best] += size
+                heapq.heapreplace(heap, (load + size, total[best], best))
+                owners.append(best)
+            ranks = [(total[r], r) for r in range(world)]
+            heapq.heapify(ranks)
+        start = stop
     return owners
 
 
