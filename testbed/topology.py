@@ -57,7 +57,10 @@ class Topology:
             raise ConfigError(f"leaves must be 1 or 2, got {self.leaves}")
         if self.leaves == 2 and len(self.rates) < 2:
             raise ConfigError("two leaves need at least two hosts")
-        if self.leaves == 2 and (self.uplink_bps is None or self.uplink_bps < MIN_RATE_BPS):
+        if self.leaves == 2 and self.uplink_bps is None:
+            raise ConfigError("two leaves need the rate of the uplink between them (--uplink, "
+                              "e.g. 1gbit)")
+        if self.leaves == 2 and self.uplink_bps is not None and self.uplink_bps < MIN_RATE_BPS:
             raise ConfigError(f"a two-leaf topology needs an uplink rate of at least "
                               f"{MIN_RATE_BPS} bit/s")
         if self.leaves == 1 and self.uplink_bps is not None:
