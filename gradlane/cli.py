@@ -296,10 +296,12 @@ def bench() -> None:
 def _scenario(ctx: click.Context, param: click.Parameter, value: str) -> Path:
     """Click callback of SCENARIO: a TOML file, or the name of one in the checkout's
     ``bench/scenarios/`` (``trace-vgg19``)."""
+    from gradlane.provenance import REPO
+
     given = Path(value)
     if given.is_file():
         return given
-    shipped = Path(__file__).resolve().parents[1] / "bench" / "scenarios"
+    shipped = REPO / "bench" / "scenarios"
     named = shipped / f"{value}.toml"
     if given.name == value and named.is_file():
         return named
