@@ -235,6 +235,20 @@ class State:
         return self._by_job.get(job, [])
 
     @cached_property
+    def flow_links(self) -> IntArray:
+        """The ``(n, 4)`` links of the flows (`Topology.links`), read-only, once per state.
+
+        An unused column holds ``n_links``: a null link past the real ones, so
+        per-link sums are one `np.bincount` with no masking (its entry is
+        dropped) and per-link lookups pad one value (+inf capacity, never full).
+        """
+        assert self.topology is not None
+        links = self.topology.links(self.flows.src, self.flows.dst)
+        links[links < 0] = len(self.topology.capacity_bps)
+        links.flags.writeable = False
+        return links
+
+    @cached_property
     def _by_job(self) -> dict[str, list[Worker]]:
         out: dict[str, list[Worker]] = {}
         for w in self.workers:

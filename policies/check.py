@@ -44,7 +44,7 @@ def check_plan(state: State, plan: Plan) -> list[str]:
     if n and not (np.all(np.isfinite(rates)) and rates.min() >= 0):
         problems.append("a flow rate is negative or not finite")
     cap = state.topology.capacity_bps
-    used = fabric.link_sum(fabric.flow_links(state), rates, len(cap))
+    used = fabric.link_sum(state.flow_links, rates, len(cap))
     over = np.flatnonzero(used > cap * (1 + SLACK))
     if len(over):
         problems.append(f"{len(over)} links over capacity, e.g. link {over[0]}: "

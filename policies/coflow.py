@@ -96,7 +96,7 @@ def ordered_rates(state: State, order: list[int], links: IntArray) -> FloatArray
 
 def coflow_schedule(state: State) -> tuple[list[int], dict[str, int], FloatArray]:
     """(order, job levels, rates) for a cluster state."""
-    links = fabric.flow_links(state)
+    links = state.flow_links
     load = fabric.per_coflow_link_load(state, links)
     order = bssi_order(load, response_ratio(state, load))
     level_of = levels(len(order))

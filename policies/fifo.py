@@ -55,7 +55,7 @@ class FifoPolicy(Policy):
         if not state.cluster:
             return Plan(job_classes=local_classes(state), source=self.name, version=state.version)
         assert state.topology is not None
-        links = fabric.flow_links(state)
+        links = state.flow_links
         cap = state.topology.capacity_bps
         rates = fabric.max_min(links, cap, cap, np.arange(len(state.flows)))
         ownership, shares = plain_layout(state)

@@ -47,7 +47,7 @@ class GradlanePolicy(Policy):
                         version=state.version)
         bands = critical_first(state, flow_bands(state))
         rates = banded_rates(state, bands)
-        links = fabric.flow_links(state)
+        links = state.flow_links
         order = bssi_order(fabric.per_coflow_link_load(state, links))
         job_level = {job.name: 0 for job in state.jobs}
         return Plan(

@@ -59,18 +59,24 @@ def flow_bands(state: State) -> IntArray:
 
 
 def banded_rates(state: State, bands: IntArray) -> np.ndarray:
-    """Per-flow fair shares, band 0 first on each link, later bands on what is left."""
+    """Per-flow fair shares, band 0 first on each link, later bands on what is left.
+
+    Flows of a band crossing the same links get the same rate: each band's
+    `fabric.max_min` runs on its distinct rows of links, counted once here.
+    """
     assert state.topology is not None
-    links = fabric.flow_links(state)
     cap = state.topology.capacity_bps
+    first, inverse, counts = fabric.distinct_rows(*state.flow_links.T, bands)
+    links, row_band, weight = state.flow_links[first], bands[first], counts.astype(np.float64)
     residual = cap.copy()
-    rates = np.zeros(len(state.flows))
+    rates = np.zeros(len(first))
     for band in range(state.bands):
-        members = np.flatnonzero(bands == band)
-        rates[members] = fabric.max_min(links, cap, residual, members)
-        residual = np.maximum(residual - fabric.link_sum(links[members], rates[members], len(cap)),
-                              0.0)
-    return rates
+        members = np.flatnonzero(row_band == band)
+        rates[members] = fabric.max_min(links, cap, residual, members, weights=weight[members])
+        residual = np.maximum(
+            residual - fabric.link_sum(links[members], rates[members] * weight[members],
+                                       len(cap)), 0.0)
+    return rates[inverse]
 
 
 def next_tuning(tried: tuple[tuple[int, int, float], ...]) -> Tuning:

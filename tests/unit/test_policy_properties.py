@@ -88,10 +88,111 @@ def test_work_conserving_policies_leave_no_bottleneck_idle(state: State) -> None
     if not len(state.flows):
         return
     cap = state.topology.capacity_bps
-    links = fabric.flow_links(state)
+    links = state.flow_links
     for name in ("coflow", "gradlane"):
         rates = get_policy(name).plan(state).flow_rate_bps
         used = fabric.link_sum(links, rates, len(cap))
         full = used >= cap * (1 - 1e-6)
         padded = np.append(full, False)
         assert padded[links].any(axis=1).all(), name
+
+
+def _max_min_per_flow(links, capacity, residual, members, rounds=64):  # type: ignore[no-untyped-def]
+    """`fabric.max_min` as it was before it ran on distinct sets of links: one row per flow."""
+    from gradlane.policies import fabric
+
+    rates = np.zeros(len(members))
+    if len(members) == 0:
+        return rates
+    sub = links[members]
+    residual = residual.copy()
+    active = np.arange(len(members))
+    eps = capacity * 1e-9
+    for _ in range(rounds):
+        add = fabric.equal_split(sub, capacity, residual, active)
+        rates[active] += add
+        residual = np.maximum(residual - fabric.link_sum(sub[active], add, len(capacity)), 0.0)
+        full = np.append(residual <= eps, False)
+        active = active[~full[sub[active]].any(axis=1)]
+        if len(active) == 0 or add.max(initial=0.0) <= 0:
+            break
+    return rates
+
+
+def _host_classes_per_host(state, rates, job_level):  # type: ignore[no-untyped-def]
+    """`fabric.host_classes` as it was before it was vectorized: a loop over hosts."""
+    from gradlane.policies.base import JobClassPlan
+    from gradlane.policies.fabric import MIN_CLASS_SHARE
+
+    nic = [h.nic_bps for h in state.topology.hosts]
+    job_of_coflow = [c.job for c in state.coflows]
+    out, egress, jobs_on = {}, {}, {}
+    if len(state.flows):
+        keys = state.flows.src * max(1, len(state.coflows)) + state.flows.coflow
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        sums = np.bincount(inverse, weights=rates)
+        for key, total in zip(uniq.tolist(), sums.tolist(), strict=True):
+            host, coflow = divmod(key, max(1, len(state.coflows)))
+            job = job_of_coflow[coflow]
+            egress[host, job] = egress.get((host, job), 0.0) + total
+    for w in state.workers:
+        jobs_on.setdefault(w.host, set()).add(w.job)
+    for host, jobs in jobs_on.items():
+        floor = nic[host] * MIN_CLASS_SHARE
+        want = {job: egress.get((host, job), nic[host] / len(jobs) * 0.999) for job in jobs}
+        asked = sum(want.values())
+        scale = min(1.0, (nic[host] - floor * len(jobs)) / asked) if asked > 0 else 0.0
+        out[host] = {
+            job: JobClassPlan(rate_bps=max(1, int(floor + want[job] * scale)),
+                              ceil_bps=nic[host], prio=job_level.get(job, 0))
+            for job in sorted(jobs)
+        }
+    return out
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(cluster_states(), st.randoms(use_true_random=False))
+def test_link_arithmetic_is_the_per_flow_arithmetic(state: State, rnd) -> None:  # type: ignore[no-untyped-def]
+    """max_min and banded_rates on distinct rows of links, host_classes vectorized: the
+    rates and classes of the loops over flows and hosts they were."""
+    from gradlane.policies import fabric
+    from gradlane.policies.priority import banded_rates
+
+    assert state.topology is not None
+    cap = state.topology.capacity_bps
+    links = state.flow_links
+    members = np.flatnonzero([rnd.random() < 0.7 for _ in range(len(state.flows))])
+    residual = cap * np.array([rnd.choice([0.0, 0.3, 1.0]) for _ in cap])
+    for m, r in ((np.arange(len(state.flows)), cap), (members, residual)):
+        got = fabric.max_min(links, cap, r, m)
+        assert np.allclose(got, _max_min_per_flow(links, cap, r, m), rtol=1e-9, atol=1e-3)
+    bands = np.array([rnd.randrange(state.bands) for _ in range(len(state.flows))], np.int64)
+    residual, banded = cap.copy(), np.zeros(len(state.flows))
+    for band in range(state.bands):
+        m = np.flatnonzero(bands == band)
+        banded[m] = _max_min_per_flow(links, cap, residual, m)
+        residual = np.maximum(residual - fabric.link_sum(links[m], banded[m], len(cap)), 0.0)
+    assert np.allclose(banded_rates(state, bands), banded, rtol=1e-9, atol=1e-3)
+    rates = get_policy("fair").plan(state).flow_rate_bps
+    level = {job.name: rnd.randrange(8) for job in state.jobs}
+    got = fabric.host_classes(state, rates, level)
+    want = _host_classes_per_host(state, rates, level)
+    assert got.keys() == want.keys()
+    for host, classes in want.items():
+        assert got[host].keys() == classes.keys()
+        for job, c in classes.items():
+            g = got[host][job]
+            assert (g.ceil_bps, g.prio) == (c.ceil_bps, c.prio)
+            assert abs(g.rate_bps - c.rate_bps) <= 1  # sums in another order
+
+
+def test_max_min_on_link_numbers_too_large_to_pack() -> None:
+    """Rows whose link numbers cannot be packed into one integer are told apart as rows."""
+    from gradlane.policies import fabric
+
+    n = 1 << 17  # each column spans almost n: n ** 4 > 2 ** 63
+    cap = np.full(n, 1e9)
+    links = np.array([[0, 1, 2, n - 1], [n - 2, n - 3, n - 4, 3], [0, 1, 2, n - 1]])
+    got = fabric.max_min(links, cap, cap, np.arange(3))
+    assert np.allclose(got, _max_min_per_flow(links, cap, cap, np.arange(3)))
+    assert np.allclose(got, [0.5e9, 1e9, 0.5e9])
