@@ -11,6 +11,7 @@ import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 import numpy as np
 import numpy.typing as npt
@@ -96,39 +97,39 @@ def _equal_weights(sizes: Sequence[int], world: int, groups: Sequence[int] | Non
     """`assign_owners` with equal weights: each chunk to the rank of least load within its
     group, then least owned bytes overall, then lowest rank."""
     total = [0] * world
-    # Every rank keyed (owned bytes, rank): a group of at most `world` chunks of some bytes
-    # each goes to as many ranks, those of least owned bytes, in order (each rank taken has
-    # a load in the group, those not taken none); only theirs change. So a group costs its
-    # chunks' pops and pushes, not a heap of every rank (a plan at 1,024 hosts has hundreds
-    # of groups of a few chunks for 128 ranks).
-    ranks = [(0, r) for r in range(world)]
+    # Every rank keyed by owned bytes, then rank, packed into one integer (``owned * world
+    # + rank``: integers compare in C, tuples do not). A group of at most `world` chunks of
+    # some bytes each goes to as many ranks, those of least owned bytes, in order (each rank
+    # taken has a load in the group, those not taken none); only theirs change. So a group
+    # costs its chunks' pops and pushes, not a heap of every rank (a plan at 1,024 hosts
+    # has hundreds of groups of a few chunks for 128 ranks).
+    ranks = list(range(world))
     owners: list[int] = []
     start = 0
-    while start < len(sizes):
-        stop = start + 1
-        if groups is None:
-            stop = len(sizes)
-        else:
-            while stop < len(sizes) and groups[stop] == groups[start]:
-                stop += 1
-        group = sizes[start:stop]
+    runs = [len(sizes)] if groups is None else [len(list(run)) for _, run in groupby(groups)]
+    for run in runs:
+        group = sizes[start:start + run]
+        start += run
+        if not group:
+            continue
         if len(group) <= world and min(group) > 0:
-            taken = [heapq.heappop(ranks)[1] for _ in group]
+            taken = [heapq.heappop(ranks) % world for _ in group]
             for rank, size in zip(taken, group, strict=True):
                 total[rank] += size
-                heapq.heappush(ranks, (total[rank], rank))
+                heapq.heappush(ranks, total[rank] * world + rank)
             owners += taken
-        else:  # ranks take several chunks: a heap keyed (load in the group, owned, rank)
-            heap = [(0, total[r], r) for r in range(world)]
+        else:  # ranks take several chunks: keyed (load in the group, owned, rank), packed
+            span = (sum(total) + sum(group) + 1) * world
+            heap = [total[r] * world + r for r in range(world)]
             heapq.heapify(heap)
             for size in group:
-                load, _, best = heap[0]
+                key = heap[0]
+                best = key % world
                 total[best] += size
-                heapq.heapreplace(heap, (load + size, total[best], best))
+                heapq.heapreplace(heap, (key // span + size) * span + total[best] * world + best)
                 owners.append(best)
-            ranks = [(total[r], r) for r in range(world)]
+            ranks = [total[r] * world + r for r in range(world)]
             heapq.heapify(ranks)
-        start = stop
     return owners
 
 

@@ -99,6 +99,7 @@ def _owners_one_heap_a_group(sizes: list[int], world: int, groups: list[int] | N
 @example([(5, 0), (10, 1), (1, 1)], 2, True)  # the second group's ranks by owned bytes
 @example([(0, 0), (5, 0)], 2, True)  # a chunk of no bytes leaves its rank the least loaded
 @example([(3, 0), (1, 0), (2, 0)], 2, True)  # more chunks than ranks
+@example([(10, 0), (5, 1), (5, 1), (5, 1)], 2, True)  # ... by load in the group, then owned
 def test_equal_owners_are_a_heap_of_every_rank_s_owners(
         chunks: list[tuple[int, int]], world: int, grouped: bool) -> None:
     """The owners of groups of at most `world` chunks are taken from one heap of the
