@@ -73,6 +73,7 @@ import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -90,6 +91,9 @@ from gradlane.policies.chunks import assign_owners
 from gradlane.policies.demand import Exchange
 from gradlane.policies.sim.network import Network
 from gradlane.policies.sim.scenario import Scenario, SimJob
+
+# Per owner: how many stages go up, and each stage's (links, flows on each, their sum).
+_Stages = tuple[int, list[tuple[list[int], list[float], float]]]
 
 __all__ = ["Result", "coflow_load", "full_demand_state", "simulate"]
 
@@ -216,11 +220,11 @@ class _Job:
         if self.staged:
             self.stage_flows = self._stage_flows(links, set(owners))
 
-    def _stage_flows(self, column_link: np.ndarray, owners: set[int]
-                     ) -> dict[int, tuple[int, list[tuple[np.ndarray, np.ndarray]]]]:
+    def _stage_flows(self, column_link: np.ndarray, owners: set[int]) -> dict[int, _Stages]:
         """Per owner of some chunk: how many of its chunks' stages go up, and each
-        stage's links with the flows one chunk puts on them (`Exchange.stages`;
-        a stage with no links is all loopback)."""
+        stage's links with the flows one chunk puts on them and their sum
+        (`Exchange.stages`; a stage with no links is all loopback). Lists: the
+        network takes them one by one."""
         n_stages, counts = self.exchange.stages(self.grouped)
         out = {}
         for o in sorted(owners):
@@ -228,7 +232,8 @@ class _Job:
             for k in range(int(n_stages[o])):
                 cols = np.flatnonzero(counts[o, k])
                 links, where = np.unique(column_link[cols], return_inverse=True)
-                stages.append((links, np.bincount(where, counts[o, k, cols], len(links))))
+                flows = np.bincount(where, counts[o, k, cols], len(links))
+                stages.append((links.tolist(), flows.tolist(), float(flows.sum())))
             out[o] = (int(n_stages[o]) // 2, stages)
         return out
 
@@ -252,14 +257,13 @@ class _Collective:
     chunks_left: int = 0
     # Stored and forwarded tree stages: its owners' stages (`_Job.stage_flows` when it
     # started: a later plan's owners do not move what is in flight).
-    stages: dict[int, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] | None = None
+    stages: dict[int, _Stages] | None = None
 
 
-@dataclass(frozen=True)
-class _Hop:
+class _Hop(NamedTuple):
     """One hop of a ring job's chunk (its sender to its successor, the `stage`-th of
     2(W-1)), or one stage of a tree job's chunk stored and forwarded
-    (`SimJob.store_forward`)."""
+    (`SimJob.store_forward`). A tuple: millions are made in a run."""
 
     collective: int
     chunk: int  # the job's chunk index
@@ -370,8 +374,8 @@ class _Sim:
                 self.chunk_done(hop.collective)
                 return
             hop = hop.at(hop.stage + 1)
-        links = np.array([job.hosts[sender], job.n_hosts + job.hosts[receiver]], np.int64)
-        self._queue_hop(c, hop, links, np.ones(2), averaging=hop.stage >= job.w - 1)
+        links = [int(job.hosts[sender]), job.n_hosts + int(job.hosts[receiver])]
+        self._queue_hop(c, hop, links, [1.0, 1.0], 2.0, averaging=hop.stage >= job.w - 1)
 
     def send_stage(self, hop: _Hop) -> None:
         """Queue a tree job's chunk's next stage with links (`_Job._stage_flows`)."""
@@ -384,15 +388,16 @@ class _Sim:
         if stage == len(stages):
             self.chunk_done(hop.collective)
             return
-        links, flows = stages[stage]
-        self._queue_hop(c, hop.at(stage), links, flows, averaging=stage >= up)
+        links, flows, total = stages[stage]
+        self._queue_hop(c, hop.at(stage), links, flows, total, averaging=stage >= up)
 
-    def _queue_hop(self, c: _Collective, hop: _Hop, links: np.ndarray, flows: np.ndarray,
-                   averaging: bool) -> None:
+    def _queue_hop(self, c: _Collective, hop: _Hop, links: list[int], flows: list[float],
+                   total: float, averaging: bool) -> None:
         """Put a hop or stage of a chunk of `c` in the network: `flows` of a chunk each on
-        `links`, in the shim's order (the bucket, averages before partial sums, chunk)."""
+        `links` (`total` of them), in the shim's order (the bucket, averages before
+        partial sums, chunk)."""
         bits = c.job.chunk_size[c.bucket] * 8.0
-        c.unqueued_bits -= float(flows.sum()) * bits
+        c.unqueued_bits -= total * bits
         self.seq += 1
         self.hops[self.seq] = hop
         key = (c.iteration, c.bucket, 0 if averaging else 1, hop.chunk)

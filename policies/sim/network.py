@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
-from gradlane.policies.base import FloatArray, IntArray
+from gradlane.policies.base import FloatArray
 
 __all__ = ["Network"]
 
@@ -103,24 +104,31 @@ class Network:
     def __len__(self) -> int:
         return len(self.live)
 
-    def add(self, cid: int, links: IntArray, flows: FloatArray, bits_per_flow: float,
-            prio: int, queue: int, key: tuple[int, ...] = ()) -> None:
+    def add(self, cid: int, links: Sequence[int], flows: Sequence[float],
+            bits_per_flow: float, prio: int, queue: int, key: tuple[int, ...] = ()) -> None:
         """Queue collective `cid` in `queue`: `flows` flows of `bits_per_flow` on
         `links`, at priority `prio` (the queue's from now on). It waits behind the
         entry being served and the waiting ones of a smaller `key`, then of the
-        same key that came earlier (all keys equal: first come, first served)."""
-        self.set_priorities({queue: prio})
+        same key that came earlier (all keys equal: first come, first served).
+        `links` and `flows` are lists (or numpy arrays: listed here)."""
+        if self._prio.get(queue) != prio:
+            self.set_priorities({queue: prio})
+        if isinstance(links, np.ndarray):
+            links = links.tolist()
+        if isinstance(flows, np.ndarray):
+            flows = flows.tolist()
         waiting, waiting_bits = 0, 0.0
         arrival = next(self._arrivals)
         touched = []
-        for link, n in zip(links.tolist(), flows.tolist(), strict=True):
+        behind_of, first_of = self._behind, self._first
+        for link, n in zip(links, flows, strict=True):
             bits = n * bits_per_flow
-            behind = self._behind.get((link, queue))
+            behind = behind_of.get((link, queue))
             if behind is None:
-                self._behind[link, queue] = []
+                behind_of[link, queue] = []
                 self._links_of.setdefault(queue, set()).add(link)
                 self._count(link)
-                self._first[link][queue] = _Entry(next(self._slots), queue, cid, n, bits)
+                first_of[link][queue] = _Entry(next(self._slots), queue, cid, n, bits)
                 touched.append(link)
             else:
                 heapq.heappush(behind, (key, arrival, cid, n, bits))
@@ -246,8 +254,11 @@ class Network:
             self._set_rate(link, e, self._cap[link])
             return
         prio = self._prio
-        top = min(prio[q] for q in first)
-        weight = sum(e.flows for q, e in first.items() if prio[q] == top)
+        top = min([prio[q] for q in first])
+        weight: float = 0  # summed in the entries' order, as sum() would
+        for q, e in first.items():
+            if prio[q] == top:
+                weight += e.flows
         cap = self._cap[link]
         for q, e in first.items():
             self._set_rate(link, e, cap * e.flows / weight if prio[q] == top else 0.0)
