@@ -1,12 +1,15 @@
 """How long each policy takes to plan a 1,024-host, 8-job cluster.
 
-    .venv/bin/python bench/policy_plan.py [--repeat 30] [--json PATH]
+    .venv/bin/python bench/policy_plan.py [--repeat 30] [--hosts 1024] [--json PATH]
 
 The state is the planner's largest: every job of the `gradlane sim cluster`
 scenario with a whole iteration's gradients in flight (load-equivalent
 demand flows per worker and bucket). Each policy plans it `--repeat` times;
 the result records the median and p90 in ms, the state's size, and the
-median over the 50 ms target (the issue's bar for the default policy).
+median over the 50 ms target (the issue's bar for the default policy, at
+1,024 hosts). `--hosts` sizes the cluster otherwise (a multiple of 32, at least 64:
+`gradlane sim cluster`'s leaves of 32 and 8 jobs), to see how plan time
+grows with it; its result goes to ``policy_plan-hostsN.json``.
 Every plan is also checked with `check_plan`, so a fast invalid plan fails.
 Each plan is of a fresh copy of the state, as the control plane's are: what
 a `State` works out once (its flows' links) is counted in every plan.
@@ -25,18 +28,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, write_result  # noqa: E402
 
+from gradlane.errors import ConfigError  # noqa: E402
 from gradlane.policies import check_plan, get_policy, policy_names  # noqa: E402
 from gradlane.policies.sim import cluster, full_demand_state  # noqa: E402
 
 TARGET_MS = 50.0
+HOSTS = 1024
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=30, help="plans per policy")
-    ap.add_argument("--json", type=Path, default=REPO / "bench/results/policy_plan.json")
+    ap.add_argument("--hosts", type=int, default=HOSTS, help="cluster size")
+    ap.add_argument("--json", type=Path, help="result file (default: bench/results/"
+                    "policy_plan.json, policy_plan-hostsN.json for another size)")
     args = ap.parse_args()
-    scenario = cluster()
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    suffix = "" if args.hosts == HOSTS else f"-hosts{args.hosts}"
+    args.json = args.json or REPO / f"bench/results/policy_plan{suffix}.json"
+    try:
+        scenario = cluster(hosts=args.hosts)
+    except ConfigError as e:
+        ap.error(f"--hosts: {e}")
     state = full_demand_state(scenario, get_policy("fifo"))
     results = {}
     for name in policy_names():

@@ -94,3 +94,17 @@ def test_the_long_testbed_scripts_import_and_say_how_to_run_them(script: str) ->
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--json" in out.stdout
+
+
+def test_the_plan_benchmark_sizes_its_cluster_and_refuses_a_size_it_cannot_build(
+        tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    run = [sys.executable, str(BENCH / "policy_plan.py"), "--repeat", "1", "--json", str(out)]
+    proc = subprocess.run([*run, "--hosts", "64"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert (result["hosts"], result["workers"]) == (64, 64)
+    out.unlink()
+    proc = subprocess.run([*run, "--hosts", "100"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--hosts: hosts must fill whole leaves" in proc.stderr
+    assert not out.exists()
