@@ -521,6 +521,24 @@ def test_a_job_missing_ranks_has_no_demand_yet() -> None:
     assert [c.job for c in plane.build_state().coflows] == ["j"]
 
 
+def test_each_state_reuses_the_last_one_s_exchanges_and_keeps_only_its_own() -> None:
+    # Trees are worked out once per placement (at 1,024 hosts, 128 jobs' trees took most
+    # of a state's time when a cache of 64 was emptied every state), and a job gone takes
+    # its placement's with it: the cache holds the current jobs', however many come and go.
+    plane = ControlPlane(_config())
+    _reported(plane, "h0", 0, [_job("a", [0], [1000] * 4), _job("b", [0], [1000] * 4)])
+    _reported(plane, "h1", 0, [_job("a", [1], [1000] * 4)])
+    _reported(plane, "h2", 0, [_job("b", [1], [1000] * 4)])
+    plane.build_state()
+    first = dict(plane._exchanges)
+    assert len(first) == 2
+    plane.build_state()
+    assert all(plane._exchanges[k] is e for k, e in first.items())
+    _reported(plane, "h2", 0, [])  # job b ended
+    assert [c.job for c in plane.build_state().coflows] == ["a"]
+    assert len(plane._exchanges) == 1
+
+
 def _batches(plane: ControlPlane, stated: int, world: int, batches: dict[int, int]
              ) -> tuple[int, tuple[int, ...] | None]:
     """(global batch, batch shares) planned for job j whose ranks report `batches` (rank:
