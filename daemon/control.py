@@ -535,12 +535,13 @@ class ControlPlane:
             "ttl_s": self.config.ttl_s,
             "source": plan.source,
             "job_classes": {j: [c.rate_bps, c.ceil_bps, c.prio] for j, c in classes.items()},
-            "batch_shares": {j: list(s) for j, s in plan.batch_shares.items() if j in jobs},
+            "batch_shares": {j: list(plan.batch_shares[j]) for j in sorted(jobs)
+                             if j in plan.batch_shares},
             # Owners only for jobs whose every rank is reported (those with demand): the
             # shims take them, and a plan over some of the ranks would be taken and then
             # replaced.
-            "ownership": {j: list(o) for j, o in plan.ownership.items()
-                          if j in jobs and j in complete},
+            "ownership": {j: list(plan.ownership[j]) for j in sorted(jobs)
+                          if j in plan.ownership and j in complete},
             # The host's leaf switch when shims should reduce within leaves first.
             "leaf": state.topology.hosts[mine].leaf if plan.reduce_in_leaf and mine >= 0 else None,
             # The link the classes are for: the daemon scales them to each interface.

@@ -521,6 +521,28 @@ def test_a_job_missing_ranks_has_no_demand_yet() -> None:
     assert [c.job for c in plane.build_state().coflows] == ["j"]
 
 
+@pytest.mark.parametrize("field, values, ok", [
+    ("chunk_bytes", [1000, 2000], True),
+    ("chunk_bytes", [1, (1 << 40) - 1], True),
+    *[("chunk_bytes", [1000, bad], False)
+      for bad in (True, 0, -5, 1 << 40, 2.0, "2", None)],
+    ("chunk_layers", [0, 1], True),
+    ("chunk_layers", [1, 1], True),
+    *[("chunk_layers", bad, False)
+      for bad in ([0, 2], [0, -1], [0, False], [0, 1.0], [0], [0, 1, 1])],
+])
+def test_a_report_s_chunks_are_sizes_and_their_layers_below_its_layers(
+        field: str, values: list[Any], ok: bool) -> None:
+    job = {**_job("j", [0], [1000, 2000]), field: values}  # layers: 2
+    report = {"type": "report", "seq": 1, "jobs": [job]}
+    if not ok:
+        with pytest.raises(ProtocolError, match=f"jobs\\[0\\].{field} must"):
+            cp.parse_report(report)
+        return
+    parsed = getattr(cp.parse_report(report).jobs[0], field)
+    assert parsed == tuple(values) and all(type(v) is int for v in parsed)
+
+
 def test_each_state_reuses_the_last_one_s_exchanges_and_keeps_only_its_own() -> None:
     # Trees are worked out once per placement (at 1,024 hosts, 128 jobs' trees took most
     # of a state's time when a cache of 64 was emptied every state), and a job gone takes
