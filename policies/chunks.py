@@ -20,10 +20,10 @@ from gradlane.errors import ConfigError
 
 __all__ = [
     "COARSE_GROUP_BYTES", "DEFAULT_CHUNK_BYTES", "EXCHANGE_OPTIONS", "LAYOUTS", "MIN_CHUNK_BYTES",
-    "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD", "TRIAL_BLOCK", "TRIAL_START", "Routes",
-    "all_reduction_parents", "assign_owners", "band_of", "exchange_kind", "group_consecutive",
-    "host_groups", "layout_sizes", "reduction_parents", "ring_routes", "trial_schedule",
-    "uses_ring",
+    "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD", "TRIAL_BLOCK", "TRIAL_START", "Owning", "Routes",
+    "all_reduction_parents", "assign_owners", "assign_owners_of", "band_of", "exchange_kind",
+    "group_consecutive", "host_groups", "layout_sizes", "reduction_parents", "ring_routes",
+    "trial_schedule", "uses_ring",
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # `gradlane.shim.ShimConfig.chunk_bytes`
@@ -65,32 +65,84 @@ def assign_owners(
     Within a group the rank with the least owned bytes overall breaks ties,
     so the remainders of uneven groups rotate over the ranks.
     """
-    if world < 1:
-        raise ConfigError(f"world size must be >= 1, got {world}")
-    if weights is not None and (len(weights) != world or not all(w > 0 for w in weights)):
-        raise ConfigError(f"need {world} positive owner weights, got {list(weights)}")
-    if groups is not None and len(groups) != len(sizes):
-        raise ConfigError(f"need one group per chunk: {len(groups)} groups, {len(sizes)} chunks")
-    # Weights a solver computed carry rounding noise (0.24999999999999992 next to 0.25):
-    # within `TIE` of each other they count as equal, so ties still go to the lowest rank.
-    w = np.ones(world) if weights is None else np.asarray(weights, dtype=np.float64)
-    if np.all(w <= w.min() * (1 + TIE)):
-        return _equal_weights(sizes, world, groups)
-    total = np.zeros(world)
-    group_load = np.zeros(world)
-    out = []
-    current = None
-    for i, size in enumerate(sizes):
-        if groups is not None and groups[i] != current:
-            current, group_load = groups[i], np.zeros(world)
-        finish = (group_load + size) / w
-        tied = np.flatnonzero(finish <= finish.min() * (1 + TIE))
-        overall = (total[tied] + size) / w[tied]
-        best = int(tied[np.flatnonzero(overall <= overall.min() * (1 + TIE))[0]])  # lowest rank
-        group_load[best] += size
-        total[best] += size
-        out.append(best)
+    return assign_owners_of([(sizes, world, weights, groups)])[0]
+
+
+Owning = tuple[Sequence[int], int, Sequence[float] | None, Sequence[int] | None]
+
+
+def assign_owners_of(jobs: Sequence[Owning]) -> list[list[int]]:
+    """`assign_owners` of several jobs, each ``(sizes, world, weights, groups)``.
+
+    The same owners as one job at a time; the jobs with unequal weights take
+    their greedy steps side by side (every job's ``i``-th chunk in one array
+    operation), so a plan of 128 jobs costs as many steps as the longest job
+    has chunks, not as all of them have.
+    """
+    out: list[list[int]] = [[] for _ in jobs]
+    weighted: list[tuple[int, Sequence[int], np.ndarray, Sequence[int] | None]] = []
+    for k, (sizes, world, weights, groups) in enumerate(jobs):
+        if world < 1:
+            raise ConfigError(f"world size must be >= 1, got {world}")
+        if weights is not None and (len(weights) != world or not all(w > 0 for w in weights)):
+            raise ConfigError(f"need {world} positive owner weights, got {list(weights)}")
+        if groups is not None and len(groups) != len(sizes):
+            raise ConfigError(
+                f"need one group per chunk: {len(groups)} groups, {len(sizes)} chunks")
+        # Weights a solver computed carry rounding noise (0.24999999999999992 next to
+        # 0.25): within `TIE` of each other they count as equal, so ties still go to the
+        # lowest rank.
+        w = np.ones(world) if weights is None else np.asarray(weights, dtype=np.float64)
+        if np.all(w <= w.min() * (1 + TIE)):
+            out[k] = _equal_weights(sizes, world, groups)
+        elif len(sizes):
+            weighted.append((k, sizes, w, groups))
+    if weighted:
+        for (k, *_), owners in zip(weighted, _weighted([j[1:] for j in weighted]), strict=True):
+            out[k] = owners
     return out
+
+
+def _weighted(jobs: list[tuple[Sequence[int], np.ndarray, Sequence[int] | None]]
+              ) -> list[list[int]]:
+    """`assign_owners` with unequal weights, for each ``(sizes, weights, groups)`` at once:
+    row ``j`` of every array is job ``j``'s, its ranks past its world (and chunks past
+    its own) padding. Each chunk goes to the least finish time in its group (owned in
+    the group + the chunk, over the weight), within `TIE`; of those, the least owned
+    bytes overall over the weight, within `TIE`; of those, the lowest rank."""
+    n, world = len(jobs), max(len(w) for _, w, _ in jobs)
+    length = np.array([len(sizes) for sizes, _, _ in jobs])
+    weight, rank = np.ones((n, world)), np.zeros((n, world), dtype=bool)
+    size = np.zeros((n, int(length.max())))
+    group = np.zeros(size.shape, dtype=np.int64)
+    for j, (sizes, w, groups) in enumerate(jobs):
+        weight[j, :len(w)], rank[j, :len(w)] = w, True
+        size[j, :len(sizes)] = sizes
+        if groups is not None:
+            group[j, :len(sizes)] = groups
+    total, group_load = np.zeros((n, world)), np.zeros((n, world))
+    owners = np.zeros(size.shape, dtype=np.int64)
+    rows = np.arange(n)
+    padded = not rank.all()
+    anew = (group[:, 1:] != group[:, :-1]).T  # per step, the rows whose group starts anew
+    starts = anew.any(axis=1).tolist()
+    scale = 1 + TIE
+    axis = None if n == 1 else 1  # one job: whole-array reductions, cheaper than by row
+    for i in range(size.shape[1]):
+        if i and starts[i - 1]:
+            group_load[anew[i - 1]] = 0.0
+        s = size[:, i, None]
+        finish = (group_load + s) / weight
+        if padded:
+            finish[~rank] = np.inf
+        tied = finish <= finish.min(axis=axis, keepdims=True) * scale
+        overall = (total + s) / weight
+        overall[~tied] = np.inf
+        best = np.argmax(overall <= overall.min(axis=axis, keepdims=True) * scale, axis=axis)
+        group_load[rows, best] += s[:, 0]
+        total[rows, best] += s[:, 0]
+        owners[:, i] = best
+    return [owners[j, :length[j]].tolist() for j in range(n)]
 
 
 def _equal_weights(sizes: Sequence[int], world: int, groups: Sequence[int] | None) -> list[int]:

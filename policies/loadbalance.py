@@ -83,7 +83,7 @@ from gradlane.policies.base import (
     Worker,
     register,
 )
-from gradlane.policies.chunks import assign_owners
+from gradlane.policies.chunks import Owning, assign_owners_of
 from gradlane.policies.demand import Exchange
 from gradlane.policies.priority import PriorityPolicy
 
@@ -243,16 +243,19 @@ def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
         on_host.setdefault(w.host, set()).add(w.job)
     jobs_on_host = {h: len(jobs) for h, jobs in on_host.items()}
     reduce_in_leaf = fabric.oversubscribed(topology)
+    owning: dict[str, list[Worker]] = {}
+    jobs: list[Owning] = []
     for job in state.jobs:
         workers = state.workers_of(job.name)
         if workers and job.chunk_bytes:
             shares = job_shares(topology, workers, exchange_of(job, reduce_in_leaf),
                                 jobs_on_host)
-            owning = [w for w, share in zip(workers, shares, strict=True) if share > 0]
+            owning[job.name] = [w for w, share in zip(workers, shares, strict=True) if share > 0]
             layers = job.chunk_layers if len(job.chunk_layers) == len(job.chunk_bytes) else None
-            owners = assign_owners(job.chunk_bytes, len(owning),
-                                   [s for s in shares if s > 0], layers)
-            out[job.name] = tuple(owning[o].rank for o in owners)
+            jobs.append((job.chunk_bytes, len(owning[job.name]), [s for s in shares if s > 0],
+                         layers))
+    for name, owners in zip(owning, assign_owners_of(jobs), strict=True):  # all jobs at once
+        out[name] = tuple(owning[name][o].rank for o in owners)
     return out
 
 

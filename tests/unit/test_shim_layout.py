@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -109,6 +110,52 @@ def test_equal_owners_are_a_heap_of_every_rank_s_owners(
     groups = [group for _, group in chunks] if grouped else None
     assert assign_owners(sizes, world, None, groups) == \
         _owners_one_heap_a_group(sizes, world, groups)
+
+
+def _owners_one_job_at_a_time(sizes: list[int], world: int, weights: list[float],
+                              groups: list[int] | None) -> list[int]:
+    """`assign_owners`' unequal weights as they were computed until 128 jobs' owners were
+    timed in one plan: one job, one chunk at a time."""
+    w = np.asarray(weights, dtype=np.float64)
+    total, group_load, out, current = np.zeros(world), np.zeros(world), [], None
+    for i, size in enumerate(sizes):
+        if groups is not None and groups[i] != current:
+            current, group_load = groups[i], np.zeros(world)
+        finish = (group_load + size) / w
+        tied = np.flatnonzero(finish <= finish.min() * (1 + 1e-9))
+        overall = (total[tied] + size) / w[tied]
+        best = int(tied[np.flatnonzero(overall <= overall.min() * (1 + 1e-9))[0]])
+        group_load[best] += size
+        total[best] += size
+        out.append(best)
+    return out
+
+
+_WEIGHTS = st.sampled_from([1.0, 0.5, 0.25, 0.24999999999999992, 3.0, 1e-3])
+
+
+@st.composite
+def _weighted_jobs(draw: st.DrawFn) -> tuple[list[int], int, list[float], list[int] | None]:
+    world = draw(st.integers(1, 9))
+    chunks = draw(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3)), max_size=40))
+    weights = draw(st.lists(_WEIGHTS, min_size=world, max_size=world))
+    grouped = draw(st.booleans())
+    return ([c for c, _ in chunks], world, weights,
+            [g for _, g in chunks] if grouped else None)
+
+
+@given(st.lists(_weighted_jobs(), min_size=1, max_size=5))
+def test_owners_of_jobs_side_by_side_are_each_job_s_own(
+        jobs: list[tuple[list[int], int, list[float], list[int] | None]]) -> None:
+    """Every job's unequal-weight greedy steps taken in one array (jobs of other worlds,
+    lengths and groups beside it) give the owners of that job alone, tie for tie."""
+    from gradlane.policies.chunks import assign_owners_of
+
+    got = assign_owners_of(jobs)
+    for (sizes, world, weights, groups), owners in zip(jobs, got, strict=True):
+        if max(weights) > min(weights) * (1 + 1e-9):
+            assert owners == _owners_one_job_at_a_time(sizes, world, weights, groups)
+        assert owners == assign_owners(sizes, world, weights, groups)
 
 
 def test_owners_follow_weights() -> None:
