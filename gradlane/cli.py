@@ -654,7 +654,22 @@ def _get_json(url: str, who: str, headers: dict[str, str] | None = None,
 _EXCHANGE = {"leaf": "in leaves first", "host": "in hosts first", "flat": "flat", "ring": "ring"}
 
 
-def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
+# `gradlane status --cluster` without --all: more hosts than this are shown a leaf a row,
+# more ranks a job than this its shares' range.
+WHOLE_HOSTS, WHOLE_RANKS = 32, 8
+
+
+def _spread(values: list[float], each: str, every: bool, unit: str = "") -> str:
+    """A job's per-rank figures: `each` of them for a few ranks (or `every`), else their
+    range."""
+    if every or len(values) <= WHOLE_RANKS:
+        return each
+    low, high = min(values), max(values)
+    spread = f"{low:g}{unit} each" if low == high else f"{low:g}-{high:g}{unit}"
+    return f"{spread} ({len(values)} ranks)"
+
+
+def _cluster_status(url: str, token_file: Path, as_json: bool, every: bool = False) -> None:
     import json
 
     from gradlane.daemon.control import read_token
@@ -674,16 +689,32 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
     out.print(f"gradlane control {data['version']}, policy {data['policy']}, "
               + (f"plan v{plan['version']} ({plan['age_s']}s old, ttl {plan['ttl_s']}s)"
                  if plan else "no plan yet"))
-    hosts = Table(title="hosts")
-    for column in ("host", "leaf", "connected", "last seen", "gradlane", "interfaces",
-                   "link (planned)"):
-        hosts.add_column(column)
-    for h in data["hosts"]:
-        hosts.add_row(h["host"], str(h["leaf"]), "yes" if h["connected"] else "LOST",
-                      f"{h['seen_s_ago']:.1f}s ago", h["gradlane"],
-                      ", ".join(f"{i['name']} {format_rate(i['rate_bps'])}"
-                                for i in h["interfaces"]),
-                      format_rate(h["link_bps"]) if h.get("link_bps") else "-")
+    if every or len(data["hosts"]) <= WHOLE_HOSTS:
+        hosts = Table(title="hosts")
+        for column in ("host", "leaf", "connected", "last seen", "gradlane", "interfaces",
+                       "link (planned)"):
+            hosts.add_column(column)
+        for h in data["hosts"]:
+            hosts.add_row(h["host"], str(h["leaf"]), "yes" if h["connected"] else "LOST",
+                          f"{h['seen_s_ago']:.1f}s ago", h["gradlane"],
+                          ", ".join(f"{i['name']} {format_rate(i['rate_bps'])}"
+                                    for i in h["interfaces"]),
+                          format_rate(h["link_bps"]) if h.get("link_bps") else "-")
+    else:  # a leaf a row: what a large cluster's operator looks for is what is LOST
+        hosts = Table(title=f"hosts: {len(data['hosts'])}, a leaf a row (--all: each host)")
+        for column in ("leaf", "hosts", "connected", "LOST", "gradlane", "links (planned)"):
+            hosts.add_column(column)
+        leaves: dict[int, list[dict[str, Any]]] = {}
+        for h in data["hosts"]:
+            leaves.setdefault(h["leaf"], []).append(h)
+        for leaf, members in sorted(leaves.items()):
+            lost = [h["host"] for h in members if not h["connected"]]
+            links = sorted({h["link_bps"] for h in members if h.get("link_bps")})
+            hosts.add_row(str(leaf), str(len(members)), str(len(members) - len(lost)),
+                          ", ".join(lost[:5]) + (f" and {len(lost) - 5} more"
+                                                 if len(lost) > 5 else "") or "-",
+                          ", ".join(sorted({h["gradlane"] for h in members})),
+                          ", ".join(format_rate(r) for r in links) or "-")
     out.print(hosts)
     jobs = Table(title="jobs")
     for column in ("job", "workers", "hosts", "state", "exchange", "sending",
@@ -694,6 +725,7 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
     for name, j in sorted(data["jobs"].items()):
         shares = (plan or {}).get("batch_shares", {}).get(name)
         owned = (plan or {}).get("owned_shares", {}).get(name)  # by rank, of the model
+        percent = [round(share * 100) for share in owned or []]
         sending = sum(j.get("band_bps", []))  # what its classes carry now (gradlaned measures)
         jobs.add_row(name, str(j["workers"]), str(len(j["hosts"])),
                      "DEGRADED" if j["degraded"] else "ok",
@@ -702,9 +734,11 @@ def _cluster_status(url: str, token_file: Path, as_json: bool) -> None:
                      f"{j['demand_bytes'] / 1e6:.2f} MB" if j.get("demand_bytes") else "-",
                      f"{order.index(name) + 1} (level {level.get(name, 0)})" if name in order
                      else "-",
-                     f"{shares} of {j['global_batch']}" if shares and j.get("global_batch")
-                     else str(shares or "-"),
-                     "/".join(f"{share * 100:.0f}" for share in owned) + "%" if owned else "-")
+                     (_spread(shares, str(shares), every)
+                      + (f" of {j['global_batch']}" if j.get("global_batch") else ""))
+                     if shares else "-",
+                     _spread(percent, "/".join(map(str, percent)) + "%", every, "%")
+                     if owned else "-")
     out.print(jobs)
 
 
@@ -868,15 +902,21 @@ def _log_as_a_service() -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON (for scripts).")
 @click.option("--cluster", is_flag=True, help="Ask the control plane for the whole cluster.")
+@click.option("--all", "every", is_flag=True,
+              help=f"--cluster: every host and rank (more than {WHOLE_HOSTS} hosts are shown "
+              f"a leaf a row, more than {WHOLE_RANKS} ranks' shares as a range).")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
               default=DEFAULT_TOKEN, show_default=True, help="The control plane's token.")
-def status(url: str | None, as_json: bool, cluster: bool, token_file: Path) -> None:
+def status(url: str | None, as_json: bool, cluster: bool, every: bool, token_file: Path
+           ) -> None:
     """Show a running gradlaned's jobs, workers and classes (or, --cluster, every host's)."""
     import json
 
     if cluster:
-        _cluster_status(url or "http://127.0.0.1:7800", token_file, as_json)
+        _cluster_status(url or "http://127.0.0.1:7800", token_file, as_json, every)
         return
+    if every:
+        raise click.UsageError("--all goes with --cluster (a daemon shows all it has)")
     url = url or "http://127.0.0.1:9464"
     data = _get_json(f"{url.rstrip('/')}/status", "gradlaned", unanswered=(
         "Is gradlaned running on this host (systemctl status gradlaned)? It serves /status on "

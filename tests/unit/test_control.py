@@ -342,6 +342,39 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     assert view["plan"]["owned_shares"]["a"] == [0.5, 0.5] and "50/50%" in a  # owned bytes
 
 
+def test_gradlane_status_sums_up_a_large_cluster_a_leaf_a_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 40 hosts on two leaves, one job of 40 ranks, two daemons gone: a leaf a row names the
+    # lost hosts, the job's shares are a range; --all lists every host and every share.
+    plane = ControlPlane(_config())
+    for h in range(40):
+        _reported(plane, f"h{h:02d}", h // 20, [{**_job("j", [h], [1000] * 80),
+                                                  "global_batch": 40 * 16}])
+    plane.state = plane.build_state()
+    plane.plan = plane.policy.plan(plane.state)
+    for lost in ("h03", "h27"):
+        plane.daemons[lost].connected = False
+    view = plane.view()
+    monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: json.loads(json.dumps(view)))
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    args = ["status", "--cluster", "--token-file", str(token)]
+    summed = CliRunner().invoke(cli.cli, args)
+    assert summed.exit_code == 0, summed.output
+    rows = {line.split()[1]: line.split() for line in summed.output.splitlines()
+            if line.startswith("│") and "0.1.0" in line}
+    assert rows["0"][1:9:2] == ["0", "20", "19", "h03"] and rows["1"][7] == "h27"
+    assert "h05" not in summed.output
+    assert "16 each (40 ranks) of 640" in summed.output  # equal throughput
+    assert "2% each (40 ranks)" in summed.output  # owned bytes: 80 chunks over 40 ranks
+    every = CliRunner().invoke(cli.cli, [*args, "--all"])
+    assert every.exit_code == 0, every.output
+    assert all(f"h{h:02d}" in every.output for h in range(40))
+    assert "[16, 16," in every.output and "(40 ranks)" not in every.output
+    alone = CliRunner().invoke(cli.cli, ["status", "--all"])
+    assert alone.exit_code == 2 and "--all goes with --cluster" in alone.output
+
+
 def test_gradlane_status_with_nothing_answering_says_what_to_check(tmp_path: Path) -> None:
     held = socket.socket()  # bound, never listening: connections to it are refused
     held.bind(("127.0.0.1", 0))
