@@ -281,6 +281,11 @@ def _claim_address(ifname: str) -> bytes:
     return b"\0gradlane/qdisc/" + ifname.encode()
 
 
+def _claim_socket() -> socket.socket:
+    return socket.socket(socket.AF_UNIX,
+                         socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+
+
 class Claim:
     """This process's claim on an interface's root qdisc, so that no two gradlaneds manage
     one: an abstract Unix socket named for the interface. Abstract names belong to a
@@ -293,8 +298,7 @@ class Claim:
     """
 
     def __init__(self, ifname: str) -> None:
-        self._sock = socket.socket(socket.AF_UNIX,
-                                   socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        self._sock = _claim_socket()
         try:
             self._sock.bind(_claim_address(ifname))
             self._sock.listen(16)
@@ -325,8 +329,7 @@ class Claim:
 def claim_holder(ifname: str) -> int | None:
     """The pid of the process that holds `ifname`'s `Claim` in this network namespace: None
     if none does, 0 if one does but its backlog was full."""
-    with socket.socket(socket.AF_UNIX,
-                       socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC) as sock:
+    with _claim_socket() as sock:
         try:
             sock.connect(_claim_address(ifname))
         except (BlockingIOError, InterruptedError):  # EAGAIN: its backlog is full

@@ -123,7 +123,7 @@ def _weighted(jobs: list[tuple[Sequence[int], np.ndarray, Sequence[int] | None]]
     total, group_load = np.zeros((n, world)), np.zeros((n, world))
     owners = np.zeros(size.shape, dtype=np.int64)
     rows = np.arange(n)
-    padded = not rank.all()
+    padded, unranked = not rank.all(), ~rank
     anew = (group[:, 1:] != group[:, :-1]).T  # per step, the rows whose group starts anew
     starts = anew.any(axis=1).tolist()
     scale = 1 + TIE
@@ -134,7 +134,7 @@ def _weighted(jobs: list[tuple[Sequence[int], np.ndarray, Sequence[int] | None]]
         s = size[:, i, None]
         finish = (group_load + s) / weight
         if padded:
-            finish[~rank] = np.inf
+            finish[unranked] = np.inf
         tied = finish <= finish.min(axis=axis, keepdims=True) * scale
         overall = (total + s) / weight
         overall[~tied] = np.inf

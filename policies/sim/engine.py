@@ -347,7 +347,8 @@ class _Sim:
         if not job.spec.ring and not job.staged:
             # In the shim's order: the bucket's forward position (open loop: coflows first
             # come, first served).
-            self.net.add(cid, job.links[mask], flows, per_flow, *self.queue(job, c.band),
+            self.net.add(cid, job.links[mask].tolist(), flows.tolist(), per_flow,
+                         *self.queue(job, c.band),
                          key=(iteration, bucket))
             return
         chunks = range(job.first_chunk[bucket], job.first_chunk[bucket + 1])

@@ -110,13 +110,9 @@ class Network:
         `links`, at priority `prio` (the queue's from now on). It waits behind the
         entry being served and the waiting ones of a smaller `key`, then of the
         same key that came earlier (all keys equal: first come, first served).
-        `links` and `flows` are lists (or numpy arrays: listed here)."""
+        `links` and `flows` are lists: the network takes them one by one."""
         if self._prio.get(queue) != prio:
             self.set_priorities({queue: prio})
-        if isinstance(links, np.ndarray):
-            links = links.tolist()
-        if isinstance(flows, np.ndarray):
-            flows = flows.tolist()
         waiting, waiting_bits = 0, 0.0
         arrival = next(self._arrivals)
         touched = []

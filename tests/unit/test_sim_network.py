@@ -13,7 +13,7 @@ CAP = np.array([100.0, 100.0, 100.0])  # bit/s, three links
 
 def _add(net: Network, cid: int, links: list[int], flows: list[float], bits: float,
          prio: int = 0, queue: int = 0, key: tuple[int, ...] = ()) -> None:
-    net.add(cid, np.array(links, np.int64), np.array(flows), bits, prio, queue, key=key)
+    net.add(cid, links, [float(f) for f in flows], bits, prio, queue, key=key)
 
 
 def test_a_higher_priority_takes_a_link_and_the_lower_one_moves_on_its_others() -> None:
