@@ -25,7 +25,14 @@ from gradlane.policies.chunks import assign_owners
 from gradlane.policies.coflow import bssi_order, levels
 from gradlane.policies.demand import Exchange
 from gradlane.policies.fifo import FairPolicy
-from gradlane.policies.loadbalance import exchange_time, flat_shares, one_switch, owner_shares
+from gradlane.policies.loadbalance import (
+    _shares,
+    exchange_time,
+    flat_shares,
+    one_switch,
+    owner_shares,
+    placement_shape,
+)
 from gradlane.policies.priority import CHUNK_GRID, next_tuning
 from gradlane.policies.straggler import proportional_shares
 from tests import examples
@@ -149,6 +156,21 @@ def test_loadbalance_gives_a_ring_s_slow_link_more_chunks() -> None:
     assert [owners.count(i) for i in range(4)] == [100] * 4
 
 
+def test_jobs_placed_alike_share_one_solution_of_their_owner_shares() -> None:
+    """Four jobs, each two ranks on each of two hosts (a linear programme's case), on
+    hosts numbered apart: one solve for all four; a fifth placed otherwise, another."""
+    topo = Topology(tuple(Host(f"h{i}", i // 4, G) for i in range(10)))
+    jobs = tuple(JobState(f"j{k}", 4, chunk_bytes=(1,) * 64) for k in range(5))
+    placed = [(0, 0, 1, 1), (2, 2, 3, 3), (4, 4, 5, 5), (6, 6, 7, 7), (8, 9, 9, 9)]
+    workers = tuple(Worker(f"j{k}", r, h) for k, hosts in enumerate(placed)
+                    for r, h in enumerate(hosts))
+    _shares.cache_clear()
+    plan = get_policy("loadbalance").plan(State(jobs=jobs, topology=topo, workers=workers))
+    assert _shares.cache_info().misses == 2
+    assert len({plan.ownership[f"j{k}"] for k in range(4)}) == 1  # same shape, same owners
+    assert plan.ownership["j4"] != plan.ownership["j0"]
+
+
 def test_loadbalance_gives_the_ends_of_co_located_runs_the_chunks_on_the_ring() -> None:
     """Ranks 0-3 on one host, 4-7 on another: only ranks 3 -> 4 and 7 -> 0 cross a NIC,
     and a chunk owned at either end of a crossing skips it one way."""
@@ -203,6 +225,31 @@ def test_owner_shares_finish_no_later_than_any_shares_on_a_grid(
                      if sum(parts) <= steps]) / steps
     best_on_grid = (grid @ loads / rates).max(axis=1).min()
     assert exchange_time(loads, rates, shares) <= best_on_grid * (1 + 1e-5)
+
+
+@st.composite
+def numbered_placements(draw: st.DrawFn) -> tuple[list[int], list[int], list[float]]:
+    """Ranks on hosts with numbers anywhere in a large cluster (some sharing a host),
+    each host's leaf, and the used hosts' links in host order."""
+    used = sorted(draw(st.sets(st.integers(0, 4095), min_size=1, max_size=4)))
+    leaf_of = {h: draw(st.integers(0, 127)) for h in used}
+    hosts = draw(st.lists(st.sampled_from(used), min_size=2, max_size=6))
+    rates = [draw(st.sampled_from([0.5, 1.0, 2.0])) for _ in sorted(set(hosts))]
+    return hosts, [leaf_of[h] for h in hosts], rates
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(numbered_placements(), st.booleans(), st.sampled_from(["flat", "leaf", "host", "ring"]))
+def test_owner_shares_depend_on_the_placement_s_shape_not_its_numbers(
+    placement: tuple[list[int], list[int], list[float]], uplinks: bool, kind: str,
+) -> None:
+    """`job_shares` solves for `placement_shape`s (jobs placed alike share a solution):
+    the same shares as the hosts' and leaves' own numbers give."""
+    hosts, leaves, rates = placement
+    solve = _shares.__wrapped__  # not the cache: each side solved for itself
+    as_numbered = solve(tuple(hosts), tuple(leaves), uplinks, kind, tuple(rates))
+    shaped = solve(placement_shape(hosts), placement_shape(leaves), uplinks, kind, tuple(rates))
+    assert shaped == as_numbered
 
 
 @settings(max_examples=examples(40), deadline=None)
