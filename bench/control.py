@@ -8,7 +8,9 @@ from this process, each holding a WebSocket like gradlaned: it registers,
 reports 4 workers of one of 25 jobs (8 hosts per job, workers of unequal
 throughput) once a second, and receives plans. Push latency is, per plan
 message, the receive time minus the plan's `computed_at` (same clock: one
-machine). Over the measured window the control plane's CPU (user + system,
+machine). Also, per daemon, the time from when the daemons start connecting to
+its first plan with its job's chunk owners (all connect at once, as after a
+control plane's restart). Over the measured window the control plane's CPU (user + system,
 from /proc), its resident memory and its mean time per plan (each job's
 demand flows built from the reports, then the policy: its own
 ``gradlane_control_plan_seconds`` histogram) are recorded. The simulated daemons
@@ -61,7 +63,8 @@ def _rss_mb(pid: int) -> float:
 
 
 async def _daemon(i: int, url: str, token: str, stop: float, lat: list[float],
-                  ready: asyncio.Event, connected: list[int], total: int) -> None:
+                  ready: asyncio.Event, connected: list[int], total: int,
+                  owned_at: list[float], started: float) -> None:
     job, first_rank = f"job{i // 8}", (i % 8) * 4
     register = {"type": "register", "version": 1, "host": f"sim{i:03d}", "leaf": i // 32,
                 "gradlane": "bench", "interfaces": [{"name": "eth0", "rate_bps": 25 * 10**9}]}
@@ -79,6 +82,7 @@ async def _daemon(i: int, url: str, token: str, stop: float, lat: list[float],
             ready.set()
         await ws.send_json(report)
         next_report = time.monotonic() + 1.0
+        owned = False
         while time.time() < stop:
             try:
                 async with asyncio.timeout(max(0.01, next_report - time.monotonic())):
@@ -91,6 +95,9 @@ async def _daemon(i: int, url: str, token: str, stop: float, lat: list[float],
             if msg.type != aiohttp.WSMsgType.TEXT:
                 raise RuntimeError(f"daemon {i}: connection ended: {msg.type}")
             data = json.loads(msg.data)
+            if data["type"] == "plan" and not owned and job in data["ownership"]:
+                owned = True  # its job's first full plan: every rank reported, owners set
+                owned_at.append(time.monotonic() - started)
             if data["type"] == "plan" and data["computed_at"] and ready.is_set():
                 lat.append((time.time() - data["computed_at"]) * 1000)
 
@@ -112,12 +119,16 @@ async def _planning(url: str, token: str) -> tuple[float, float]:
 
 async def _run(args: argparse.Namespace, url: str, token: str, pid: int) -> dict[str, Any]:
     lat: list[float] = []
+    owned_at: list[float] = []
     ready, connected = asyncio.Event(), []
     stop = time.time() + args.seconds + 30
+    started = time.monotonic()
     tasks = [asyncio.create_task(_daemon(i, url, token, stop, lat, ready, connected,
-                                         args.daemons)) for i in range(args.daemons)]
+                                         args.daemons, owned_at, started))
+             for i in range(args.daemons)]
     async with asyncio.timeout(30):
         await ready.wait()
+    all_connected = time.monotonic() - started
     lat.clear()
     cpu0, t0 = _cpu_s(pid), time.monotonic()
     planned0 = await _planning(url, token)
@@ -132,6 +143,10 @@ async def _run(args: argparse.Namespace, url: str, token: str, pid: int) -> dict
     await asyncio.gather(*tasks, return_exceptions=True)
     if not samples:
         raise SystemExit("no plan arrived during the window")
+    if len(owned_at) < args.daemons:
+        raise SystemExit(f"{args.daemons - len(owned_at)} daemons never had their job's "
+                         "chunk owners in a plan")
+    owned_at.sort()
     return {
         "daemons": args.daemons,
         "seconds": wall,
@@ -142,6 +157,12 @@ async def _run(args: argparse.Namespace, url: str, token: str, pid: int) -> dict
             "max": samples[-1],
         },
         "median_over_target": statistics.median(samples) / TARGET_MS,
+        # From when the daemons start connecting (as after a control plane's restart, all at
+        # once) to each daemon's first plan with its job's chunk owners (every rank of the
+        # job reported): median and last.
+        "owners_after_connect_s": {"median": statistics.median(owned_at),
+                                   "max": owned_at[-1]},
+        "all_connected_s": all_connected,  # the last daemon welcomed
         "target_ms": TARGET_MS,
         "control_cpu_cores": cpu / wall,
         "control_rss_mb": rss,
@@ -192,7 +213,9 @@ def main() -> None:
           f"p90 {lat['p90']:.1f} ms; {result['plans_computed']:.0f} plans "
           f"({result['jobs_with_demand']} jobs' demand), {result['plan_ms_mean']:.1f} ms each; "
           f"control plane {result['control_cpu_cores']:.2f} cores, "
-          f"{result['control_rss_mb']:.0f} MB -> {args.json}")
+          f"{result['control_rss_mb']:.0f} MB; every daemon had its job's owners "
+          f"{result['owners_after_connect_s']['max']:.2f} s after connecting "
+          f"-> {args.json}")
 
 
 if __name__ == "__main__":
