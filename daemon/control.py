@@ -179,6 +179,11 @@ class ControlPlane:
         self._push_s = Histogram("gradlane_control_push_seconds",
                                  "From plan computed to the last daemon's copy sent",
                                  registry=self.metrics)
+        self._failed = Counter("gradlane_control_plan_failures",
+                               "Plans that failed (a state or policy error): the daemons keep "
+                               "the last plan until its TTL runs out", registry=self.metrics)
+        # The planner's failures since its last plan: (how many, when the last was, what).
+        self.failing: tuple[int, float, str] | None = None
         self._rejected = Counter("gradlane_control_rejected", "Requests or messages refused",
                                  ["reason"], registry=self.metrics)
         self._connected = Gauge("gradlane_control_daemons", "Daemons connected",
@@ -345,9 +350,14 @@ class ControlPlane:
             snapshot = self.snapshot()
             try:
                 state, plan = await loop.run_in_executor(None, self._state_and_plan, snapshot)
-            except Exception:  # a policy (or state) bug must not stop the control plane
-                logger.exception("policy %s failed; keeping the last plan", self.policy.name)
+            except Exception as exc:  # a policy (or state) bug must not stop the control plane
+                logger.exception("policy %s failed; no new plan: the daemons keep the last one "
+                                 "until its TTL runs out", self.policy.name)
+                self._failed.inc()
+                count = self.failing[0] if self.failing else 0
+                self.failing = (count + 1, time.time(), f"{type(exc).__name__}: {exc}"[:300])
                 continue
+            self.failing = None
             self._plan_s.observe(time.perf_counter() - started)
             self._plans.inc()
             self.state, self.plan, self.planned_at = state, plan, time.time()
@@ -619,6 +629,10 @@ class ControlPlane:
                 "coflow_order": list(plan.coflow_order),
                 "reduce_in_leaf": plan.reduce_in_leaf,
             },
+            # Planning that failed since the last plan (None: the last one planned).
+            "planning_failed": None if self.failing is None else {
+                "times": self.failing[0], "last_s_ago": round(time.time() - self.failing[1], 3),
+                "error": self.failing[2]},
         }
 
 

@@ -689,6 +689,13 @@ def _cluster_status(url: str, token_file: Path, as_json: bool, every: bool = Fal
     out.print(f"gradlane control {data['version']}, policy {data['policy']}, "
               + (f"plan v{plan['version']} ({plan['age_s']}s old, ttl {plan['ttl_s']}s)"
                  if plan else "no plan yet"))
+    failed = data.get("planning_failed")  # a control plane older than this one does not say
+    if failed:
+        out.print(Text.assemble(
+            (f"planning FAILED {failed['times']} time(s) since the last plan, last "
+             f"{failed['last_s_ago']:.1f}s ago: ", "bold red"), failed["error"],
+            "; the daemons keep the last plan until its TTL runs out, then use their local "
+            "policy (the control plane's log has the traceback)"))
     if every or len(data["hosts"]) <= WHOLE_HOSTS:
         hosts = Table(title="hosts")
         for column in ("host", "leaf", "connected", "last seen", "gradlane", "interfaces",

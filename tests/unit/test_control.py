@@ -194,7 +194,7 @@ def test_an_oversubscribed_uplink_makes_shims_reduce_within_leaves() -> None:
 
 
 def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planner(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     release = threading.Event()
     builds: list[str] = []
@@ -210,23 +210,47 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
             return demand(*args)
 
         monkeypatch.setattr(plane, "_demand", slow_demand)
-        ws = await client.ws_connect("/api/v1/daemon", headers=AUTH)
-        await ws.send_json(_register("h"))
-        assert (await ws.receive_json())["type"] == "welcome"
-        await ws.send_json(_report([0], 5.0, batch=8))
-        async with asyncio.timeout(5):
-            while len(builds) < 2:  # the first build failed, the planner went on
-                await asyncio.sleep(0.01)
+        try:
+            ws = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+            await ws.send_json(_register("h"))
+            assert (await ws.receive_json())["type"] == "welcome"
+            await ws.send_json(_report([0], 5.0, batch=8))
+            async with asyncio.timeout(5):
+                while len(builds) < 2:  # the first build failed, the planner went on
+                    await asyncio.sleep(0.01)
+                view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
+            assert view["jobs"]["j"]["workers"] == 1  # served while a state was being built
+            # ... and said the failure, for operators: in the view, `gradlane status` and /metrics.
+            assert view["planning_failed"]["times"] == 1
+            assert view["planning_failed"]["error"] == "RuntimeError: a state bug"
+            shown = _status_of(tmp_path, monkeypatch, view)
+            assert "planning FAILED 1 time(s) since the last plan" in shown
+            assert "RuntimeError: a state bug; the daemons keep the last plan" in shown
+            metrics = await (await client.get("/metrics", headers=AUTH)).text()
+            assert "gradlane_control_plan_failures_total 1.0" in metrics
+            release.set()
+            assert (await _next_plan(ws))["batch_shares"] == {"j": [8]}
             view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
-        assert view["jobs"]["j"]["workers"] == 1  # served while a state was being built
-        release.set()
-        assert (await _next_plan(ws))["batch_shares"] == {"j": [8]}
-        await ws.close()
+            assert view["planning_failed"] is None  # planned since
+            assert "FAILED" not in _status_of(tmp_path, monkeypatch, view)
+            await ws.close()
+        finally:
+            release.set()  # a failed assertion must not leave the build held
 
     with caplog.at_level("ERROR", logger=control.__name__):
         _run(test)
     assert threading.main_thread().name not in builds
     assert "a state bug" in caplog.text
+
+
+def _status_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view: dict[str, Any]) -> str:
+    """What `gradlane status --cluster` prints of `view`."""
+    monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: view)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    shown = CliRunner().invoke(cli.cli, ["status", "--cluster", "--token-file", str(token)])
+    assert shown.exit_code == 0, shown.output
+    return shown.output
 
 
 def test_a_bad_message_closes_only_that_connection() -> None:
