@@ -52,6 +52,7 @@ from gradlane.policies import (
 )
 from gradlane.policies.chunks import assign_owners, exchange_kind, host_groups
 from gradlane.policies.demand import Exchange, bucket_starts
+from gradlane.policies.loadbalance import load_solver
 
 __all__ = ["ControlConfig", "ControlPlane", "read_token", "serve"]
 
@@ -699,6 +700,13 @@ def _field(raw: dict[str, Any], key: str) -> dict[str, Any]:
     return {"type": key, **{k: v for k, v in value.items() if k != "type"}}
 
 
+def _load_solver() -> None:
+    try:
+        load_solver()
+    except ConfigError as exc:  # `gradlane control` checked it is installed: a broken install
+        logger.error("%s; plans that need it will fail", exc)
+
+
 async def serve(config: ControlConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; the site is bound before `ready` is set."""
     plane = ControlPlane(config)
@@ -708,6 +716,9 @@ async def serve(config: ControlConfig, ready: asyncio.Event | None = None) -> No
         await start_site(runner, config.host, config.port, "daemons and the API")
         logger.info("gradlane control %s listening on %s:%d, policy %s",
                     __version__, config.host, config.port, plane.policy.name)
+        # The solver's import (about a second) while the daemons reconnect: not before
+        # listening, which a restart's daemons wait for, nor in the first plan needing it.
+        asyncio.get_running_loop().run_in_executor(None, _load_solver)
         if ready is not None:
             ready.set()
         await asyncio.Event().wait()

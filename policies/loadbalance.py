@@ -65,6 +65,7 @@ would be their sum and the path the least loaded one). Bands and rates are
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, cast
@@ -88,11 +89,14 @@ from gradlane.policies.demand import Exchange
 from gradlane.policies.priority import PriorityPolicy
 
 __all__ = ["LoadBalancePolicy", "balanced_ownership", "exchange_time", "flat_shares",
-           "exchange_of", "job_shares", "one_switch", "owner_shares", "placement_shape",
-           "require_solver"]
+           "exchange_of", "job_shares", "load_solver", "one_switch", "owner_shares",
+           "placement_shape", "require_solver"]
 
 # `owner_shares` takes shares this small (of 1) as none: below a solver's tolerance.
 MIN_SHARE = 1e-5
+
+
+NO_SOLVER = "planning chunk owners for unequal links needs SciPy: pip install 'gradlane[control]'"
 
 
 def _linprog() -> Callable[..., Any]:
@@ -100,13 +104,27 @@ def _linprog() -> Callable[..., Any]:
     try:
         from scipy.optimize import linprog
     except ImportError:
-        raise ConfigError("planning chunk owners for unequal links needs SciPy: "
-                          "pip install 'gradlane[control]'") from None
+        raise ConfigError(NO_SOLVER) from None
     return cast("Callable[..., Any]", linprog)
 
 
 def require_solver() -> None:
-    """Fail now, not at the first plan that needs it, if SciPy (`control` extra) is missing."""
+    """Fail now, not at the first plan that needs it, if SciPy (`control` extra) is not
+    installed. Importing it takes about a second: `load_solver` does, when it suits."""
+    try:
+        found = importlib.util.find_spec("scipy.optimize") is not None
+    except ImportError:  # its package missing
+        found = False
+    if not found:
+        raise ConfigError(NO_SOLVER)
+
+
+def load_solver() -> None:
+    """Import the solver now, not in the first plan that needs it.
+
+    Raises:
+        ConfigError: SciPy cannot be imported.
+    """
     _linprog()
 
 
