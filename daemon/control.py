@@ -703,8 +703,8 @@ def _field(raw: dict[str, Any], key: str) -> dict[str, Any]:
 def _load_solver() -> None:
     try:
         load_solver()
-    except ConfigError as exc:  # `gradlane control` checked it is installed: a broken install
-        logger.error("%s; plans that need it will fail", exc)
+    except Exception as exc:  # `gradlane control` found it installed: a broken install
+        logger.error("the solver did not import (%s); plans that need it will fail", exc)
 
 
 async def serve(config: ControlConfig, ready: asyncio.Event | None = None) -> None:

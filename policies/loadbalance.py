@@ -237,8 +237,8 @@ def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,
     host's NIC divided among the jobs on it (`jobs_on_host`)."""
     hosts = tuple(w.host for w in workers)
     host_bps = tuple(topology.hosts[h].nic_bps / jobs_on_host[h] for h in sorted(set(hosts)))
-    return list(_shares(placement_shape(hosts), placement_shape(topology.hosts[h].leaf
-                                                                  for h in hosts),
+    leaves = (topology.hosts[h].leaf for h in hosts)
+    return list(_shares(placement_shape(hosts), placement_shape(leaves),
                         bool(topology.uplink_bps), kind, host_bps))
 
 
