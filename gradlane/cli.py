@@ -21,6 +21,10 @@ from gradlane.errors import ConfigError, GradlaneError
 from gradlane.signals import ending_signals, unwind_on_signals
 from gradlane.units import format_rate, parse_rate
 
+# The registered policies (`gradlane.policies.policy_names()`, which a test holds this to),
+# named here so that --help does not import the policies (numpy).
+POLICIES = "coflow, fair, fifo, gradlane, loadbalance, priority, straggler"
+
 __all__ = ["main"]
 
 console = Console(stderr=True)
@@ -453,7 +457,8 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
 @click.argument("experiment", type=click.Choice(["cluster", "coflows", "heterogeneous",
                                                   "validate"]), default="cluster")
 @click.option("--policy", "policies", multiple=True,
-              help="Policy to simulate (repeatable; default: all that the experiment compares).")
+              help=f"Policy to simulate: {POLICIES} (repeatable; default: all that the "
+                   "experiment compares).")
 @click.option("--seed", default=0, show_default=True, help="Placement and job-mix seed.")
 @click.option("--hosts", default=1024, show_default=True,
               help="Cluster size for 'cluster' (a multiple of 32).")
@@ -582,7 +587,10 @@ DEFAULT_TOKEN = Path("/etc/gradlane/control.token")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
               default=DEFAULT_TOKEN, show_default=True,
               help="File holding the bearer token daemons and clients must send (>= 16 chars).")
-@click.option("--policy", default="gradlane", show_default=True, help="Global policy.")
+@click.option("--policy", default="gradlane", show_default=True,
+              help=f"Global policy: {POLICIES} (gradlane: priority, loadbalance and "
+                   "straggler composed, coflow's order reported), or "
+                   "package.module:Class.")
 @click.option("--cadence", default=1.0, show_default=True, help="Seconds between plans.")
 @click.option("--ttl", default=10.0, show_default=True,
               help="Seconds a daemon may keep a plan without hearing from the control plane.")
@@ -771,7 +779,9 @@ def _daemon_options(fn: Any) -> Any:
         click.option("--socket", "socket_path", default=None, help="Unix socket for shims."),
         click.option("--http", default=None, help="host:port for /status and /metrics; '' = off."),
         click.option("--state-dir", default=None, help="Where original qdiscs are recorded."),
-        click.option("--policy", default=None, help="Local policy name or module:Class."),
+        click.option("--policy", default=None,
+                     help=f"Local policy: {POLICIES}, or package.module:Class [default: "
+                          "the file's, else fair]."),
         click.option(
             "--on-start",
             type=click.Choice(["takeover", "restore"]),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gradlane.cli import cli
+from gradlane.cli import POLICIES, cli
 
 
 def test_sim_heterogeneous_writes_json_and_png(tmp_path: Path) -> None:
@@ -47,6 +47,15 @@ def test_sim_validate_replays_the_shipped_testbed_results(tmp_path: Path) -> Non
         ("two-nics", "gradlane, two NICs, eth1 at half the rate")}
     assert data["max_abs_error"] == max(abs(r["error"]) for r in data["rows"])
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv", [["control"], ["daemon"], ["sim"]])
+def test_every_command_taking_a_policy_names_the_registered_ones(argv: list[str]) -> None:
+    from gradlane.policies import policy_names
+
+    assert POLICIES.split(", ") == policy_names()  # --help names them without importing them
+    shown = CliRunner().invoke(cli, [*argv, "--help"], terminal_width=400)
+    assert shown.exit_code == 0 and f"{POLICIES}" in shown.output, shown.output
 
 
 def test_sim_unknown_policy_is_an_error(tmp_path: Path) -> None:
