@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -190,6 +191,10 @@ class ControlPlane:
         self._connected = Gauge("gradlane_control_daemons", "Daemons connected",
                                 registry=self.metrics)
         self._connected.set_function(lambda: sum(d.connected for d in self.daemons.values()))
+        age = Gauge("gradlane_control_plan_age_seconds",
+                    "Since the last plan was computed (NaN: none yet); past the TTL the "
+                    "daemons are on their local policy", registry=self.metrics)
+        age.set_function(lambda: time.time() - self.planned_at if self.plan else math.nan)
 
     # -- HTTP ----------------------------------------------------------------
 

@@ -228,10 +228,15 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
             assert "RuntimeError: a state bug; the daemons keep the last plan" in shown
             metrics = await (await client.get("/metrics", headers=AUTH)).text()
             assert "gradlane_control_plan_failures_total 1.0" in metrics
+            assert "gradlane_control_plan_age_seconds NaN" in metrics  # none planned yet
             release.set()
             assert (await _next_plan(ws))["batch_shares"] == {"j": [8]}
             view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
             assert view["planning_failed"] is None  # planned since
+            metrics = await (await client.get("/metrics", headers=AUTH)).text()
+            age = [float(line.split()[1]) for line in metrics.splitlines()
+                   if line.startswith("gradlane_control_plan_age_seconds ")]
+            assert len(age) == 1 and 0 <= age[0] < 5
             assert "FAILED" not in _status_of(tmp_path, monkeypatch, view)
             await ws.close()
         finally:
