@@ -172,8 +172,8 @@ class Daemon:
         self._chunk_counter = PromCounter(
             "gradlane_chunk_events", "Chunk events reported by shims", registry=self.metrics
         )
-        self.metrics.register(_StateCollector(self))
         self.link: ControlLink | None = None
+        self.metrics.register(_StateCollector(self))  # collects once now: after self.link
         if config.control_url:
             if config.control_token_file is None:
                 raise ConfigError("control.url needs control.token_file")
@@ -771,6 +771,14 @@ class _StateCollector:
         yield throughput
         yield workers
         yield shaped
+        link = self.daemon.link
+        if link is not None:  # a [control] section: how many daemons follow it, summed
+            yield GaugeMetricFamily("gradlane_control_connected",
+                                    "1 while connected to the control plane", value=link.connected)
+            yield GaugeMetricFamily(
+                "gradlane_control_plan_fresh",
+                "1 while a control plan is in force (within its TTL), 0 on the local policy",
+                value=link.fresh())
 
 
 def _scaled(cls: JobClassPlan, scale: float) -> JobClassPlan:

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon import protocol, uplink
@@ -73,6 +75,23 @@ async def _until(check: Any, timeout: float = 10.0) -> float:
     return time.monotonic() - started
 
 
+def _control_gauges(daemon: Daemon) -> dict[str, float]:
+    """gradlaned's /metrics on its link to the control plane."""
+    found = {}
+    for family in text_string_to_metric_families(generate_latest(daemon.metrics).decode()):
+        for sample in family.samples:
+            if sample.name.startswith("gradlane_control_"):
+                found[sample.name.removeprefix("gradlane_control_")] = sample.value
+    return found
+
+
+def test_a_daemon_without_a_control_plane_has_no_metrics_of_one(tmp_path: Path) -> None:
+    daemon = Daemon(fake_config(tmp_path / "gl.sock", state_dir=tmp_path),
+                    backend_factory=FakeBackend)
+    assert _control_gauges(daemon) == {}
+    assert "gradlane_workers" in generate_latest(daemon.metrics).decode()  # the rest is there
+
+
 def test_control_plans_reach_daemon_and_shims_expire_and_return(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -105,6 +124,7 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
             fast, slow = await shims[0].plan_with_share(), await shims[1].plan_with_share()
         await _until(lambda: daemon.status()["control"]["state"].startswith("following"))
         await _until(lambda: daemon._plan is not None and daemon._plan.source == "control")
+        assert _control_gauges(daemon) == {"connected": 1.0, "plan_fresh": 1.0}
         # The job's demand reached the control plane, in forward order, and it plans owners.
         await _until(lambda: plane.state is not None and plane.state.jobs[0].chunk_bytes)
         assert plane.state is not None and plane.plan is not None
@@ -135,6 +155,7 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         await _until(lambda: "expired" in daemon.status()["control"]["state"], timeout=5)
         await _until(lambda: daemon._plan is not None and daemon._plan.source == "fair")
         assert backend.spec is not None and any(j.name == "j" for j in backend.spec.jobs)
+        assert _control_gauges(daemon) == {"connected": 0.0, "plan_fresh": 0.0}
         # 3. It comes back: the daemon re-registers and plans flow again within 5 s.
         restarted = time.monotonic()
         control, plane = await _start_control(port)
