@@ -173,7 +173,8 @@ class Daemon:
             "gradlane_chunk_events", "Chunk events reported by shims", registry=self.metrics
         )
         self.link: ControlLink | None = None
-        self.metrics.register(_StateCollector(self))  # collects once now: after self.link
+        # Registering collects once (to describe the metrics), so after self.link exists.
+        self.metrics.register(_StateCollector(self))
         if config.control_url:
             if config.control_token_file is None:
                 raise ConfigError("control.url needs control.token_file")
