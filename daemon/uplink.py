@@ -11,7 +11,8 @@
    When it expires the daemon is told (`on_change`) and goes back to its
    local policy; `status()` says which one is in force.
 3. Any failure (refused, lost, a bad message) closes the connection and
-   retries with jittered backoff up to `MAX_BACKOFF`; training never waits
+   retries with jittered backoff from `MIN_BACKOFF` up to `MAX_BACKOFF`
+   (from the least again once a session held); training never waits
    for it. The cap is short so that plans flow again within a few seconds of
    a control-plane restart; the jitter spreads a cluster's reconnections.
 """
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 REPORT_EVERY = 2.0
 THROUGHPUT_CHANGE = 0.15  # relative
-MAX_BACKOFF = 1.0
+MIN_BACKOFF, MAX_BACKOFF = 0.5, 1.0  # seconds, before jitter (x0.5..1)
 
 
 class ControlLink:
@@ -134,12 +135,12 @@ class ControlLink:
 
     async def run(self) -> None:
         """Stay connected until cancelled."""
-        backoff = 0.5
+        backoff = MIN_BACKOFF
         async with aiohttp.ClientSession() as http:
             while True:
+                sessions, began = self.sessions, self._clock()
                 try:
-                    await self._session(http)
-                    backoff = 0.5
+                    await self._session(http)  # ends by raising, when the connection does
                 except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError,
                         TypeError) as exc:
                     error = f"{type(exc).__name__}: {exc}"[:300]
@@ -148,6 +149,8 @@ class ControlLink:
                     self.last_error = error
                 finally:
                     self.connected = False
+                if self.sessions != sessions and self._clock() - began >= MAX_BACKOFF:
+                    backoff = MIN_BACKOFF  # a session held: this outage backs off afresh
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(MAX_BACKOFF, backoff * 2)
 

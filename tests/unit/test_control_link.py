@@ -85,6 +85,43 @@ def _control_gauges(daemon: Daemon) -> dict[str, float]:
     return found
 
 
+def test_after_a_session_that_held_the_next_outage_backs_off_from_the_least(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused twice, a session that held, refused, a session that ended at once, refused:
+    the waits grow to the cap while refused and start over after the session that held
+    (not after the one that did not: a control plane that drops daemons at once is not
+    hammered)."""
+    clock = [0.0]
+    waits: list[float] = []
+    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                              Registry(bands=4), on_change=lambda: None, clock=lambda: clock[0])
+    script = iter(["refused", "refused", "held", "refused", "brief", "refused"])
+    real_sleep = asyncio.sleep
+
+    async def session(http: Any) -> None:
+        what = next(script, "done")
+        if what == "done":
+            raise asyncio.CancelledError
+        if what != "refused":  # registered, then the connection ended
+            link.sessions += 1
+            clock[0] += 5.0 if what == "held" else 0.1
+            raise ConnectionResetError("the control plane closed the connection")
+        raise ConnectionRefusedError("refused")
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(link, "_session", session)
+    monkeypatch.setattr(uplink.asyncio, "sleep", sleep)
+    monkeypatch.setattr(uplink.random, "uniform", lambda low, high: high)  # no jitter
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(link.run())
+    low, cap = uplink.MIN_BACKOFF, uplink.MAX_BACKOFF
+    assert [w for w in waits if w] == [low, cap, low, cap, cap, cap]
+
+
 def test_a_daemon_without_a_control_plane_has_no_metrics_of_one(tmp_path: Path) -> None:
     daemon = Daemon(fake_config(tmp_path / "gl.sock", state_dir=tmp_path),
                     backend_factory=FakeBackend)
