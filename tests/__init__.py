@@ -23,3 +23,13 @@ def examples(ci_count: int) -> int:
     if factor < 1:
         raise ValueError(f"GRADLANE_EXAMPLES must be a positive integer, got {raw!r}")
     return ci_count * factor
+
+
+def metric_samples(text: str, prefix: str) -> dict[str, float]:
+    """The samples of Prometheus exposition `text` whose names start with `prefix`, by the
+    rest of their name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name.removeprefix(prefix): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name.startswith(prefix)}

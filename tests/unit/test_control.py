@@ -24,6 +24,7 @@ from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
 from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import check_plan
+from tests import metric_samples
 
 TOKEN = "t0ken-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -234,9 +235,8 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
             view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
             assert view["planning_failed"] is None  # planned since
             metrics = await (await client.get("/metrics", headers=AUTH)).text()
-            age = [float(line.split()[1]) for line in metrics.splitlines()
-                   if line.startswith("gradlane_control_plan_age_seconds ")]
-            assert len(age) == 1 and 0 <= age[0] < 5
+            age = metric_samples(metrics, "gradlane_control_plan_age_seconds")
+            assert list(age) == [""] and 0 <= age[""] < 5
             assert "FAILED" not in _status_of(tmp_path, monkeypatch, view)
             await ws.close()
         finally:
@@ -248,12 +248,14 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
     assert "a state bug" in caplog.text
 
 
-def _status_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view: dict[str, Any]) -> str:
-    """What `gradlane status --cluster` prints of `view`."""
+def _status_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view: dict[str, Any],
+               *more: str) -> str:
+    """What `gradlane status --cluster` (with `more` flags) prints of `view`."""
     monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: view)
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    shown = CliRunner().invoke(cli.cli, ["status", "--cluster", "--token-file", str(token)])
+    shown = CliRunner().invoke(cli.cli, ["status", "--cluster", "--token-file", str(token),
+                                         *more])
     assert shown.exit_code == 0, shown.output
     return shown.output
 
@@ -383,23 +385,17 @@ def test_gradlane_status_sums_up_a_large_cluster_a_leaf_a_row(
     plane.plan = plane.policy.plan(plane.state)
     for lost in ("h03", "h27"):
         plane.daemons[lost].connected = False
-    view = plane.view()
-    monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: json.loads(json.dumps(view)))
-    token = tmp_path / "token"
-    token.write_text(TOKEN)
-    args = ["status", "--cluster", "--token-file", str(token)]
-    summed = CliRunner().invoke(cli.cli, args)
-    assert summed.exit_code == 0, summed.output
-    rows = {line.split()[1]: line.split() for line in summed.output.splitlines()
+    view = json.loads(json.dumps(plane.view()))
+    summed = _status_of(tmp_path, monkeypatch, view)
+    rows = {line.split()[1]: line.split() for line in summed.splitlines()
             if line.startswith("│") and "0.1.0" in line}
     assert rows["0"][1:9:2] == ["0", "20", "19", "h03"] and rows["1"][7] == "h27"
-    assert "h05" not in summed.output
-    assert "16 each (40 ranks) of 640" in summed.output  # equal throughput
-    assert "2% each (40 ranks)" in summed.output  # owned bytes: 80 chunks over 40 ranks
-    every = CliRunner().invoke(cli.cli, [*args, "--all"])
-    assert every.exit_code == 0, every.output
-    assert all(f"h{h:02d}" in every.output for h in range(40))
-    assert "[16, 16," in every.output and "(40 ranks)" not in every.output
+    assert "h05" not in summed
+    assert "16 each (40 ranks) of 640" in summed  # equal throughput
+    assert "2% each (40 ranks)" in summed  # owned bytes: 80 chunks over 40 ranks
+    every = _status_of(tmp_path, monkeypatch, view, "--all")
+    assert all(f"h{h:02d}" in every for h in range(40))
+    assert "[16, 16," in every and "(40 ranks)" not in every
     alone = CliRunner().invoke(cli.cli, ["status", "--all"])
     assert alone.exit_code == 2 and "--all goes with --cluster" in alone.output
 

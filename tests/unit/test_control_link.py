@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon import protocol, uplink
@@ -23,6 +22,7 @@ from gradlane.daemon.registry import Credentials, Registry
 from gradlane.daemon.service import Daemon
 from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
+from tests import metric_samples
 from tests.fakes import FakeBackend, fake_config
 from tests.integration.helpers import port_below_ephemeral
 
@@ -77,12 +77,7 @@ async def _until(check: Any, timeout: float = 10.0) -> float:
 
 def _control_gauges(daemon: Daemon) -> dict[str, float]:
     """gradlaned's /metrics on its link to the control plane."""
-    found = {}
-    for family in text_string_to_metric_families(generate_latest(daemon.metrics).decode()):
-        for sample in family.samples:
-            if sample.name.startswith("gradlane_control_"):
-                found[sample.name.removeprefix("gradlane_control_")] = sample.value
-    return found
+    return metric_samples(generate_latest(daemon.metrics).decode(), "gradlane_control_")
 
 
 def test_after_a_session_that_held_the_next_outage_backs_off_from_the_least(
