@@ -11,6 +11,7 @@ A scenario is a TOML file (see ``bench/scenarios/``)::
     comm_to_compute = 1.0  # link rate: one iteration's traffic takes this x compute
     layout = "auto"        # the shim's gradient grouping: auto, fine or coarse
     chunk_bytes = 1048576  # optional: `ShimConfig.chunk_bytes` (default: the shim's)
+    credit_bytes = 131072  # optional: `ShimConfig.credit_bytes` (default: the shim's)
     exchange = "auto"      # gradlane's chunk paths: auto, flat or ring (`ShimConfig.exchange`)
     [workload]
     kind = "trace"         # or "cnn"
@@ -125,6 +126,7 @@ class Scenario:
     workload: dict[str, Any] = field(default_factory=dict)
     layout: str = "auto"  # `ShimConfig.layout` of the systems on gradlane's transport
     chunk_bytes: int | None = None  # `ShimConfig.chunk_bytes` of those systems; None: default
+    credit_bytes: int | None = None  # `ShimConfig.credit_bytes` of those systems; None: default
     exchange: str = "auto"  # `ShimConfig.exchange` of the gradlane system
 
 
@@ -182,6 +184,7 @@ def load_scenario(path: Path) -> Scenario:
         workload=dict(workload),
         layout=get("layout", str, "auto"),
         chunk_bytes=get("chunk_bytes", int) if "chunk_bytes" in raw else None,
+        credit_bytes=get("credit_bytes", int) if "credit_bytes" in raw else None,
         exchange=get("exchange", str, "auto"),
     )
     if scenario.layout not in LAYOUTS:
@@ -194,6 +197,8 @@ def load_scenario(path: Path) -> Scenario:
         raise ConfigError(f"{path}: comm_to_compute must be positive")
     if scenario.chunk_bytes is not None and not 4096 <= scenario.chunk_bytes <= 1 << 30:
         raise ConfigError(f"{path}: chunk_bytes must be 4096..{1 << 30}")
+    if scenario.credit_bytes is not None and not 1024 <= scenario.credit_bytes <= 1 << 30:
+        raise ConfigError(f"{path}: credit_bytes must be 1024..{1 << 30}")
     return scenario
 
 
@@ -222,11 +227,14 @@ def narrowed(
 
 
 def worker_args(scenario: Scenario) -> list[str]:
-    """`gradlane.worker` options of the scenario's workload, layout and chunks (every system)."""
+    """`gradlane.worker` options of the scenario's workload, layout, chunks and credit (every
+    system)."""
     w = scenario.workload
     args = ["--layout", scenario.layout, "--exchange", scenario.exchange, "--workload", w["kind"]]
     if scenario.chunk_bytes is not None:
         args += ["--chunk-bytes", str(scenario.chunk_bytes)]
+    if scenario.credit_bytes is not None:
+        args += ["--credit-bytes", str(scenario.credit_bytes)]
     if w["kind"] == "trace":
         args += ["--model", w["model"], "--model-mb", str(w["model_mb"]),
                  "--forward-ms", str(w["forward_ms"])]

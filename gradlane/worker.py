@@ -85,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--chunk-bytes", type=int, default=None,
                     help="fifo, priority, gradlane, ddp-hook: the largest chunk "
                          "(default: the shim's)")
+    ap.add_argument("--credit-bytes", type=int, default=None,
+                    help="fifo, priority, gradlane, ddp-hook: unsent bytes each band "
+                         "connection may hold in the kernel (default: the shim's)")
     ap.add_argument("--address", default=None,
                     help="fifo, priority, gradlane, ddp-hook: the address this rank listens on "
                          "(default: the one that routes to the rendezvous); several, "
@@ -157,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    "address": args.address and args.address.split(",")}
         if args.chunk_bytes is not None:
             options["chunk_bytes"] = args.chunk_bytes
+        if args.credit_bytes is not None:
+            options["credit_bytes"] = args.credit_bytes
         if args.system in DAEMON_SYSTEMS:
             options.update(daemon_socket=args.daemon_socket, exchange=args.exchange)
         else:

@@ -59,6 +59,7 @@ def test_shipped_scenarios_load(path: Path) -> None:
         ('name = "x"\nexchange = "tree"\n[workload]\nkind = "cnn"\n', "exchange"),
         ('name = "x"\nchunk_bytes = 100\n[workload]\nkind = "cnn"\n', "chunk_bytes"),
         ('name = "x"\nchunk_bytes = "1M"\n[workload]\nkind = "cnn"\n', "chunk_bytes"),
+        ('name = "x"\ncredit_bytes = 100\n[workload]\nkind = "cnn"\n', "credit_bytes"),
         ('hosts = 4\n[workload]\nkind = "cnn"\n', "name"),
         ('name = "x"\n[workload\n', "x.toml"),
         # Misspelt: refused, not run on the default.
@@ -84,17 +85,19 @@ def test_layout_reaches_every_worker(tmp_path: Path) -> None:
     path.write_text('name = "x"\n[workload]\nkind = "cnn"\n')
     args = worker_args(load_scenario(path))
     assert args[args.index("--layout") + 1] == "auto"
-    assert "--chunk-bytes" not in args  # the shim's own default
+    assert "--chunk-bytes" not in args and "--credit-bytes" not in args  # the shim's own
     assert args[args.index("--exchange") + 1] == "auto"
     path.write_text('name = "x"\nexchange = "ring"\n[workload]\nkind = "cnn"\n')
     assert worker_args(load_scenario(path))[args.index("--exchange") + 1] == "ring"
 
 
-def test_chunk_bytes_reach_every_worker(tmp_path: Path) -> None:
+def test_chunk_and_credit_bytes_reach_every_worker(tmp_path: Path) -> None:
     path = tmp_path / "x.toml"
-    path.write_text('name = "x"\nchunk_bytes = 262144\n[workload]\nkind = "cnn"\n')
+    path.write_text('name = "x"\nchunk_bytes = 262144\ncredit_bytes = 32768\n'
+                    '[workload]\nkind = "cnn"\n')
     args = worker_args(load_scenario(path))
     assert args[args.index("--chunk-bytes") + 1] == "262144"
+    assert args[args.index("--credit-bytes") + 1] == "32768"
 
 
 def test_a_run_can_be_narrowed_to_some_systems_and_rounds(tmp_path: Path) -> None:
