@@ -7,8 +7,8 @@ One `State` serves two callers:
 - the control plane and the simulator also fill the cluster part
   (`topology`, `workers`, `coflows`, `flows`) and get back everything a
   cluster plan holds: a band per flow, per-flow rates, the coflow order and
-  its priority levels, per-host job classes, chunk ownership, batch shares
-  and partition tuning, with a version and a time-to-live.
+  its priority levels, per-host job classes, chunk ownership and batch
+  shares, with a version and a time-to-live.
 
 Flows are many (a 1,024-host cluster has tens of thousands), so they travel
 as one `FlowTable` of numpy columns rather than one object each, and the
@@ -43,7 +43,6 @@ __all__ = [
     "Policy",
     "State",
     "Topology",
-    "Tuning",
     "Worker",
     "get_policy",
     "policy_names",
@@ -71,8 +70,6 @@ class JobState:
     chunk_layers: tuple[int, ...] = ()  # the layer of each chunk, when known
     ring: bool = False  # its chunks go around the ring of ranks (`chunks.ring_routes`)
     by_host: bool = False  # its chunks are reduced within each host first (`chunks.host_groups`)
-    # configurations tried so far: (chunk bytes, credit bytes, measured iteration s)
-    tuning: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,14 +260,6 @@ class JobClassPlan:
     prio: int  # 0 (first) .. 7
 
 
-@dataclass(frozen=True)
-class Tuning:
-    """Partitioning for a job's shims (ByteScheduler's two knobs)."""
-
-    chunk_bytes: int
-    credit_bytes: int
-
-
 def _no_flows() -> FloatArray:
     return np.zeros(0, np.float64)
 
@@ -299,7 +288,6 @@ class Plan:
     job_level: dict[str, int] = field(default_factory=dict)
     ownership: dict[str, tuple[int, ...]] = field(default_factory=dict)
     batch_shares: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    tuning: dict[str, Tuning] = field(default_factory=dict)
     reduce_in_leaf: bool = False
     version: int = 0
     ttl_s: float = DEFAULT_TTL_S
@@ -322,7 +310,6 @@ class Plan:
             "job_level": dict(sorted(self.job_level.items())),
             "ownership": {j: list(o) for j, o in sorted(self.ownership.items())},
             "batch_shares": {j: list(s) for j, s in sorted(self.batch_shares.items())},
-            "tuning": {j: [t.chunk_bytes, t.credit_bytes] for j, t in sorted(self.tuning.items())},
             "reduce_in_leaf": self.reduce_in_leaf,
         }
 

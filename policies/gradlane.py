@@ -7,8 +7,7 @@
 3. Chunk ownership: `loadbalance` (owners weighted by link rate; reduction
    within leaves first when uplinks are oversubscribed).
 4. Batch shares: `straggler` (proportional to measured throughput).
-5. Partition size and credit: `priority`'s compass search.
-6. The coflow order (`coflow`'s BSSI) is computed and reported, but does
+5. The coflow order (`coflow`'s BSSI) is computed and reported, but does
    not set job levels: all jobs share level 0.
 
 Why not order jobs: the order pays where jobs contend for the spine, and
@@ -32,7 +31,7 @@ from gradlane.policies.base import Plan, Policy, State, register
 from gradlane.policies.coflow import bssi_order
 from gradlane.policies.fifo import local_classes
 from gradlane.policies.loadbalance import balanced_ownership
-from gradlane.policies.priority import banded_rates, flow_bands, next_tuning
+from gradlane.policies.priority import banded_rates, flow_bands
 from gradlane.policies.straggler import critical_first, throughput_shares
 
 __all__ = ["GradlanePolicy"]
@@ -41,9 +40,8 @@ __all__ = ["GradlanePolicy"]
 @register("gradlane")
 class GradlanePolicy(Policy):
     def plan(self, state: State) -> Plan:
-        tuning = {job.name: next_tuning(job.tuning) for job in state.jobs}
         if not state.cluster:
-            return Plan(job_classes=local_classes(state), source=self.name, tuning=tuning,
+            return Plan(job_classes=local_classes(state), source=self.name,
                         version=state.version)
         bands = critical_first(state, flow_bands(state))
         rates = banded_rates(state, bands)
@@ -60,7 +58,6 @@ class GradlanePolicy(Policy):
             job_level=job_level,
             ownership=balanced_ownership(state),
             batch_shares=throughput_shares(state),
-            tuning=tuning,
             reduce_in_leaf=fabric.oversubscribed(state.topology),
             version=state.version,
         )

@@ -10,33 +10,34 @@ SOSP 2019):
    with 4 bands, the first quarter of the layers rides band 0.
 4. Credit: the shim keeps at most `credit_bytes` unsent in the kernel per
    connection, so a new urgent chunk overtakes queued ones.
-5. Partition size and credit are tuned from measured iteration times.
+5. Partition size is tuned from measured iteration times, by the shim, which
+   owns the chunking: its layout trial (`ShimConfig.layout` "auto") runs
+   fine groups and chunks, then coarse ones of about DDP's bucket size, for
+   a few steps each and keeps coarse only if the job's iterations (each
+   step's slowest rank) were faster beyond chance
+   (`gradlane.shim.sync.pick_layout`).
 
 Departures: P3 and ByteScheduler order chunks in one priority queue per
 worker; gradlane has one per band connection and relies on the network
 (gradlaned's HTB, switch DSCP queues) for strict priority between bands.
-ByteScheduler tunes its two knobs by Bayesian optimization; gradlane uses a
-compass search on the log2 grid (`next_tuning`): deterministic, needs no
-model of the noise, and each step is one measured configuration. Rates are
-those of per-flow sharing, served in band order.
+ByteScheduler tunes partition size and credit together by Bayesian
+optimization over many trial runs; gradlane searches partition size only,
+over two points with a one-sided test, in the job's own first steps. Credit
+stays at the shim's 128 KiB: on the four-host traces, 32 KiB to 1 MiB
+(VGG-19) and 4 MiB (ResNet-50) moved the iteration time less than it moves
+from run to run (`bench/README.md`).
+Rates are those of per-flow sharing, served in band order.
 """
 
 from __future__ import annotations
 
-import statistics
-
 import numpy as np
 
 from gradlane.policies import fabric
-from gradlane.policies.base import IntArray, Plan, Policy, State, Tuning, register
+from gradlane.policies.base import IntArray, Plan, Policy, State, register
 from gradlane.policies.fifo import local_classes, plain_layout
 
-__all__ = ["CHUNK_GRID", "CREDIT_GRID", "PriorityPolicy", "banded_rates", "flow_bands",
-           "next_tuning"]
-
-CHUNK_GRID = tuple(1 << k for k in range(16, 25))  # 64 KiB .. 16 MiB
-CREDIT_GRID = tuple(1 << k for k in range(15, 23))  # 32 KiB .. 4 MiB
-START = (1 << 20, 128 << 10)  # the shim's defaults
+__all__ = ["PriorityPolicy", "banded_rates", "flow_bands"]
 
 
 def flow_bands(state: State) -> IntArray:
@@ -79,39 +80,11 @@ def banded_rates(state: State, bands: IntArray) -> np.ndarray:
     return rates[inverse]
 
 
-def next_tuning(tried: tuple[tuple[int, int, float], ...]) -> Tuning:
-    """The next (chunk, credit) to measure, by compass search on the log2 grid.
-
-    1. Untried: start from the shim's defaults.
-    2. Take the tried point with the lowest median iteration time (ties: the
-       earlier tried).
-    3. Return its first untried neighbour (one grid step in chunk or credit,
-       in a fixed order); when all are tried, the best point has converged
-       and is returned for good.
-    """
-    if not tried:
-        return Tuning(*START)
-    times: dict[tuple[int, int], list[float]] = {}
-    for chunk, credit, seconds in tried:
-        times.setdefault((chunk, credit), []).append(seconds)
-    best = min(times, key=lambda p: statistics.median(times[p]))
-    ci = min(range(len(CHUNK_GRID)), key=lambda i: abs(CHUNK_GRID[i] - best[0]))
-    ri = min(range(len(CREDIT_GRID)), key=lambda i: abs(CREDIT_GRID[i] - best[1]))
-    for dc, dr in ((1, 0), (-1, 0), (0, 1), (0, -1)):
-        c, r = ci + dc, ri + dr
-        if 0 <= c < len(CHUNK_GRID) and 0 <= r < len(CREDIT_GRID):
-            point = (CHUNK_GRID[c], CREDIT_GRID[r])
-            if point not in times:
-                return Tuning(*point)
-    return Tuning(*best)
-
-
 @register("priority")
 class PriorityPolicy(Policy):
     def plan(self, state: State) -> Plan:
-        tuning = {job.name: next_tuning(job.tuning) for job in state.jobs}
         if not state.cluster:
-            return Plan(job_classes=local_classes(state), source=self.name, tuning=tuning,
+            return Plan(job_classes=local_classes(state), source=self.name,
                         version=state.version)
         bands = flow_bands(state)
         rates = banded_rates(state, bands)
@@ -127,6 +100,5 @@ class PriorityPolicy(Policy):
             job_level=job_level,
             ownership=ownership,
             batch_shares=shares,
-            tuning=tuning,
             version=state.version,
         )

@@ -33,7 +33,6 @@ from gradlane.policies.loadbalance import (
     owner_shares,
     placement_shape,
 )
-from gradlane.policies.priority import CHUNK_GRID, next_tuning
 from gradlane.policies.straggler import proportional_shares
 from tests import examples
 
@@ -332,23 +331,6 @@ def test_straggler_promotes_the_last_ready_flows() -> None:
     assert plan.batch_shares["j"] == (12, 6, 12)
     assert plan.flow_band.tolist()[1] == plan.flow_band.tolist()[0] - 1
     assert check_plan(state, plan) == []
-
-
-def test_autotune_starts_at_the_defaults_and_walks_downhill() -> None:
-    first = next_tuning(())
-    assert (first.chunk_bytes, first.credit_bytes) == (1 << 20, 128 << 10)
-    tried = ((1 << 20, 128 << 10, 0.30),)
-    second = next_tuning(tried)
-    assert second.chunk_bytes == 2 << 20  # first neighbour: one step larger chunks
-    tried += ((2 << 20, 128 << 10, 0.20),)
-    assert next_tuning(tried).chunk_bytes == 4 << 20  # better: keep walking from there
-    # Every neighbour of the best tried and worse: converged on it.
-    best = (2 << 20, 128 << 10)
-    tried = ((*best, 0.1), (4 << 20, 128 << 10, 0.2), (1 << 20, 128 << 10, 0.2),
-             (2 << 20, 256 << 10, 0.2), (2 << 20, 64 << 10, 0.2))
-    t = next_tuning(tried)
-    assert (t.chunk_bytes, t.credit_bytes) == best
-    assert max(CHUNK_GRID) == 16 << 20
 
 
 def test_check_plan_catches_an_oversubscribed_link() -> None:
