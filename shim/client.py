@@ -150,7 +150,7 @@ class DaemonClient:
 
         `ShimConfig.leaf` when set; else the leaf gradlaned's welcome says the
         control plane advises, waited for up to `WELCOME_WAIT_S` when a daemon
-        socket exists. Ranks then agree on it (`gradlane.shim.transport.agree_leaves`).
+        socket exists. Ranks then agree on it (`gradlane.shim.transport.reduction_groups`).
         """
         if self.config.leaf is not None:
             return self.config.leaf
