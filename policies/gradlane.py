@@ -7,7 +7,9 @@
 3. Chunk ownership: `loadbalance` (owners weighted by link rate; reduction
    within leaves first when uplinks are oversubscribed).
 4. Batch shares: `straggler` (proportional to measured throughput).
-5. The coflow order (`coflow`'s BSSI) is computed and reported, but does
+5. Partition size: not planned; the shim's layout trial tunes it from the
+   job's measured iterations (`priority`, 5).
+6. The coflow order (`coflow`'s BSSI) is computed and reported, but does
    not set job levels: all jobs share level 0.
 
 Why not order jobs: the order pays where jobs contend for the spine, and
