@@ -1,7 +1,8 @@
 """`gradlane`: the default composition.
 
 1. Bands: `priority` (forward order onto the bands), with `straggler`'s
-   critical flows moved up one band. Every job's band 0 goes before any
+   critical flows moved up one band (inert in today's states: see
+   `straggler`). Every job's band 0 goes before any
    job's band 1: what blocks a forward pass now goes first, whoever owns it.
 2. Rates: per-flow max-min in band order (`priority`).
 3. Chunk ownership: `loadbalance` (owners weighted by link rate; reduction

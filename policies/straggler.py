@@ -11,7 +11,15 @@ Load-balanced bulk-synchronous parallelism (LB-BSP: Chen et al.,
 4. Critical flows first: of the flows carrying the same chunk (same coflow,
    chunk and priority) from different workers, those that became ready last
    (the slowest worker's) are on the critical path; at a shared bottleneck
-   (the owner's link) they move up one band.
+   (the owner's link) they move up one band. Inert in every state planned
+   today: the demand the control plane and the simulator build gives all
+   flows of a bucket one ready time (`gradlane.policies.demand`), so no flow
+   of a chunk is later than another and no band moves (counted, ad hoc, over a
+   simulated 64-host cluster and the heterogeneous run: none of 0.9 M flow
+   bands moved); and the shims band chunks by layer order, not by a plan's
+   per-flow bands. It acts on states that tell the ready times apart (the
+   unit tests'). Making it act would take shims that report when each
+   chunk was ready, and that take their bands from the plan.
 
 Departures: LB-BSP predicts throughput with a NARX model; gradlane plans
 from the latest measurement and relies on re-planning every few
