@@ -21,8 +21,11 @@ the leaf uplinks and downlinks are ports too, and loads are in seconds
 send a new coflow every iteration, so a job ordered last would starve: a
 coflow's weight is its response ratio, 1 + age / its bottleneck time (as in
 Brinch Hansen's HRRN), so one that has waited many times its own length
-moves up. Flows within a coflow share one
-band (`priority` adds bands; `gradlane` composes both).
+moves up. Only the simulator gives coflows an age (`Coflow.age_s`, from when
+its first flow was ready): the control plane's coflow is a job's next
+iteration, whose start no report carries, so there every age is 0, the
+weights are all 1 and the order follows the load alone. Flows within a
+coflow share one band (`priority` adds bands; `gradlane` composes both).
 """
 
 from __future__ import annotations
