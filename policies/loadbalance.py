@@ -56,10 +56,12 @@ a link finishes at that over its rate, so:
    report their leaf).
 
 Departures from TicTac/BytePS-style balancing: ownership is by link rate
-and placement, not only bytes, and by how the ranks exchange; hosts have
-one NIC here, so there is no path to choose (with several NICs the weight
-would be their sum and the path the least loaded one). Bands and rates are
-`priority`'s.
+and placement, not only bytes, and by how the ranks exchange. The path is
+not planned: a host with several NICs is one link of their summed rate
+here (what its daemon reports its shims send over,
+`gradlane.daemon.control_protocol.host_link`), and its shims put each chunk
+on the NIC where its owner's chunks have the fewest bytes for the NIC's
+rate (`gradlane.shim.engine.Engine`). Bands and rates are `priority`'s.
 """
 
 from __future__ import annotations
