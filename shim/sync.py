@@ -223,6 +223,7 @@ def attach(
         if thing in _ATTACHED:
             raise ConfigError(f"this {type(thing).__name__} is attached already: close() its "
                               "Sync (or leave its `with` block) before attaching it again")
+    _refuse_attached_parameters(model, optimizer)
     env = os.environ
     try:
         rank = int(env["RANK"]) if rank is None else rank
@@ -247,6 +248,26 @@ def attach(
     if address is None:
         address = local_address(master)
     return Sync(model, optimizer, config, rank, world_size, store, address)
+
+
+def _refuse_attached_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise `ConfigError` for a parameter an open Sync of this process already averages:
+    a model holding an attached one, or a weight shared with one. Its gradient would be
+    averaged by both and the parameter stepped by both optimizers."""
+    held = [s for s in OPEN if isinstance(s, Sync) and not s._closed]
+    if not held:
+        return
+    named = [*model.named_parameters(),
+             *(("a parameter the optimizer holds outside the model", p)
+               for p in _outside(model, optimizer))]
+    for name, p in named:
+        for other in held:
+            if p in other._layer_of:
+                raise ConfigError(
+                    f"{name} is attached already, in the open Sync of a "
+                    f"{type(other.model).__name__} (a model inside an attached one, or a "
+                    "weight shared with one): each parameter is averaged by one Sync; attach "
+                    "the outer model alone, or close() the other first")
 
 
 def _chained(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

@@ -1169,6 +1169,25 @@ def test_misuse_gets_clear_errors() -> None:
             attach(model(), opt)
     with attach(m, opt):
         pass
+    # Nor may a parameter: a model holding an attached one, or a weight two models share,
+    # would be averaged by two Syncs and stepped by two optimizers.
+    outer = nn.Sequential(m, nn.Linear(3, 2))
+    twin = nn.Sequential(nn.Conv2d(3, 4, 3))
+    twin[0].weight = m[0].weight
+    with attach(m, opt):
+        with pytest.raises(ConfigError, match=r"^0\.0\.weight is attached already, in the "
+                                              "open Sync of a Sequential"):
+            attach(outer, torch.optim.SGD(outer.parameters(), lr=0.1))
+        with pytest.raises(ConfigError, match=r"^0\.weight is attached already"):
+            attach(twin, torch.optim.SGD(twin.parameters(), lr=0.1))
+    with attach(outer, torch.optim.SGD(outer.parameters(), lr=0.1)):  # m's Sync closed
+        pass
+    temperature = nn.Parameter(torch.ones(()))  # an optimizer's, outside either model
+    with attach(m, torch.optim.SGD([*m.parameters(), temperature], lr=0.1)):
+        other = model()
+        with pytest.raises(ConfigError, match="^a parameter the optimizer holds outside the "
+                                              "model is attached already"):
+            attach(other, torch.optim.SGD([*other.parameters(), temperature], lr=0.1))
     # Sparse gradients (an embedding with sparse=True), at attach and at the DDP hook's
     # state, before anything needs a process group: not torch's error in backward.
     sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 3))
