@@ -83,7 +83,7 @@ from gradlane.shim.transport import (
     meeting_prefix,
     rank0_says,
     reduction_groups,
-    relay,
+    relay_planes,
     tensor_bytes,
 )
 
@@ -593,7 +593,8 @@ class Sync:
     def _broadcast_state(self, routes: Routes) -> None:
         """Copy rank 0's parameters and buffers to every rank along `Routes.copy_parents`
         (band-0 connections), in pieces of a chunk (`relay`: each rank passes each piece
-        on once it holds it)."""
+        on once it holds it), spread over the planes when there are several
+        (`relay_planes`)."""
         tensors = [
             t for t in self.model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)
         ] + [p for layer in self._layers if layer.name == OUTSIDE for p in layer.params]
@@ -603,10 +604,12 @@ class Sync:
         with torch.no_grad():
             flats = [t.detach().contiguous() for t in tensors]
             try:
-                relay((tensor_bytes(f) for f in flats),
-                      self.mesh.link(source, 0).sock if source >= 0 else None,
-                      [self.mesh.link(peer, 0).sock for peer in sinks],
-                      self.config.chunk_bytes, self.config.timeout_s)
+                relay_planes(
+                    [tensor_bytes(f) for f in flats],
+                    [(self.mesh.link(source, 0, plane).sock if source >= 0 else None,
+                      [self.mesh.link(peer, 0, plane).sock for peer in sinks])
+                     for plane in range(self.mesh.planes)],
+                    self.config.chunk_bytes, self.config.timeout_s)
             except OSError as exc:  # ConnectionError and TimeoutError too
                 raise TransportError(
                     f"rank {self.rank}: copying rank 0's model failed (from rank {source}, "

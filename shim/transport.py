@@ -51,6 +51,7 @@ __all__ = [
     "meeting_prefix",
     "reduction_groups",
     "relay",
+    "relay_planes",
     "same_host",
     "tensor_bytes",
 ]
@@ -337,6 +338,48 @@ def relay(views: Iterable[memoryview], source: socket.socket | None,
         for sock in socks:
             with contextlib.suppress(OSError):
                 sock.settimeout(None)
+
+
+def relay_planes(views: Iterable[memoryview],
+                 planes: Sequence[tuple[socket.socket | None, Sequence[socket.socket]]],
+                 piece_bytes: int, timeout_s: float) -> None:
+    """`relay` over several planes (NICs) at once: `planes` holds each plane's source (None
+    on the path's first rank) and sinks. Piece k of the views rides plane k mod P, every
+    plane on a thread of its own, so the NICs carry their shares at the same time. Each
+    rank of the path cuts the same pieces (the same views and `piece_bytes`), so a piece
+    arrives on the plane it is read from.
+
+    Raises:
+        ValueError: no plane.
+        OSError, ConnectionError: as `relay`, the first plane's to fail (the others end
+            within `timeout_s`).
+    """
+    if not planes:
+        raise ValueError("relay_planes needs at least one plane")
+    if len(planes) == 1:
+        relay(views, planes[0][0], planes[0][1], piece_bytes, timeout_s)
+        return
+    if piece_bytes < 1:
+        raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
+    pieces = [view[start : start + piece_bytes] for view in views
+              for start in range(0, len(view), piece_bytes)]
+    failed: list[BaseException] = []
+
+    def one(p: int) -> None:
+        try:
+            relay(pieces[p :: len(planes)], planes[p][0], planes[p][1], piece_bytes, timeout_s)
+        except BaseException as exc:  # re-raised on the calling thread
+            failed.append(exc)
+
+    threads = [threading.Thread(target=one, args=(p,), name=f"gl-copy-{p}", daemon=True)
+               for p in range(1, len(planes))]
+    for t in threads:
+        t.start()
+    one(0)
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
 
 
 def _fill(sock: socket.socket, view: memoryview, what: str) -> None:

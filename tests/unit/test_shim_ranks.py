@@ -74,6 +74,8 @@ class Case:
     hosts: tuple[int, ...] | None = None  # per rank, its host (an address of its own)
     outside: bool = False  # a learned temperature the optimizer has and the model not
     ema: bool = False  # an AveragedModel (EMA) of the model, updated after every step
+    planes: int = 1  # addresses a rank (NICs): 127.0.0.h, then 127.0.1.h, ...
+    chunk_bytes: int | None = None  # the shim's, and the copy's pieces (default: the shim's)
 
 
 class Net(nn.Module):
@@ -169,9 +171,11 @@ def train_rank(case: Case, rank: int, model: Net, store: dist.Store, job: str,
                linked: dict[int, list[int]] | None = None) -> dict[str, torch.Tensor]:
     opt, sched = optimizer(case, model)
     start = sum(case.batches[:rank])
+    host = 1 + (case.hosts[rank] if case.hosts else 0)
+    sizes = {} if case.chunk_bytes is None else {"chunk_bytes": case.chunk_bytes}
     with gl.attach(model, opt, rank=rank, world_size=len(case.batches), store=store,
-                   address=f"127.0.0.{1 + (case.hosts[rank] if case.hosts else 0)}",
-                   daemon_socket="/nonexistent/gl.sock", job=job,
+                   address=[f"127.0.{plane}.{host}" for plane in range(case.planes)],
+                   daemon_socket="/nonexistent/gl.sock", job=job, **sizes,
                    timeout_s=30, overlap=case.overlap, layout=case.layout,
                    exchange=case.exchange,
                    leaf=None if case.leaves is None else case.leaves[rank]) as sync:
@@ -283,6 +287,16 @@ def test_replicas_match_each_other_and_plain_pytorch_on_the_whole_batch(case: Ca
 # and to the rank at its place in the other leaf).
 SPARSE = [("ring", None, [[1, 3], [0, 2], [1, 3], [0, 2]]),
           ("flat", (0, 0, 1, 1), [[1, 2], [0, 3], [0, 3], [1, 2]])]
+
+
+def test_over_two_planes_rank_0_s_state_arrives_whole_and_replicas_train_as_one() -> None:
+    """Two addresses a rank (two NICs): rank 0's state is copied in 4 KiB pieces, every
+    other piece on the second plane, and the chunks spread over both; every rank starts
+    from other weights, so a piece lost or misplaced would show in the replicas."""
+    case = Case(widths=(6, 200, 5), twice=False, unused=False, dtype=torch.float64,
+                optimizer="sgd", overlap=True, layout="fine", exchange="flat",
+                batches=(2, 3, 1), steps=3, scrambled=True, planes=2, chunk_bytes=4096)
+    check_replicas(case, run(case))
 
 
 @pytest.mark.parametrize(("exchange", "leaves", "peers"), SPARSE)

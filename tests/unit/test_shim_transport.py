@@ -1,5 +1,5 @@
-"""The transport's room for its connections (the open-file limit), and `relay`, which
-copies rank 0's model down the routes."""
+"""The transport's room for its connections (the open-file limit), and `relay` (over one
+plane, or several: `relay_planes`), which copies rank 0's model down the routes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gradlane.shim.transport import _room_for, relay
+from gradlane.shim.transport import _room_for, relay, relay_planes
 
 
 @pytest.fixture
@@ -79,6 +79,41 @@ def test_relay_names_a_source_that_closes_or_stalls(pairs: list) -> None:
     upstream, source = _pair(pairs)
     with pytest.raises(TimeoutError):
         relay([memoryview(bytearray(100))], source, [], 64, 0.2)
+
+
+def test_relay_planes_spreads_the_pieces_over_every_plane(pairs: list) -> None:
+    """Rank 0 -> a hop -> the last rank, two planes: piece k rides plane k mod 2, on every
+    hop, and the hop ends with every byte."""
+    piece = 1000
+    data = [os.urandom(n) for n in (2500, 0, 4096)]
+    links = [[_pair(pairs) for _ in range(2)] for _ in range(2)]  # [hop][plane]: (near, far)
+    hop_views = [memoryview(bytearray(len(d))) for d in data]
+    hop = threading.Thread(target=relay_planes, args=(
+        hop_views, [(links[0][p][1], [links[1][p][0]]) for p in range(2)], piece, 30.0))
+    hop.start()
+    relay_planes([memoryview(d) for d in data], [(None, [links[0][p][0]]) for p in range(2)],
+                 piece, 30.0)
+    hop.join(30)
+    assert not hop.is_alive() and [bytes(v) for v in hop_views] == data
+    # Pieces 1000, 1000, 500 (the first view), then 1000 x 4 and 96.
+    pieces = [d[i : i + piece] for d in data for i in range(0, len(d), piece)]
+    for p in range(2):
+        expected = b"".join(pieces[p::2])
+        assert _read(links[1][p][1], len(expected)) == expected
+        links[1][p][1].setblocking(False)
+        with pytest.raises(BlockingIOError):  # and nothing more on that plane
+            links[1][p][1].recv(1)
+
+
+def test_relay_planes_raises_a_plane_s_failure(pairs: list) -> None:
+    up = [_pair(pairs) for _ in range(2)]
+    up[1][0].sendall(b"x" * 10)
+    up[1][0].close()  # plane 1's source closes after 10 bytes of its first piece
+    up[0][0].sendall(b"y" * 64)
+    with pytest.raises(ConnectionError, match="closed after 10 of 64"):
+        relay_planes([memoryview(bytearray(128))], [(up[p][1], []) for p in range(2)], 64, 30.0)
+    with pytest.raises(ValueError, match="at least one plane"):
+        relay_planes([], [], 64, 30.0)
 
 
 def test_the_soft_open_file_limit_is_raised_for_the_connections() -> None:
