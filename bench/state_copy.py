@@ -1,6 +1,6 @@
 """Copying rank 0's model to every rank at attach, on the emulated cluster (needs root).
 
-    sudo .venv/bin/python bench/state_copy.py [--hosts 8] [--model-mb 64] [--reps 3]
+    sudo .venv/bin/python bench/state_copy.py [--hosts 8] [--model-mb 64] [--reps 3] [--nics 2]
 
 `gradlane.shim.attach` copies rank 0's parameters and buffers to every rank
 along a path through the ranks' connections (`Routes.copy_parents`), each
@@ -16,7 +16,11 @@ over the shim's real connections, three ways in the same run, in turns:
   attach did before: ``relay`` with pieces as large as the largest tensor).
 
 for the ring exchange (its result routes are the path: W-1 hops) and the flat
-one (rank 0 sends to every rank itself). A copy's time runs from the first rank
+one (rank 0 sends to every rank itself). With ``--nics 2`` (two NICs a host,
+each on its own switch plane, both at the rate) it compares instead, along the
+path, ``planes`` (what attach does there: every other piece on the second
+plane, `gradlane.shim.transport.relay_planes`) and ``plane0`` (all on the
+first, as attach did before), into ``state_copy-2nics.json``. A copy's time runs from the first rank
 leaving a store barrier to the last one holding the whole model (one clock:
 the hosts are namespaces of one machine). Also reported: the model's time on
 one link at TCP's payload rate, the least any copy can take.
@@ -45,6 +49,7 @@ RATE = "1gbit"
 RATE_BPS = 1e9
 EXCHANGES = ("ring", "flat")
 WAYS = ("path", "routes", "routes_whole")
+PLANE_WAYS = ("planes", "plane0")  # --nics 2: along the path, over both planes or the first
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -55,15 +60,15 @@ def rank_main(args: argparse.Namespace) -> None:
     from gradlane.policies.chunks import Routes
     from gradlane.policies.profiles import trace_spec
     from gradlane.shim.config import DEFAULT_DSCP, ShimConfig
-    from gradlane.shim.transport import Mesh, gather, relay, tensor_bytes
+    from gradlane.shim.transport import Mesh, gather, relay, relay_planes, tensor_bytes
 
     torch.set_num_threads(1)
     rank, world = args.rank, args.world
     host, port = args.master.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=120))
-    mesh = Mesh(rank, world, store, args.address, DEFAULT_DSCP, credit_bytes=128 << 10,
-                connect=False)
+    mesh = Mesh(rank, world, store, args.address.split(","), DEFAULT_DSCP,
+                credit_bytes=128 << 10, connect=False)
     mesh.connect(r for r in range(world) if r != rank)  # both exchanges' peers
     chunk = ShimConfig().chunk_bytes
     sizes = [n for n, _, _ in trace_spec("vgg19", args.model_mb, 0.1)]
@@ -73,12 +78,14 @@ def rank_main(args: argparse.Namespace) -> None:
         tensors = [torch.randn(n, generator=g) for n in sizes]
     views = [tensor_bytes(t) for t in tensors]
     largest = max(len(v) for v in views)
-    times: dict[str, dict[str, list[float]]] = {e: {w: [] for w in WAYS} for e in EXCHANGES}
+    ways = PLANE_WAYS if mesh.planes > 1 else WAYS
+    times: dict[str, dict[str, list[float]]] = {e: {w: [] for w in ways} for e in EXCHANGES}
     for rep in range(args.reps):
         for exchange in EXCHANGES:
             routes = Routes.agreed(exchange, world, None, None)
-            for way in WAYS[rep % len(WAYS):] + WAYS[:rep % len(WAYS)]:
-                parents = routes.copy_parents() if way == "path" else routes.of(0)[1]
+            for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:
+                parents = (routes.of(0)[1] if way.startswith("routes")
+                           else routes.copy_parents())
                 source = parents[rank]
                 sinks = [mesh.link(r, 0).sock for r, up in enumerate(parents) if up == rank]
                 if rank != 0:
@@ -87,8 +94,14 @@ def rank_main(args: argparse.Namespace) -> None:
                 key = f"copy/{rep}/{exchange}/{way}"
                 gather(store, f"{key}/go", rank, world, "")
                 began = time.monotonic()
-                relay(views, mesh.link(source, 0).sock if source >= 0 else None, sinks,
-                      largest if way == "routes_whole" else chunk, 120.0)
+                if way == "planes":
+                    relay_planes(views, [
+                        (mesh.link(source, 0, k).sock if source >= 0 else None,
+                         [mesh.link(r, 0, k).sock for r, up in enumerate(parents) if up == rank])
+                        for k in range(mesh.planes)], chunk, 120.0)
+                else:
+                    relay(views, mesh.link(source, 0).sock if source >= 0 else None, sinks,
+                          largest if way == "routes_whole" else chunk, 120.0)
                 ended = time.monotonic()
                 digest = hashlib.sha256(b"".join(bytes(v) for v in views)).hexdigest()
                 posts = [json.loads(p) for p in gather(
@@ -111,7 +124,10 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=8, help="emulated hosts, one rank each")
     ap.add_argument("--model-mb", type=float, default=64.0, help="the model's size, MiB")
     ap.add_argument("--reps", type=int, default=3, help="copies per exchange and way")
-    ap.add_argument("--json", type=Path, default=REPO / "bench/results/state_copy.json")
+    ap.add_argument("--nics", type=int, choices=(1, 2), default=1,
+                    help="NICs a host (2: over both planes against the first alone)")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="default: bench/results/state_copy.json (-2nics with --nics 2)")
     for hidden in ("--rank", "--world"):
         ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
     for hidden in ("--address", "--master"):
@@ -124,37 +140,56 @@ def main() -> None:
         raise SystemExit("need 3-16 hosts, a positive model size and at least 1 rep")
     if os.geteuid() != 0:
         raise SystemExit("state_copy.py needs root: it builds an emulated cluster")
+    if args.json is None:
+        suffix = "-2nics" if args.nics == 2 else ""
+        args.json = REPO / f"bench/results/state_copy{suffix}.json"
     from gradlane.testbed import Cluster, Topology
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base = [sys.executable, str(Path(__file__).resolve()), "--model-mb", str(args.model_mb),
             "--reps", str(args.reps), "--world", str(args.hosts)]
-    print(f"{args.hosts} hosts at {RATE}, {args.model_mb:g} MiB model, "
-          f"{args.reps} copies per exchange and way ...", flush=True)
-    with Cluster(Topology.build("btsc", args.hosts, RATE)) as c:
+    print(f"{args.hosts} hosts at {RATE} ({args.nics} NIC{'s' * (args.nics > 1)} each), "
+          f"{args.model_mb:g} MiB model, {args.reps} copies per exchange and way ...",
+          flush=True)
+    with Cluster(Topology.build("btsc", args.hosts, RATE, nics=args.nics)) as c:
         base += ["--master", f"{c.addr(1)}:29400"]
-        outs = run_ranks(base, [(c.addr(h), lambda argv, h=h, **kw: c.popen(h, argv, env=env, **kw))
+        outs = run_ranks(base, [(",".join(c.addr(h, k) for k in range(args.nics)),
+                                 lambda argv, h=h, **kw: c.popen(h, argv, env=env, **kw))
                                 for h in range(1, args.hosts + 1)])
     run = json.loads(outs[0])
     least = run["model_bytes"] * 8 / (RATE_BPS * PAYLOAD_EFFICIENCY)
-    medians = {e: {w: statistics.median(run["times_s"][e][w]) for w in WAYS} for e in EXCHANGES}
+    ways = PLANE_WAYS if args.nics > 1 else WAYS
+    medians = {e: {w: statistics.median(run["times_s"][e][w]) for w in ways} for e in EXCHANGES}
     result: dict[str, Any] = {
         "benchmark": "state_copy",
         "config": {"hosts": args.hosts, "rate_bps": RATE_BPS, "model_mb": args.model_mb,
-                   "reps": args.reps, "profile": "vgg19"},
+                   "reps": args.reps, "profile": "vgg19", "nics": args.nics},
         **{k: run[k] for k in ("model_bytes", "largest_bytes", "tensors", "piece_bytes")},
         "one_link_s": round(least, 4),
         "times_s": run["times_s"],
         "median_s": {e: {w: round(v, 4) for w, v in ms.items()} for e, ms in medians.items()},
-        "before_over_path": {e: round(ms["routes_whole"] / ms["path"], 3)
-                             for e, ms in medians.items()},
-        "path_over_one_link": {e: round(ms["path"] / least, 3) for e, ms in medians.items()},
     }
+    if args.nics > 1:
+        result["plane0_over_planes"] = {e: round(ms["plane0"] / ms["planes"], 3)
+                                        for e, ms in medians.items()}
+        result["planes_over_one_link"] = {e: round(ms["planes"] / least, 3)
+                                          for e, ms in medians.items()}
+    else:
+        result["before_over_path"] = {e: round(ms["routes_whole"] / ms["path"], 3)
+                                      for e, ms in medians.items()}
+        result["path_over_one_link"] = {e: round(ms["path"] / least, 3)
+                                        for e, ms in medians.items()}
     write_result(args.json, result)
     for e, ms in medians.items():
-        print(f"{e}: {ms['path']:.2f} s along the path, {ms['routes']:.2f} s down the result "
-              f"routes, {ms['routes_whole']:.2f} s down them tensor by tensor (before: "
-              f"{result['before_over_path'][e]:.2f}x); one link's time {least:.2f} s")
+        if args.nics > 1:
+            print(f"{e}: {ms['planes']:.2f} s along the path over both planes, "
+                  f"{ms['plane0']:.2f} s over the first alone "
+                  f"({result['plane0_over_planes'][e]:.2f}x); one link's time {least:.2f} s")
+        else:
+            print(f"{e}: {ms['path']:.2f} s along the path, {ms['routes']:.2f} s down the "
+                  f"result routes, {ms['routes_whole']:.2f} s down them tensor by tensor "
+                  f"(before: {result['before_over_path'][e]:.2f}x); one link's time "
+                  f"{least:.2f} s")
     print(f"-> {args.json}")
 
 

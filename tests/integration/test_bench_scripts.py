@@ -60,13 +60,16 @@ SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
     ("daemon.py", ["--samples", "5"], _daemon, True),
     ("flow_filters.py", ["--flows", "50", "--rounds", "1", "--seconds", "2"], _flow_filters, True),
     ("state_copy.py", ["--hosts", "3", "--model-mb", "2", "--reps", "1"], _state_copy, True),
+    ("state_copy.py", ["--hosts", "3", "--model-mb", "2", "--reps", "1", "--nics", "2"],
+     _state_copy, True),
 ]
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "script, args, measured",
-    [pytest.param(s, a, m, marks=[pytest.mark.netns] if root else [], id=s)
+    [pytest.param(s, a, m, marks=[pytest.mark.netns] if root else [],
+                  id=s + ("-2nics" if "--nics" in a else ""))
      for s, a, m, root in SCRIPTS],
 )
 def test_bench_script_runs_small_and_writes_its_result(
