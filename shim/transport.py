@@ -351,8 +351,9 @@ def relay_planes(views: Iterable[memoryview],
 
     Raises:
         ValueError: no plane.
-        OSError, ConnectionError: as `relay`, the first plane's to fail (the others end
-            within `timeout_s`).
+        OSError, ConnectionError: as `relay`: the first plane's at once (its threads,
+            daemons, end as their connections close or within `timeout_s`), else the
+            first other plane's to fail.
     """
     if not planes:
         raise ValueError("relay_planes needs at least one plane")
@@ -365,17 +366,20 @@ def relay_planes(views: Iterable[memoryview],
               for start in range(0, len(view), piece_bytes)]
     failed: list[BaseException] = []
 
-    def one(p: int) -> None:
+    def plane(p: int) -> None:
+        relay(pieces[p :: len(planes)], planes[p][0], planes[p][1], piece_bytes, timeout_s)
+
+    def other(p: int) -> None:
         try:
-            relay(pieces[p :: len(planes)], planes[p][0], planes[p][1], piece_bytes, timeout_s)
+            plane(p)
         except BaseException as exc:  # re-raised on the calling thread
             failed.append(exc)
 
-    threads = [threading.Thread(target=one, args=(p,), name=f"gl-copy-{p}", daemon=True)
+    threads = [threading.Thread(target=other, args=(p,), name=f"gl-copy-{p}", daemon=True)
                for p in range(1, len(planes))]
     for t in threads:
         t.start()
-    one(0)
+    plane(0)  # here: its failure (or Ctrl-C) goes up at once
     for t in threads:
         t.join()
     if failed:

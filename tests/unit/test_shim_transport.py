@@ -112,6 +112,12 @@ def test_relay_planes_raises_a_plane_s_failure(pairs: list) -> None:
     up[0][0].sendall(b"y" * 64)
     with pytest.raises(ConnectionError, match="closed after 10 of 64"):
         relay_planes([memoryview(bytearray(128))], [(up[p][1], []) for p in range(2)], 64, 30.0)
+    up = [_pair(pairs) for _ in range(2)]  # now plane 0's, which the caller reads itself
+    up[0][0].sendall(b"x" * 20)
+    up[0][0].close()
+    up[1][0].sendall(b"y" * 64)
+    with pytest.raises(ConnectionError, match="closed after 20 of 64"):
+        relay_planes([memoryview(bytearray(128))], [(up[p][1], []) for p in range(2)], 64, 30.0)
     with pytest.raises(ValueError, match="at least one plane"):
         relay_planes([], [], 64, 30.0)
 
