@@ -139,6 +139,8 @@ def cases(draw: st.DrawFn) -> Case:
         scrambled=draw(st.booleans()),
         outside=draw(st.booleans()),
         ema=draw(st.booleans()),
+        planes=draw(st.sampled_from([1, 2])),
+        chunk_bytes=draw(st.sampled_from([None, 4096])),  # 4 KiB: many chunks and pieces
     )
 
 
