@@ -20,9 +20,9 @@ one (rank 0 sends to every rank itself). With ``--nics 2`` (two NICs a host,
 each on its own switch plane, both at the rate) it compares instead, along the
 path, ``planes`` (what attach does there: every other piece on the second
 plane, `gradlane.shim.transport.relay_planes`) and ``plane0`` (all on the
-first, as attach did before), into ``state_copy-2nics.json``. A copy's time runs from the first rank
-leaving a store barrier to the last one holding the whole model (one clock:
-the hosts are namespaces of one machine). Also reported: the model's time on
+first, as attach did before), into ``state_copy-2nics.json``. A copy's time
+runs from the first rank leaving a store barrier to the last one holding the
+whole model (one clock: the hosts are namespaces of one machine). Also reported: the model's time on
 one link at TCP's payload rate, the least any copy can take.
 """
 
