@@ -33,6 +33,23 @@ def pytest_configure(config: pytest.Config) -> None:
     unwind_on_signals(KeyboardInterrupt)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A longer hunt (`GRADLANE_EXAMPLES=N`) draws N times the examples: its property tests
+    # get N times their time limit too, or the per-test timeout (pyproject's, or the test's
+    # own) would end the hunt, and hypothesis report the example it stopped in as flaky.
+    factor = examples(1)
+    if factor == 1:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        if not getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            continue
+        marker = item.get_closest_marker("timeout")
+        seconds = float(marker.args[0]) if marker is not None and marker.args else default
+        if seconds > 0:
+            item.add_marker(pytest.mark.timeout(seconds * factor), append=False)
+
+
 def _can_use_namespaces() -> str | None:
     """None if namespace tests can run here, else why not."""
     if os.geteuid() != 0:
