@@ -86,8 +86,7 @@ def rank_main(args: argparse.Namespace) -> None:
             for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:
                 parents = (routes.of(0)[1] if way.startswith("routes")
                            else routes.copy_parents())
-                source = parents[rank]
-                sinks = [mesh.link(r, 0).sock for r, up in enumerate(parents) if up == rank]
+                tree = mesh.tree(parents)
                 if rank != 0:
                     for t in tensors:
                         t.zero_()
@@ -95,13 +94,9 @@ def rank_main(args: argparse.Namespace) -> None:
                 gather(store, f"{key}/go", rank, world, "")
                 began = time.monotonic()
                 if way == "planes":
-                    relay_planes(views, [
-                        (mesh.link(source, 0, k).sock if source >= 0 else None,
-                         [mesh.link(r, 0, k).sock for r, up in enumerate(parents) if up == rank])
-                        for k in range(mesh.planes)], chunk, 120.0)
+                    relay_planes(views, tree, chunk, 120.0)
                 else:
-                    relay(views, mesh.link(source, 0).sock if source >= 0 else None, sinks,
-                          largest if way == "routes_whole" else chunk, 120.0)
+                    relay(views, *tree[0], largest if way == "routes_whole" else chunk, 120.0)
                 ended = time.monotonic()
                 digest = hashlib.sha256(b"".join(bytes(v) for v in views)).hexdigest()
                 posts = [json.loads(p) for p in gather(

@@ -604,12 +604,8 @@ class Sync:
         with torch.no_grad():
             flats = [t.detach().contiguous() for t in tensors]
             try:
-                relay_planes(
-                    [tensor_bytes(f) for f in flats],
-                    [(self.mesh.link(source, 0, plane).sock if source >= 0 else None,
-                      [self.mesh.link(peer, 0, plane).sock for peer in sinks])
-                     for plane in range(self.mesh.planes)],
-                    self.config.chunk_bytes, self.config.timeout_s)
+                relay_planes([tensor_bytes(f) for f in flats], self.mesh.tree(parents),
+                             self.config.chunk_bytes, self.config.timeout_s)
             except OSError as exc:  # ConnectionError and TimeoutError too
                 raise TransportError(
                     f"rank {self.rank}: copying rank 0's model failed (from rank {source}, "

@@ -566,6 +566,17 @@ class Mesh:
     def link(self, peer: int, band: int, plane: int = 0) -> Link:
         return self.links[(peer, band, plane)]
 
+    def tree(self, parents: Sequence[int]
+             ) -> list[tuple[socket.socket | None, list[socket.socket]]]:
+        """Per plane, this worker's band-0 sockets in the tree `parents` (each rank's
+        parent, -1 at the root): to its parent (None at the root) and to its children,
+        as `relay_planes` takes them."""
+        source = parents[self.rank]
+        sinks = [r for r, up in enumerate(parents) if up == self.rank]
+        return [(self.link(source, 0, plane).sock if source >= 0 else None,
+                 [self.link(peer, 0, plane).sock for peer in sinks])
+                for plane in range(self.planes)]
+
     def peers(self) -> list[int]:
         """The ranks this worker has connections to, in rank order."""
         with self._lock:

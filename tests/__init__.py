@@ -11,6 +11,9 @@ races only at 150 examples, against 12 per CI run):
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout's root
 
 
 def examples(ci_count: int) -> int:

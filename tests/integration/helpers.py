@@ -20,6 +20,7 @@ import pytest
 
 from gradlane.daemon import protocol
 from gradlane.testbed import Cluster
+from tests import REPO
 
 # A full TCP segment carries 1448 payload bytes (MSS with timestamps) in a
 # 1514-byte frame, which is what HTB charges: the best goodput a shaped rate gives.
@@ -39,9 +40,6 @@ def tc(namespace: str, *args: str) -> str:
         check=True,
         timeout=10,
     ).stdout
-
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def port_below_ephemeral(start: int = 20000) -> int:

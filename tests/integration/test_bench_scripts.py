@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests import REPO
+
+BENCH = REPO / "bench"
 
 
 def _plan(r: dict[str, Any]) -> bool:

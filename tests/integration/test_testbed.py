@@ -17,6 +17,7 @@ from gradlane.testbed import Cluster, Topology, remove_cluster
 from gradlane.testbed import netns as gl_netns
 from gradlane.testbed.forked import Forked
 from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
+from tests import REPO
 from tests.integration.helpers import max_goodput
 from tests.terminal import on_a_terminal, read_until
 
@@ -266,11 +267,10 @@ def test_holds_a_cluster():
 def test_sigterm_to_the_test_suite_cleans_up(tmp_path: Path) -> None:
     """A CI timeout's SIGTERM to pytest: the running test's cluster goes, and its processes."""
     (tmp_path / "test_sleeper.py").write_text(_SLEEPING_TEST)
-    repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-c", "/dev/null",
          "--rootdir", str(tmp_path), str(tmp_path / "test_sleeper.py")],
-        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         deadline = time.monotonic() + 60

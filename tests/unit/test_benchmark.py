@@ -36,9 +36,9 @@ from gradlane.cli import cli
 from gradlane.demo import SystemRun, steady_start
 from gradlane.errors import ConfigError, TestbedError
 from gradlane.policies.chunks import trial_schedule
-from tests import examples
+from tests import REPO, examples
 
-SCENARIOS = sorted((Path(__file__).resolve().parents[2] / "bench/scenarios").glob("*.toml"))
+SCENARIOS = sorted((REPO / "bench/scenarios").glob("*.toml"))
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
@@ -442,10 +442,9 @@ def test_waits_for_averages_are_collected_for_shim_systems_only(tmp_path: Path) 
 
 def test_the_readme_table_is_the_one_the_results_make() -> None:
     # `gradlane bench table bench/results/*.json --readme README.md` after every re-run.
-    repo = Path(__file__).resolve().parents[2]
-    results = sorted((repo / "bench/results").glob("*.json"))
+    results = sorted((REPO / "bench/results").glob("*.json"))
     table = markdown_table([json.loads(p.read_text()) for p in results])
-    readme = (repo / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     shown = readme.split("<!-- bench-table:begin -->\n", 1)[1]
     shown = shown.split("\n<!-- bench-table:end -->", 1)[0]
     assert shown == table, "README table is stale: run gradlane bench table ... --readme README.md"

@@ -10,7 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 SOURCES = ("gradlane", "daemon", "shim", "policies", "testbed", "bench", "tests", "scripts")
 REFERENCE = re.compile(r"`(gradlane(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`")
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 from importlib import resources
-from pathlib import Path
 
 import pytest
 
 from gradlane.errors import ConfigError
 from gradlane.policies.profiles import NAMES, load_profile, trace_spec
+from tests import REPO
 
 # Parameter counts as the architectures' sources state them.
 PUBLISHED_PARAMS = {
@@ -49,7 +49,7 @@ def test_unknown_profile_names_the_known_ones() -> None:
 
 
 def test_shipped_gpt2_profile_is_what_its_script_makes() -> None:
-    script = Path(__file__).resolve().parents[2] / "scripts/profile_gpt2.py"
+    script = REPO / "scripts/profile_gpt2.py"
     spec = importlib.util.spec_from_file_location("profile_gpt2", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from gradlane.cli import POLICIES, cli
+from tests import REPO
 
 
 def test_sim_heterogeneous_writes_json_and_png(tmp_path: Path) -> None:
@@ -31,7 +32,7 @@ def test_sim_validate_without_results_says_so(tmp_path: Path) -> None:
 
 def test_sim_validate_replays_the_shipped_testbed_results(tmp_path: Path) -> None:
     out = tmp_path / "v.json"
-    results = Path(__file__).resolve().parents[2] / "bench/results"
+    results = REPO / "bench/results"
     result = CliRunner().invoke(cli, ["sim", "validate", "--results", str(results),
                                       "--json", str(out)])
     assert result.exit_code == 0, result.output

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from gradlane.daemon.config import load_config
+from tests import REPO
 
-SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
+SYSTEMD = REPO / "systemd"
 
 
 def installed_gradlaned() -> str:
