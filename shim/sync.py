@@ -51,7 +51,7 @@ import sys
 import time
 import types
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,6 +268,27 @@ def _refuse_attached_parameters(model: nn.Module, optimizer: torch.optim.Optimiz
                     f"{type(other.model).__name__} (a model inside an attached one, or a "
                     "weight shared with one): each parameter is averaged by one Sync; attach "
                     "the outer model alone, or close() the other first")
+
+
+def _refuse_ddp_around(layer_of: Mapping[nn.Parameter, object]) -> None:
+    """Raise `ConfigError` when the running forward is that of a DistributedDataParallel
+    (wrapped after attach, which `_refuse_wrapped` cannot see) that averages an attached
+    parameter: its gradient would be averaged twice, by DDP and by gradlane."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Set by DDP's forward (its C++ reducer's; torch's own, private: read with care).
+    active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if active is None:
+        return
+    ignored = getattr(active, "parameters_to_ignore", ())
+    for name, p in active.module.named_parameters():
+        if p.requires_grad and name not in ignored and p in layer_of:
+            raise ConfigError(
+                f"{name} is attached and also averaged by the DistributedDataParallel "
+                "wrapped around its model after attach: each gradient would be averaged "
+                "twice. Train the attached model without DDP, or keep DDP with gradlane's "
+                "comm hook instead of attach: ddp_model.register_comm_hook("
+                "gl.HookState(ddp_model), gl.comm_hook)")
 
 
 def _chained(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -1088,6 +1109,7 @@ class Sync:
                 if not layer.updated:
                     self._step_layer(layer)
         if torch.is_grad_enabled():
+            _refuse_ddp_around(self._layer_of)
             mode = module.training
             self._clock.forward(mode, time.perf_counter())
             for a in (*args, *kwargs.values()):  # model(input_ids=...) passes only keywords

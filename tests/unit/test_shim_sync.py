@@ -1224,6 +1224,27 @@ def test_a_model_in_a_data_parallel_wrapper_is_refused_saying_what_to_attach() -
         dist.destroy_process_group()
 
 
+def test_a_model_wrapped_in_ddp_after_attach_is_refused_at_its_first_forward() -> None:
+    """`_refuse_wrapped` sees wrappers inside the model at attach; DDP put around the
+    model afterwards would average every gradient a second time. Its forward is refused;
+    an evaluation without gradients, which averages nothing, is not."""
+    m = model()
+    sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(m)
+        with torch.no_grad():
+            wrapped(torch.randn(2, 3, 8, 8))
+        with pytest.raises(ConfigError, match=r"^0.weight is attached and also averaged by "
+                                              r"the DistributedDataParallel wrapped around"):
+            wrapped(torch.randn(2, 3, 8, 8))
+        m(torch.randn(2, 3, 8, 8)).sum().backward()  # outside DDP's forward: attach's own
+        sync.optimizer.step()
+    finally:
+        dist.destroy_process_group()
+        sync.close()
+
+
 def test_an_ipv6_rendezvous_is_refused_saying_why() -> None:
     # Resolving would say only "Address family for hostname not supported".
     with pytest.raises(TransportError, match="IPv6 only.*IPv4 only"):
