@@ -274,10 +274,8 @@ def _refuse_ddp_around(layer_of: Mapping[nn.Parameter, object]) -> None:
     """Raise `ConfigError` when the running forward is that of a DistributedDataParallel
     (wrapped after attach, which `_refuse_wrapped` cannot see) that averages an attached
     parameter: its gradient would be averaged twice, by DDP and by gradlane."""
-    from torch.nn.parallel import DistributedDataParallel
-
     # Set by DDP's forward (its C++ reducer's; torch's own, private: read with care).
-    active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    active = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
     if active is None:
         return
     ignored = getattr(active, "parameters_to_ignore", ())
