@@ -85,6 +85,7 @@ from gradlane.shim.transport import (
     reduction_groups,
     relay_planes,
     tensor_bytes,
+    tree_neighbours,
 )
 
 __all__ = [
@@ -618,8 +619,7 @@ class Sync:
             t for t in self.model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)
         ] + [p for layer in self._layers if layer.name == OUTSIDE for p in layer.params]
         parents = routes.copy_parents()
-        source = parents[self.rank]
-        sinks = [r for r, up in enumerate(parents) if up == self.rank]
+        source, sinks = tree_neighbours(parents, self.rank)
         with torch.no_grad():
             flats = [t.detach().contiguous() for t in tensors]
             try:

@@ -54,6 +54,7 @@ __all__ = [
     "relay_planes",
     "same_host",
     "tensor_bytes",
+    "tree_neighbours",
 ]
 
 logger = logging.getLogger(__name__)
@@ -304,6 +305,12 @@ def _room_for(sockets: int, rank: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     logger.info("rank %d: open-file limit raised from %d to %d for %d connections",
                 rank, soft, needed, sockets)
+
+
+def tree_neighbours(parents: Sequence[int], rank: int) -> tuple[int, list[int]]:
+    """`rank`'s parent in the tree `parents` (each rank's parent, -1 at the root) and its
+    children, in rank order."""
+    return parents[rank], [r for r, up in enumerate(parents) if up == rank]
 
 
 def relay(views: Iterable[memoryview], source: socket.socket | None,
@@ -571,8 +578,7 @@ class Mesh:
         """Per plane, this worker's band-0 sockets in the tree `parents` (each rank's
         parent, -1 at the root): to its parent (None at the root) and to its children,
         as `relay_planes` takes them."""
-        source = parents[self.rank]
-        sinks = [r for r, up in enumerate(parents) if up == self.rank]
+        source, sinks = tree_neighbours(parents, self.rank)
         return [(self.link(source, 0, plane).sock if source >= 0 else None,
                  [self.link(peer, 0, plane).sock for peer in sinks])
                 for plane in range(self.planes)]

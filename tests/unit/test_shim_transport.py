@@ -1,5 +1,6 @@
 """The transport's room for its connections (the open-file limit), and `relay` (over one
-plane, or several: `relay_planes`), which copies rank 0's model down the routes."""
+plane, or several: `relay_planes`), which copies rank 0's model down the routes (each
+rank's part of them: `tree_neighbours`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from gradlane.shim.transport import _room_for, relay, relay_planes
+from gradlane.shim.transport import _room_for, relay, relay_planes, tree_neighbours
+
+
+def test_tree_neighbours_are_a_rank_s_parent_and_its_children_in_rank_order() -> None:
+    parents = [-1, 0, 3, 0, 1, 3]
+    assert tree_neighbours(parents, 0) == (-1, [1, 3])
+    assert tree_neighbours(parents, 3) == (0, [2, 5])
+    assert tree_neighbours(parents, 4) == (1, [])
 
 
 @pytest.fixture
