@@ -72,7 +72,7 @@ import torch
 
 from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import Routes
-from gradlane.shim.transport import Link, Mesh, tensor_bytes
+from gradlane.shim.transport import Link, Mesh, tensor_bytes, tree_neighbours
 
 __all__ = ["OPEN", "Chunk", "Engine", "Group", "close_at_exit", "owned_bytes"]
 
@@ -301,6 +301,8 @@ class Engine:
         )
         for i, ((start, stop), owner) in enumerate(zip(ranges, owners, strict=True)):
             parents, sources = self._routes(owner)
+            parent, children = tree_neighbours(parents, self.rank)
+            source, sinks = tree_neighbours(sources, self.rank)
             # Several planes (NICs): each chunk on the one where its owner's chunks have the
             # fewest bytes so far for the plane's rate. So every owner's chunks spread over
             # every plane, and each NIC carries contributions out while averages come in:
@@ -319,10 +321,10 @@ class Engine:
                 stop,
                 owner,
                 plane=plane,
-                parent=parents[self.rank],
-                children=tuple(r for r, up in enumerate(parents) if up == self.rank),
-                source=sources[self.rank],
-                sinks=tuple(r for r, up in enumerate(sources) if up == self.rank),
+                parent=parent,
+                children=tuple(children),
+                source=source,
+                sinks=tuple(sinks),
                 done_step=self.step - 1,
             )
             if chunk.children:
