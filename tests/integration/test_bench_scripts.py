@@ -49,12 +49,20 @@ def _flow_filters(r: dict[str, Any]) -> bool:
     return all(v > 0 for v in row["median_goodput_bps"].values()) and row["hashed_apply_s"]
 
 
+def _coflow_orders(r: dict[str, Any]) -> bool:
+    rows = r["results"]
+    return (r["cct_ceiling"] > 0 and {"fair", "coflow", "srpt", "loadbalance+coflow"} <= rows.keys()
+            and all(row["mean_cct_s"] > 0 and row["fair_over_this_cct"] > 0
+                    for row in rows.values()))
+
+
 def _state_copy(r: dict[str, Any]) -> bool:
     return all(t > 0 for ways in r["median_s"].values() for t in ways.values())
 
 
 SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
     ("policy_plan.py", ["--repeat", "1"], _plan, False),
+    ("coflow_orders.py", ["--hosts", "64"], _coflow_orders, False),
     ("control.py", ["--daemons", "5", "--seconds", "1"], _control, False),
     ("shim_transport.py", ["--size-mb", "1", "--reps", "1"], _transport, False),
     ("shim_overlap.py", ["--iters", "3", "--warmup", "1", "--rounds", "1", "--forward-ms", "5",
