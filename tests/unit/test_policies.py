@@ -13,7 +13,9 @@ from gradlane.policies import (
     Coflow,
     FlowTable,
     Host,
+    JobClassPlan,
     JobState,
+    Plan,
     Policy,
     State,
     Topology,
@@ -333,11 +335,79 @@ def test_straggler_promotes_the_last_ready_flows() -> None:
     assert check_plan(state, plan) == []
 
 
-def test_check_plan_catches_an_oversubscribed_link() -> None:
-    state = _two_jobs_on_one_link()
+def _valid_cluster_plan() -> tuple[State, Plan]:
+    """`_two_jobs_on_one_link` with batches and a second chunk for 'big', and fair's plan."""
+    state = replace(_two_jobs_on_one_link(), version=3, jobs=(
+        JobState("big", 2, global_batch=8, chunk_bytes=(100, 50)),
+        JobState("small", 2, global_batch=4, chunk_bytes=(10,))))
     plan = get_policy("fair").plan(state)
-    plan.flow_rate_bps[:] = G  # two flows at full rate on one 1 Gbit/s link
-    assert any("over capacity" in p for p in check_plan(state, plan))
+    assert check_plan(state, plan) == []
+    return state, plan
+
+
+_CLASS = JobClassPlan(G // 4, G, 0)
+# Each way a cluster plan can be invalid, and what `check_plan` says of it.
+BROKEN_PLANS: list[tuple[str, dict[str, object], str]] = [
+    ("version", {"version": 2}, "plan version 2 is not the state's 3"),
+    ("ttl", {"ttl_s": 0.0}, "time-to-live 0.0 is not positive"),
+    ("a flow without a band", {"flow_band": np.zeros(1, np.int64)}, "2 flows but 1 bands, 2 rates"),
+    ("a band past the last", {"flow_band": np.array([0, 4])}, "a band outside 0..3"),
+    ("a negative rate", {"flow_rate_bps": np.array([-1.0, 0.0])},
+     "a flow rate is negative or not finite"),
+    ("a rate not a number", {"flow_rate_bps": np.array([np.nan, 0.0])},
+     "a flow rate is negative or not finite"),
+    ("a link over capacity", {"flow_rate_bps": np.array([G, G], np.float64)},
+     "1 links over capacity, e.g. link 0: 2000000000 > 1000000000 bit/s"),
+    ("classes over the NIC", {"host_classes": {0: {"big": JobClassPlan(G, G, 0),
+                                                   "small": JobClassPlan(G, G, 0)}}},
+     "host 0: job classes sum to 2000000000 > NIC 1000000000"),
+    ("a prio past the last", {"host_classes": {0: {"big": JobClassPlan(1, G, 8)}}},
+     "host 0: a class has a bad prio or rate above ceil"),
+    ("a rate above the ceil", {"host_classes": {0: {"big": JobClassPlan(2, 1, 0)}}},
+     "host 0: a class has a bad prio or rate above ceil"),
+    ("a coflow left out of the order", {"coflow_order": ("big/1",)},
+     "the coflow order is not a permutation of the coflows"),
+    ("a job without a level", {"job_level": {"small": 0}}, "job big: no level in 0..7"),
+    ("a level past the last", {"job_level": {"small": 0, "big": 8}},
+     "job big: no level in 0..7"),
+    ("a chunk without an owner", {"ownership": {"big": (0,), "small": (1,)}},
+     "job big: not every chunk has exactly one owner"),
+    ("a job without owners", {"ownership": {"small": (1,)}},
+     "job big: not every chunk has exactly one owner"),
+    ("an owner not in the job", {"ownership": {"big": (0, 2), "small": (1,)}},
+     "job big: a chunk owned by a rank not in the job"),
+    ("a job without shares", {"batch_shares": {"small": (2, 2)}},
+     "job big: no batch share per worker"),
+    ("shares off the global batch", {"batch_shares": {"big": (4, 3), "small": (2, 2)}},
+     "job big: shares (4, 3) do not sum to 8 with each >= 1"),
+    ("a worker with no samples", {"batch_shares": {"big": (8, 0), "small": (2, 2)}},
+     "job big: shares (8, 0) do not sum to 8 with each >= 1"),
+]
+
+
+@pytest.mark.parametrize("change, says", [pytest.param(c, s, id=what)
+                                           for what, c, s in BROKEN_PLANS])
+def test_check_plan_names_each_way_a_cluster_plan_is_invalid(
+        change: dict[str, object], says: str) -> None:
+    """The property tests' "every plan is valid" means what `check_plan` finds: each
+    violation, made alone in a valid plan, is found, and only it."""
+    state, plan = _valid_cluster_plan()
+    problems = check_plan(state, replace(plan, **change))  # type: ignore[arg-type]
+    assert problems == [says]
+
+
+@pytest.mark.parametrize("classes, says", [
+    ({"a": _CLASS}, "job b has no class"),
+    ({"a": _CLASS, "b": JobClassPlan(0, G, 0)}, "job b: bad class"),
+    ({"a": _CLASS, "b": JobClassPlan(G // 4, 2 * G, 0)}, "job b: bad class"),
+    ({"a": _CLASS, "b": JobClassPlan(G // 4, G, 8)}, "job b: bad class"),
+])
+def test_check_plan_names_a_daemon_s_missing_or_bad_class(
+        classes: dict[str, JobClassPlan], says: str) -> None:
+    state = State(shaped_bps=G, other_bps=0, jobs=(JobState("a", 1), JobState("b", 1)))
+    assert check_plan(state, Plan(job_classes={"a": _CLASS, "b": _CLASS}, source="t")) == []
+    problems = check_plan(state, Plan(job_classes=classes, source="t"))
+    assert len(problems) == 1 and problems[0].startswith(says)
 
 
 def test_reduction_within_leaves_only_when_an_uplink_is_oversubscribed() -> None:
