@@ -1,0 +1,48 @@
+"""`ShimConfig`'s checks of attach's options: each bad value refused with what it must be,
+and the edges of each range taken."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradlane.errors import ConfigError
+from gradlane.shim.config import ShimConfig
+
+EDGES: dict[str, object] = {"chunk_bytes": 4096, "dscp": tuple(range(56, 64)), "credit_bytes": 1024,
+                            "timeout_s": 0.001, "job": "j" * 128, "sndbuf_bytes": 0,
+                            "leaf": 65535, "layout": "coarse", "exchange": "ring"}
+
+
+def test_the_edges_of_every_range_are_taken() -> None:
+    assert ShimConfig() == ShimConfig.of({})
+    for name, value in EDGES.items():
+        assert getattr(ShimConfig.of({name: value}), name) == value
+    assert ShimConfig.of({"chunk_bytes": 1 << 30, "dscp": (0,), "leaf": 0}).bands == 1
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"chunk_bytes": 4095}, "chunk_bytes must be 4 KiB..1 GiB, got 4095"),
+    ({"chunk_bytes": (1 << 30) + 1}, "chunk_bytes must be 4 KiB..1 GiB"),
+    ({"dscp": ()}, "dscp must list 1..8 bands, got 0"),
+    ({"dscp": tuple(range(9))}, "dscp must list 1..8 bands, got 9"),
+    ({"dscp": (46, 64)}, r"dscp values must be integers 0..63, got \(46, 64\)"),
+    ({"dscp": (46, -1)}, "dscp values must be integers 0..63"),
+    ({"dscp": (46.0,)}, "dscp values must be integers 0..63"),
+    ({"credit_bytes": 1023}, "credit_bytes must be >= 1024, got 1023"),
+    ({"timeout_s": 0}, "timeout_s must be positive, got 0"),
+    ({"timeout_s": float("nan")}, "timeout_s must be positive, got nan"),
+    ({"job": ""}, "job must be 1..128 characters, not starting with '_': ''"),
+    ({"job": "j" * 129}, "job must be 1..128 characters"),
+    ({"job": "_hidden"}, "job must be 1..128 characters, not starting with '_': '_hidden'"),
+    ({"sndbuf_bytes": -1}, "sndbuf_bytes must be >= 0, got -1"),
+    ({"leaf": -1}, "leaf must be an integer 0..65535 or None, got -1"),
+    ({"leaf": 65536}, "leaf must be an integer 0..65535 or None, got 65536"),
+    ({"leaf": "1"}, "leaf must be an integer 0..65535 or None, got '1'"),
+    ({"layout": "huge"}, "layout must be one of auto, fine, coarse, got 'huge'"),
+    ({"exchange": "tree"}, "exchange must be one of auto, flat, ring, got 'tree'"),
+    ({"credit": 4096}, "unknown option 'credit': did you mean 'credit_bytes'"),
+])
+def test_a_bad_option_is_refused_saying_what_it_must_be(options: dict[str, object],
+                                                        says: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{says}"):
+        ShimConfig.of(options)
