@@ -64,6 +64,16 @@ def test_file_values_and_overrides(tmp_path: Path) -> None:
         (GOOD + '\n[control]\nurl = "http://10.0.0.5:7800"\n', "control.token_file"),
         (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nleaf = -1\n',
          "control.leaf"),
+        (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nhost = ""\n',
+         "control.host: must be non-empty text"),
+        ('daemon = 1\n[[interface]]\nname = "eth0"\nrate = "1gbit"\n',
+         "daemon: must be a table"),
+        ('[[interface]]\nrate = "1gbit"\n', r'interface\[0\]: needs a name, e.g. name = "eth0"'),
+        (GOOD + '\n[[interface]]\nname = "eth0"\nrate = "1gbit"\n',
+         "interface: an interface is listed twice"),
+        (GOOD.replace("[daemon]", "[daemon]\nmax_clients = 0"),
+         "daemon.max_clients: must be an integer in 1..65536, got 0"),
+        (GOOD.replace('policy = "fair"', 'policy = ""'), "daemon.policy: must be non-empty text"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, text: str, message: str) -> None:
