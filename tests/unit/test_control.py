@@ -601,6 +601,43 @@ def test_a_report_s_chunks_are_sizes_and_their_layers_below_its_layers(
     assert parsed == tuple(values) and all(type(v) is int for v in parsed)
 
 
+def _two_jobs_report(**change: Any) -> dict[str, Any]:
+    return {"type": "report", "seq": 1,
+            "jobs": [_job("a", [0, 1], [1000]), _job("b", [0], [1000])], **change}
+
+
+@pytest.mark.parametrize("message, code, says", [
+    ({**_register("h"), "version": 2}, "version", "register: protocol version 2, "),
+    ({**_register("h"), "interfaces": []}, "bad_message", "register: at least one interface"),
+    ({**_register("h"), "interfaces": ["eth0"]}, "bad_message",
+     r"register: interfaces\[0\] must be a map"),
+    (_two_jobs_report(jobs=[_job("a", [0], [1000]), _job("a", [1], [1000])]), "bad_message",
+     "report: job 'a' listed twice"),
+    (_two_jobs_report(jobs=[_job("a", [0, 1, 0], [1000])]), "bad_message",
+     "report: job 'a' rank 0 twice"),
+    (_two_jobs_report(jobs=[_job("a", [0], [1000]), "b"]), "bad_message",
+     r"report: jobs\[1\] must be a map"),
+    (_two_jobs_report(jobs=[{**_job("a", [0], [1000]), "workers": [0]}]), "bad_message",
+     r"report: jobs\[0\].workers\[0\] must be a map"),
+])
+def test_a_register_or_report_that_breaks_the_protocol_is_refused_saying_how(
+        message: dict[str, Any], code: str, says: str) -> None:
+    assert cp.parse_report(_two_jobs_report()).jobs[1].name == "b"
+    parse = cp.parse_register if message["type"] == "register" else cp.parse_report
+    with pytest.raises(ProtocolError, match=f"^{says}") as refused:
+        parse(message)
+    assert refused.value.code == code
+
+
+def test_a_message_over_the_size_cap_is_refused_before_it_is_read() -> None:
+    fits = json.dumps({"type": "report", "pad": "x" * (cp.MAX_MESSAGE - 40)})
+    assert len(fits) <= cp.MAX_MESSAGE and cp.decode(fits)["type"] == "report"
+    with pytest.raises(ProtocolError, match=f"^message of {cp.MAX_MESSAGE + 1} bytes exceeds"
+                       ) as refused:
+        cp.decode(b"x" * (cp.MAX_MESSAGE + 1))
+    assert refused.value.code == "too_big"
+
+
 def test_each_state_reuses_the_last_one_s_exchanges_and_keeps_only_its_own() -> None:
     # Trees are worked out once per placement (at 1,024 hosts, 128 jobs' trees took most
     # of a state's time when a cache of 64 was emptied every state), and a job gone takes
