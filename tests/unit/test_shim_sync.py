@@ -703,6 +703,28 @@ def test_fixed_layouts_never_regroup_and_coarse_steps_stay_exact() -> None:
         attach(model(), torch.optim.SGD(model().parameters(), lr=0.01), exchange="tree")
 
 
+def test_a_step_or_clipping_out_of_place_and_what_attach_cannot_take_get_clear_errors(
+) -> None:
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with attach(m, opt) as sync:
+        with pytest.raises(ConfigError, match=r"^clip_grad_norm_ belongs between backward\(\) "
+                                              r"and optimizer.step\(\)"):
+            sync.clip_grad_norm_(1.0)
+        with pytest.raises(ConfigError, match=r"^optimizer.step\(\) without a synchronized "
+                                              r"backward\(\) before it"):
+            opt.step()
+        plain_step(m, opt, None, 0)  # and it trains on
+    with pytest.raises(ConfigError, match="^rank 1 is not in 0..0"):
+        gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), rank=1, world_size=1)
+    with pytest.raises(ConfigError, match="^SparseAdam needs sparse gradients; gradlane averages "
+                                          "dense ones"):
+        attach(model(), torch.optim.SparseAdam(model().parameters()))
+    frozen = model().requires_grad_(False)
+    with pytest.raises(ConfigError, match="^the model has no parameters that require grad"):
+        attach(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1))
+
+
 def test_lr_scheduler_sees_the_step_it_scheduled() -> None:
     compare(
         lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
