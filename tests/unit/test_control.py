@@ -277,6 +277,27 @@ def test_a_bad_message_closes_only_that_connection() -> None:
     _run(test)
 
 
+def test_a_daemon_past_the_most_the_plane_takes_is_refused_and_one_registered_comes_back(
+) -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        first = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await first.send_json(_register("h1"))
+        assert (await first.receive_json())["type"] == "welcome"
+        extra = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await extra.send_json(_register("h2"))
+        refused = await extra.receive_json()
+        assert refused == {"type": "error", "code": "full", "message": "already 1 daemons"}
+        await first.close()
+        again = await client.ws_connect("/api/v1/daemon", headers=AUTH)  # h1, reconnecting
+        await again.send_json(_register("h1"))
+        assert (await again.receive_json())["type"] == "welcome"
+        await again.close()
+        await extra.close()
+        assert set(plane.daemons) == {"h1"}
+
+    _run(test, max_daemons=1)
+
+
 def test_a_flood_of_bad_connections_does_not_stop_good_daemons() -> None:
     async def test(plane: ControlPlane, client: TestClient) -> None:
         async def attacker(i: int) -> None:
@@ -316,6 +337,14 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
         ControlConfig(token=TOKEN, policy="nope")
     with pytest.raises(ConfigError, match="ttl_s must exceed"):
         ControlConfig(token=TOKEN, cadence_s=5, ttl_s=1)
+    for timing in ({"cadence_s": 0}, {"cadence_s": 3601, "ttl_s": 4000},
+                   {"react_s": 2.0}, {"react_s": -0.1}):
+        with pytest.raises(ConfigError, match=r"^cadence_s must be in \(0, 3600\] and react_s "
+                                              r"in \[0, cadence_s\]"):
+            ControlConfig(token=TOKEN, **timing)
+    with pytest.raises(ConfigError, match="^the uplink rate must be positive"):
+        ControlConfig(token=TOKEN, uplink_bps=0)
+    assert ControlConfig(token=TOKEN, cadence_s=3600, react_s=3600, ttl_s=3601).react_s == 3600
     path = tmp_path / "token"
     with pytest.raises(ConfigError, match="cannot read"):
         read_token(path)
