@@ -107,8 +107,10 @@ class Topology:
     def __post_init__(self) -> None:
         if not self.hosts:
             raise ConfigError("a topology needs at least one host")
+        if min(h.leaf for h in self.hosts) < 0:
+            raise ConfigError(f"leaves are numbered from 0, got {min(h.leaf for h in self.hosts)}")
         leaves = max(h.leaf for h in self.hosts) + 1
-        if min(h.leaf for h in self.hosts) < 0 or len(self.uplink_bps) not in (0, leaves):
+        if len(self.uplink_bps) not in (0, leaves):
             raise ConfigError(
                 f"need one uplink rate per leaf ({leaves}), got {len(self.uplink_bps)}"
             )

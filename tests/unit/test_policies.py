@@ -335,6 +335,20 @@ def test_straggler_promotes_the_last_ready_flows() -> None:
     assert check_plan(state, plan) == []
 
 
+@pytest.mark.parametrize("hosts, uplinks, says", [
+    ((), (), "a topology needs at least one host"),
+    ((Host("a", 0, G), Host("b", -1, G)), (), "leaves are numbered from 0, got -1"),
+    ((Host("a", 0, G), Host("b", 1, G)), (G,), r"need one uplink rate per leaf \(2\), got 1"),
+    ((Host("a", 0, G), Host("b", 0, 0)), (), "link rates must be positive"),
+    ((Host("a", 0, G), Host("b", 1, G)), (G, 0), "link rates must be positive"),
+])
+def test_a_topology_that_cannot_be_is_refused_saying_why(
+        hosts: tuple[Host, ...], uplinks: tuple[int, ...], says: str) -> None:
+    assert Topology((Host("a", 0, G), Host("b", 1, G)), (G, G)).leaves == 2
+    with pytest.raises(ConfigError, match=f"^{says}"):
+        Topology(hosts, uplinks)
+
+
 def _valid_cluster_plan() -> tuple[State, Plan]:
     """`_two_jobs_on_one_link` with batches and a second chunk for 'big', and fair's plan."""
     state = replace(_two_jobs_on_one_link(), version=3, jobs=(
