@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import re
 
 import numpy as np
 import pytest
@@ -161,8 +162,14 @@ def test_owners_of_jobs_side_by_side_are_each_job_s_own(
 def test_owners_follow_weights() -> None:
     owners = assign_owners([1] * 300, 3, weights=[2.0, 1.0, 0.0001 + 1.0])
     assert owners.count(0) == pytest.approx(150, abs=2)
-    with pytest.raises(ConfigError):
-        assign_owners([1], 2, weights=[1.0, 0.0])
+    for weights in ([1.0, 0.0], [1.0]):
+        with pytest.raises(ConfigError,
+                           match=re.escape(f"need 2 positive owner weights, got {weights}")):
+            assign_owners([1], 2, weights=weights)
+    with pytest.raises(ConfigError, match="^world size must be >= 1, got 0"):
+        assign_owners([1], 0)
+    with pytest.raises(ConfigError, match="^need one group per chunk: 1 groups, 2 chunks"):
+        assign_owners([1, 1], 2, groups=[0])
 
 
 def test_bands_split_layers_by_forward_order() -> None:
@@ -220,8 +227,10 @@ def test_reduction_tree_examples() -> None:
     # 1. For owner 3, rank 0 leads its host and leaf 0: 1 -> 0 -> 3 and 2 -> 0 -> 3.
     assert reduction_parents(3, [0, 0, 0, 1], [0, 0, 1, 2]) == [3, 0, 0, -1]
     assert reduction_parents(2, [0, 0, 0, 1], [0, 0, 1, 2]) == [2, 0, -1, 2]
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="^owner 4 is not a rank of 4"):
         reduction_parents(4, [0, 0, 1, 1])
+    with pytest.raises(ConfigError, match="^need one host per rank: 3 for 4"):
+        reduction_parents(0, [0, 0, 1, 1], [0, 0, 1])
 
 
 @given(st.integers(1, 24), st.data())
