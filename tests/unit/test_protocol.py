@@ -112,18 +112,22 @@ def test_invalid_messages_name_the_problem(message: dict, code: str, text: str) 
 
 
 @pytest.mark.parametrize(
-    "frame",
+    "frame, code, says",
     [
-        b"\x00\x00\x00\x00",  # empty frame
-        (protocol.MAX_FRAME + 1).to_bytes(4, "big"),  # oversized, refused before buffering
-        b"\x00\x00\x00\x01\xc1",  # never-used msgpack byte
-        b"\x00\x00\x00\x01\x05",  # an int, not a map
-        b"\x00\x00\x00\x03\x81\x01\x02",  # map with an int key
+        (b"\x00\x00\x00\x00", "bad_frame", "frame length 0 not in 1.."),  # empty frame
+        # oversized, refused before buffering
+        ((protocol.MAX_FRAME + 1).to_bytes(4, "big"), "bad_frame",
+         f"frame length {protocol.MAX_FRAME + 1} not in 1.."),
+        (b"\x00\x00\x00\x01\xc1", "bad_frame", "not a msgpack message"),  # never-used byte
+        (b"\x00\x00\x00\x01\x05", "bad_message", "a message is a map, got int"),  # an int
+        (b"\x00\x00\x00\x03\x81\x01\x02", "bad_frame", "not a msgpack message: int is not "
+         "allowed for map key"),  # a map with an int key
     ],
 )
-def test_bad_frames(frame: bytes) -> None:
-    with pytest.raises(ProtocolError):
+def test_bad_frames(frame: bytes, code: str, says: str) -> None:
+    with pytest.raises(ProtocolError, match=f"^{says}") as refused:
         decode_all(frame)
+    assert refused.value.code == code
 
 
 def test_encode_refuses_oversized() -> None:
