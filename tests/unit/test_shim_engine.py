@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import Routes
-from gradlane.shim.engine import Engine, Group
+from gradlane.shim.engine import _HDR, AG, RS, Engine, Group
 from gradlane.shim.layout import split
 from gradlane.shim.transport import Mesh
 from tests import examples
@@ -297,3 +298,56 @@ def test_a_lost_rank_is_named_by_the_ranks_not_connected_to_it() -> None:
         dead.close(linger_s=0)
     assert {r: e.rank for r, e in errors.items()} == {0: 3, 1: 3, 2: 3}, errors
     assert "having lost rank 3" in str(errors[1]), errors[1]
+
+
+# A peer that breaks the chunk protocol (a bug, or two versions that differ): the frame
+# rank 1 sends rank 0, who owns the group's one chunk unless `rank1_owns`, and what rank 0
+# says of it.
+BAD_FRAMES = [
+    ("an unknown kind", (9, 0, 0, 0, 4000, 1), False, "rank 1 sent an unknown frame kind 9"),
+    ("a chunk it does not have", (RS, 0, 0, 5, 4000, 1), False,
+     "rank 1 sent a bad chunk header for g"),
+    ("a chunk of another size", (RS, 0, 0, 0, 40, 1), False,
+     "rank 1 sent a bad chunk header for g"),
+    ("a group it does not know", (RS, 9, 0, 0, 4000, 1), False,
+     "rank 1 sent data for unknown group 9"),
+    ("a contribution out of step", (RS, 0, 7, 0, 4000, 1), False,
+     "rank 1 sent a contribution for step 7 during step 0: workers are out of step"),
+    ("a result it does not send", (AG, 0, 0, 0, 4000, 0), False,
+     "rank 1 sent a result of chunk 0 of g it does not send"),
+    ("a contribution to a rank that does not reduce it", (RS, 0, 0, 0, 4000, 1), True,
+     "rank 1 sent chunk 0 of g to a rank that does not reduce it for them"),
+]
+
+
+@pytest.mark.parametrize("frame, rank1_owns, says",
+                         [pytest.param(f, o, s, id=what) for what, f, o, s in BAD_FRAMES])
+def test_a_frame_that_breaks_the_protocol_stops_the_rank_naming_its_sender(
+        frame: tuple[int, ...], rank1_owns: bool, says: str) -> None:
+    store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
+    meshes: list[Mesh] = []
+
+    def connect(rank: int) -> None:
+        mesh = Mesh(rank, 2, store, "127.0.0.1", DSCP, credit_bytes=128 << 10, timeout_s=30,
+                    prefix=prefix, connect=False)
+        mesh.connect([1 - rank])
+        meshes.append(mesh)
+
+    on_every_rank(2, connect)
+    mesh0, mesh1 = sorted(meshes, key=lambda m: m.rank)
+    engine = Engine(mesh0, timeout_s=1)  # rank 1 runs no engine: the test speaks for it
+    try:
+        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [int(rank1_owns)], 0, 0)
+        engine.begin(0, 1)
+        engine.ready(group)
+        mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(*frame))
+        deadline = time.monotonic() + 10  # an unknown group is waited for 1 s (timeout_s)
+        while engine.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(PeerLost) as lost:  # what the training thread then gets
+            engine.wait([group], 0)
+        assert lost.value is engine.error and lost.value.rank == 1
+        assert str(lost.value) == f"step 0: rank 1 lost: protocol violation: {says}"
+    finally:
+        engine.close(linger_s=0)
+        mesh1.close()
