@@ -351,3 +351,45 @@ def test_a_frame_that_breaks_the_protocol_stops_the_rank_naming_its_sender(
     finally:
         engine.close(linger_s=0)
         mesh1.close()
+
+
+def test_an_engine_refuses_what_its_caller_gets_wrong() -> None:
+    store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
+    meshes: list[Mesh] = []
+
+    def connect(rank: int) -> None:
+        mesh = Mesh(rank, 2, store, "127.0.0.1", DSCP, credit_bytes=128 << 10, timeout_s=30,
+                    prefix=prefix, connect=False)
+        mesh.connect([1 - rank])
+        meshes.append(mesh)
+
+    on_every_rank(2, connect)
+    mesh0, mesh1 = sorted(meshes, key=lambda m: m.rank)
+    try:
+        with pytest.raises(TransportError, match=r"^routes for 3 ranks on a mesh of 2"):
+            Engine(mesh0, timeout_s=5, routes=Routes.agreed("flat", 3))
+        lonely = Mesh(0, 3, dist.HashStore(), "127.0.0.1", DSCP, credit_bytes=128 << 10,
+                      timeout_s=5, prefix="lonely", connect=False)
+        try:
+            with pytest.raises(TransportError,
+                               match=r"^rank 0 has no connections to ranks \[1, 2\]"):
+                Engine(lonely, timeout_s=5)
+        finally:
+            lonely.close()
+        engine = Engine(mesh0, timeout_s=5)
+        try:
+            group = engine.add_group(0, "g", torch.zeros(10), [(0, 10)], [0], 0, 0)
+            with pytest.raises(TransportError, match=r"^group 0 \(g\) registered twice"):
+                engine.add_group(0, "g", torch.zeros(10), [(0, 10)], [0], 0, 0)
+            with pytest.raises(TransportError, match="^group h: need a flat contiguous CPU"):
+                engine.add_group(1, "h", torch.zeros(2, 5), [(0, 10)], [0], 0, 0)
+            with pytest.raises(TransportError, match="^sample count must be >= 0, got -1"):
+                engine.begin(0, -1)
+            engine.begin(0, 1)
+            engine.ready(group)
+            with pytest.raises(TransportError, match="^group g was made ready twice in step 0"):
+                engine.ready(group)
+        finally:
+            engine.close(linger_s=0)
+    finally:
+        mesh1.close()
