@@ -60,6 +60,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<4sIII")  # magic, rank, band, plane
+# A peer sends its hello as it connects; a connection silent this long is something else.
+HELLO_WAIT_S = 10.0
 _IPV4_ONLY = "gradlane's transport and gradlaned's filters are IPv4 only"
 _MAGIC = b"GLS2"
 MAX_PLANES = 8
@@ -534,9 +536,14 @@ class Mesh:
                                      f"within {self._timeout_s:.0f} s")
             for listener in ready:
                 sock, _ = listener.accept()
-                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                sock.settimeout(max(0.1, min(HELLO_WAIT_S, deadline - time.monotonic())))
                 hello = bytearray(_HELLO.size)
-                _fill(sock, memoryview(hello), "a hello")
+                try:
+                    _fill(sock, memoryview(hello), "a hello")
+                except OSError:  # closed, reset or silent: a port scan or probe, not a peer
+                    sock.close()
+                    logger.warning("rank %d: dropped a connection that sent no hello", self.rank)
+                    continue
                 magic, peer, band, plane = _HELLO.unpack(hello)
                 if (magic != _MAGIC or peer not in higher or not 0 <= band < bands
                         or plane != listeners.index(listener) or (peer, band, plane) in links):

@@ -4,6 +4,8 @@ rank's part of them: `tree_neighbours`)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import resource
 import socket
@@ -13,8 +15,11 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
-from gradlane.shim.transport import _room_for, relay, relay_planes, tree_neighbours
+from gradlane.shim import transport
+from gradlane.shim.transport import Mesh, _room_for, relay, relay_planes, tree_neighbours
+from tests.ranks import on_every_rank
 
 
 def test_tree_neighbours_are_a_rank_s_parent_and_its_children_in_rank_order() -> None:
@@ -161,3 +166,31 @@ def test_a_hard_limit_without_room_is_named_with_the_way_out() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert "rank 3 needs 1196 connections" in out and "ulimit -n" in out, out
+
+
+def test_strays_at_the_rendezvous_are_dropped_and_the_ranks_still_connect(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port scan or probe reaching a rank's listener while its peers connect (it closes at
+    once, sends a stranger's bytes, or nothing at all) is dropped; it does not fail the
+    rendezvous."""
+    monkeypatch.setattr(transport, "HELLO_WAIT_S", 0.5)
+    store = dist.HashStore()
+    meshes = [Mesh(r, 2, store, "127.0.0.1", (46, 0), credit_bytes=128 << 10, timeout_s=30,
+                   prefix="strays", connect=False) for r in range(2)]
+    try:
+        host, port = json.loads(store.get("strays/addr/0"))[0].rsplit(":", 1)
+        for data in (b"", b"GLS", b"GET / HTTP/1.0\r\n\r\n"):  # queued before the peer's
+            with socket.create_connection((host, int(port))) as stray:
+                stray.sendall(data)
+        with (socket.create_connection((host, int(port))),  # silent, open all along
+              caplog.at_level(logging.WARNING, logger="gradlane.shim.transport")):
+            on_every_rank(2, lambda rank: meshes[rank].connect([1 - rank]))
+        assert sorted(meshes[0].links) == [(1, 0, 0), (1, 1, 0)]  # (peer, band, plane)
+        assert sorted(meshes[1].links) == [(0, 0, 0), (0, 1, 0)]
+        dropped = [r.getMessage() for r in caplog.records]
+        assert dropped == ["rank 0: dropped a connection that sent no hello"] * 2 + [
+            "rank 0: dropped a connection with a bad hello",
+            "rank 0: dropped a connection that sent no hello"]
+    finally:
+        for mesh in meshes:
+            mesh.close()
