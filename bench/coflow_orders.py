@@ -1,6 +1,7 @@
 """Coflow orders against fair sharing on closed-loop training jobs, in the simulator.
 
-    .venv/bin/python bench/coflow_orders.py [--hosts 1024] [--seed 0] [--json PATH]
+    .venv/bin/python bench/coflow_orders.py [--hosts 1024] [--seed 0] [--iterations 12]
+                                            [--json PATH]
 
 `gradlane sim cluster`'s scenario (1,024 hosts under 2:1 leaves, 8 jobs),
 each job's coflow one iteration's gradient exchange, every job's next
@@ -118,13 +119,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=HOSTS, help="cluster size (whole leaves of 32)")
     ap.add_argument("--seed", type=int, default=0, help="placement and job-mix seed")
+    ap.add_argument("--iterations", type=int, default=12,
+                    help="iterations measured per job (gradlane sim cluster's 12)")
     ap.add_argument("--json", type=Path, help="result file (default: bench/results/"
                     "coflow_orders.json, coflow_orders-hostsN.json for another size)")
     args = ap.parse_args()
     suffix = "" if args.hosts == HOSTS else f"-hosts{args.hosts}"
     args.json = args.json or REPO / f"bench/results/coflow_orders{suffix}.json"
+    if args.iterations < 1:
+        ap.error("--iterations must be at least 1")
     try:
-        scenario = cluster(hosts=args.hosts, seed=args.seed)
+        scenario = cluster(hosts=args.hosts, seed=args.seed, iterations=args.iterations)
     except ConfigError as e:
         ap.error(f"--hosts: {e}")
     results: dict[str, Any] = {}
@@ -147,7 +152,8 @@ def main() -> None:
     ceiling = cct_ceiling(results["fair"], alone)
     write_result(args.json, {
         "benchmark": "coflow orders against fair sharing, closed-loop jobs (simulated)",
-        "config": {"hosts": args.hosts, "seed": args.seed, "jobs": [j.name for j in scenario.jobs],
+        "config": {"hosts": args.hosts, "seed": args.seed, "iterations": args.iterations,
+                   "jobs": [j.name for j in scenario.jobs],
                    "replan_s": scenario.replan_s, "react_s": scenario.react_s},
         "results": results,
         "isolated_cct_s": alone,
