@@ -19,6 +19,8 @@ from gradlane.daemon.qdisc import (
     FLOW_TABLE,
     LINK_KEYS,
     MARKER,
+    MAX_BANDS,
+    MAX_JOBS,
     FlowMatch,
     JobSpec,
     QdiscSpec,
@@ -59,10 +61,15 @@ def spec(**kw: object) -> QdiscSpec:
         ({"jobs": (JobSpec("a", M, 500 * M),), "dscp_job": None}, "root rate"),
         ({"jobs": (JobSpec("a", M, M, prio=9),), "dscp_job": None}, "prio"),
         ({"jobs": (JobSpec("a", M, M, flows=(FlowMatch(band=4),)),), "dscp_job": None}, "band 4"),
+        ({"other_prio": 8}, "other_prio must be in 0..7, got 8"),
+        ({"bands": tuple(range(1, MAX_BANDS + 2))}, f"need 1..{MAX_BANDS} bands, got 16"),
+        ({"jobs": tuple(JobSpec(f"j{i}", 1, 1) for i in range(MAX_JOBS + 1)), "dscp_job": None},
+         f"at most {MAX_JOBS} jobs per interface, got {MAX_JOBS + 1}"),
+        ({"jobs": (JobSpec("", M, M),), "dscp_job": None}, "a job name must not be empty"),
     ],
 )
 def test_invalid_specs_are_refused_naming_the_problem(change: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=r"^invalid qdisc spec: .*" + message):
         spec(**change)
 
 
