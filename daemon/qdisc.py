@@ -789,15 +789,16 @@ class QdiscManager:
     def _load_state(self) -> _Persisted:
         try:
             raw = json.loads(self._state_file.read_text())
+            original = raw.get("original")
+            return _Persisted(
+                original=_Original(**original) if original else None,
+                slots={str(k): int(v) for k, v in raw.get("slots", {}).items()},
+            )
         except FileNotFoundError:
             return _Persisted()
-        except (OSError, ValueError) as exc:
+        # Not JSON, or JSON of another shape (edited by hand, or another version's).
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise ConfigError(f"unreadable qdisc state file {self._state_file}: {exc}") from exc
-        original = raw.get("original")
-        return _Persisted(
-            original=_Original(**original) if original else None,
-            slots={str(k): int(v) for k, v in raw.get("slots", {}).items()},
-        )
 
     def _save_state(self) -> None:
         original = self._state.original

@@ -1,7 +1,9 @@
-"""The qdisc manager's pure parts: spec validation, the wanted tree, the filter diff."""
+"""The qdisc manager's pure parts: spec validation, the wanted tree, the filter diff; and
+reading its state file."""
 
 import struct
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from pyroute2.netlink.rtnl import (
@@ -23,6 +25,7 @@ from gradlane.daemon.qdisc import (
     MAX_JOBS,
     FlowMatch,
     JobSpec,
+    QdiscManager,
     QdiscSpec,
     RootWatch,
     _diff_filters,
@@ -197,3 +200,15 @@ def test_root_watch_hears_roots_deleted_or_replaced_not_its_own_nor_classes() ->
     ]))
     assert heard == {6, 7}
     assert RootWatch.roots_in(b"\x08\0\0\0" + b"\0" * 40) == set()  # a bad length: no loop
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"original": {"nope": 1}}',
+                                  '{"slots": {"a": "one"}}', '{"original": 5}'])
+def test_a_state_file_it_cannot_read_is_refused_naming_it(tmp_path: Path, text: str) -> None:
+    state = tmp_path / "qdisc-eth0.json"
+    state.write_text(text)
+    with pytest.raises(ConfigError, match=f"^unreadable qdisc state file {state}: "):
+        QdiscManager("eth0", state_file=state)
+    state.write_text('{"original": {"kind": "pfifo", "handle": 65536, "limit": 100}, '
+                     '"slots": {"a": 1}}')
+    QdiscManager("eth0", state_file=state)  # its own format reads
