@@ -189,14 +189,7 @@ class ControlLink:
             raise ValueError(f"control plane error: {message.get('message')!r:.300}")
         if message.get("type") != "plan" or not message.get("version"):
             return
-        for job, c in message["job_classes"].items():
-            if not (isinstance(job, str) and len(c) == 3 and all(isinstance(v, int) for v in c)
-                    and 0 < c[0] <= c[1] and 0 <= c[2] <= 7):
-                raise ValueError(f"bad job class {job!r}: {c!r:.80}")
-        link = message.get("link_bps")
-        if link is not None and not (isinstance(link, int) and not isinstance(link, bool)
-                                     and link > 0):
-            raise ValueError(f"bad link_bps {link!r:.80}")
+        _check_plan(message)
         before = self.plan if self.fresh() else None
         self.plan, self.plan_at = message, self._clock()
         # The control plane re-plans every second or so; most plans change nothing
@@ -260,6 +253,37 @@ class ControlLink:
         if self.link_bps is not None and "link_bps" in self.features:
             report["link_bps"] = self.link_bps()
         return report
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_plan(message: dict[str, Any]) -> None:
+    """Raise ValueError unless `message` is a plan this daemon can act on: every field it
+    reads, of the type it reads (a control plane of another version, or a broken one,
+    gets its plan refused and the connection retried, never a daemon that fails later)."""
+    if not _integer(message["version"]):
+        raise ValueError(f"bad plan version {message['version']!r:.80}")
+    ttl = message.get("ttl_s")
+    if not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 < ttl < 1e6):
+        raise ValueError(f"bad plan ttl_s {ttl!r:.80}")
+    classes = message.get("job_classes")
+    if not isinstance(classes, dict):
+        raise ValueError(f"bad plan job_classes {classes!r:.80}")
+    for job, c in classes.items():
+        if not (isinstance(job, str) and isinstance(c, list) and len(c) == 3
+                and all(_integer(v) for v in c) and 0 < c[0] <= c[1] and 0 <= c[2] <= 7):
+            raise ValueError(f"bad job class {job!r}: {c!r:.80}")
+    for key in ("batch_shares", "ownership"):
+        per_job = message.get(key)
+        if not (isinstance(per_job, dict) and all(
+                isinstance(job, str) and isinstance(v, list)
+                and all(_integer(x) and x >= 0 for x in v) for job, v in per_job.items())):
+            raise ValueError(f"bad plan {key} {per_job!r:.80}")
+    link = message.get("link_bps")
+    if link is not None and not (_integer(link) and link > 0):
+        raise ValueError(f"bad link_bps {link!r:.80}")
 
 
 def _host_part(plan: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ control plane run in one event loop; a shim is played over the Unix socket.
 
 import asyncio
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,41 @@ def test_only_a_plan_that_changes_this_host_s_part_re_plans_it() -> None:
         # A plan after the expiry is news even when it is the same as the last one.
         link._take({**plan, "version": 5, "job_classes": {"j": [10**6, 2 * 10**7, 1]}})
         assert len(told) == 5
+
+    asyncio.run(main())
+
+
+_PLAN = {"type": "plan", "version": 1, "ttl_s": 5.0, "source": "gradlane",
+         "job_classes": {"j": [10**6, 10**7, 1]}, "batch_shares": {"j": [16, 16]},
+         "ownership": {"j": [0, 1]}, "leaf": None, "link_bps": 10**9, "computed_at": 1.0}
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"version": "2"}, "bad plan version '2'"),
+    ({"ttl_s": None}, "bad plan ttl_s None"),
+    ({"ttl_s": 0}, "bad plan ttl_s 0"),
+    ({"job_classes": [["j", 1, 2, 3]]}, "bad plan job_classes"),
+    ({"job_classes": {"j": 5}}, "bad job class 'j': 5"),
+    ({"job_classes": {"j": [10**7, 10**6, 1]}}, "bad job class 'j'"),
+    ({"job_classes": {"j": [10**6, 10**7, 8]}}, "bad job class 'j'"),
+    ({"batch_shares": None}, "bad plan batch_shares None"),
+    ({"batch_shares": {"j": [16, "16"]}}, "bad plan batch_shares"),
+    ({"ownership": {"j": [0, -1]}}, "bad plan ownership"),
+    ({"ownership": {"j": 0}}, "bad plan ownership"),
+    ({"link_bps": 0}, "bad link_bps 0"),
+    ({"link_bps": True}, "bad link_bps True"),
+])
+def test_a_plan_the_daemon_could_not_act_on_is_refused_and_the_last_one_kept(
+        change: dict[str, Any], says: str) -> None:
+    async def main() -> None:
+        link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                                  Registry(bands=4), on_change=lambda: None)
+        link._take(_PLAN)
+        with pytest.raises(ValueError, match=f"^{re.escape(says)}"):
+            link._take({**_PLAN, "version": 2, **change})
+        assert link.plan is not None and link.plan["version"] == 1
+        assert link.advice("j", 1) == (16, [0, 1])
+        assert link.job_classes() == {"j": JobClassPlan(10**6, 10**7, 1)}
 
     asyncio.run(main())
 
