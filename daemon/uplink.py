@@ -33,6 +33,7 @@ from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.fields import agreed_exchange, exchange_fields, features
 from gradlane.daemon.registry import Registry
+from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
 
 __all__ = ["ControlLink"]
@@ -141,11 +142,13 @@ class ControlLink:
                 sessions, began = self.sessions, self._clock()
                 try:
                     await self._session(http)  # ends by raising, when the connection does
-                except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError,
-                        TypeError) as exc:
+                except Exception as exc:  # whatever it is, gradlaned goes on: retry
                     error = f"{type(exc).__name__}: {exc}"[:300]
                     if error != self.last_error:
-                        logger.warning("control plane %s: %s; retrying", self.url, error)
+                        expected = (aiohttp.ClientError, OSError, TimeoutError, ValueError,
+                                    ProtocolError)
+                        logger.warning("control plane %s: %s; retrying", self.url, error,
+                                       exc_info=not isinstance(exc, expected))
                     self.last_error = error
                 finally:
                     self.connected = False
@@ -166,7 +169,7 @@ class ControlLink:
             })
             async with asyncio.timeout(5):
                 welcome = await ws.receive_json()
-            if welcome.get("type") != "welcome":
+            if not isinstance(welcome, dict) or welcome.get("type") != "welcome":
                 raise ValueError(f"expected welcome, got {welcome!r:.200}")
             self.features = features(welcome)
             self.connected, self.last_error = True, None

@@ -5,7 +5,9 @@ control plane run in one event loop; a shim is played over the Unix socket.
 """
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import re
 import time
 from pathlib import Path
@@ -321,6 +323,50 @@ def test_a_plan_the_daemon_could_not_act_on_is_refused_and_the_last_one_kept(
         assert link.plan is not None and link.plan["version"] == 1
         assert link.advice("j", 1) == (16, [0, 1])
         assert link.job_classes() == {"j": JobClassPlan(10**6, 10**7, 1)}
+
+    asyncio.run(main())
+
+
+def test_a_control_plane_that_breaks_the_protocol_never_stops_the_link() -> None:
+    """A welcome that is not a map, then a message that is not one, then a plan: the link
+    drops each broken session, retries, and takes the plan."""
+    sessions: list[str] = []
+
+    async def daemon_socket(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.receive_json()  # the register
+        script = ["a list for a welcome", "a list for a plan", "a plan"][len(sessions)]
+        sessions.append(script)
+        if script == "a list for a welcome":
+            await ws.send_str("[1]")
+        else:
+            await ws.send_json({"type": "welcome", "version": 1, "host": "h1", "features": []})
+            await ws.send_str("[1]" if script == "a list for a plan"
+                              else json.dumps({**_PLAN, "version": 7}))
+        await ws.receive()  # until the link closes it, or the test ends
+        return ws
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/api/v1/daemon", daemon_socket)
+        runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await runner.setup()
+        port = port_below_ephemeral()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        link = uplink.ControlLink(f"http://127.0.0.1:{port}", TOKEN, "h1", 0, [("eth0", 10**9)],
+                                  Registry(bands=4), on_change=lambda: None)
+        task = asyncio.create_task(link.run())
+        try:
+            await _until(lambda: link.plan is not None or task.done())
+            assert not task.done(), task.exception()
+            assert link.plan is not None and link.plan["version"] == 7
+            assert sessions == ["a list for a welcome", "a list for a plan", "a plan"]
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await runner.cleanup()
 
     asyncio.run(main())
 
