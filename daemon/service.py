@@ -448,8 +448,7 @@ class Daemon:
             dscp_job=DSCP_JOB,
         )
 
-    async def _reconcile(self) -> None:
-        started = time.perf_counter()
+    def _plan_now(self) -> Plan:
         plan = self.policy.plan(self.state())
         control = self.link.job_classes() if self.link is not None else None
         if control:
@@ -464,6 +463,17 @@ class Daemon:
             plan = Plan(job_classes={j: _scaled(control[j], scale) if j in control else c
                                      for j, c in plan.job_classes.items()},
                         source="control", version=plan.version)
+        return plan
+
+    async def _reconcile(self) -> None:
+        started = time.perf_counter()
+        try:  # a policy's failure (a third party's, by module path) leaves the tree as it is
+            plan = self._plan_now()
+        except Exception:
+            self._reconcile_errors += 1
+            logger.exception("policy %s failed to plan; retrying on the next change",
+                             self.policy.name)
+            return
         changes: list[str] = []
         verify = self._clock() - self._verified_at >= VERIFY_EVERY
         planned = time.perf_counter()

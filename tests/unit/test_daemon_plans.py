@@ -25,7 +25,7 @@ from gradlane.daemon.qdisc import (
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import RESTART_FIELDS, VERIFY_EVERY, Daemon
 from gradlane.errors import GradlaneError, TcError
-from gradlane.policies import JobClassPlan, Plan
+from gradlane.policies import JobClassPlan, Plan, Policy, State
 from tests.fakes import FakeBackend, fake_config
 
 
@@ -84,6 +84,30 @@ def test_a_tc_error_of_any_kind_is_counted_and_the_next_change_retried(tmp_path:
         await daemon._reconcile()
         assert backend.spec is not None and any(j.name == "j" for j in backend.spec.jobs)
         assert daemon._reconcile_errors == 1
+
+    asyncio.run(main())
+
+
+class _Broken(Policy):
+    name = "broken"
+
+    def plan(self, state: State) -> Plan:
+        raise ZeroDivisionError("a third party's bug")
+
+
+def test_a_policy_that_fails_to_plan_is_counted_and_the_daemon_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    daemon = _daemon(tmp_path)
+    backend = daemon._backends[0]
+    working, daemon.policy = daemon.policy, _Broken()
+
+    async def main() -> None:
+        await daemon._reconcile()  # must not raise
+        assert daemon._reconcile_errors == 1 and backend.spec is None
+        assert "policy broken failed to plan; retrying on the next change" in caplog.text
+        daemon.policy = working
+        await daemon._reconcile()
+        assert backend.spec is not None and daemon._reconcile_errors == 1
 
     asyncio.run(main())
 
