@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -300,6 +301,25 @@ def test_a_lost_rank_is_named_by_the_ranks_not_connected_to_it() -> None:
     assert "having lost rank 3" in str(errors[1]), errors[1]
 
 
+@pytest.fixture
+def two_meshes() -> Iterator[tuple[Mesh, Mesh]]:
+    """Ranks 0 and 1 connected, each a mesh of its own; closed after the test."""
+    store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
+    meshes: list[Mesh] = []
+
+    def connect(rank: int) -> None:
+        mesh = Mesh(rank, 2, store, "127.0.0.1", DSCP, credit_bytes=128 << 10, timeout_s=30,
+                    prefix=prefix, connect=False)
+        mesh.connect([1 - rank])
+        meshes.append(mesh)
+
+    on_every_rank(2, connect)
+    mesh0, mesh1 = sorted(meshes, key=lambda m: m.rank)
+    yield mesh0, mesh1
+    mesh0.close()
+    mesh1.close()
+
+
 # A peer that breaks the chunk protocol (a bug, or two versions that differ): the frame
 # rank 1 sends rank 0, who owns the group's one chunk unless `rank1_owns`, and what rank 0
 # says of it.
@@ -323,18 +343,9 @@ BAD_FRAMES = [
 @pytest.mark.parametrize("frame, rank1_owns, says",
                          [pytest.param(f, o, s, id=what) for what, f, o, s in BAD_FRAMES])
 def test_a_frame_that_breaks_the_protocol_stops_the_rank_naming_its_sender(
-        frame: tuple[int, ...], rank1_owns: bool, says: str) -> None:
-    store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
-    meshes: list[Mesh] = []
-
-    def connect(rank: int) -> None:
-        mesh = Mesh(rank, 2, store, "127.0.0.1", DSCP, credit_bytes=128 << 10, timeout_s=30,
-                    prefix=prefix, connect=False)
-        mesh.connect([1 - rank])
-        meshes.append(mesh)
-
-    on_every_rank(2, connect)
-    mesh0, mesh1 = sorted(meshes, key=lambda m: m.rank)
+        frame: tuple[int, ...], rank1_owns: bool, says: str,
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    mesh0, mesh1 = two_meshes
     engine = Engine(mesh0, timeout_s=1)  # rank 1 runs no engine: the test speaks for it
     try:
         group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [int(rank1_owns)], 0, 0)
@@ -350,46 +361,31 @@ def test_a_frame_that_breaks_the_protocol_stops_the_rank_naming_its_sender(
         assert str(lost.value) == f"step 0: rank 1 lost: protocol violation: {says}"
     finally:
         engine.close(linger_s=0)
-        mesh1.close()
 
 
-def test_an_engine_refuses_what_its_caller_gets_wrong() -> None:
-    store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
-    meshes: list[Mesh] = []
-
-    def connect(rank: int) -> None:
-        mesh = Mesh(rank, 2, store, "127.0.0.1", DSCP, credit_bytes=128 << 10, timeout_s=30,
-                    prefix=prefix, connect=False)
-        mesh.connect([1 - rank])
-        meshes.append(mesh)
-
-    on_every_rank(2, connect)
-    mesh0, mesh1 = sorted(meshes, key=lambda m: m.rank)
+def test_an_engine_refuses_what_its_caller_gets_wrong(two_meshes: tuple[Mesh, Mesh]) -> None:
+    mesh0, _ = two_meshes
+    with pytest.raises(TransportError, match=r"^routes for 3 ranks on a mesh of 2"):
+        Engine(mesh0, timeout_s=5, routes=Routes.agreed("flat", 3))
+    lonely = Mesh(0, 3, dist.HashStore(), "127.0.0.1", DSCP, credit_bytes=128 << 10,
+                  timeout_s=5, prefix="lonely", connect=False)
     try:
-        with pytest.raises(TransportError, match=r"^routes for 3 ranks on a mesh of 2"):
-            Engine(mesh0, timeout_s=5, routes=Routes.agreed("flat", 3))
-        lonely = Mesh(0, 3, dist.HashStore(), "127.0.0.1", DSCP, credit_bytes=128 << 10,
-                      timeout_s=5, prefix="lonely", connect=False)
-        try:
-            with pytest.raises(TransportError,
-                               match=r"^rank 0 has no connections to ranks \[1, 2\]"):
-                Engine(lonely, timeout_s=5)
-        finally:
-            lonely.close()
-        engine = Engine(mesh0, timeout_s=5)
-        try:
-            group = engine.add_group(0, "g", torch.zeros(10), [(0, 10)], [0], 0, 0)
-            with pytest.raises(TransportError, match=r"^group 0 \(g\) registered twice"):
-                engine.add_group(0, "g", torch.zeros(10), [(0, 10)], [0], 0, 0)
-            with pytest.raises(TransportError, match="^group h: need a flat contiguous CPU"):
-                engine.add_group(1, "h", torch.zeros(2, 5), [(0, 10)], [0], 0, 0)
-            with pytest.raises(TransportError, match="^sample count must be >= 0, got -1"):
-                engine.begin(0, -1)
-            engine.begin(0, 1)
-            engine.ready(group)
-            with pytest.raises(TransportError, match="^group g was made ready twice in step 0"):
-                engine.ready(group)
-        finally:
-            engine.close(linger_s=0)
+        with pytest.raises(TransportError, match=r"^rank 0 has no connections to ranks \[1, 2\]"):
+            Engine(lonely, timeout_s=5)
     finally:
-        mesh1.close()
+        lonely.close()
+    engine = Engine(mesh0, timeout_s=5)
+    try:
+        group = engine.add_group(0, "g", torch.zeros(10), [(0, 10)], [0], 0, 0)
+        with pytest.raises(TransportError, match=r"^group 0 \(g\) registered twice"):
+            engine.add_group(0, "g", torch.zeros(10), [(0, 10)], [0], 0, 0)
+        with pytest.raises(TransportError, match="^group h: need a flat contiguous CPU"):
+            engine.add_group(1, "h", torch.zeros(2, 5), [(0, 10)], [0], 0, 0)
+        with pytest.raises(TransportError, match="^sample count must be >= 0, got -1"):
+            engine.begin(0, -1)
+        engine.begin(0, 1)
+        engine.ready(group)
+        with pytest.raises(TransportError, match="^group g was made ready twice in step 0"):
+            engine.ready(group)
+    finally:
+        engine.close(linger_s=0)
