@@ -107,8 +107,9 @@ class Topology:
     def __post_init__(self) -> None:
         if not self.hosts:
             raise ConfigError("a topology needs at least one host")
-        if min(h.leaf for h in self.hosts) < 0:
-            raise ConfigError(f"leaves are numbered from 0, got {min(h.leaf for h in self.hosts)}")
+        lowest = min(h.leaf for h in self.hosts)
+        if lowest < 0:
+            raise ConfigError(f"leaves are numbered from 0, got {lowest}")
         leaves = max(h.leaf for h in self.hosts) + 1
         if len(self.uplink_bps) not in (0, leaves):
             raise ConfigError(
