@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -677,6 +678,18 @@ def _spread(values: list[float], each: str, every: bool, unit: str = "") -> str:
     return f"{spread} ({len(values)} ranks)"
 
 
+def _readable(show: Callable[[], None], who: str) -> None:
+    """`show()` a status; one of a shape this gradlane does not read (another version's, or
+    another program's on that port) is said so, not shown as a traceback."""
+    try:
+        show()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise click.ClickException(
+            f"{who} answered with a status this gradlane ({__version__}) cannot read "
+            f"({type(exc).__name__}: {exc}): is it another version? --json shows it as it is"
+        ) from None
+
+
 def _cluster_status(url: str, token_file: Path, as_json: bool, every: bool = False) -> None:
     import json
 
@@ -692,6 +705,10 @@ def _cluster_status(url: str, token_file: Path, as_json: bool, every: bool = Fal
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
+    _readable(lambda: _print_cluster(data, every), f"the control plane at {url}")
+
+
+def _print_cluster(data: Any, every: bool) -> None:
     out = _stdout_console()
     plan = data["plan"]
     out.print(f"gradlane control {data['version']}, policy {data['policy']}, "
@@ -942,6 +959,10 @@ def status(url: str | None, as_json: bool, cluster: bool, every: bool, token_fil
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
+    _readable(lambda: _print_daemon(data), f"the gradlaned at {url}")
+
+
+def _print_daemon(data: Any) -> None:
     # Piped output is not cut to 80 columns: scripts and logs need whole class ids.
     out = _stdout_console()
     plan = data["plan"]

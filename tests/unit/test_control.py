@@ -1,6 +1,7 @@
 """`gradlane control`: auth, input validation, plans pushed to daemons, isolation of bad peers."""
 
 import asyncio
+import http.server
 import io
 import json
 import socket
@@ -447,6 +448,46 @@ def _status_unanswered(tmp_path: Path, port: int) -> None:
                                          "--url", f"http://127.0.0.1:{port}"])
     assert shown.exit_code == 1 and "no control plane answers" in shown.output and \
         "Is `gradlane control` running there?" in shown.output, shown.output
+
+
+@pytest.mark.parametrize("status", [{"version": "0.0.1"}, [1, 2], {"plan": 5, "version": "x"}])
+def test_gradlane_status_of_a_shape_it_cannot_read_says_so_not_a_traceback(
+        tmp_path: Path, status: Any) -> None:
+    """Another version's status, or another program's JSON on that port."""
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(status).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    try:
+        for argv, who in ((["status"], "the gradlaned"),
+                          (["status", "--cluster", "--token-file", str(token)],
+                           "the control plane")):
+            shown = CliRunner().invoke(cli.cli, [*argv, "--url", url])
+            assert shown.exit_code == 1 and shown.exception is not None, shown.output
+            said = " ".join(shown.output.split())
+            assert said.startswith(f"Error: {who} at {url} answered with a status this "
+                                   "gradlane"), said
+            assert "--json shows it as it is" in said
+            shown = CliRunner().invoke(cli.cli, [*argv, "--url", url, "--json"])
+            assert shown.exit_code == 0 and json.loads(shown.output) == status
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_gradlane_status_names_every_exchange_a_job_can_say() -> None:
