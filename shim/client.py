@@ -251,6 +251,9 @@ class DaemonClient:
                                  "group its daemon.socket_group names: add this user to it)")
                 except (OSError, ProtocolError, ValueError) as exc:
                     self._absent(f"gradlaned at {path}: {exc}")
+                except Exception as exc:  # whatever a daemon says, this thread goes on
+                    logger.debug("gradlane: session with gradlaned failed", exc_info=True)
+                    self._absent(f"gradlaned at {path}: {type(exc).__name__}: {exc}")
             self.connected = False
             self._stop.wait(RETRY_S)
 

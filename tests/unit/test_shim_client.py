@@ -336,6 +336,31 @@ def test_a_socket_this_user_may_not_use_is_said_with_the_way_in(
     assert "training goes on with the local priority order" in caplog.text
 
 
+def test_a_session_that_fails_in_a_way_not_foreseen_is_retried_not_the_end_of_the_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tries: list[float] = []
+
+    def broken(self: DaemonClient, path: str) -> None:
+        tries.append(time.monotonic())
+        raise KeyError("a field of a daemon of another version")
+
+    monkeypatch.setattr(DaemonClient, "_session", broken)
+    monkeypatch.setattr("gradlane.shim.client.RETRY_S", 0.05)
+    there = tmp_path / "gl.sock"
+    there.touch()
+    client = DaemonClient(ShimConfig(daemon_socket=str(there), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        deadline = time.monotonic() + 10
+        while len(tries) < 3:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.01)
+    finally:
+        client.close()
+    assert ("KeyError: 'a field of a daemon of another version'; training goes on with the "
+            "local priority order") in caplog.text
+
+
 class _FourBands:
     """A worker's four band connections to one peer; the marks it was given."""
 
