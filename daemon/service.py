@@ -542,7 +542,7 @@ class Daemon:
             for backend in self._backends:
                 try:
                     self._stats[backend.ifname] = await self._tc(backend.class_stats)
-                except GradlaneError:
+                except Exception:  # netlink's own errors too: the counters come back later
                     logger.exception("%s: reading class statistics failed", backend.ifname)
             await asyncio.sleep(STATS_EVERY)
 

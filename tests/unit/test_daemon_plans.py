@@ -8,6 +8,7 @@ import errno
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,6 +111,35 @@ def test_a_policy_that_fails_to_plan_is_counted_and_the_daemon_goes_on(
         assert backend.spec is not None and daemon._reconcile_errors == 1
 
     asyncio.run(main())
+
+
+def test_counters_that_cannot_be_read_are_logged_and_read_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reads: list[int] = []
+
+    class Unreadable(FakeBackend):
+        def class_stats(self) -> list[Any]:
+            reads.append(1)
+            raise OSError(105, "No buffer space available")  # netlink's, not a TcError
+
+    monkeypatch.setattr(service, "STATS_EVERY", 0.01)
+    daemon = _daemon(tmp_path, Unreadable)
+
+    async def main() -> None:
+        task = asyncio.create_task(daemon._stats_loop())
+        try:
+            async with asyncio.timeout(10):
+                while len(reads) < 3:
+                    assert not task.done(), task.exception()
+                    await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    assert "fake0: reading class statistics failed" in caplog.text
 
 
 def test_a_reload_to_another_number_of_bands_keeps_registered_workers_working(
