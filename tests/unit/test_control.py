@@ -134,6 +134,12 @@ def test_post_report_answers_with_the_hosts_plan(monkeypatch: pytest.MonkeyPatch
                 break
             await asyncio.sleep(0.05)
         assert view["jobs"]["j"]["degraded"] and not view["hosts"][0]["connected"]
+        # The same in msgpack, answered in msgpack.
+        r = await client.post("/api/v1/report", data=msgpack.packb(body), headers={
+            **AUTH, "Content-Type": "application/msgpack"})
+        assert r.status == 200 and r.content_type == "application/msgpack"
+        answer = msgpack.unpackb(await r.read())
+        assert answer["type"] == "plan" and answer["batch_shares"] == {"j": [5, 5]}
 
     _run(test)
 
