@@ -266,7 +266,15 @@ class Engine:
             self._receivers.append(self._spawn(self._recv_loop, f"gl-recv-{name}", link))
 
     def _spawn(self, target: Callable[..., None], name: str, arg: object) -> threading.Thread:
-        thread = threading.Thread(target=target, args=(arg,), name=name, daemon=True)
+        def run() -> None:
+            try:
+                target(arg)
+            except Exception as exc:  # a bug, not the network: every wait raises it now
+                logger.exception("gradlane: rank %d: %s failed", self.rank, name)
+                self._fail(TransportError(
+                    f"rank {self.rank}: {name} failed: {type(exc).__name__}: {exc}"))
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()
         return thread
 

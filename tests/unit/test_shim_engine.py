@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -387,5 +388,35 @@ def test_an_engine_refuses_what_its_caller_gets_wrong(two_meshes: tuple[Mesh, Me
         engine.ready(group)
         with pytest.raises(TransportError, match="^group g was made ready twice in step 0"):
             engine.ready(group)
+    finally:
+        engine.close(linger_s=0)
+
+
+def test_an_error_on_an_engine_thread_stops_the_waits_at_once_saying_what_it_was(
+        two_meshes: tuple[Mesh, Mesh], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a silence until the timeout blamed on a peer: the thread's own error."""
+    mesh0, mesh1 = two_meshes
+
+    contribute = Engine._contribute
+
+    def broken(engine: Engine, chunk: Any, rank: int, *rest: Any) -> None:
+        if rank == 1:  # on the thread that receives rank 1's part
+            raise RuntimeError("a bug in the reduction")
+        contribute(engine, chunk, rank, *rest)
+
+    monkeypatch.setattr(Engine, "_contribute", broken)
+    engine = Engine(mesh0, timeout_s=60)
+    try:
+        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
+        engine.begin(0, 1)
+        engine.ready(group)
+        sock = mesh1.link(0, 0, 0).sock
+        sock.sendall(_HDR.pack(RS, 0, 0, 0, 4000, 1) + bytes(4000))  # rank 1's contribution
+        started = time.monotonic()
+        with pytest.raises(TransportError) as failed:
+            engine.wait([group], 0)
+        assert time.monotonic() - started < 30  # not the 60 s timeout
+        assert str(failed.value) == (
+            "rank 0: gl-recv-1.0 failed: RuntimeError: a bug in the reduction")
     finally:
         engine.close(linger_s=0)
