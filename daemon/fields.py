@@ -23,6 +23,7 @@ __all__ = [
     "flag",
     "get",
     "integer",
+    "integers",
     "listed",
     "number",
     "only",
@@ -57,6 +58,14 @@ def integer(raw: dict[str, Any], key: str, low: int, high: int) -> int:
             "bad_message", f"{raw.get('type')}: {key} must be an integer in {low}..{high}"
         )
     return value
+
+
+def integers(values: list[Any], low: int, high: int) -> bool:
+    """Whether `values` are all integers (not bools) in ``[low, high)``, checked in C: a
+    report lists a job's every chunk, and a control plane takes a report a second from
+    each daemon (checked one by one in Python, they took half of a report's parsing)."""
+    return not values or (set(map(type, values)) <= {int}
+                          and low <= min(values) and max(values) < high)
 
 
 def flag(raw: dict[str, Any], key: str) -> bool | None:

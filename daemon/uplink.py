@@ -31,7 +31,7 @@ import aiohttp
 
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
-from gradlane.daemon.fields import agreed_exchange, exchange_fields, features
+from gradlane.daemon.fields import agreed_exchange, exchange_fields, features, integers
 from gradlane.daemon.registry import Registry
 from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
@@ -276,13 +276,13 @@ def _check_plan(message: dict[str, Any]) -> None:
         raise ValueError(f"bad plan job_classes {classes!r:.80}")
     for job, c in classes.items():
         if not (isinstance(job, str) and isinstance(c, list) and len(c) == 3
-                and all(_integer(v) for v in c) and 0 < c[0] <= c[1] and 0 <= c[2] <= 7):
+                and integers(c, 0, 1 << 62) and 0 < c[0] <= c[1] and c[2] <= 7):
             raise ValueError(f"bad job class {job!r}: {c!r:.80}")
     for key in ("batch_shares", "ownership"):
         per_job = message.get(key)
         if not (isinstance(per_job, dict) and all(
-                isinstance(job, str) and isinstance(v, list)
-                and all(_integer(x) and x >= 0 for x in v) for job, v in per_job.items())):
+                isinstance(job, str) and isinstance(v, list) and integers(v, 0, 1 << 62)
+                for job, v in per_job.items())):
             raise ValueError(f"bad plan {key} {per_job!r:.80}")
     link = message.get("link_bps")
     if link is not None and not (_integer(link) and link > 0):
