@@ -118,6 +118,8 @@ def read_token(path: Path) -> str:
         token = path.read_text().strip()
     except OSError as exc:
         raise ConfigError(f"cannot read the token file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read the token file {path}: not UTF-8 text") from None
     if len(token) < 16:
         raise ConfigError(f"{path}: the token must be at least 16 characters")
     return token

@@ -651,6 +651,9 @@ def _get_json(url: str, who: str, headers: dict[str, str] | None = None,
     try:
         with urllib.request.urlopen(request, timeout=5) as resp:
             return json.load(resp)
+    except ValueError as exc:  # not JSON (nor text): another program on the port
+        raise click.ClickException(f"what answers at {url} is not a {who}: its answer is "
+                                   f"not JSON ({exc})") from None
     except urllib.error.HTTPError as exc:
         raise click.ClickException(f"the {who} at {url} said {exc.code}: "
                                    f"{exc.read().decode(errors='replace').strip()}") from None

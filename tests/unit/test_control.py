@@ -1,12 +1,13 @@
 """`gradlane control`: auth, input validation, plans pushed to daemons, isolation of bad peers."""
 
 import asyncio
+import contextlib
 import http.server
 import io
 import json
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -355,6 +356,9 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
     path = tmp_path / "token"
     with pytest.raises(ConfigError, match="cannot read"):
         read_token(path)
+    path.write_bytes(b"\xff" * 20)  # a key file, say
+    with pytest.raises(ConfigError, match="^cannot read the token file .*: not UTF-8 text$"):
+        read_token(path)
     path.write_text(TOKEN + "\n")
     assert read_token(path) == TOKEN
 
@@ -456,14 +460,12 @@ def _status_unanswered(tmp_path: Path, port: int) -> None:
         "Is `gradlane control` running there?" in shown.output, shown.output
 
 
-@pytest.mark.parametrize("status", [{"version": "0.0.1"}, [1, 2], {"plan": 5, "version": "x"}])
-def test_gradlane_status_of_a_shape_it_cannot_read_says_so_not_a_traceback(
-        tmp_path: Path, status: Any) -> None:
-    """Another version's status, or another program's JSON on that port."""
+@contextlib.contextmanager
+def _answering(body: bytes) -> Iterator[str]:
+    """An HTTP server on loopback answering every GET with `body`; yields its URL."""
 
     class Answer(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = json.dumps(status).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -476,24 +478,49 @@ def test_gradlane_status_of_a_shape_it_cannot_read_says_so_not_a_traceback(
     server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _both_statuses(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """`gradlane status`'s two kinds, each with who it says answered."""
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    try:
-        for argv, who in ((["status"], "the gradlaned"),
-                          (["status", "--cluster", "--token-file", str(token)],
-                           "the control plane")):
+    return [(["status"], "gradlaned"),
+            (["status", "--cluster", "--token-file", str(token)], "control plane")]
+
+
+@pytest.mark.parametrize("status", [{"version": "0.0.1"}, [1, 2], {"plan": 5, "version": "x"}])
+def test_gradlane_status_of_a_shape_it_cannot_read_says_so_not_a_traceback(
+        tmp_path: Path, status: Any) -> None:
+    """Another version's status, or another program's JSON on that port."""
+    with _answering(json.dumps(status).encode()) as url:
+        for argv, who in _both_statuses(tmp_path):
             shown = CliRunner().invoke(cli.cli, [*argv, "--url", url])
             assert shown.exit_code == 1 and shown.exception is not None, shown.output
             said = " ".join(shown.output.split())
-            assert said.startswith(f"Error: {who} at {url} answered with a status this "
+            assert said.startswith(f"Error: the {who} at {url} answered with a status this "
                                    "gradlane"), said
             assert "--json shows it as it is" in said
             shown = CliRunner().invoke(cli.cli, [*argv, "--url", url, "--json"])
             assert shown.exit_code == 0 and json.loads(shown.output) == status
-    finally:
-        server.shutdown()
-        server.server_close()
+
+
+@pytest.mark.parametrize("body", [b"<html>a web server</html>", b"\xff\xfe\x00garbage", b""])
+def test_gradlane_status_of_an_answer_that_is_not_json_says_so_not_a_traceback(
+        tmp_path: Path, body: bytes) -> None:
+    """Another program (a web server, a metrics exporter) on the port asked."""
+    with _answering(body) as url:
+        for argv, who in _both_statuses(tmp_path):
+            for json_flag in ([], ["--json"]):
+                shown = CliRunner().invoke(cli.cli, [*argv, "--url", url, *json_flag])
+                said = " ".join(shown.output.split())
+                assert shown.exit_code == 1 and isinstance(shown.exception, SystemExit), said
+                assert said.startswith(f"Error: what answers at {url}/") and \
+                    f"is not a {who}: its answer is not JSON" in said, said
 
 
 def test_gradlane_status_names_every_exchange_a_job_can_say() -> None:
