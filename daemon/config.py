@@ -113,7 +113,7 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
             raw = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"config file {path}: {exc}") from None
     for key, value in (overrides or {}).items():
         if key == "interface":

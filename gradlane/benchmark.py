@@ -142,7 +142,7 @@ def load_scenario(path: Path) -> Scenario:
     """
     try:
         raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
 
     def get(key: str, kind: Any, default: Any = None) -> Any:

@@ -77,6 +77,13 @@ def test_bad_scenarios_name_the_key(tmp_path: Path, text: str, key: str) -> None
         load_scenario(path)
 
 
+def test_a_scenario_that_is_not_text_is_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_bytes(b"\xff\xfe\x00name")  # saved as UTF-16, say
+    with pytest.raises(ConfigError, match=r"^.*x\.toml: 'utf-8' codec can't decode"):
+        load_scenario(path)
+
+
 def test_layout_reaches_every_worker(tmp_path: Path) -> None:
     path = tmp_path / "x.toml"
     path.write_text('name = "x"\nlayout = "coarse"\n[workload]\nkind = "cnn"\n')

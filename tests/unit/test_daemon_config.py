@@ -84,6 +84,10 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, message: str) -> No
 def test_missing_file_and_undetectable_rate(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[daemon]")  # saved as UTF-16, say
+    with pytest.raises(ConfigError, match=r"^config file .*binary\.toml: 'utf-8' codec"):
+        load_config(binary)
     with pytest.raises(ConfigError, match=r"interface\[0\].name: no interface 'nosuch0' here"):
         load_config(None, {"interface": ["nosuch0"]})
     # Loopback is there, and has no line rate to read.
