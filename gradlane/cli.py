@@ -1108,8 +1108,9 @@ def gradlaned(verbose: int, check: bool, **kwargs: Any) -> None:
 
 
 def _fail(exc: GradlaneError) -> NoReturn:
-    # The message as it is: rich would take "[[interface]]" for markup.
-    console.print("[red]error:[/red]", escape(str(exc)))
+    # As click shows its own errors ("Error: ..."), on one line (a journal's, a pipe's) at
+    # any width; the message as it is: rich would take "[[interface]]" for markup.
+    console.print("[red]Error:[/red]", escape(str(exc)), soft_wrap=True)
     sys.exit(1)
 
 

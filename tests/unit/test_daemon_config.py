@@ -106,8 +106,10 @@ def test_the_command_line_shows_a_config_error_as_it_is(
     with pytest.raises(SystemExit) as exit_:
         cli.daemon_main()
     assert exit_.value.code == 1
-    # Not "at least one [] with a name": rich took the table's name for markup.
-    shown = " ".join(capsys.readouterr().err.split())  # rich wraps at the terminal's width
+    # Not "at least one [] with a name": rich took the table's name for markup. As click
+    # shows its errors, and on one line whatever the width.
+    shown = capsys.readouterr().err
+    assert shown.startswith("Error: ") and shown.count("\n") == 1, shown
     assert "at least one [[interface]] with a name" in shown
 
 
