@@ -271,13 +271,15 @@ def _refuse_attached_parameters(model: nn.Module, optimizer: torch.optim.Optimiz
                     "the outer model alone, or close() the other first")
 
 
-def _refuse_ddp_around(layer_of: Mapping[nn.Parameter, object]) -> None:
+def _refuse_ddp_around(layer_of: Mapping[nn.Parameter, object],
+                       allowed: weakref.WeakSet[nn.Module]) -> None:
     """Raise `ConfigError` when the running forward is that of a DistributedDataParallel
     (wrapped after attach, which `_refuse_wrapped` cannot see) that averages an attached
-    parameter: its gradient would be averaged twice, by DDP and by gradlane."""
+    parameter: its gradient would be averaged twice, by DDP and by gradlane. A DDP found
+    to average none is added to `allowed`, and not walked again at every forward."""
     # Set by DDP's forward (its C++ reducer's; torch's own, private: read with care).
     active = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
-    if active is None:
+    if active is None or active in allowed:
         return
     ignored = getattr(active, "parameters_to_ignore", ())
     for name, p in active.module.named_parameters():
@@ -288,6 +290,7 @@ def _refuse_ddp_around(layer_of: Mapping[nn.Parameter, object]) -> None:
                 "twice. Train the attached model without DDP, or keep DDP with gradlane's "
                 "comm hook instead of attach: ddp_model.register_comm_hook("
                 "gl.HookState(ddp_model), gl.comm_hook)")
+    allowed.add(active)
 
 
 def _chained(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -519,6 +522,7 @@ class Sync:
         self._hooks: list[Any] = []
         self._gates: list[Any] = []  # the per-module forward hooks (order, then gating)
         self._layer_of = {p: layer for layer in self._layers for p in layer.params}
+        self._ddp_allowed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._quiet_reads = False
         self._told_read = False  # the log said once what a read after the step costs
         self._install_hooks()
@@ -1107,7 +1111,7 @@ class Sync:
                 if not layer.updated:
                     self._step_layer(layer)
         if torch.is_grad_enabled():
-            _refuse_ddp_around(self._layer_of)
+            _refuse_ddp_around(self._layer_of, self._ddp_allowed)
             mode = module.training
             self._clock.forward(mode, time.perf_counter())
             for a in (*args, *kwargs.values()):  # model(input_ids=...) passes only keywords

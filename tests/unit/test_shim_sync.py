@@ -1267,6 +1267,37 @@ def test_a_model_wrapped_in_ddp_after_attach_is_refused_at_its_first_forward() -
         sync.close()
 
 
+def test_a_ddp_that_ignores_every_attached_parameter_is_let_be_and_walked_once() -> None:
+    """DDP around a larger model, told to ignore the attached part's parameters, averages
+    none of them twice: its forward runs; its parameters are looked at once, not at every
+    forward."""
+    m = model()
+    sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        outer = nn.Sequential(m, nn.Linear(3, 3))
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            outer, [f"0.{name}" for name, _ in m.named_parameters()])
+        wrapped = nn.parallel.DistributedDataParallel(outer)
+        walks = 0
+        named_parameters = outer.named_parameters
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal walks
+            walks += 1
+            return named_parameters(*args, **kwargs)
+
+        outer.named_parameters = counted  # type: ignore[method-assign]
+        for _ in range(3):
+            wrapped(torch.randn(2, 3, 8, 8)).sum().backward()
+            sync.optimizer.step()
+            sync.optimizer.zero_grad()
+        assert walks == 1
+    finally:
+        dist.destroy_process_group()
+        sync.close()
+
+
 def test_an_ipv6_rendezvous_is_refused_saying_why() -> None:
     # Resolving would say only "Address family for hostname not supported".
     with pytest.raises(TransportError, match="IPv6 only.*IPv4 only"):
