@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradlane.daemon.fields import MAX_LEAF
 from gradlane.daemon.qdisc import DEFAULT_BAND_DSCP, MAX_BANDS
 from gradlane.errors import ConfigError
 from gradlane.units import parse_rate
@@ -243,8 +244,8 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
     if url is not None and not token:
         raise fail("control.token_file", "is needed with control.url")
     leaf = control.get("leaf", 0)
-    if isinstance(leaf, bool) or not isinstance(leaf, int) or not 0 <= leaf < 1 << 16:
-        raise fail("control.leaf", f"must be an integer >= 0, got {leaf!r}")
+    if isinstance(leaf, bool) or not isinstance(leaf, int) or not 0 <= leaf < MAX_LEAF:
+        raise fail("control.leaf", f"must be an integer in 0..{MAX_LEAF - 1}, got {leaf!r}")
     host = control.get("host")
     if host is not None and (not isinstance(host, str) or not host):
         raise fail("control.host", "must be non-empty text")

@@ -65,6 +65,7 @@ import msgpack
 
 from gradlane.daemon.fields import (
     HOST_EXCHANGE,
+    MAX_LEAF,
     exchange,
     integer,
     integers,
@@ -217,7 +218,7 @@ def parse_register(raw: dict[str, Any]) -> Register:
                                           integer(where, "rate_bps", 1, 1 << 50)))
     if not interfaces:
         raise ProtocolError("bad_message", "register: at least one interface")
-    return Register(text(raw, "host"), integer(raw, "leaf", 0, 1 << 16), tuple(interfaces),
+    return Register(text(raw, "host"), integer(raw, "leaf", 0, MAX_LEAF - 1), tuple(interfaces),
                     text(raw, "gradlane"))
 
 

@@ -15,6 +15,7 @@ from gradlane.errors import ProtocolError
 __all__ = [
     "EXCHANGES",
     "HOST_EXCHANGE",
+    "MAX_LEAF",
     "MAX_NAME",
     "agreed_exchange",
     "exchange",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 MAX_NAME = 128
+# Leaf switches are numbered below this (a host's, in its config, register and plans).
+MAX_LEAF = 1 << 16
 # How a job's ranks agreed to exchange gradients (`gradlane.policies.demand.Exchange`):
 # the flat reduction tree, within leaves first, around the ring of ranks, or within hosts
 # first (ranks sharing hosts).

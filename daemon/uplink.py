@@ -31,7 +31,13 @@ import aiohttp
 
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
-from gradlane.daemon.fields import agreed_exchange, exchange_fields, features, integers
+from gradlane.daemon.fields import (
+    MAX_LEAF,
+    agreed_exchange,
+    exchange_fields,
+    features,
+    integers,
+)
 from gradlane.daemon.registry import Registry
 from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
@@ -111,8 +117,8 @@ class ControlLink:
         if not self.fresh():
             return None
         assert self.plan is not None
-        leaf = self.plan.get("leaf")
-        return leaf if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf >= 0 else None
+        leaf: int | None = self.plan.get("leaf")  # checked as the plan came
+        return leaf
 
     def status(self) -> dict[str, Any]:
         if self.fresh():
@@ -287,6 +293,9 @@ def _check_plan(message: dict[str, Any]) -> None:
     link = message.get("link_bps")
     if link is not None and not (_integer(link) and link > 0):
         raise ValueError(f"bad link_bps {link!r:.80}")
+    leaf = message.get("leaf")  # told to every shim in a welcome: msgpack, 64 bits at most
+    if leaf is not None and not (_integer(leaf) and 0 <= leaf < MAX_LEAF):
+        raise ValueError(f"bad plan leaf {leaf!r:.80}")
 
 
 def _host_part(plan: dict[str, Any]) -> dict[str, Any]:

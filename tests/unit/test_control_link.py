@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from gradlane.daemon import control_protocol as cp
@@ -25,9 +27,10 @@ from gradlane.daemon.registry import Credentials, Registry
 from gradlane.daemon.service import Daemon
 from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
-from tests import metric_samples
+from tests import examples, metric_samples
 from tests.fakes import FakeBackend, fake_config
 from tests.integration.helpers import port_below_ephemeral
+from tests.strategies import json_like
 
 TOKEN = "t0ken-for-tests-0123456789"
 
@@ -311,6 +314,10 @@ _PLAN = {"type": "plan", "version": 1, "ttl_s": 5.0, "source": "gradlane",
     ({"ownership": {"j": 0}}, "bad plan ownership"),
     ({"link_bps": 0}, "bad link_bps 0"),
     ({"link_bps": True}, "bad link_bps True"),
+    ({"leaf": -1}, "bad plan leaf -1"),
+    ({"leaf": "0"}, "bad plan leaf '0'"),
+    ({"leaf": 1 << 16}, "bad plan leaf 65536"),
+    ({"leaf": 2**70}, "bad plan leaf 1180591620717411303424"),  # not for msgpack to the shims
 ])
 def test_a_plan_the_daemon_could_not_act_on_is_refused_and_the_last_one_kept(
         change: dict[str, Any], says: str) -> None:
@@ -323,6 +330,40 @@ def test_a_plan_the_daemon_could_not_act_on_is_refused_and_the_last_one_kept(
         assert link.plan is not None and link.plan["version"] == 1
         assert link.advice("j", 1) == (16, [0, 1])
         assert link.job_classes() == {"j": JobClassPlan(10**6, 10**7, 1)}
+
+    asyncio.run(main())
+
+
+@settings(max_examples=examples(300), deadline=None)
+@example({"leaf": 2**70}, {})  # it drew none past 64 bits there in 300 examples
+@given(st.dictionaries(st.sampled_from(sorted(_PLAN)), json_like, max_size=3),
+       st.dictionaries(st.sampled_from(["job_classes", "batch_shares", "ownership"]), json_like,
+                       max_size=2))
+def test_a_plan_is_refused_or_every_use_of_it_works(top: dict[str, Any],
+                                                   of_job: dict[str, Any]) -> None:
+    """Whatever a control plane of another version (or a broken one) puts in a plan's
+    fields, or in a job's entry: the daemon refuses it (ValueError), or everything the
+    daemon does with a plan works: its classes, each worker's advice and the welcome's
+    leaf, encoded for the shims, and its status."""
+    plan = {**_PLAN, "version": 2, **top}
+    for key, value in of_job.items():
+        if isinstance(plan.get(key), dict):
+            plan[key] = {**plan[key], "j": value}
+
+    async def main() -> None:
+        link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                                  Registry(bands=4), on_change=lambda: None)
+        try:
+            link._take(json.loads(json.dumps(plan)))  # as it comes: JSON over the socket
+        except ValueError:
+            return
+        link.job_classes()
+        link.planned_link_bps()
+        for rank in (0, 1, 2):
+            share, owners = link.advice("j", rank)
+            protocol.encode({"type": "plan", "batch_share": share, "ownership": owners})
+        protocol.encode({"type": "welcome", "leaf": link.advised_leaf()})
+        json.dumps(link.status())
 
     asyncio.run(main())
 

@@ -63,7 +63,7 @@ def test_file_values_and_overrides(tmp_path: Path) -> None:
         (GOOD + '\n[control]\nurl = "10.0.0.5:7800"\ntoken_file = "/t"\n', "control.url"),
         (GOOD + '\n[control]\nurl = "http://10.0.0.5:7800"\n', "control.token_file"),
         (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nleaf = -1\n',
-         "control.leaf"),
+         r"control.leaf: must be an integer in 0..65535, got -1"),
         (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nhost = ""\n',
          "control.host: must be non-empty text"),
         ('daemon = 1\n[[interface]]\nname = "eth0"\nrate = "1gbit"\n',

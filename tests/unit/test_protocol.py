@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from gradlane.daemon import protocol
 from gradlane.errors import ProtocolError
 from tests import examples
+from tests.strategies import msgpack_like
 
 FLOW = {"band": 1, "src": "10.0.0.1", "sport": 40000, "dst": "10.0.0.2", "dport": 5201}
 HELLO = {"type": "hello", "version": 1, "job": "j", "rank": 1, "world_size": 4, "flows": [FLOW]}
@@ -145,22 +146,13 @@ def test_garbage_only_ever_raises_protocol_error(data: bytes) -> None:
         pass
 
 
-json_like = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text(max_size=4),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
-    ),
-    max_leaves=6,
-)
-
-
 @settings(max_examples=examples(400))
 @given(
     st.sampled_from(["hello", "flows", "chunks", "timing", "bye", "x"]),
     st.dictionaries(
         st.sampled_from(["version", "job", "rank", "world_size", "flows", "events", "iteration",
                          "global_batch"]),
-        json_like,
+        msgpack_like,
         max_size=5,
     ),
 )
