@@ -19,14 +19,18 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from click.testing import CliRunner
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from gradlane import cli
 from gradlane.daemon import control
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
+from gradlane.daemon.fields import EXCHANGES
 from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import check_plan
-from tests import metric_samples
+from tests import examples, metric_samples
+from tests.strategies import json_like
 
 TOKEN = "t0ken-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -789,6 +793,73 @@ def test_the_global_batch_is_the_one_the_ranks_agreed_and_shares_wait_for_every_
     # Older shims state no global batch: the sum of the batches, once each measured one.
     assert _batches(plane, 0, 4, {0: 32, 1: 32, 2: 32, 3: 0}) == (0, None)
     assert _batches(plane, 0, 0, {0: 32, 1: 32, 2: 32, 3: 32})[0] == 128
+
+
+_GOOD_JOB = {"name": "j", "global_batch": 64, "layers": 2, "chunk_bytes": [1000, 2000],
+             "chunk_layers": [0, 1], "band_bps": [1.0e6], "exchange": "flat", "world_size": 4,
+             "workers": [{"rank": 2, "throughput": 50.0, "batch": 16},
+                         {"rank": 3, "throughput": 40.0, "batch": 16}]}
+
+
+# Each field of the right type, at its edges (a rank past the world, a batch of none,
+# chunks without layers, a throughput of 0), or anything at all (refused).
+_JOB_FIELDS = {
+    "name": st.sampled_from(["j", "k", "a job's name"]),  # h0's job or others
+    "global_batch": st.integers(0, 1 << 30),
+    "layers": st.integers(0, 4),
+    "chunk_bytes": st.lists(st.integers(1, 1 << 40), max_size=2),
+    "chunk_layers": st.lists(st.integers(0, 4), max_size=2),
+    "band_bps": st.lists(st.floats(0, 1e14), max_size=3),
+    "exchange": st.sampled_from([*EXCHANGES, None]),
+    "world_size": st.integers(0, 70_000),
+    "workers": st.lists(st.fixed_dictionaries({"rank": st.integers(0, 8),
+                                               "throughput": st.floats(0, 1e9, exclude_max=True),
+                                               "batch": st.integers(0, 1 << 24)}),
+                        max_size=3),
+}
+_WORKER_FIELDS = {"rank": st.integers(0, 70_000), "throughput": st.floats(0, 1e9),
+                  "batch": st.integers(0, 1 << 24)}
+
+
+def _fields(typed: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    """Some of `typed`'s fields, each of its type, and at times one of anything at all."""
+    return st.tuples(
+        st.fixed_dictionaries({}, optional=typed),
+        st.none() | st.tuples(st.sampled_from(sorted(typed)), json_like),
+    ).map(lambda drawn: {**drawn[0], **dict([drawn[1]] if drawn[1] else [])})
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(_fields(_JOB_FIELDS), _fields(_WORKER_FIELDS),
+       st.sampled_from([{}, {"link_bps": 10_000_000_000}]))
+def test_a_report_is_refused_or_planned_with_the_others(
+        job: dict[str, Any], worker: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Whatever a daemon of another version (or a broken one) puts in a job's fields or a
+    worker's: the report is refused (ProtocolError, that daemon alone), or the cluster is
+    planned with it: the state, the plan, every host's message and the cluster view."""
+    fuzzed = {**_GOOD_JOB, **job}
+    workers = fuzzed.get("workers")
+    if isinstance(workers, list) and workers and isinstance(workers[0], dict):
+        fuzzed["workers"] = [{**workers[0], **worker}, *workers[1:]]
+    try:
+        report = cp.parse_report(json.loads(json.dumps(
+            {"type": "report", "seq": 1, "jobs": [fuzzed], **extra})))
+    except ProtocolError as exc:
+        event(f"refused: {str(exc)[:45]}")
+        return
+    event("planned")
+    plane = ControlPlane(_config())
+    _reported(plane, "h0", 0, [{**_GOOD_JOB, "workers": [
+        {"rank": 0, "throughput": 50.0, "batch": 16},
+        {"rank": 1, "throughput": 50.0, "batch": 16}]}])
+    plane.daemons["h1"] = control._Daemon(cp.parse_register(_register("h1", 1)), report,
+                                          ws=None)
+    plane.state, plane.plan = plane._state_and_plan(plane.snapshot())
+    assert check_plan(plane.state, plane.plan) == []
+    for host in ("h0", "h1"):
+        cp.encode(plane.message_for(host), True)
+        cp.encode(plane.message_for(host), False)
+    json.dumps(plane.view())
 
 
 def test_two_hosts_with_one_name_do_not_take_it_from_each_other() -> None:
