@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gradlane.daemon.control_protocol import MAX_CHUNKS
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello, Timing
 from gradlane.errors import ProtocolError
 
@@ -50,7 +51,9 @@ class Worker:
     chunk_events: int = 0
     chunk_bytes: list[int] = field(default_factory=list)  # per band
     # The latest iteration's chunks as (layer, bytes, band), in the order they were ready:
-    # the job's demand, which the control plane plans owners and rates with.
+    # the job's demand, which the control plane plans owners and rates with. At most as
+    # many as a report carries (`MAX_CHUNKS`): a shim that never moves on to another
+    # iteration cannot grow it without bound.
     demand: list[tuple[int, int, int]] = field(default_factory=list)
     demand_iteration: int = -1
     iteration: int = -1
@@ -178,7 +181,8 @@ class Registry:
         if iteration > worker.demand_iteration:
             worker.demand, worker.demand_iteration = [], iteration
         if iteration == worker.demand_iteration:
-            worker.demand += [(e.layer, e.nbytes, e.band) for e in events]
+            room = MAX_CHUNKS - len(worker.demand)
+            worker.demand += [(e.layer, e.nbytes, e.band) for e in events[:max(room, 0)]]
 
     def record_timing(self, worker_id: str, timing: Timing) -> None:
         worker = self._workers[worker_id]

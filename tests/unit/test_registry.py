@@ -1,5 +1,6 @@
 import pytest
 
+from gradlane.daemon.control_protocol import MAX_CHUNKS
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello, Timing
 from gradlane.daemon.registry import Credentials, Registry
 from gradlane.errors import ProtocolError
@@ -28,6 +29,24 @@ def test_add_record_remove_bumps_version() -> None:
     reg.set_flows(w.id, (), global_batch=128)
     assert reg.version == v + 3 and w.global_batch == 128 and w.exchange == "ring"
     assert reg.remove(w.id) is w and len(reg) == 0 and reg.jobs() == {}
+
+
+def test_a_worker_s_demand_is_its_latest_iteration_s_chunks_as_many_as_a_report_carries(
+) -> None:
+    reg = Registry(bands=4)
+    w = reg.add(hello(), Credentials(10, 0, 0))
+    reg.record_chunks(w.id, 1, (ChunkEvent(0, 100, 2, 0.0),))
+    reg.record_chunks(w.id, 2, (ChunkEvent(3, 50, 1, 0.0),))
+    reg.record_chunks(w.id, 2, (ChunkEvent(2, 70, 1, 0.1),))
+    reg.record_chunks(w.id, 1, (ChunkEvent(9, 10, 0, 0.2),))  # late: counted, not demand
+    assert w.demand == [(3, 50, 1), (2, 70, 1)] and w.chunk_events == 4
+    # A shim that never moves on (broken, or not gradlane's) sends chunks of one iteration
+    # forever: the demand stops at what a report to the control plane can carry.
+    batch = tuple(ChunkEvent(1, 10, 0, 0.0) for _ in range(1000))
+    for _ in range(MAX_CHUNKS // 1000 + 2):
+        reg.record_chunks(w.id, 2, batch)
+    assert len(w.demand) == MAX_CHUNKS and w.demand[:2] == [(3, 50, 1), (2, 70, 1)]
+    assert w.chunk_events == 4 + 1000 * (MAX_CHUNKS // 1000 + 2)
 
 
 def test_rank_conflict_and_takeover_from_dead_process() -> None:
