@@ -127,20 +127,28 @@ def _weighted(jobs: list[tuple[Sequence[int], np.ndarray, Sequence[int] | None]]
     anew = (group[:, 1:] != group[:, :-1]).T  # per step, the rows whose group starts anew
     starts = anew.any(axis=1).tolist()
     scale = 1 + TIE
-    axis = None if n == 1 else 1  # one job: whole-array reductions, cheaper than by row
+    # Per step, each row's chunk (a column, against the rows' ranks; and a row, to add),
+    # and the rows its owners are in.
+    steps, adds = size.T[:, :, None], size.T
+    at: tuple[np.ndarray, ...] = (rows,)
+    if n == 1:  # one job: its row as a vector, the chunk a scalar: half the cost a step
+        weight, total, group_load, anew = weight[0], total[0], group_load[0], anew[:, 0]
+        steps = adds = size[0]
+        at = ()
     for i in range(size.shape[1]):
         if i and starts[i - 1]:
-            group_load[anew[i - 1]] = 0.0
-        s = size[:, i, None]
+            group_load[anew[i - 1]] = 0.0  # one job's: a True scalar, the whole vector
+        s = steps[i]
         finish = (group_load + s) / weight
         if padded:
             finish[unranked] = np.inf
-        tied = finish <= finish.min(axis=axis, keepdims=True) * scale
+        tied = finish <= finish.min(axis=-1, keepdims=True) * scale
         overall = (total + s) / weight
         overall[~tied] = np.inf
-        best = np.argmax(overall <= overall.min(axis=axis, keepdims=True) * scale, axis=axis)
-        group_load[rows, best] += s[:, 0]
-        total[rows, best] += s[:, 0]
+        best = np.argmax(overall <= overall.min(axis=-1, keepdims=True) * scale, axis=-1)
+        where = (*at, best)
+        group_load[where] += adds[i]
+        total[where] += adds[i]
         owners[:, i] = best
     return [owners[j, :length[j]].tolist() for j in range(n)]
 
