@@ -407,10 +407,15 @@ class Routes:
                hosts: Sequence[int] | None = None) -> Routes:
         """The routes of a job of `world` ranks on `exchange`
         (`gradlane.shim.ShimConfig.exchange`) reducing within `leaves` first, and
-        within `hosts` (`host_groups`) before those or alone; None: no such groups."""
+        within `hosts` (`host_groups`) before those or alone; None (or, for leaves,
+        one for all): no such groups."""
         for name, given in (("leaf", leaves), ("host", hosts)):
             if given is not None and len(given) != world:
                 raise ConfigError(f"need one {name} per rank: {len(given)} for {world}")
+        if leaves is not None and len(set(leaves)) == 1:
+            # One leaf is no level of the trees: above hosts, a flat kind's peers (every
+            # rank) and routes (within hosts first) would differ, and "auto" take the ring.
+            leaves = None
         by_host = leaves is None and hosts is not None
         top = hosts if by_host else leaves
         groups = tuple(top) if top is not None else (0,) * world

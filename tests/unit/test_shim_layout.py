@@ -304,6 +304,14 @@ def test_routes_examples() -> None:
     copy = Routes.agreed("auto", 128, leaves, hosts).copy_parents()
     assert sum(hosts[r] != hosts[copy[r]] for r in range(1, 128)) == 15
     assert sum(leaves[r] != leaves[copy[r]] for r in range(1, 128)) == 3
+    # Ranks sharing hosts under one leaf: within hosts first, as with no leaf known; not
+    # the ring ("auto", 4 ranks), nor a "flat" job connecting every rank (hypothesis
+    # found its routes, host-first, used fewer peers than it connected).
+    for exchange, world in (("auto", 4), ("flat", 4), ("auto", 32)):
+        hosts = [r // (world // 2) for r in range(world)]
+        one_leaf = Routes.agreed(exchange, world, [7] * world, hosts)
+        assert one_leaf == Routes.agreed(exchange, world, None, hosts)
+        assert one_leaf.kind == "host" and len(one_leaf.peers(0)) == world // 2
     assert Routes.agreed("ring", 5).copy_parents() == [-1, 0, 1, 2, 3]
     assert Routes.agreed("auto", 6).peers(0) == (1, 5)  # the ring
     assert Routes.agreed("auto", 2).peers(1) == (0,)
