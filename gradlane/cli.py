@@ -639,6 +639,11 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
     asyncio.run(main())
 
 
+# The most `gradlane status` reads of an answer (a control plane's view of 1,024 hosts is
+# well under a MiB): something else on the port cannot feed it without end.
+MAX_STATUS_BYTES = 64 << 20
+
+
 def _get_json(url: str, who: str, headers: dict[str, str] | None = None,
               unanswered: str = "") -> Any:
     """GET `url` as JSON; a refusal or no answer becomes a clear error naming `who` (and,
@@ -650,16 +655,20 @@ def _get_json(url: str, who: str, headers: dict[str, str] | None = None,
     request = urllib.request.Request(url, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=5) as resp:
-            return json.load(resp)
-    except ValueError as exc:  # not JSON (nor text): another program on the port
-        raise click.ClickException(f"what answers at {url} is not a {who}: its answer is "
-                                   f"not JSON ({exc})") from None
+            body = resp.read(MAX_STATUS_BYTES + 1)
     except urllib.error.HTTPError as exc:
         raise click.ClickException(f"the {who} at {url} said {exc.code}: "
                                    f"{exc.read().decode(errors='replace').strip()}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise click.ClickException(f"no {who} answers at {url}: {exc}"
                                    + (f"\n{unanswered}" if unanswered else "")) from None
+    try:
+        if len(body) > MAX_STATUS_BYTES:
+            raise ValueError(f"more than {MAX_STATUS_BYTES:,} bytes")
+        return json.loads(body)
+    except ValueError as exc:  # not JSON (nor text): another program on the port
+        raise click.ClickException(f"what answers at {url} is not a {who}: its answer is "
+                                   f"not JSON ({exc})") from None
 
 
 # How a job reduces, as its shims said ("exchange"; None: not said yet).
@@ -932,9 +941,27 @@ def _log_as_a_service() -> None:
         root.setLevel(logging.INFO)
 
 
+def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """`value` if it is an http(s) URL with a host (and a port, if any, in range)."""
+    import urllib.parse
+
+    if value is None:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(value)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not one
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or \
+            any(c.isspace() for c in value):
+        raise click.BadParameter(f"{value!r} is not an address such as http://10.0.0.5:9464")
+    return value
+
+
 @cli.command()
 @click.option(
-    "--url", default=None, help="The daemon's HTTP address [default: http://127.0.0.1:9464], "
+    "--url", default=None, callback=_http_url,
+    help="The daemon's HTTP address [default: http://127.0.0.1:9464], "
     "or with --cluster the control plane's [default: http://127.0.0.1:7800]."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON (for scripts).")

@@ -527,6 +527,35 @@ def test_gradlane_status_of_an_answer_that_is_not_json_says_so_not_a_traceback(
                     f"is not a {who}: its answer is not JSON" in said, said
 
 
+def test_gradlane_status_of_an_endless_answer_stops_reading_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "MAX_STATUS_BYTES", 64)
+    with _answering(json.dumps({"pad": "x" * 65}).encode()) as url:
+        for argv, who in _both_statuses(tmp_path):
+            shown = CliRunner().invoke(cli.cli, [*argv, "--url", url])
+            said = " ".join(shown.output.split())
+            assert shown.exit_code == 1 and f"is not a {who}: its answer is not JSON (more " \
+                "than 64 bytes)" in said, said
+
+
+@pytest.mark.parametrize("url, says", [
+    ("10.0.0.5:9464", "is not an address such as http://10.0.0.5:9464"),
+    ("file:///etc/passwd", "is not an address such as"),
+    ("http://", "is not an address such as"),
+    ("http://a b:9464", "is not an address such as"),
+    ("http://10.0.0.5:port", "Port could not be cast to integer"),
+    ("http://10.0.0.5:70000", "Port out of range"),
+    ("http://[::1", "Invalid IPv6 URL"),
+])
+def test_gradlane_status_refuses_an_address_it_cannot_ask(url: str, says: str) -> None:
+    """Not a traceback from urllib ('unknown url type'), nor a file read (file://)."""
+    for cluster in ([], ["--cluster"]):
+        shown = CliRunner().invoke(cli.cli, ["status", *cluster, "--url", url])
+        said = " ".join(shown.output.split())
+        assert shown.exit_code == 2 and "Invalid value for '--url'" in said and says in said, \
+            said
+
+
 def test_gradlane_status_names_every_exchange_a_job_can_say() -> None:
     from gradlane.daemon.fields import EXCHANGES
 
