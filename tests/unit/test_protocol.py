@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradlane.daemon import protocol
+from gradlane.daemon.fields import MAX_NAME
 from gradlane.errors import ProtocolError
 from tests import examples
 from tests.strategies import msgpack_like
@@ -129,6 +130,37 @@ def test_bad_frames(frame: bytes, code: str, says: str) -> None:
     with pytest.raises(ProtocolError, match=f"^{says}") as refused:
         decode_all(frame)
     assert refused.value.code == code
+
+
+def test_each_limit_takes_its_last_value_and_refuses_the_next() -> None:
+    def event(layer: int, nbytes: int) -> protocol.Message:
+        return protocol.parse({"type": "chunks", "iteration": 1,
+                               "events": [[layer, nbytes, 0, 0.0]]}, 4)
+
+    assert event((1 << 20) - 1, 0) == protocol.Chunks(1, (protocol.ChunkEvent((1 << 20) - 1, 0,
+                                                                             0, 0.0),))
+    assert event(0, (1 << 40) - 1) == protocol.Chunks(1, (protocol.ChunkEvent(0, (1 << 40) - 1,
+                                                                             0, 0.0),))
+    for layer, nbytes in ((1 << 20, 1), (0, 1 << 40), (0, -1)):
+        with pytest.raises(ProtocolError, match=r"events\[0\] has a bad value"):
+            event(layer, nbytes)
+
+    def timing(seconds: float) -> protocol.Message:
+        return protocol.parse({"type": "timing", "iteration": 1, "compute_s": seconds,
+                               "comm_s": 0, "samples": 1}, 4)
+
+    assert timing(999_999_999.9) == protocol.Timing(1, 999_999_999.9, 0.0, 1)
+    with pytest.raises(ProtocolError, match="^timing: compute_s must be a number >= 0"):
+        timing(1e9)
+    longest = "j" * MAX_NAME
+    assert protocol.parse({**HELLO, "job": longest}, 4).job == longest  # type: ignore[union-attr]
+    with pytest.raises(ProtocolError, match=f"^hello: job must be printable text of 1..{MAX_NAME}"):
+        protocol.parse({**HELLO, "job": longest + "j"}, 4)
+    with pytest.raises(ProtocolError, match=r"^hello: version must be an integer in 1\.\.") as old:
+        protocol.parse({**HELLO, "version": 0}, 4)
+    assert old.value.code == "bad_message"
+    exact = protocol.encode({"type": "x", "pad": "a" * 100}, max_frame=1000)
+    assert protocol.encode({"type": "x", "pad": "a" * 100}, max_frame=len(exact) - 4) == exact
 
 
 def test_encode_refuses_oversized() -> None:
