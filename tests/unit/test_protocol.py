@@ -124,6 +124,8 @@ def test_invalid_messages_name_the_problem(message: dict, code: str, text: str) 
         (b"\x00\x00\x00\x01\x05", "bad_message", "a message is a map, got int"),  # an int
         (b"\x00\x00\x00\x03\x81\x01\x02", "bad_frame", "not a msgpack message: int is not "
          "allowed for map key"),  # a map with an int key
+        (b"\x00\x00\x00\x09\x81\xa4type\xd4\x01x", "bad_frame", "not a msgpack message: 2 "
+         "exceeds max_ext_len"),  # an extension type: no field is one
     ],
 )
 def test_bad_frames(frame: bytes, code: str, says: str) -> None:
@@ -161,6 +163,8 @@ def test_each_limit_takes_its_last_value_and_refuses_the_next() -> None:
     assert old.value.code == "bad_message"
     exact = protocol.encode({"type": "x", "pad": "a" * 100}, max_frame=1000)
     assert protocol.encode({"type": "x", "pad": "a" * 100}, max_frame=len(exact) - 4) == exact
+    assert list(protocol.FrameDecoder(max_frame=len(exact) - 4).feed(exact)) == \
+        [{"type": "x", "pad": "a" * 100}]
 
 
 def test_encode_refuses_oversized() -> None:
