@@ -147,11 +147,18 @@ def test_each_limit_takes_its_last_value_and_refuses_the_next() -> None:
         with pytest.raises(ProtocolError, match=r"events\[0\] has a bad value"):
             event(layer, nbytes)
 
-    def timing(seconds: float) -> protocol.Message:
-        return protocol.parse({"type": "timing", "iteration": 1, "compute_s": seconds,
-                               "comm_s": 0, "samples": 1}, 4)
+    def timing(seconds: float, iteration: int = 1, samples: int = 1) -> protocol.Message:
+        return protocol.parse({"type": "timing", "iteration": iteration, "compute_s": seconds,
+                               "comm_s": 0, "samples": samples}, 4)
 
     assert timing(999_999_999.9) == protocol.Timing(1, 999_999_999.9, 0.0, 1)
+    assert timing(0.1, iteration=0, samples=0) == protocol.Timing(0, 0.1, 0.0, 0)  # the first
+    assert protocol.parse({"type": "chunks", "iteration": 0, "events": []}, 4) == \
+        protocol.Chunks(0, ())
+    with pytest.raises(ProtocolError, match=r"^hello: flows\[0\]: sport must be an integer"):
+        protocol.parse({**HELLO, "flows": [{**FLOW, "sport": 0}]}, 4)
+    with pytest.raises(ProtocolError, match=r"^hello: world_size must be an integer in 1\.\."):
+        protocol.parse({**HELLO, "rank": 0, "world_size": 0}, 4)
     with pytest.raises(ProtocolError, match="^timing: compute_s must be a number >= 0"):
         timing(1e9)
     longest = "j" * MAX_NAME
