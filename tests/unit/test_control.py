@@ -26,7 +26,7 @@ from gradlane import cli
 from gradlane.daemon import control
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
-from gradlane.daemon.fields import EXCHANGES
+from gradlane.daemon.fields import EXCHANGES, MAX_LEAF
 from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import check_plan
 from tests import examples, metric_samples
@@ -557,8 +557,6 @@ def test_gradlane_status_refuses_an_address_it_cannot_ask(url: str, says: str) -
 
 
 def test_gradlane_status_names_every_exchange_a_job_can_say() -> None:
-    from gradlane.daemon.fields import EXCHANGES
-
     assert set(cli._EXCHANGE) == set(EXCHANGES)
 
 
@@ -766,12 +764,47 @@ def test_a_register_or_report_that_breaks_the_protocol_is_refused_saying_how(
 
 
 def test_a_message_over_the_size_cap_is_refused_before_it_is_read() -> None:
-    fits = json.dumps({"type": "report", "pad": "x" * (cp.MAX_MESSAGE - 40)})
-    assert len(fits) <= cp.MAX_MESSAGE and cp.decode(fits)["type"] == "report"
+    empty = json.dumps({"type": "report", "pad": ""})
+    fits = json.dumps({"type": "report", "pad": "x" * (cp.MAX_MESSAGE - len(empty))})
+    assert len(fits) == cp.MAX_MESSAGE and cp.decode(fits)["type"] == "report"
     with pytest.raises(ProtocolError, match=f"^message of {cp.MAX_MESSAGE + 1} bytes exceeds"
                        ) as refused:
         cp.decode(b"x" * (cp.MAX_MESSAGE + 1))
     assert refused.value.code == "too_big"
+
+
+def test_the_control_protocol_s_limits_take_their_last_value_and_refuse_the_next() -> None:
+    top_rank = cp.MAX_WORKERS * 16
+
+    def register(**change: Any) -> cp.Register:
+        return cp.parse_register({**_register("h"), **change})
+
+    def job(**change: Any) -> cp.JobReport:
+        return cp.parse_report({"type": "report", "seq": 0, "jobs": [
+            {**_job("a", [0, top_rank], [1000, 2000]), **change}]}).jobs[0]
+
+    assert register(leaf=MAX_LEAF - 1).leaf == MAX_LEAF - 1
+    assert register(interfaces=[{"name": "e", "rate_bps": 1}]).interfaces[0].rate_bps == 1
+    assert job().workers[1].rank == top_rank
+    assert job(world_size=0).world_size == 0  # not said
+    assert job(world_size=top_rank).world_size == top_rank
+    assert job(chunk_layers=[0, 0]).chunk_layers == (0, 0)
+    assert job(band_bps=[0, 1e15 - 1]).band_bps == (0.0, 1e15 - 1)
+    assert cp.parse_report({"type": "report", "seq": 0, "jobs": [], "link_bps": 1}).link_bps == 1
+    for refused, says in [
+        (lambda: register(leaf=MAX_LEAF), "register: leaf must be an integer in 0.."),
+        (lambda: register(interfaces=[{"name": "e", "rate_bps": 0}]), "register: interfaces"),
+        (lambda: job(workers=[{"rank": top_rank + 1, "throughput": 1.0, "batch": 1}]),
+         r"report: jobs\[0\].workers\[0\]: rank must be an integer in 0.."),
+        (lambda: job(world_size=top_rank + 1), "report: jobs\\[0\\]: world_size must be"),
+        (lambda: job(band_bps=[1e15]), r"report: jobs\[0\].band_bps must be rates >= 0"),
+        (lambda: cp.parse_report({"type": "report", "seq": 0, "jobs": [], "link_bps": 0}),
+         "report: link_bps must be an integer in 1.."),
+        (lambda: cp.decode(msgpack.packb({"type": msgpack.ExtType(1, b"x")})),
+         "not a msgpack message: 2 exceeds max_ext_len"),
+    ]:
+        with pytest.raises(ProtocolError, match=f"^{says}"):
+            refused()
 
 
 def test_each_state_reuses_the_last_one_s_exchanges_and_keeps_only_its_own() -> None:
