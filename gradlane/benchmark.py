@@ -171,8 +171,9 @@ def load_scenario(path: Path) -> Scenario:
             if not isinstance(workload.get(key), int | float) or workload[key] <= 0:
                 raise ConfigError(f"{path}: workload.{key} must be a positive number")
     systems = tuple(get("systems", list, list(SYSTEMS)))
-    if not systems or any(s not in SYSTEMS for s in systems):
-        raise ConfigError(f"{path}: systems must be a list drawn from {', '.join(SYSTEMS)}")
+    if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) < len(systems):
+        raise ConfigError(f"{path}: systems must be a list drawn from {', '.join(SYSTEMS)}, "
+                          "each once")
     scenario = Scenario(
         name=get("name", str),
         description=get("description", str, ""),

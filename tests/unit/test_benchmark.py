@@ -54,6 +54,9 @@ def test_shipped_scenarios_load(path: Path) -> None:
         ('name = "x"\n[workload]\nkind = "gpu"\n', "workload.kind"),
         ('name = "x"\n[workload]\nkind = "trace"\nmodel = "alexnet"\n', "workload.model"),
         ('name = "x"\nsystems = ["ddp", "nccl"]\n[workload]\nkind = "cnn"\n', "systems"),
+        # Each measured once a round: a second would mix with the first's times.
+        ('name = "x"\nsystems = ["ddp", "fifo", "ddp"]\n[workload]\nkind = "cnn"\n',
+         "systems must be a list drawn from ddp, fifo, priority, gradlane, ddp-hook, each once"),
         ('name = "x"\nhosts = 99\n[workload]\nkind = "cnn"\n', "hosts"),
         ('name = "x"\nlayout = "tiny"\n[workload]\nkind = "cnn"\n', "layout"),
         ('name = "x"\nexchange = "tree"\n[workload]\nkind = "cnn"\n', "exchange"),
