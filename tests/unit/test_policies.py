@@ -410,6 +410,21 @@ def test_check_plan_names_each_way_a_cluster_plan_is_invalid(
     assert problems == [says]
 
 
+def test_check_plan_takes_the_edges_of_valid() -> None:
+    """A time-to-live under a second, a class at its ceiling, one sample a worker: valid,
+    and the last still checked."""
+    state, plan = _valid_cluster_plan()
+    assert check_plan(state, replace(plan, ttl_s=0.5)) == []
+    daemon = State(shaped_bps=G, other_bps=0, jobs=(JobState("a", 1), JobState("b", 1)))
+    assert check_plan(daemon, Plan(job_classes={"a": JobClassPlan(G, G, 0), "b": _CLASS},
+                                   source="t")) == []
+    one_each = replace(state, jobs=(state.jobs[0], replace(state.jobs[1], global_batch=2)))
+    assert check_plan(one_each, replace(plan, batch_shares={**plan.batch_shares,
+                                                            "small": (1, 1)})) == []
+    assert check_plan(one_each, replace(plan, batch_shares={"big": plan.batch_shares["big"]})
+                      ) == ["job small: no batch share per worker"]
+
+
 @pytest.mark.parametrize("classes, says", [
     ({"a": _CLASS}, "job b has no class"),
     ({"a": _CLASS, "b": JobClassPlan(0, G, 0)}, "job b: bad class"),
