@@ -93,6 +93,24 @@ def _two_jobs_on_one_link() -> State:
     )
 
 
+def test_coflow_loads_are_seconds_and_madd_gives_nothing_where_nothing_can_move() -> None:
+    from gradlane.policies import fabric
+
+    state = _two_jobs_on_one_link()
+    links = state.flow_links
+    load = fabric.per_coflow_link_load(state, links)
+    # 100 MB and 10 MB at 1 Gbit/s, on the sender's egress and the receiver's ingress.
+    assert load.max(axis=1) == pytest.approx([0.8, 0.08])
+    assert (load > 0).sum(axis=1).tolist() == [2, 2]
+    cap = state.topology.capacity_bps  # type: ignore[union-attr]
+    both = np.arange(2)
+    assert fabric.madd(links, state.flows.bytes, cap, both) == pytest.approx([G / 11 * 10,
+                                                                              G / 11])
+    # Links already full, or flows of no bytes: no rate (not infinite, not NaN).
+    assert fabric.madd(links, state.flows.bytes, np.zeros_like(cap), both).tolist() == [0, 0]
+    assert fabric.madd(links, np.zeros(2), cap, both).tolist() == [0, 0]
+
+
 def test_coflow_serves_the_smaller_coflow_first_with_madd_rates() -> None:
     state = _two_jobs_on_one_link()
     plan = get_policy("coflow").plan(state)
