@@ -7,7 +7,7 @@ once by a rank of its job, batch shares sum to the global batch with each
 """
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gradlane.policies import (
@@ -184,6 +184,24 @@ def test_link_arithmetic_is_the_per_flow_arithmetic(state: State, rnd) -> None: 
             g = got[host][job]
             assert (g.ceil_bps, g.prio) == (c.ceil_bps, c.prio)
             assert abs(g.rate_bps - c.rate_bps) <= 1  # sums in another order
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.integers(1, 4).flatmap(lambda width: st.lists(
+    st.lists(st.integers(-3, 40) | st.integers(-(2**40), 2**40), min_size=width,
+             max_size=width), max_size=30)))
+@example([[2**32, 0], [0, 2**32]])  # spans past 2**64 that wrap onto one key if packed
+def test_distinct_rows_are_numpy_s_distinct_rows(rows: list[list[int]]) -> None:
+    """Rows packed into one integer each (or, spans too wide, compared as rows) group as
+    numpy's own distinct rows do: one group per distinct row, every row in its own."""
+    from gradlane.policies import fabric
+
+    table = np.array(rows, np.int64).reshape(len(rows), -1 if rows else 1)
+    first, inverse, counts = fabric.distinct_rows(*table.T)
+    assert len(first) == len(counts) == len(np.unique(table, axis=0))
+    assert (table[first[inverse]] == table).all()  # each row is its group's row
+    assert np.bincount(inverse, minlength=len(counts)).tolist() == counts.tolist()
+    assert len({tuple(table[f]) for f in first}) == len(first)  # groups differ
 
 
 def test_max_min_on_link_numbers_too_large_to_pack() -> None:
