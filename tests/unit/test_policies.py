@@ -487,6 +487,10 @@ def test_host_classes_follow_demand_and_never_guarantee_nothing() -> None:
         assert classes[0]["b"].rate_bps == int(floor + G / 2 * 0.999)  # unknown: equal share
         assert abs(classes[1]["a"].rate_bps - G) <= 1  # alone on h1, no flow from it: all
         assert all(c.ceil_bps == G for h in classes.values() for c in h.values())
+    # Levels where given (a coflow order's), else the first.
+    levelled = host_classes(state, np.array([0.4 * G]), {"a": 3})
+    assert [(h, j, c.prio) for h, cs in sorted(levelled.items()) for j, c in sorted(cs.items())
+            ] == [(0, "a", 3), (0, "b", 0), (1, "a", 3)]
     # More asked than the NIC carries: scaled into it, the floors kept.
     classes = host_classes(state, np.array([0.9 * G]), {})
     assert sum(c.rate_bps for c in classes[0].values()) <= G
