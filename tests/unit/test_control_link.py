@@ -23,6 +23,7 @@ from gradlane.daemon import control_protocol as cp
 from gradlane.daemon import protocol, uplink
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
 from gradlane.daemon.control import ControlConfig, ControlPlane
+from gradlane.daemon.fields import MAX_LEAF
 from gradlane.daemon.registry import Credentials, Registry
 from gradlane.daemon.service import Daemon
 from gradlane.errors import ProtocolError
@@ -334,6 +335,55 @@ def test_a_plan_the_daemon_could_not_act_on_is_refused_and_the_last_one_kept(
     asyncio.run(main())
 
 
+def test_a_plan_at_the_edges_of_valid_is_taken_and_other_messages_are_not_plans() -> None:
+    told: list[int] = []
+
+    async def main() -> None:
+        link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                                  Registry(bands=4), on_change=lambda: told.append(1))
+        for version, change in enumerate([
+                {"job_classes": {"j": [1, 1, 7]}, "leaf": MAX_LEAF - 1, "link_bps": 1},
+                {"leaf": 0, "ttl_s": 1e6 - 1}], start=1):
+            link._take({**_PLAN, "version": version, **change})
+            assert link.plan is not None and link.plan["version"] == version
+        assert link.job_classes() is not None and link.advised_leaf() == 0
+        for other in ({"type": "note", "version": 3}, {**_PLAN, "version": 0}):
+            link._take(other)  # not a plan (a later version's message), or no version
+            assert link.plan["version"] == 2 and len(told) == 2
+
+    asyncio.run(main())
+
+
+def test_reports_go_when_the_workers_change_and_every_report_period_else() -> None:
+    clock = [0.0]
+    registry = Registry(bands=4)
+    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                              registry, on_change=lambda: None, clock=lambda: clock[0])
+    sent: list[int] = []
+
+    class Socket:
+        async def send_json(self, data: dict[str, Any]) -> None:
+            sent.append(data["seq"])
+
+    async def main() -> None:
+        task = asyncio.create_task(link._report_loop(Socket()))  # type: ignore[arg-type]
+        try:
+            await asyncio.sleep(0.35)  # three ticks of the loop: one report, at the start
+            assert sent == [1]
+            clock[0] = uplink.REPORT_EVERY  # the period is up
+            await _until(lambda: len(sent) == 2)
+            registry.add(protocol.Hello(1, "j", 0, 2, ()), Credentials(1, 0, 0))
+            await _until(lambda: len(sent) == 3)  # a worker came: at once, not in a period
+            await asyncio.sleep(0.35)
+            assert sent == [1, 2, 3]
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+
+
 @settings(max_examples=examples(300), deadline=None)
 @example({"leaf": 2**70}, {})  # it drew none past 64 bits there in 300 examples
 @given(st.dictionaries(st.sampled_from(sorted(_PLAN)), json_like, max_size=3),
@@ -368,19 +418,25 @@ def test_a_plan_is_refused_or_every_use_of_it_works(top: dict[str, Any],
     asyncio.run(main())
 
 
+SCRIPT = ["a list for a welcome", "a plan for a welcome", "a list for a plan", "a plan"]
+
+
 def test_a_control_plane_that_breaks_the_protocol_never_stops_the_link() -> None:
-    """A welcome that is not a map, then a message that is not one, then a plan: the link
-    drops each broken session, retries, and takes the plan."""
+    """A welcome that is not a map, one of another type, then a message that is not a map,
+    then a plan: the link drops each broken session, retries, and takes the plan; the
+    sessions that registered are counted, and the status says so."""
     sessions: list[str] = []
 
     async def daemon_socket(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         await ws.receive_json()  # the register
-        script = ["a list for a welcome", "a list for a plan", "a plan"][len(sessions)]
+        script = SCRIPT[len(sessions)]
         sessions.append(script)
         if script == "a list for a welcome":
             await ws.send_str("[1]")
+        elif script == "a plan for a welcome":
+            await ws.send_json({**_PLAN, "version": 6})
         else:
             await ws.send_json({"type": "welcome", "version": 1, "host": "h1", "features": []})
             await ws.send_str("[1]" if script == "a list for a plan"
@@ -402,7 +458,10 @@ def test_a_control_plane_that_breaks_the_protocol_never_stops_the_link() -> None
             await _until(lambda: link.plan is not None or task.done())
             assert not task.done(), task.exception()
             assert link.plan is not None and link.plan["version"] == 7
-            assert sessions == ["a list for a welcome", "a list for a plan", "a plan"]
+            assert sessions == SCRIPT
+            status = link.status()
+            assert status["sessions"] == 2 and status["plan_version"] == 7
+            assert 0 <= status["plan_age_s"] < 5
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
