@@ -354,16 +354,18 @@ def test_a_plan_at_the_edges_of_valid_is_taken_and_other_messages_are_not_plans(
     asyncio.run(main())
 
 
-def test_reports_go_when_the_workers_change_and_every_report_period_else() -> None:
+def test_reports_go_when_the_workers_or_their_speed_change_and_every_period_else() -> None:
     clock = [0.0]
     registry = Registry(bands=4)
     link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
                               registry, on_change=lambda: None, clock=lambda: clock[0])
     sent: list[int] = []
+    batches: list[list[int]] = []
 
     class Socket:
         async def send_json(self, data: dict[str, Any]) -> None:
             sent.append(data["seq"])
+            batches.append([w["batch"] for j in data["jobs"] for w in j["workers"]])
 
     async def main() -> None:
         task = asyncio.create_task(link._report_loop(Socket()))  # type: ignore[arg-type]
@@ -372,10 +374,25 @@ def test_reports_go_when_the_workers_change_and_every_report_period_else() -> No
             assert sent == [1]
             clock[0] = uplink.REPORT_EVERY  # the period is up
             await _until(lambda: len(sent) == 2)
-            registry.add(protocol.Hello(1, "j", 0, 2, ()), Credentials(1, 0, 0))
+            worker = registry.add(protocol.Hello(1, "j", 0, 2, ()), Credentials(1, 0, 0))
             await _until(lambda: len(sent) == 3)  # a worker came: at once, not in a period
             await asyncio.sleep(0.35)
             assert sent == [1, 2, 3]
+            # Its throughput moves past THROUGHPUT_CHANGE: at once too (the median of its
+            # latest steps: 0, then 320 samples/s, then 3,200 once most steps were).
+            registry.record_timing(worker.id, protocol.Timing(1, 0.1, 0.0, 32))
+            await _until(lambda: len(sent) == 4)
+            registry.record_timing(worker.id, protocol.Timing(2, 0.01, 0.0, 32))
+            await asyncio.sleep(0.35)
+            assert len(sent) == 4  # the low median is still 320
+            registry.record_timing(worker.id, protocol.Timing(3, 0.01, 0.0, 30))
+            await _until(lambda: len(sent) == 5)
+            assert batches[3:] == [[32], [30]]  # each worker's latest step's samples
+            for step, samples in enumerate((31, 29, 31), start=4):  # 3,000 -> 3,100: 3%
+                registry.record_timing(worker.id, protocol.Timing(step, 0.01, 0.0, samples))
+            assert worker.throughput() == 3100
+            await asyncio.sleep(0.35)
+            assert len(sent) == 5
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

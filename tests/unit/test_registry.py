@@ -1,3 +1,6 @@
+import subprocess
+import time
+
 import pytest
 
 from gradlane.daemon.control_protocol import MAX_CHUNKS
@@ -29,6 +32,33 @@ def test_add_record_remove_bumps_version() -> None:
     reg.set_flows(w.id, (), global_batch=128)
     assert reg.version == v + 3 and w.global_batch == 128 and w.exchange == "ring"
     assert reg.remove(w.id) is w and len(reg) == 0 and reg.jobs() == {}
+    assert reg.version == v + 4  # its flows go: traffic control changes
+    assert reg.remove(w.id) is None and reg.version == v + 4  # twice: nothing changes
+
+
+def test_a_reload_to_fewer_bands_counts_the_bytes_of_those_gone_in_the_last() -> None:
+    reg = Registry(bands=4)
+    w = reg.add(hello(), Credentials(10, 0, 0))
+    reg.record_chunks(w.id, 1, tuple(ChunkEvent(0, 10 ** band, band, 0.0) for band in range(4)))
+    reg.set_bands(2)
+    assert w.chunk_bytes == [1, 1110]  # band 1's, then bands 2 and 3's: their connections'
+    reg.set_bands(3)
+    assert w.chunk_bytes == [1, 1110, 0]
+
+
+def test_whether_a_worker_lives_is_asked_without_signalling_it() -> None:
+    """`process_alive` sends signal 0 (a check, no signal): a live worker goes on."""
+    from gradlane.daemon.registry import process_alive
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert process_alive(child.pid)
+        time.sleep(0.2)
+        assert child.poll() is None  # not hung up, not killed
+    finally:
+        child.kill()
+        child.wait()
+    assert not process_alive(child.pid)  # reaped: no such process
 
 
 def test_a_worker_s_demand_is_its_latest_iteration_s_chunks_as_many_as_a_report_carries(
