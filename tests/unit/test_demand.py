@@ -144,6 +144,13 @@ def test_demand_flows_load_hosts_and_uplinks_as_the_trees_do(case) -> None:  # t
             got_up[host_leaf[src]] += nbytes
     np.testing.assert_allclose(got_egress, egress)
     np.testing.assert_allclose(got_up, up)
+    # Chunks counted with each bucket's chunk size (the simulator's way) load the links as
+    # their bytes do: here a bucket a chunk.
+    apart = bucket_starts(list(range(len(sizes))))
+    by_count = ex.loads(ex.owned(owners, apart), in_leaf, [float(s) for s in sizes])
+    by_bytes = ex.loads(ex.owned(owners, apart, sizes), in_leaf)
+    for counted, summed in zip(by_count, by_bytes, strict=True):
+        np.testing.assert_allclose(counted, summed)
 
 
 def test_rows_take_the_buckets_priority_fraction_left_and_readiness() -> None:
