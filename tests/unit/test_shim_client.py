@@ -40,7 +40,8 @@ class _Daemon:
     """Accepts one shim, welcomes it, and keeps what it says until a timing message."""
 
     def __init__(self, path: Path, features: list[str] | None, leaf: int | None = None,
-                 host: object = None, nics: object = None) -> None:
+                 host: object = None, nics: object = None,
+                 plan: dict[str, Any] | None = None) -> None:
         self.got: list[dict[str, Any]] = []
         self.timed = threading.Event()
         self.reading = threading.Event()  # cleared: reads nothing after the welcome (busy)
@@ -51,6 +52,7 @@ class _Daemon:
         self._server.listen()
         self._server.settimeout(10)
         self._features, self._leaf, self._host, self._nics = features, leaf, host, nics
+        self._plan = plan  # sent after the welcome
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -76,6 +78,8 @@ class _Daemon:
                         if self._nics is not None:
                             welcome["nics"] = self._nics
                         conn.sendall(protocol.encode(welcome))
+                        if self._plan is not None:
+                            conn.sendall(protocol.encode(self._plan))
                         welcomed = True
                         self.reading.wait(10)
                     if message["type"] == "timing":
@@ -155,6 +159,39 @@ def test_the_job_s_global_batch_reaches_a_daemon_that_lists_the_feature(
     client, daemon = _agreed(tmp_path / "gl.sock", before, features, agree)
     # Each flows message says all that was agreed so far; the last one says it all.
     assert _said(daemon)[-1] == said and client.global_batch == 128
+
+
+def test_the_job_s_global_batch_alone_is_said_once_agreed(tmp_path: Path) -> None:
+    _, daemon = _agreed(tmp_path / "gl.sock", False, list(protocol.FEATURES),
+                        lambda client: client.batch_agreed(64))
+    assert _said(daemon)[-1] == {"global_batch": 64}
+
+
+@pytest.mark.parametrize("ownership, taken", [
+    ([0, 1, 1, 0], (0, 1, 1, 0)),
+    ([], None),  # none yet
+    ([0, 2], None),  # a rank past the job's two
+    ([0, -1], None),
+    ([True, 0], None),  # not a rank number
+    ("01", None),
+])
+def test_a_plan_s_chunk_owners_are_taken_when_they_are_ranks_of_the_job(
+        tmp_path: Path, ownership: object, taken: tuple[int, ...] | None) -> None:
+    path = tmp_path / "gl.sock"
+    plan = {"type": "plan", "version": 1, "bands": [46], "batch_share": 24,
+            "ownership": ownership}
+    daemon = _Daemon(path, features=list(protocol.FEATURES), plan=plan)
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.welcomed.wait(10)
+        deadline = time.monotonic() + 10
+        while client.plan is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.plan is not None and client.advised_batch_share == 24
+        assert client.advised_owners == taken
+    finally:
+        client.close()
+        daemon.close()
 
 
 def test_reports_go_out_as_fast_as_the_daemon_reads_them(tmp_path: Path) -> None:
