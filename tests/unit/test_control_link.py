@@ -435,7 +435,7 @@ def test_a_plan_is_refused_or_every_use_of_it_works(top: dict[str, Any],
     asyncio.run(main())
 
 
-SCRIPT = ["a list for a welcome", "a plan for a welcome", "a list for a plan", "a plan"]
+_SESSIONS = ["a list for a welcome", "a plan for a welcome", "a list for a plan", "a plan"]
 
 
 def test_a_control_plane_that_breaks_the_protocol_never_stops_the_link() -> None:
@@ -448,7 +448,7 @@ def test_a_control_plane_that_breaks_the_protocol_never_stops_the_link() -> None
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         await ws.receive_json()  # the register
-        script = SCRIPT[len(sessions)]
+        script = _SESSIONS[len(sessions)]
         sessions.append(script)
         if script == "a list for a welcome":
             await ws.send_str("[1]")
@@ -475,7 +475,7 @@ def test_a_control_plane_that_breaks_the_protocol_never_stops_the_link() -> None
             await _until(lambda: link.plan is not None or task.done())
             assert not task.done(), task.exception()
             assert link.plan is not None and link.plan["version"] == 7
-            assert sessions == SCRIPT
+            assert sessions == _SESSIONS
             status = link.status()
             assert status["sessions"] == 2 and status["plan_version"] == 7
             assert 0 <= status["plan_age_s"] < 5
