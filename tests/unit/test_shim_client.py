@@ -167,6 +167,18 @@ def test_the_job_s_global_batch_alone_is_said_once_agreed(tmp_path: Path) -> Non
     assert _said(daemon)[-1] == {"global_batch": 64}
 
 
+@pytest.mark.parametrize("share, size", [(24, 24), (24.7, 24), (1, 1), (0.5, None), (None, None)])
+def test_the_advised_batch_size_is_a_whole_share_of_at_least_one_sample(
+        tmp_path: Path, share: float | None, size: int | None) -> None:
+    client = DaemonClient(ShimConfig(daemon_socket=str(tmp_path / "none.sock"), dscp=(46,)),
+                          0, 2, _Mesh())
+    try:
+        client.advised_batch_share = share
+        assert client.advised_batch_size == size
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("ownership, taken", [
     ([0, 1, 1, 0], (0, 1, 1, 0)),
     ([], None),  # none yet
@@ -269,6 +281,8 @@ def test_an_older_daemon_is_not_sent_a_field_it_would_refuse(tmp_path: Path) -> 
         (None, True, None, None),  # no advice: the flat exchange
         (0, True, 1, 0),  # the configured leaf wins
         (None, False, None, None),  # no daemon socket: nothing to wait for
+        (None, True, -1, None),  # not a leaf: none taken
+        (None, True, True, None),
     ],
 )
 def test_a_worker_s_leaf_is_configured_or_advised(
