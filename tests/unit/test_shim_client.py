@@ -281,6 +281,7 @@ def test_an_older_daemon_is_not_sent_a_field_it_would_refuse(tmp_path: Path) -> 
         (None, True, None, None),  # no advice: the flat exchange
         (0, True, 1, 0),  # the configured leaf wins
         (None, False, None, None),  # no daemon socket: nothing to wait for
+        (None, True, 0, 0),  # the first leaf
         (None, True, -1, None),  # not a leaf: none taken
         (None, True, True, None),
     ],
