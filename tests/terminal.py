@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import signal
 import subprocess
 import termios
 import time
@@ -29,6 +30,9 @@ def on_a_terminal(argv: Sequence[str], before: Callable[[], None] | None = None,
 
     def session() -> None:  # after setsid: the pty becomes this new session's terminal
         fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+        # As a login session starts: a hang-up ends it. A test run under nohup would pass
+        # its ignored SIGHUP on, and gradlane keeps an ignored SIGHUP ignored.
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         if before is not None:
             before()
 

@@ -22,8 +22,8 @@ import sys, time
 from gradlane.signals import unwind_on_signals
 
 unwind_on_signals()
-print("ready", flush=True)
 try:
+    print("ready", flush=True)  # in the try: the test hangs up as soon as it reads this
     time.sleep(30)
 except SystemExit as exc:
     with open(sys.argv[1], "a") as f:
@@ -40,7 +40,9 @@ def _on_a_terminal(log: Path, before: Callable[[], None] | None = None
     """The child on a terminal of its own, once it said it is ready; and the terminal's
     other side."""
     proc, master = on_a_terminal([sys.executable, "-c", _CHILD, str(log)], before)
-    read_until(master, proc, lambda seen: b"ready" in seen, timeout=30)
+    # The whole line (the terminal's newline is \r\n): a hang-up between "ready" and its
+    # newline would fail the newline's write.
+    read_until(master, proc, lambda seen: b"ready\r\n" in seen, timeout=30)
     return proc, master
 
 
