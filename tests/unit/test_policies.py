@@ -208,6 +208,81 @@ def test_loadbalance_gives_the_ends_of_co_located_runs_the_chunks_on_the_ring() 
     assert exchange_time(loads, rates, [1 / 8] * 8) * G == pytest.approx(1.75)
 
 
+def test_loadbalance_owners_follow_how_ranks_sharing_a_host_exchange() -> None:
+    """Ranks 0 and 1 on host a, rank 2 on host b, equal links. Flat: host b's link
+    carries its gradient of the others' chunks (1 - o2) and the results of its own
+    to both (2 o2) each way, host a's the same: 1 + o2, so rank 2 owns nothing.
+    Within hosts first: one copy a host crosses each way, 1 whoever owns, and the
+    most even shares are taken."""
+    topo = Topology((Host("a", 0, G), Host("b", 0, G)))
+    workers = tuple(Worker("j", r, h) for r, h in enumerate((0, 0, 1)))
+    counts = {}
+    for by_host in (False, True):
+        job = JobState("j", 3, chunk_bytes=(1,) * 300, by_host=by_host)
+        owners = get_policy("loadbalance").plan(
+            State(jobs=(job,), topology=topo, workers=workers)).ownership["j"]
+        counts[by_host] = [owners.count(r) for r in range(3)]
+    assert counts == {False: [150, 150, 0], True: [100, 100, 100]}
+
+
+def test_loadbalance_owners_reduced_within_leaves_first_when_the_spine_is_short() -> None:
+    """Two leaves of two hosts, uplinks oversubscribed, host 3 at twice the rate. Within
+    leaves first, a chunk owned in a leaf's first host puts 2 on each first host's link
+    and 1 on each second's (they relay for their leaf), and the other way round: hosts 0
+    and 1 carry 3 between them whoever owns, 1.5 at best, which even shares reach. The
+    flat exchange's shares (0.1, 0.1, 0.1, 0.7: `flat_shares`) would leave host 1 at 1.8."""
+    topo = Topology((Host("a", 0, G), Host("b", 0, G), Host("c", 1, G), Host("d", 1, 2 * G)),
+                    uplink_bps=(G, G))
+    job = JobState("j", 3, chunk_bytes=(1,) * 400)
+    state = State(jobs=(job,), topology=topo, workers=tuple(Worker("j", r, r) for r in range(4)))
+    plan = get_policy("loadbalance").plan(state)
+    assert plan.reduce_in_leaf
+    owners = plan.ownership["j"]
+    shares = [owners.count(r) / 400 for r in range(4)]
+    assert shares == [0.25] * 4
+    loads = Exchange([0, 0, 1, 1], uplinks=True).link_loads(in_leaf=True)
+    rates = np.array([1.0, 1.0, 1.0, 2.0] * 2)
+    assert exchange_time(loads, rates, shares) == pytest.approx(1.5)
+    assert exchange_time(loads, rates, flat_shares([1.0, 1.0, 1.0, 2.0])) == pytest.approx(1.8)
+
+
+def test_loadbalance_counts_what_other_jobs_leave_of_a_shared_nic() -> None:
+    """Job j's ranks on three hosts of equal NICs, job k's on the third: j has half of
+    that one. Flat, `flat_shares` with rates 1, 1, 1/2: the slow link alone carries the
+    model in 2 S / G, more than the T = 1.5 S / G of the other two with shares 1/2 each,
+    so the rank there owns nothing (alone, the three would own a third each)."""
+    topo = Topology(tuple(Host(f"h{i}", 0, G) for i in range(3)))
+    j = JobState("j", 3, chunk_bytes=(1,) * 300)
+    workers = tuple(Worker("j", r, r) for r in range(3))
+    alone = get_policy("loadbalance").plan(State(jobs=(j,), topology=topo, workers=workers))
+    assert [alone.ownership["j"].count(r) for r in range(3)] == [100, 100, 100]
+    shared = State(jobs=(j, JobState("k", 4, chunk_bytes=(1,) * 8)), topology=topo,
+                   workers=(*workers, Worker("k", 0, 2)))
+    owners = get_policy("loadbalance").plan(shared).ownership["j"]
+    assert [owners.count(r) for r in range(3)] == [150, 150, 0]
+
+
+def test_loadbalance_plans_owners_only_for_jobs_with_workers_and_chunks() -> None:
+    topo = Topology(tuple(Host(f"h{i}", 0, G * (i + 1)) for i in range(2)))
+    jobs = (JobState("no-chunks", 1), JobState("no-workers", 2, chunk_bytes=(1,) * 4),
+            JobState("both", 3, chunk_bytes=(1,) * 4))
+    workers = (Worker("no-chunks", 0, 0), Worker("both", 0, 0), Worker("both", 1, 1))
+    plan = get_policy("loadbalance").plan(State(jobs=jobs, topology=topo, workers=workers))
+    assert set(plan.ownership) == {"both"}
+
+
+@pytest.mark.parametrize("rates", [[1.0, 0.0, 2.0], [1.0, -1.0], [], [1.0, float("nan")]])
+def test_owner_shares_refuse_links_that_cannot_carry_anything(rates: list[float]) -> None:
+    with pytest.raises(ConfigError, match="positive rates"):
+        flat_shares(rates)
+    if rates:
+        loads, link_rates = one_switch([1.0] * len(rates), ring=False)
+        with pytest.raises(ConfigError, match="positive rates"):
+            owner_shares(loads, np.array(rates * 2))
+    with pytest.raises(ConfigError, match="one per link"):
+        owner_shares(*one_switch([1.0, 2.0], ring=False)[:1], np.ones(3))
+
+
 def test_link_loads_keep_co_located_ranks_off_the_nic() -> None:
     # Ring of 4 ranks, 0 and 1 on host 0: a chunk owned by 1 skips 1 -> 2 going round
     # (host 0's egress, host 1's ingress) and its average skips 0 -> 1 (loopback).
