@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -416,8 +417,19 @@ def bench_plot(result: Path, png: Path | None) -> None:
         raise click.ClickException(f"{result}: not a result of `gradlane bench run` (no "
                                    "per-system summary against a lower bound)")
     target = png or result.with_suffix(".png")
-    plot(data, target)
+    _reading(result, lambda: plot(data, target))
     click.echo(target)
+
+
+def _reading(path: Path, use: Callable[[], object]) -> None:
+    """`use()` of what `path` holds, a results file gradlane reads: a field of the wrong
+    kind (edited by hand, cut short, another program's) is an error naming the file."""
+    try:
+        use()
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise click.ClickException(
+            f"{path}: not a results file gradlane can read ({type(exc).__name__}: {exc}); "
+            "was it edited, or written by another program?") from None
 
 
 @bench.command(name="table")
@@ -440,6 +452,9 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
     data = [read_result(p) for p in results]
     if not any(map(is_bench_result, data)):
         raise click.ClickException("none of these is a result of `gradlane bench run`")
+    for path, result in zip(results, data, strict=True):
+        if is_bench_result(result):  # the others are left out
+            _reading(path, functools.partial(markdown_table, [result]))
     text = markdown_table(data)
     if readme is None:
         click.echo(text)

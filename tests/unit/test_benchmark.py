@@ -522,6 +522,30 @@ def test_table_and_plot_refuse_files_that_are_not_bench_results(tmp_path: Path) 
     assert "garbled.json: not a results file" in str(shown.exception)
 
 
+@pytest.mark.parametrize(("command", "field", "value"), [
+    ("table", ("summary", "gradlane", "median_s"), [0.1]),
+    ("table", ("environment",), None),
+    ("plot", ("runs", "ddp", 0, "iteration_s"), 0.1),
+    ("plot", ("lower_bound_s",), None),
+])
+def test_table_and_plot_name_a_results_file_with_a_field_of_the_wrong_kind(
+        tmp_path: Path, command: str, field: tuple[str | int, ...], value: object) -> None:
+    """An edited or cut result: an error naming the file, not a traceback."""
+    result = json.loads((REPO / "bench" / "results" / "cnn.json").read_text())
+    good, bad = tmp_path / "good.json", tmp_path / "edited.json"
+    good.write_text(json.dumps(result))
+    inner = result
+    for key in field[:-1]:
+        inner = inner[key]
+    inner[field[-1]] = value
+    bad.write_text(json.dumps(result))
+    files = [good, bad] if command == "table" else [bad]  # the table: the one named
+    shown = CliRunner().invoke(cli, ["bench", command, *map(str, files)])
+    assert shown.exit_code == 1, shown.output
+    assert "edited.json: not a results file gradlane can read" in shown.output
+    assert "Traceback" not in shown.output
+
+
 # A trace's compute and bytes come from its profile (a CNN's would be measured: seconds).
 _TRACE = 'kind = "trace"\nmodel = "vgg19"\nmodel_mb = 10\nforward_ms = 50\n'
 
