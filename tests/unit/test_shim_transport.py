@@ -118,6 +118,18 @@ def test_relay_planes_spreads_the_pieces_over_every_plane(pairs: list) -> None:
             links[1][p][1].recv(1)
 
 
+def test_relay_takes_pieces_down_to_one_byte_and_refuses_less(pairs: list) -> None:
+    one, planes = _pair(pairs), [_pair(pairs) for _ in range(2)]
+    relay([memoryview(b"abc")], None, [one[0]], 1, 30.0)
+    assert _read(one[1], 3) == b"abc"
+    relay_planes([memoryview(b"abcd")], [(None, [near]) for near, _ in planes], 1, 30.0)
+    assert [_read(far, 2) for _, far in planes] == [b"ac", b"bd"]
+    with pytest.raises(ValueError, match="piece_bytes must be >= 1, got 0"):
+        relay([memoryview(b"abc")], None, [one[0]], 0, 30.0)
+    with pytest.raises(ValueError, match="piece_bytes must be >= 1, got 0"):
+        relay_planes([memoryview(b"abcd")], [(None, [near]) for near, _ in planes], 0, 30.0)
+
+
 def test_relay_planes_raises_a_plane_s_failure(pairs: list) -> None:
     up = [_pair(pairs) for _ in range(2)]
     up[1][0].sendall(b"x" * 10)
