@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
+from gradlane.errors import TransportError
 from gradlane.shim import transport
 from gradlane.shim.transport import Mesh, _room_for, relay, relay_planes, tree_neighbours
 from tests.ranks import on_every_rank
@@ -206,3 +207,33 @@ def test_strays_at_the_rendezvous_are_dropped_and_the_ranks_still_connect(
     finally:
         for mesh in meshes:
             mesh.close()
+
+
+def test_every_connection_carries_its_band_s_dscp_and_takes_a_new_table() -> None:
+    store = dist.HashStore()
+    meshes: list[Mesh] = []
+    try:
+        meshes += [Mesh(r, 2, store, "127.0.0.1", (46, 0), credit_bytes=128 << 10,
+                        timeout_s=30, prefix="marks", connect=False) for r in range(2)]
+        on_every_rank(2, lambda rank: meshes[rank].connect([1 - rank]))
+
+        def tos(mesh: Mesh) -> dict[int, int]:  # band -> the TOS byte (DSCP << 2, ECN 0)
+            return {band: link.sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
+                    for (_, band, _), link in mesh.links.items()}
+
+        assert [tos(m) for m in meshes] == [{0: 46 << 2, 1: 0}] * 2
+        meshes[0].remark((10, 18))
+        assert tos(meshes[0]) == {0: 10 << 2, 1: 18 << 2}
+        with pytest.raises(TransportError, match="DSCP table has 3 bands, connections have 2"):
+            meshes[0].remark((10, 18, 26))
+        assert tos(meshes[0]) == {0: 10 << 2, 1: 18 << 2}
+    finally:
+        for mesh in meshes:
+            mesh.close()
+
+
+@pytest.mark.parametrize("addresses", [[], ["127.0.0.1", "127.0.0.1"],
+                                       [f"127.0.0.{i}" for i in range(1, 10)]])
+def test_a_mesh_needs_one_to_eight_distinct_addresses(addresses: list[str]) -> None:
+    with pytest.raises(TransportError, match="need 1..8 distinct addresses"):
+        Mesh(0, 2, dist.HashStore(), addresses, (0,), credit_bytes=1 << 16, connect=False)
