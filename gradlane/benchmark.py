@@ -93,7 +93,7 @@ import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gradlane.demo import past_warm_up, steady_start
 from gradlane.errors import ConfigError
@@ -102,13 +102,15 @@ from gradlane.policies.chunks import LAYOUTS
 from gradlane.systems import DAEMON_SYSTEMS, REFERENCE, SYSTEMS
 from gradlane.testbed.links import FRAME_BYTES, line_rate
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
     from gradlane.demo import SystemRun
 
 __all__ = [
     "CELL_NAMES", "Scenario", "cells", "dependency_bound", "is_bench_result", "load_scenario",
-    "lower_bound", "narrowed", "read_result", "run_scenario", "summarize", "trace_layers",
-    "waits_cell", "worker_args",
+    "lower_bound", "narrowed", "read_result", "reading", "run_scenario", "summarize",
+    "trace_layers", "waits_cell", "worker_args",
 ]
 
 PAYLOAD_EFFICIENCY = 1448 / FRAME_BYTES
@@ -549,6 +551,21 @@ def read_result(path: Path) -> dict[str, Any]:
     if not isinstance(result, dict):
         raise ConfigError(f"{path}: not a results file: a JSON {type(result).__name__}")
     return result
+
+
+def reading(path: Path, use: Callable[[], T]) -> T:
+    """`use()` of what `path` holds, a results file: a field of the wrong kind (the file
+    edited by hand, cut short, another program's) is an error naming the file.
+
+    Raises:
+        ConfigError: `use` met a field it cannot read.
+    """
+    try:
+        return use()
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise ConfigError(
+            f"{path}: not a results file gradlane can read ({type(exc).__name__}: {exc}); "
+            "was it edited, or written by another program?") from None
 
 
 def is_bench_result(result: dict[str, Any]) -> bool:

@@ -407,7 +407,7 @@ def bench_run(
 )
 def bench_plot(result: Path, png: Path | None) -> None:
     """Draw RESULT's iteration times per system with the lower bound."""
-    from gradlane.benchmark import is_bench_result, is_partial, plot, read_result
+    from gradlane.benchmark import is_bench_result, is_partial, plot, read_result, reading
 
     data = read_result(result)
     if is_partial(data):
@@ -417,19 +417,8 @@ def bench_plot(result: Path, png: Path | None) -> None:
         raise click.ClickException(f"{result}: not a result of `gradlane bench run` (no "
                                    "per-system summary against a lower bound)")
     target = png or result.with_suffix(".png")
-    _reading(result, lambda: plot(data, target))
+    reading(result, lambda: plot(data, target))
     click.echo(target)
-
-
-def _reading(path: Path, use: Callable[[], object]) -> None:
-    """`use()` of what `path` holds, a results file gradlane reads: a field of the wrong
-    kind (edited by hand, cut short, another program's) is an error naming the file."""
-    try:
-        use()
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        raise click.ClickException(
-            f"{path}: not a results file gradlane can read ({type(exc).__name__}: {exc}); "
-            "was it edited, or written by another program?") from None
 
 
 @bench.command(name="table")
@@ -447,14 +436,14 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
 
     Files of other benchmarks (the simulator's, the daemon's) are left out, so
     ``bench/results/*.json`` can be given as it is."""
-    from gradlane.benchmark import is_bench_result, markdown_table, read_result
+    from gradlane.benchmark import is_bench_result, markdown_table, read_result, reading
 
     data = [read_result(p) for p in results]
     if not any(map(is_bench_result, data)):
         raise click.ClickException("none of these is a result of `gradlane bench run`")
     for path, result in zip(results, data, strict=True):
         if is_bench_result(result):  # the others are left out
-            _reading(path, functools.partial(markdown_table, [result]))
+            reading(path, functools.partial(markdown_table, [result]))
     text = markdown_table(data)
     if readme is None:
         click.echo(text)

@@ -29,13 +29,14 @@ Three experiments, each one command:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gradlane.benchmark import PAYLOAD_EFFICIENCY, is_bench_result, read_result
+from gradlane.benchmark import PAYLOAD_EFFICIENCY, is_bench_result, read_result, reading
 from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
 from gradlane.demo import past_warm_up
 from gradlane.errors import ConfigError
@@ -460,6 +461,28 @@ def layout_kept(result: dict[str, Any], system: str) -> str:
     return "coarse" if kept.count("coarse") > len(kept) / 2 else "fine"
 
 
+def _rows_of(measured: dict[str, Any], progress: Progress | None) -> list[dict[str, Any]]:
+    """The validation rows of one testbed result (none for a result that replays no trace)."""
+    scenario = measured.get("scenario")
+    wl = scenario.get("workload") if isinstance(scenario, dict) else None
+    if isinstance(scenario, dict) and scenario.get("name") in OWNERS_RESULTS:
+        return _owners_rows(measured, progress)
+    if isinstance(scenario, dict) and scenario.get("name") == "two-nics":
+        return _two_nics_rows(measured, progress)
+    # `gradlane bench` scenarios (the other control runs replay no single trace).
+    if not isinstance(wl, dict) or wl.get("kind") != "trace" or not is_bench_result(measured):
+        return []
+    rows = []
+    for policy, system in VALIDATED.items():
+        if system not in measured["summary"]:
+            continue
+        compute = measured_compute(measured, system)
+        rows.append(_validation_row(
+            measured, system, policy, testbed_scenario(measured, compute, system), compute,
+            measured["link_bps"], progress))
+    return rows
+
+
 def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[str, Any]:
     """Replay every trace scenario measured on the testbed; compare medians.
 
@@ -471,24 +494,7 @@ def run_validate(results_dir: Path, progress: Progress | None = None) -> dict[st
     rows = []
     for path in sorted(results_dir.glob("*.json")):
         measured = read_result(path)
-        scenario = measured.get("scenario")
-        wl = scenario.get("workload") if isinstance(scenario, dict) else None
-        if isinstance(scenario, dict) and scenario.get("name") in OWNERS_RESULTS:
-            rows += _owners_rows(measured, progress)
-            continue
-        if isinstance(scenario, dict) and scenario.get("name") == "two-nics":
-            rows += _two_nics_rows(measured, progress)
-            continue
-        # `gradlane bench` scenarios (the other control runs replay no single trace).
-        if not isinstance(wl, dict) or wl.get("kind") != "trace" or not is_bench_result(measured):
-            continue
-        for policy, system in VALIDATED.items():
-            if system not in measured["summary"]:
-                continue
-            compute = measured_compute(measured, system)
-            rows.append(_validation_row(
-                measured, system, policy, testbed_scenario(measured, compute, system), compute,
-                measured["link_bps"], progress))
+        rows += reading(path, functools.partial(_rows_of, measured, progress))
     if not rows:
         raise ConfigError(f"no trace-scenario results in {results_dir}")
     return {

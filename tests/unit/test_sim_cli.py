@@ -30,6 +30,26 @@ def test_sim_validate_without_results_says_so(tmp_path: Path) -> None:
     assert "no trace-scenario results" in result.output
 
 
+@pytest.mark.parametrize(("name", "field", "value"), [
+    ("trace-bert-comm-bound-2hosts", "link_bps", "1gbit"),
+    ("slow_link", "steady_from_step", "x"),
+    ("two_nics", "runs", {"gradlane": [{}]}),
+])
+def test_sim_validate_names_a_results_file_with_a_field_of_the_wrong_kind(
+        tmp_path: Path, name: str, field: str, value: object) -> None:
+    """An edited or cut testbed result (a trace's, a control run's, the two NICs'): an
+    error naming the file, not a traceback."""
+    measured = json.loads((REPO / "bench" / "results" / f"{name}.json").read_text())
+    measured[field] = value
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / f"{name}.json").write_text(json.dumps(measured))
+    result = CliRunner().invoke(cli, ["sim", "validate", "--results", str(tmp_path / "results"),
+                                      "--json", str(tmp_path / "v.json")])
+    assert result.exit_code == 1, result.output
+    assert f"{name}.json: not a results file gradlane can read" in result.output
+    assert not (tmp_path / "v.json").exists()
+
+
 def test_sim_validate_replays_the_shipped_testbed_results(tmp_path: Path) -> None:
     out = tmp_path / "v.json"
     results = REPO / "bench/results"
