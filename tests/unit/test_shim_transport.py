@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -222,6 +223,12 @@ def test_every_connection_carries_its_band_s_dscp_and_takes_a_new_table() -> Non
                     for (_, band, _), link in mesh.links.items()}
 
         assert [tos(m) for m in meshes] == [{0: 46 << 2, 1: 0}] * 2
+        for mesh in meshes:  # gradlaned's flows: the connection as this end sees it
+            for link in mesh.links.values():
+                src, sport = link.sock.getsockname()
+                dst, dport = link.sock.getpeername()
+                assert link.five_tuple() == {"band": link.band, "src": src, "sport": sport,
+                                             "dst": dst, "dport": dport}
         meshes[0].remark((10, 18))
         assert tos(meshes[0]) == {0: 10 << 2, 1: 18 << 2}
         with pytest.raises(TransportError, match="DSCP table has 3 bands, connections have 2"):
@@ -237,3 +244,91 @@ def test_every_connection_carries_its_band_s_dscp_and_takes_a_new_table() -> Non
 def test_a_mesh_needs_one_to_eight_distinct_addresses(addresses: list[str]) -> None:
     with pytest.raises(TransportError, match="need 1..8 distinct addresses"):
         Mesh(0, 2, dist.HashStore(), addresses, (0,), credit_bytes=1 << 16, connect=False)
+
+
+def _listening_later(after_s: float, links: int) -> tuple[str, threading.Thread, list[bytes]]:
+    """A port that refuses connections for `after_s`, then takes `links` and reads each
+    one's hello (a rank busy before it listens); its address and thread, and the hellos."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    hellos: list[bytes] = []
+
+    def serve() -> None:
+        with sock:
+            time.sleep(after_s)
+            sock.listen(links)
+            for _ in range(links):
+                conn, _ = sock.accept()
+                with conn:
+                    hellos.append(_read(conn, 16))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"127.0.0.1:{sock.getsockname()[1]}", thread, hellos
+
+
+def test_a_rank_retries_a_lower_rank_until_it_listens_or_the_timeout_ends() -> None:
+    store = dist.HashStore()
+    where, thread, hellos = _listening_later(0.5, 2)
+    store.set("late/addr/0", json.dumps([where]))
+    mesh = Mesh(1, 2, store, "127.0.0.1", (46, 0), credit_bytes=1 << 16, timeout_s=30,
+                prefix="late", connect=False)
+    try:
+        mesh.connect([0])
+        thread.join(30)
+        assert sorted(mesh.links) == [(0, 0, 0), (0, 1, 0)]
+        assert sorted(hellos) == [b"GLS2" + bytes([1, 0, 0, 0]) + bytes([b, 0, 0, 0]) + bytes(4)
+                                  for b in (0, 1)]  # magic, rank 1, band, plane 0
+    finally:
+        mesh.close()
+    with socket.socket() as never:  # bound, never listening: refuses every connection
+        never.bind(("127.0.0.1", 0))
+        port = never.getsockname()[1]
+        store.set("never/addr/0", json.dumps([f"127.0.0.1:{port}"]))
+        mesh = Mesh(1, 2, store, "127.0.0.1", (46, 0), credit_bytes=1 << 16, timeout_s=0.5,
+                    prefix="never", connect=False)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TransportError,
+                               match=rf"rank 1: cannot connect to rank 0 at .*{port}\)"):
+                mesh.connect([0])
+            assert time.monotonic() - started >= 0.5  # tried until the timeout
+        finally:
+            mesh.close()
+
+
+def test_a_rank_waits_for_higher_ranks_that_connect_late_and_names_those_that_never_do(
+) -> None:
+    store = dist.HashStore()
+    meshes = [Mesh(r, 2, store, "127.0.0.1", (46, 0), credit_bytes=1 << 16, timeout_s=30,
+                   prefix="slow", connect=False) for r in range(2)]
+    try:
+        def body(rank: int) -> None:
+            if rank == 1:
+                time.sleep(0.5)  # rank 0 is accepting meanwhile
+            meshes[rank].connect([1 - rank])
+
+        on_every_rank(2, body)
+        assert sorted(meshes[0].links) == [(1, 0, 0), (1, 1, 0)]
+    finally:
+        for mesh in meshes:
+            mesh.close()
+    alone = Mesh(0, 3, store, "127.0.0.1", (46, 0), credit_bytes=1 << 16, timeout_s=1,
+                 prefix="alone", connect=False)
+    try:
+        with pytest.raises(TransportError, match=r"rank 0: ranks \[1, 2\] did not connect "
+                                                 r"within 1 s"):
+            alone.connect([1, 2])
+    finally:
+        alone.close()
+
+
+@pytest.mark.parametrize("peers", [[2], [0], [-1], [1, 5]])
+def test_a_mesh_connects_only_to_other_ranks_of_its_job(peers: list[int]) -> None:
+    mesh = Mesh(0, 2, dist.HashStore(), "127.0.0.1", (0,), credit_bytes=1 << 16,
+                connect=False)
+    try:
+        with pytest.raises(TransportError, match=r"are not other ranks of 2"):
+            mesh.connect(peers)
+    finally:
+        mesh.close()
