@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import Routes
-from gradlane.shim.engine import _HDR, AG, RS, Engine, Group
+from gradlane.shim.engine import _HDR, AG, BYE, RS, Engine, Group
 from gradlane.shim.layout import split
 from gradlane.shim.transport import Mesh
 from tests import examples
@@ -420,3 +420,105 @@ def test_an_error_on_an_engine_thread_stops_the_waits_at_once_saying_what_it_was
             "rank 0: gl-recv-1.0 failed: RuntimeError: a bug in the reduction")
     finally:
         engine.close(linger_s=0)
+
+
+def test_a_contribution_for_a_group_not_registered_yet_waits_for_it(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    """Groups are registered lazily (a layer's at its first backward): a peer ahead may send
+    a chunk of one this rank has not registered yet, which is taken once it is."""
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    try:
+        ones = torch.ones(1000)
+        mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(RS, 0, 0, 0, 4000, 1) + ones.numpy().tobytes())
+        time.sleep(0.3)  # rank 0's receiver holds the frame meanwhile
+        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
+        engine.begin(0, 3)
+        group.grad.fill_(5.0)
+        engine.ready(group)
+        engine.wait([group], 0)
+        assert torch.equal(group.out, torch.full((1000,), (3 * 5.0 + 1) / 4))
+        # and the average goes back to rank 1
+        back = _recv_frame(mesh1.link(0, 0, 0).sock, 4000)
+        assert back[0][:4] == (AG, 0, 0, 0) and back[1] == group.out.numpy().tobytes()
+    finally:
+        engine.close(linger_s=0)
+
+
+def _recv_frame(sock: socket.socket, nbytes: int) -> tuple[tuple[int, ...], bytes]:
+    """One frame of the chunk protocol: its header's fields and `nbytes` of payload."""
+    sock.settimeout(10)
+    data = b""
+    while len(data) < _HDR.size + nbytes:
+        part = sock.recv(_HDR.size + nbytes - len(data))
+        assert part, f"closed after {len(data)} bytes"
+        data += part
+    return _HDR.unpack(data[: _HDR.size]), data[_HDR.size :]
+
+
+def test_a_wait_with_nothing_coming_names_the_rank_it_waits_on(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    mesh0, _ = two_meshes
+    engine = Engine(mesh0, timeout_s=1)  # rank 1 is connected, and says nothing
+    try:
+        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
+        engine.begin(0, 1)
+        engine.ready(group)
+        started = time.monotonic()
+        with pytest.raises(PeerLost, match=r"^step 0: rank 1 lost: nothing received for \d+ s "
+                                           r"while waiting for g; waiting on ranks \[1\]$"):
+            engine.wait([group], 0)
+        assert time.monotonic() - started >= 1
+    finally:
+        engine.close(linger_s=0)
+
+
+def _frames_until_closed(sock: socket.socket) -> list[tuple[int, ...]]:
+    """The headers of every frame `sock` reads until its peer closes (payloads skipped)."""
+    sock.settimeout(10)
+    data = b""
+    while part := sock.recv(1 << 16):
+        data += part
+    headers = []
+    while data:
+        header = _HDR.unpack(data[: _HDR.size])
+        headers.append(header)
+        data = data[_HDR.size + header[4] :]
+    return headers
+
+
+def test_a_rank_closing_delivers_what_it_queued_then_says_goodbye(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    group = engine.add_group(0, "g", torch.zeros(1000), [(0, 500), (500, 1000)], [1, 1], 0, 0)
+    engine.begin(0, 2)
+    engine.ready(group)  # both chunks go to their owner, rank 1, on band 0
+    engine.close(linger_s=10)
+    # (kind, group, step, chunk, bytes, samples); a goodbye's chunk: the rank lost + 1, 0
+    assert _frames_until_closed(mesh1.link(0, 0, 0).sock) == [
+        (RS, 0, 0, 0, 2000, 2), (RS, 0, 0, 1, 2000, 2), (BYE, 0, 0, 0, 0, 0)]
+    assert _frames_until_closed(mesh1.link(0, 1, 0).sock) == [(BYE, 0, 0, 0, 0, 0)]
+
+
+def test_a_failing_rank_drops_what_it_queued_and_its_goodbye_names_the_rank_lost(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    """Rank 1 breaks the protocol on band 1 while 64 MB of rank 0's contributions wait on
+    band 0 (rank 1 reads nothing): rank 0 closes at once, without them, and says on band 1
+    that it stopped because it lost rank 1."""
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    numel = 16 << 20
+    ranges = [(k, k + (2 << 20)) for k in range(0, numel, 2 << 20)]
+    group = engine.add_group(0, "g", torch.zeros(numel), ranges, [1] * len(ranges), 0, 0)
+    engine.begin(0, 1)
+    engine.ready(group)
+    mesh1.link(0, 1, 0).sock.sendall(_HDR.pack(9, 0, 0, 0, 0, 0))  # an unknown kind
+    deadline = time.monotonic() + 10
+    while engine.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(engine.error, PeerLost) and engine.error.rank == 1
+    started = time.monotonic()
+    engine.close(linger_s=20)
+    assert time.monotonic() - started < 10  # not the linger: what is queued is dropped
+    assert _frames_until_closed(mesh1.link(0, 1, 0).sock) == [(BYE, 0, 0, 2, 0, 0)]
