@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -473,32 +474,101 @@ def test_a_wait_with_nothing_coming_names_the_rank_it_waits_on(
         engine.close(linger_s=0)
 
 
-def _frames_until_closed(sock: socket.socket) -> list[tuple[int, ...]]:
-    """The headers of every frame `sock` reads until its peer closes (payloads skipped)."""
-    sock.settimeout(10)
-    data = b""
-    while part := sock.recv(1 << 16):
-        data += part
-    headers = []
+def _read_until_closed(sock: socket.socket) -> bytes:
+    sock.settimeout(30)
+    parts = []
+    while part := sock.recv(1 << 20):
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _frames(data: bytes) -> list[tuple[tuple[int, ...], bytes]]:
+    """The frames of the chunk protocol in `data`: each header's fields, and its payload."""
+    frames = []
     while data:
         header = _HDR.unpack(data[: _HDR.size])
-        headers.append(header)
+        frames.append((header, data[_HDR.size : _HDR.size + header[4]]))
         data = data[_HDR.size + header[4] :]
-    return headers
+    return frames
 
 
 def test_a_rank_closing_delivers_what_it_queued_then_says_goodbye(
         two_meshes: tuple[Mesh, Mesh]) -> None:
+    """Two 16 MB chunks for rank 1, more than the sockets hold (sent in parts): every byte
+    arrives, then the goodbyes; the close ends once rank 1's kernel has them all."""
     mesh0, mesh1 = two_meshes
     engine = Engine(mesh0, timeout_s=30)
-    group = engine.add_group(0, "g", torch.zeros(1000), [(0, 500), (500, 1000)], [1, 1], 0, 0)
+    half = 4 << 20
+    grad = torch.randn(2 * half, generator=torch.Generator().manual_seed(7))
+    group = engine.add_group(0, "g", grad.clone(), [(0, half), (half, 2 * half)], [1, 1], 0, 0)
     engine.begin(0, 2)
     engine.ready(group)  # both chunks go to their owner, rank 1, on band 0
-    engine.close(linger_s=10)
+    got: list[bytes] = []
+    band0 = mesh1.link(0, 0, 0).sock
+    reader = threading.Thread(target=lambda: got.append(_read_until_closed(band0)))
+    reader.start()
+    started = time.monotonic()
+    engine.close(linger_s=20)
+    assert time.monotonic() - started < 10  # delivered: not the linger's end
+    reader.join(30)
+    frames = _frames(got[0])
     # (kind, group, step, chunk, bytes, samples); a goodbye's chunk: the rank lost + 1, 0
-    assert _frames_until_closed(mesh1.link(0, 0, 0).sock) == [
-        (RS, 0, 0, 0, 2000, 2), (RS, 0, 0, 1, 2000, 2), (BYE, 0, 0, 0, 0, 0)]
-    assert _frames_until_closed(mesh1.link(0, 1, 0).sock) == [(BYE, 0, 0, 0, 0, 0)]
+    assert [header for header, _ in frames] == [
+        (RS, 0, 0, 0, 4 * half, 2), (RS, 0, 0, 1, 4 * half, 2), (BYE, 0, 0, 0, 0, 0)]
+    assert frames[0][1] + frames[1][1] == grad.numpy().tobytes()
+    assert _frames(_read_until_closed(mesh1.link(0, 1, 0).sock)) == [((BYE, 0, 0, 0, 0, 0), b"")]
+
+
+def test_a_peer_is_gone_once_it_said_goodbye_on_every_connection_and_fails_what_needs_it(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    failures: list[TransportError] = []
+    engine.on_failure = failures.append
+    try:
+        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
+        engine.begin(0, 1)
+        engine.ready(group)
+        mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(RS, 0, 0, 0, 4000, 1) + bytes(4000))
+        engine.wait([group], 0)
+        mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(BYE, 0, 0, 0, 0, 0))
+        time.sleep(0.3)
+        assert engine.healthy and engine.left == {}  # band 1 may still carry its data
+        mesh1.link(0, 1, 0).sock.sendall(_HDR.pack(BYE, 0, 0, 0, 0, 0))
+        deadline = time.monotonic() + 10
+        while not engine.left and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.left == {1: "left (closed its shim at step 0)"} and not engine.healthy
+        assert engine.lost([group], 0) is None  # what it gave before it left stands
+        assert failures == []  # a goodbye is no failure of the job
+        engine.begin(1, 1)
+        engine.ready(group)  # the next step needs rank 1's part
+        with pytest.raises(PeerLost, match=r"^step 1: rank 1 lost: left \(closed its shim"):
+            engine.wait([group], 1)
+    finally:
+        engine.close(linger_s=0)
+
+
+def test_a_peer_that_closes_without_goodbye_is_lost_at_once(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    failures: list[TransportError] = []
+    engine.on_failure = failures.append
+    try:
+        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
+        mesh1.link(0, 0, 0).sock.shutdown(socket.SHUT_WR)  # between frames: its process died
+        deadline = time.monotonic() + 10
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(f.rank, str(f)) for f in failures if isinstance(f, PeerLost)] == [
+            (1, "step 0: rank 1 lost: closed its connections without saying goodbye")]
+        engine.begin(0, 1)
+        engine.ready(group)
+        with pytest.raises(PeerLost, match="closed its connections without saying goodbye"):
+            engine.wait([group], 0)
+    finally:
+        engine.close(linger_s=0)
 
 
 def test_a_failing_rank_drops_what_it_queued_and_its_goodbye_names_the_rank_lost(
@@ -521,4 +591,4 @@ def test_a_failing_rank_drops_what_it_queued_and_its_goodbye_names_the_rank_lost
     started = time.monotonic()
     engine.close(linger_s=20)
     assert time.monotonic() - started < 10  # not the linger: what is queued is dropped
-    assert _frames_until_closed(mesh1.link(0, 1, 0).sock) == [(BYE, 0, 0, 2, 0, 0)]
+    assert _frames(_read_until_closed(mesh1.link(0, 1, 0).sock)) == [((BYE, 0, 0, 2, 0, 0), b"")]
