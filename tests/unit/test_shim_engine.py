@@ -521,17 +521,19 @@ def test_a_rank_closing_delivers_what_it_queued_then_says_goodbye(
 
 def test_a_peer_is_gone_once_it_said_goodbye_on_every_connection_and_fails_what_needs_it(
         two_meshes: tuple[Mesh, Mesh]) -> None:
+    """Rank 1 gives its part of step 0 and leaves (as a rank ending before the others, in
+    `test_ranks_that_leave_one_after_the_other_end_identical`): step 0 still averages it,
+    and only a step that needs rank 1 again fails."""
     mesh0, mesh1 = two_meshes
     engine = Engine(mesh0, timeout_s=30)
     failures: list[TransportError] = []
     engine.on_failure = failures.append
     try:
-        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
+        group = engine.add_group(0, "g", torch.full((1000,), 3.0), [(0, 1000)], [0], 0, 0)
         engine.begin(0, 1)
-        engine.ready(group)
-        mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(RS, 0, 0, 0, 4000, 1) + bytes(4000))
-        engine.wait([group], 0)
-        mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(BYE, 0, 0, 0, 0, 0))
+        mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(RS, 0, 0, 0, 4000, 1)
+                                         + torch.ones(1000).numpy().tobytes()
+                                         + _HDR.pack(BYE, 0, 0, 0, 0, 0))
         time.sleep(0.3)
         assert engine.healthy and engine.left == {}  # band 1 may still carry its data
         mesh1.link(0, 1, 0).sock.sendall(_HDR.pack(BYE, 0, 0, 0, 0, 0))
@@ -539,10 +541,14 @@ def test_a_peer_is_gone_once_it_said_goodbye_on_every_connection_and_fails_what_
         while not engine.left and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.left == {1: "left (closed its shim at step 0)"} and not engine.healthy
-        assert engine.lost([group], 0) is None  # what it gave before it left stands
+        assert engine.lost([group]) is None  # what it gave before it left stands
+        engine.ready(group)
+        engine.wait([group], 0)
+        assert torch.equal(group.out, torch.full((1000,), 2.0))
         assert failures == []  # a goodbye is no failure of the job
         engine.begin(1, 1)
         engine.ready(group)  # the next step needs rank 1's part
+        assert isinstance(engine.lost([group]), PeerLost)
         with pytest.raises(PeerLost, match=r"^step 1: rank 1 lost: left \(closed its shim"):
             engine.wait([group], 1)
     finally:
