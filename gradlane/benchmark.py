@@ -96,7 +96,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gradlane.demo import past_warm_up, steady_start
-from gradlane.errors import ConfigError
+from gradlane.errors import ConfigError, GradlaneError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
 from gradlane.policies.chunks import LAYOUTS
 from gradlane.systems import DAEMON_SYSTEMS, REFERENCE, SYSTEMS
@@ -558,10 +558,13 @@ def reading(path: Path, use: Callable[[], T]) -> T:
     edited by hand, cut short, another program's) is an error naming the file.
 
     Raises:
-        ConfigError: `use` met a field it cannot read.
+        ConfigError: `use` met a field it cannot read. gradlane's own errors (a
+            ConfigError is a ValueError too) go up as they are: they say why already.
     """
     try:
         return use()
+    except GradlaneError:
+        raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise ConfigError(
             f"{path}: not a results file gradlane can read ({type(exc).__name__}: {exc}); "

@@ -27,6 +27,7 @@ from gradlane.benchmark import (
     lower_bound,
     markdown_table,
     narrowed,
+    reading,
     run_scenario,
     summarize,
     trace_layers,
@@ -520,6 +521,20 @@ def test_table_and_plot_refuse_files_that_are_not_bench_results(tmp_path: Path) 
     shown = CliRunner().invoke(cli, ["bench", "table", str(garbled)])
     assert isinstance(shown.exception, ConfigError)
     assert "garbled.json: not a results file" in str(shown.exception)
+
+
+def test_reading_a_result_names_the_file_of_a_field_of_the_wrong_kind_only() -> None:
+    path = Path("r.json")
+    assert reading(path, lambda: 7) == 7
+    with pytest.raises(ConfigError, match=r"^r.json: not a results file gradlane can read "
+                                          r"\(KeyError: 'runs'\)"):
+        reading(path, lambda: {}["runs"])
+
+    def says_why() -> None:
+        raise ConfigError("a scenario's own error")
+
+    with pytest.raises(ConfigError, match="^a scenario's own error$"):  # as it was raised
+        reading(path, says_why)
 
 
 @pytest.mark.parametrize(("command", "field", "value"), [
