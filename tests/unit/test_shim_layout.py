@@ -43,6 +43,9 @@ def test_split_covers_exactly_with_chunks_under_the_size(numel: int, elem: int, 
 def test_split_examples() -> None:
     assert split(10, 4, 4096) == [(0, 10)]
     assert split(0, 4, 4096) == []
+    assert split(1, 4, 4096) == [(0, 1)]  # a one-element layer (a scalar parameter)
+    assert split(1, 4, 4096, tail=2) == [(0, 3)]
+    assert split(3, 8, 4) == [(0, 1), (1, 2), (2, 3)]  # chunks under an element: one each
     assert split(3000, 4, 4096) == [(0, 1000), (1000, 2000), (2000, 3000)]
 
 
