@@ -494,7 +494,7 @@ def _frames(data: bytes) -> list[tuple[tuple[int, ...], bytes]]:
 
 def test_a_rank_closing_delivers_what_it_queued_then_says_goodbye(
         two_meshes: tuple[Mesh, Mesh]) -> None:
-    """Two 16 MB chunks for rank 1, more than the sockets hold (sent in parts): every byte
+    """Two 16 MB chunks for rank 1, more than the sockets hold: every byte
     arrives, then the goodbyes; the close ends once rank 1's kernel has them all."""
     mesh0, mesh1 = two_meshes
     engine = Engine(mesh0, timeout_s=30)
