@@ -454,7 +454,8 @@ def _recv_frame(sock: socket.socket, nbytes: int) -> tuple[tuple[int, ...], byte
         part = sock.recv(_HDR.size + nbytes - len(data))
         assert part, f"closed after {len(data)} bytes"
         data += part
-    return _HDR.unpack(data[: _HDR.size]), data[_HDR.size :]
+    (frame,) = _frames(data)
+    return frame
 
 
 def test_a_wait_with_nothing_coming_names_the_rank_it_waits_on(

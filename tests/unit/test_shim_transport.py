@@ -182,6 +182,13 @@ def test_a_hard_limit_without_room_is_named_with_the_way_out() -> None:
     assert "rank 3 needs 1196 connections" in out and "ulimit -n" in out, out
 
 
+def _two_ranks(store: dist.Store, prefix: str) -> list[Mesh]:
+    """Ranks 0 and 1 of a job meeting at `store` under `prefix`: listening, two bands each,
+    not connected yet."""
+    return [Mesh(r, 2, store, "127.0.0.1", (46, 0), credit_bytes=128 << 10, timeout_s=30,
+                 prefix=prefix, connect=False) for r in range(2)]
+
+
 def test_strays_at_the_rendezvous_are_dropped_and_the_ranks_still_connect(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A port scan or probe reaching a rank's listener while its peers connect (it closes at
@@ -189,8 +196,7 @@ def test_strays_at_the_rendezvous_are_dropped_and_the_ranks_still_connect(
     rendezvous."""
     monkeypatch.setattr(transport, "HELLO_WAIT_S", 0.5)
     store = dist.HashStore()
-    meshes = [Mesh(r, 2, store, "127.0.0.1", (46, 0), credit_bytes=128 << 10, timeout_s=30,
-                   prefix="strays", connect=False) for r in range(2)]
+    meshes = _two_ranks(store, "strays")
     try:
         host, port = json.loads(store.get("strays/addr/0"))[0].rsplit(":", 1)
         for data in (b"", b"GLS", b"GET / HTTP/1.0\r\n\r\n"):  # queued before the peer's
@@ -211,11 +217,9 @@ def test_strays_at_the_rendezvous_are_dropped_and_the_ranks_still_connect(
 
 
 def test_every_connection_carries_its_band_s_dscp_and_takes_a_new_table() -> None:
-    store = dist.HashStore()
     meshes: list[Mesh] = []
     try:
-        meshes += [Mesh(r, 2, store, "127.0.0.1", (46, 0), credit_bytes=128 << 10,
-                        timeout_s=30, prefix="marks", connect=False) for r in range(2)]
+        meshes += _two_ranks(dist.HashStore(), "marks")
         on_every_rank(2, lambda rank: meshes[rank].connect([1 - rank]))
 
         def tos(mesh: Mesh) -> dict[int, int]:  # band -> the TOS byte (DSCP << 2, ECN 0)
@@ -300,8 +304,7 @@ def test_a_rank_retries_a_lower_rank_until_it_listens_or_the_timeout_ends() -> N
 def test_a_rank_waits_for_higher_ranks_that_connect_late_and_names_those_that_never_do(
 ) -> None:
     store = dist.HashStore()
-    meshes = [Mesh(r, 2, store, "127.0.0.1", (46, 0), credit_bytes=1 << 16, timeout_s=30,
-                   prefix="slow", connect=False) for r in range(2)]
+    meshes = _two_ranks(store, "slow")
     try:
         def body(rank: int) -> None:
             if rank == 1:
