@@ -23,6 +23,7 @@ from gradlane.policies.chunks import (
     layout_sizes,
     reduction_parents,
     ring_routes,
+    trial_schedule,
     uses_ring,
 )
 from gradlane.shim.layout import assign_owners, band_of, split
@@ -105,6 +106,9 @@ def _owners_one_heap_a_group(sizes: list[int], world: int, groups: list[int] | N
 @example([(0, 0), (5, 0)], 2, True)  # a chunk of no bytes leaves its rank the least loaded
 @example([(3, 0), (1, 0), (2, 0)], 2, True)  # more chunks than ranks
 @example([(10, 0), (5, 1), (5, 1), (5, 1)], 2, True)  # ... by load in the group, then owned
+# More chunks than ranks, then a group of at most the world: its ranks by owned bytes (4, 2,
+# 1: rank 2 first), of three ranks (of two, a mutant numbering them backwards lived).
+@example([(4, 0), (1, 0), (1, 0), (1, 0), (5, 1)], 3, True)
 def test_equal_owners_are_a_heap_of_every_rank_s_owners(
         chunks: list[tuple[int, int]], world: int, grouped: bool) -> None:
     """The owners of groups of at most `world` chunks are taken from one heap of the
@@ -149,6 +153,9 @@ def _weighted_jobs(draw: st.DrawFn) -> tuple[list[int], int, list[float], list[i
 
 
 @given(st.lists(_weighted_jobs(), min_size=1, max_size=5))
+# A chunk of no bytes finishes at once on a rank with no load in its group (rank 1 here):
+# it goes there, not to rank 0 as if no rank were tied for the least finish.
+@example([([5, 0], 2, [1.0, 0.5], None)])
 def test_owners_of_jobs_side_by_side_are_each_job_s_own(
         jobs: list[tuple[list[int], int, list[float], list[int] | None]]) -> None:
     """Every job's unequal-weight greedy steps taken in one array (jobs of other worlds,
@@ -179,6 +186,18 @@ def test_bands_split_layers_by_forward_order() -> None:
     assert [band_of(i, 8, 4) for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [band_of(i, 3, 4) for i in range(3)] == [0, 1, 2]
     assert band_of(0, 1, 4) == 0
+    # Past the last layer, or with no layers known, the last band (not a band that is none).
+    assert band_of(8, 8, 4) == band_of(20, 8, 4) == 3
+    assert band_of(0, 0, 4) == 3
+
+
+def test_the_layout_trial_runs_the_steps_the_shim_s_config_names() -> None:
+    """Warm-up steps 0-2, fine 3-5, regroup at 6, coarse 7-12, regroup at 13, fine 14-16,
+    decided at 17 (`ShimConfig.layout` says 17): blocks of 3 measured steps, fine, coarse,
+    coarse, fine, each regrouping step left out of the measurements."""
+    fine1, to_coarse, coarse, to_fine, fine2, decide = trial_schedule()
+    assert (fine1, to_coarse, coarse) == (range(3, 6), 6, range(7, 13))
+    assert (to_fine, fine2, decide) == (13, range(14, 17), 17)
 
 
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.data())
@@ -307,6 +326,12 @@ def test_routes_examples() -> None:
     copy = Routes.agreed("auto", 128, leaves, hosts).copy_parents()
     assert sum(hosts[r] != hosts[copy[r]] for r in range(1, 128)) == 15
     assert sum(leaves[r] != leaves[copy[r]] for r in range(1, 128)) == 3
+    # ... and the chunks reduce within hosts, then within leaves: rank 0 exchanges with its
+    # host (1-7), the ranks at its place on its leaf's other hosts (8, 16, 24) and in the
+    # other leaves (32, 64, 96); not with the 15 other hosts' as if no leaf were known.
+    two_levels = Routes.agreed("auto", 128, leaves, hosts)
+    assert two_levels.kind == "leaf" and two_levels.hosts == tuple(hosts)
+    assert two_levels.peers(0) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 64, 96)
     # Ranks sharing hosts under one leaf: within hosts first, as with no leaf known; not
     # the ring ("auto", 4 ranks), nor a "flat" job connecting every rank (hypothesis
     # found its routes, host-first, used fewer peers than it connected).
