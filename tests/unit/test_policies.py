@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
@@ -35,7 +35,8 @@ from gradlane.policies.loadbalance import (
     owner_shares,
     placement_shape,
 )
-from gradlane.policies.straggler import proportional_shares
+from gradlane.policies.priority import flow_bands
+from gradlane.policies.straggler import critical_first, proportional_shares, throughput_shares
 from tests import examples
 
 G = 1_000_000_000
@@ -131,6 +132,52 @@ def test_bssi_puts_the_coflow_heaviest_on_the_bottleneck_last() -> None:
     assert bssi_order(np.zeros((3, 2))) == [0, 1, 2]
 
 
+def _total_completion(load: np.ndarray, order: list[int]) -> float:
+    """Each port serving the coflows in `order`, one after another: the sum of the times
+    their last port is done."""
+    done, total = np.zeros(load.shape[1]), 0.0
+    for k in order:
+        done += load[k]
+        total += done[load[k] > 0].max()
+    return total
+
+
+def test_bssi_lowers_the_weights_of_coflows_sharing_the_bottleneck_with_the_last() -> None:
+    # Port 0 (4 s) first: coflows 1 and 2 tie (1 / 2 s); 1, the first, goes last, and
+    # coflow 2, as loaded on port 0, has its weight lowered by all of 1's: to 0. Then port
+    # 1 (3 s): coflow 2 (0 / 2 s) before coflow 0 (1 / 1 s) goes last: 0, 2, 1, done at
+    # 1, 3 and 4 s. Weights left alone, or raised, would put coflow 0 last of the two (1 /
+    # 1 s against 1 / 2 s): 2, 0, 1, done at 2, 3 and 4 s. (The best order, 0, 1, 2, takes
+    # 7 s in all: BSSI is a 4-approximation.)
+    load = np.array([[0.0, 1.0], [2.0, 0.0], [2.0, 2.0]])
+    assert bssi_order(load) == [0, 2, 1]
+    assert _total_completion(load, [0, 2, 1]) == 8.0 < _total_completion(load, [2, 0, 1])
+    # By its load over the last's: port 0 (3 s, tied with port 1, the first) puts coflow 2
+    # last (1 / 2 s) and lowers coflow 1's weight by 1 s / 2 s, to 0.5. On port 1 coflows 0
+    # (1 / 2 s) and 1 (0.5 / 1 s) then tie, and 0 goes last: 1, 0, 2, done at 1, 3 and 3
+    # s. Lowered by 1 s x 2 s instead, coflow 1 would go last: 0, 1, 2, at 2, 3 and 3 s.
+    load = np.array([[0.0, 2.0], [1.0, 1.0], [2.0, 0.0]])
+    assert bssi_order(load) == [1, 0, 2]
+    assert _total_completion(load, [1, 0, 2]) == 7.0 < _total_completion(load, [0, 1, 2])
+
+
+def test_coflows_that_waited_many_times_their_length_move_up() -> None:
+    """HRRN's weight, 1 + age / own bottleneck time: the 4 s coflow behind a 1 s one goes
+    first once it has waited more than three times its length (weight above 4)."""
+    topo = Topology(tuple(Host(f"h{i}") for i in range(2)))  # 10 Gbit/s: 1.25 GB a second
+    flows = FlowTable.build([(0, 1, 1.25e9, 0.0, 0, 0, 0), (0, 1, 5e9, 0.0, 0, 1, 0)])
+    state = State(jobs=(JobState("big", 2), JobState("small", 2)), topology=topo,
+                  workers=tuple(Worker(j, r, r) for j in ("big", "small") for r in range(2)),
+                  coflows=(Coflow("small/1", "small"), Coflow("big/1", "big")), flows=flows)
+
+    def order(big_age_s: float) -> tuple[str, ...]:
+        aged = (state.coflows[0], Coflow("big/1", "big", age_s=big_age_s))
+        return get_policy("coflow").plan(replace(state, coflows=aged)).coflow_order
+
+    assert order(0.0) == order(4.0) == ("small/1", "big/1")  # weights 1 and 2: 2 / 4 s < 1
+    assert order(20.0) == ("big/1", "small/1")  # weight 6: 6 / 4 s > 1 / 1 s
+
+
 def test_levels_keep_the_order_on_eight_levels() -> None:
     assert levels(3) == [0, 1, 2]
     many = levels(20)
@@ -148,6 +195,21 @@ def test_priority_bands_follow_forward_order() -> None:
     # Band 0 is served first on the shared egress: it gets the link, later bands get 0.
     assert plan.flow_rate_bps[:2].sum() == pytest.approx(10 * G)
     assert check_plan(state, plan) == []
+
+
+def test_priority_bands_scale_each_job_s_priorities_as_its_shim_does() -> None:
+    """`band_of` of each flow's priority among its job's: its `layers`, else its chunks,
+    else as many as its flows name."""
+    topo = Topology(tuple(Host(f"h{i}") for i in range(2)))
+    jobs = (JobState("deep", 2, chunk_bytes=(1,) * 4, layers=16),  # 4 chunks of 16 layers
+            JobState("two", 2, chunk_bytes=(1, 1)), JobState("told", 2))
+    rows = ([(0, 1, 1e6, 0.0, p, 0, p) for p in range(4)] + [(0, 1, 1e6, 0.0, p, 1, p)
+            for p in range(2)] + [(0, 1, 1e6, 0.0, p, 2, -1) for p in range(6)])
+    state = State(jobs=jobs, topology=topo,
+                  workers=tuple(Worker(j.name, r, r) for j in jobs for r in range(2)),
+                  coflows=tuple(Coflow(f"{j.name}/1", j.name) for j in jobs),
+                  flows=FlowTable.build(rows), bands=4)
+    assert flow_bands(state).tolist() == [0, 0, 0, 0] + [0, 2] + [0, 0, 1, 2, 2, 3]
 
 
 def test_loadbalance_gives_a_faster_link_more_chunks() -> None:
@@ -413,6 +475,45 @@ def test_straggler_shares_follow_throughput() -> None:
     assert min(proportional_shares(7, [100, 1, 1])) == 1
     with pytest.raises(ValueError, match="one sample each"):
         proportional_shares(2, [1, 1, 1])
+    assert proportional_shares(4, [1, 1, 1, 0.5]) == (1, 1, 1, 1)  # one each: just enough
+    with pytest.raises(ValueError, match="must be positive"):
+        proportional_shares(10, [1, 0])
+    # One sample each for the three slow ones hands out two too many (quotas 4.70, 2.01,
+    # 0.10 each, floors 4, 2, 1, 1, 1): the most over-served give one back, 2.01's first.
+    assert proportional_shares(7, [49, 21, 1, 1, 1]) == (3, 1, 1, 1, 1)
+    assert proportional_shares(4, [22, 17]) == (2, 2)  # quotas 2.26, 1.74: 0.74 remains most
+
+
+def test_straggler_shares_each_job_s_batch_by_its_measured_throughputs() -> None:
+    speeds = {"j": [2.0, 1.0, 1.0], "k": [1.0, 1.0, 1.0], "slow": [0.5, 0.25],
+              "new": [1.0, 0.0]}
+    state = State(jobs=(JobState("j", 3, global_batch=3), JobState("k", 3, global_batch=2),
+                        JobState("new", 2, global_batch=6), JobState("slow", 2, global_batch=6)),
+                  workers=tuple(Worker(job, r, r, throughput=t)
+                                for job in sorted(speeds) for r, t in enumerate(speeds[job])))
+    # j: one sample each, just enough; k: fewer samples than workers, none; slow: samples
+    # per second under one are measured ones; new: one worker not measured yet, even.
+    assert throughput_shares(state) == {"j": (1, 1, 1), "new": (3, 3), "slow": (4, 2)}
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(-1, 3), st.integers(0, 4),
+                          st.sampled_from([0.0, 0.1, 0.3])), min_size=1, max_size=30))
+@example([(0, 0, 3, 0.0), (1, 0, 3, 0.3)])  # one priority: two coflows' chunks stay apart
+def test_critical_flows_are_the_last_ready_of_each_chunk(
+        rows: list[tuple[int, int, int, float]]) -> None:
+    """Of the flows of one (coflow, chunk, priority), those ready last move up a band when
+    some were ready earlier; flows of different ones never count as one (chunk -1 and
+    the highest chunk, priorities apart, included)."""
+    flows = FlowTable.build([(0, 1, 1e6, ready, prio, coflow, chunk)
+                             for coflow, chunk, prio, ready in rows])
+    state = State(coflows=tuple(Coflow(f"j/{k}", "j") for k in range(3)), flows=flows)
+    bands = np.full(len(rows), 2, np.int64)
+    readies: dict[tuple[int, int, int], list[float]] = {}
+    for coflow, chunk, prio, ready in rows:
+        readies.setdefault((coflow, chunk, prio), []).append(ready)
+    expected = [1 if ready == max(readies[c, k, p]) > min(readies[c, k, p]) else 2
+                for c, k, p, ready in rows]
+    assert critical_first(state, bands).tolist() == expected
 
 
 def test_straggler_promotes_the_last_ready_flows() -> None:
