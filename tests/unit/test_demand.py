@@ -178,14 +178,22 @@ def test_a_chunk_s_tree_stages_go_up_by_subtree_then_down_by_depth(case) -> None
         height, depth = _height(parents), _depth(parents)
         up = height[owner]
         assert n_stages[owner] == 2 * up
-        egress = np.zeros((max(2 * up, 1), w))  # per stage, each rank's flows out
+        # Per stage, the flows on each link: ranks' egress, their ingress, then each leaf's
+        # uplink and downlink (leaves in increasing order).
+        leaves = sorted(set(leaf))
+        on = np.zeros((max(2 * up, 1), ex.columns))
         for child, parent in enumerate(parents):
             if parent < 0 or rank_host[child] == rank_host[parent]:
                 continue
-            egress[height[child], child] += 1  # its (partial) sum up
-            egress[up + depth[parent], parent] += 1  # the result down, level by level
-        np.testing.assert_allclose(counts[owner, : len(egress), :w], egress)
-        assert not counts[owner, len(egress):].any()  # other owners' trees may be deeper
+            # Its (partial) sum up; the result down, level by level.
+            for a, b, stage in ((child, parent, height[child]),
+                                (parent, child, up + depth[parent])):
+                on[stage, [a, w + b]] += 1
+                if leaf[a] != leaf[b]:
+                    on[stage, 2 * w + leaves.index(leaf[a])] += 1
+                    on[stage, 2 * w + len(leaves) + leaves.index(leaf[b])] += 1
+        np.testing.assert_allclose(counts[owner, : len(on)], on)
+        assert not counts[owner, len(on):].any()  # other owners' trees may be deeper
 
 
 def _height(parents: list[int]) -> list[int]:
