@@ -529,6 +529,15 @@ def test_straggler_promotes_the_last_ready_flows() -> None:
     assert check_plan(state, plan) == []
 
 
+def test_a_flow_crosses_its_hosts_nics_and_between_leaves_their_uplinks() -> None:
+    """Links numbered egress 0..H-1, ingress H..2H-1, leaf up 2H.., leaf down 2H+L..; the
+    capacities in that order."""
+    topo = Topology((Host("a", 0, 10), Host("b", 0, 20), Host("c", 1, 30)), (40, 50))
+    links = topo.links(np.array([0, 2, 1]), np.array([2, 1, 0]))
+    assert links.tolist() == [[0, 5, 6, 9], [2, 4, 7, 8], [1, 3, -1, -1]]
+    assert topo.capacity_bps.tolist() == [10, 20, 30, 10, 20, 30, 40, 50, 40, 50]
+
+
 @pytest.mark.parametrize("hosts, uplinks, says", [
     ((), (), "a topology needs at least one host"),
     ((Host("a", 0, G), Host("b", -1, G)), (), "leaves are numbered from 0, got -1"),
