@@ -614,12 +614,22 @@ def test_check_plan_names_each_way_a_cluster_plan_is_invalid(
 
 
 def test_check_plan_takes_the_edges_of_valid() -> None:
-    """A time-to-live under a second, a class at its ceiling, one sample a worker: valid,
-    and the last still checked."""
+    """A time-to-live under a second, a class at its ceiling, one of 1 bit/s, a link and a
+    NIC's classes full to the rounding allowed (a millionth, and a bit/s a class), one
+    sample a worker: valid, and the last still checked."""
     state, plan = _valid_cluster_plan()
     assert check_plan(state, replace(plan, ttl_s=0.5)) == []
+    full = G * (1 + 1e-6)
+    assert check_plan(state, replace(plan, flow_rate_bps=np.array([full, 0.0]))) == []
+    halves = {"big": JobClassPlan(G // 2 + 500, G, 0), "small": JobClassPlan(G // 2 + 501, G, 0)}
+    assert check_plan(state, replace(plan, host_classes={0: halves})) == []
+    halves["big"] = JobClassPlan(G // 2 + 501, G, 0)
+    assert check_plan(state, replace(plan, host_classes={0: halves})) == [
+        "host 0: job classes sum to 1000001002 > NIC 1000000000"]
     daemon = State(shaped_bps=G, other_bps=0, jobs=(JobState("a", 1), JobState("b", 1)))
     assert check_plan(daemon, Plan(job_classes={"a": JobClassPlan(G, G, 0), "b": _CLASS},
+                                   source="t")) == []
+    assert check_plan(daemon, Plan(job_classes={"a": JobClassPlan(1, G, 0), "b": _CLASS},
                                    source="t")) == []
     one_each = replace(state, jobs=(state.jobs[0], replace(state.jobs[1], global_batch=2)))
     assert check_plan(one_each, replace(plan, batch_shares={**plan.batch_shares,
