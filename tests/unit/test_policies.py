@@ -110,6 +110,11 @@ def test_coflow_loads_are_seconds_and_madd_gives_nothing_where_nothing_can_move(
     # Links already full, or flows of no bytes: no rate (not infinite, not NaN).
     assert fabric.madd(links, state.flows.bytes, np.zeros_like(cap), both).tolist() == [0, 0]
     assert fabric.madd(links, np.zeros(2), cap, both).tolist() == [0, 0]
+    # A link it does not cross full (big's receiver's ingress): small alone, 10 MB in
+    # 0.08 s on its own links, the whole 1 Gbit/s (not held to a second, nor to nothing).
+    busy = cap.copy()
+    busy[3 + 1] = 0.0
+    assert fabric.madd(links, state.flows.bytes, busy, np.array([1])) == pytest.approx([G])
 
 
 def test_coflow_serves_the_smaller_coflow_first_with_madd_rates() -> None:
