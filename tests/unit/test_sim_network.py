@@ -41,6 +41,23 @@ def test_one_queue_serves_its_collectives_first_come_first_served_on_each_link()
     assert net.advance_to(2.0) == [2]
 
 
+def test_bits_left_count_a_collective_s_waiting_entries_until_each_is_served() -> None:
+    """Collective 2 waits behind 1 on two links, and takes its place on each as 1 finishes
+    there: its bits left are its first entries' and its waiting ones', each counted once,
+    and nothing once it is done."""
+    net = Network(CAP)
+    _add(net, 1, [0, 1], [1, 2], 100.0)  # 100 bits on link 0 (1 s), 200 on link 1 (2 s)
+    _add(net, 2, [0, 1], [1, 1], 150.0)  # behind it on both
+    assert net.bits_left() == {1: pytest.approx(300.0), 2: pytest.approx(300.0)}
+    assert net.advance_to(1.0) == []  # 1 through link 0: 2 served there, waiting on link 1
+    assert net.bits_left() == {1: pytest.approx(100.0), 2: pytest.approx(300.0)}
+    assert net.advance_to(2.0) == [1]
+    assert net.bits_left() == {2: pytest.approx(200.0)}  # 50 of 150 on link 0; none on 1
+    assert net.advance_to(2.5) == [] and net.next_finish() == pytest.approx(3.5)
+    assert net.advance_to(3.5) == [2]
+    assert net.bits_left() == {} and len(net) == 0
+
+
 def test_a_queue_takes_its_waiting_entries_by_key_but_never_interrupts_the_one_served() -> None:
     # As the shim's connection pops its heap: 2 and 3 wait behind 1 (being written);
     # 3, of the smaller key, goes before 2, which came first.
