@@ -541,6 +541,16 @@ def test_a_flow_crosses_its_hosts_nics_and_between_leaves_their_uplinks() -> Non
     links = topo.links(np.array([0, 2, 1]), np.array([2, 1, 0]))
     assert links.tolist() == [[0, 5, 6, 9], [2, 4, 7, 8], [1, 3, -1, -1]]
     assert topo.capacity_bps.tolist() == [10, 20, 30, 10, 20, 30, 40, 50, 40, 50]
+    assert topo.leaves == 2 and Topology((Host("a"), Host("b"))).leaves == 1  # one switch
+
+
+def test_no_flows_is_an_empty_table_and_a_plan_of_none() -> None:
+    for empty in (FlowTable.empty(), FlowTable.build([]), FlowTable.concat([])):
+        assert len(empty) == 0
+        assert all(len(getattr(empty, k)) == 0 for k in ("src", "dst", "bytes", "ready_s",
+                                                          "priority", "coflow", "chunk"))
+    plan = Plan(job_classes={}, source="t")
+    assert len(plan.flow_band) == len(plan.flow_rate_bps) == 0
 
 
 @pytest.mark.parametrize("hosts, uplinks, says", [
