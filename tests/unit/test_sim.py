@@ -338,7 +338,10 @@ def test_buckets_group_layers_and_keep_totals() -> None:
     buckets = buckets_of(layers, 2)
     assert sum(b.bytes for b in buckets) == 10.0
     assert sum(b.forward_s for b in buckets) == pytest.approx(0.4)
+    assert sum(b.backward_s for b in buckets) == pytest.approx(0.8)
     assert buckets[0].bytes == 9.0  # closes once it holds half the bytes
+    even = buckets_of([(1.0, 0.1, 0.2)] * 4, 2)  # ... or exactly half
+    assert [b.bytes for b in even] == [2.0, 2.0]
 
 
 def test_bad_scenarios_are_refused() -> None:
@@ -346,11 +349,22 @@ def test_bad_scenarios_are_refused() -> None:
         SimJob("j", "resnet50", (), (Bucket(1, 1, 1),), 8)
     with pytest.raises(ConfigError, match="one sample per worker"):
         SimJob("j", "resnet50", (0, 1), (Bucket(1, 1, 1),), 1)
+    assert SimJob("j", "resnet50", (0, 1), (Bucket(1, 1, 1),), 2).workers == 2  # one each
+    for speeds in ((1.0,), (1.0, 0.0), (1.0, -1.0)):
+        with pytest.raises(ConfigError, match="one positive speed per worker"):
+            SimJob("j", "resnet50", (0, 1), (Bucket(1, 1, 1),), 8, speeds=speeds)
     sc = _one_job([(1e6, 0.01, 0.02)])
     with pytest.raises(ConfigError, match="outside"):
         Scenario("bad", sc.topology, (replace(sc.jobs[0], hosts=(0, 9)),))
+    for bad in ({"iterations": 0}, {"warmup": -1}, {"replan_s": 0.0}, {"react_s": -0.1}):
+        with pytest.raises(ConfigError, match="need iterations >= 1, warmup >= 0"):
+            replace(sc, **bad)
+    assert replace(sc, iterations=1, warmup=0, react_s=0.0).iterations == 1
     with pytest.raises(ConfigError, match="whole leaves of 32, .* got 100 hosts"):
         cluster(hosts=100)
+    for fraction, speed in ((-0.1, 0.5), (1.1, 0.5), (0.5, 0.0)):
+        with pytest.raises(ConfigError, match="slow_fraction must be in 0..1"):
+            cluster(hosts=64, slow_fraction=fraction, slow_speed=speed)
 
 
 def test_measured_compute_is_iteration_minus_rank0s_wait_over_the_steady_steps() -> None:
