@@ -169,12 +169,12 @@ def buckets_of(
 
 
 def profile_layers(
-    model: str, batch: int, flops: float = V100_FP32_FLOPS, bytes_scale: float = 1.0
+    model: str, batch: int, flops: float = V100_FP32_FLOPS
 ) -> list[tuple[float, float, float]]:
     """(bytes, forward s, backward s) per module of a shipped profile under the calibration."""
     profile = load_profile(model)
     return [
-        (m.bytes * bytes_scale, m.forward_flops * batch / flops,
+        (m.bytes, m.forward_flops * batch / flops,
          BACKWARD_TO_FORWARD * m.forward_flops * batch / flops)
         for m in profile.modules
     ]
