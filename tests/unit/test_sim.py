@@ -19,6 +19,7 @@ from gradlane.policies.sim import (
     one_switch,
     simulate,
 )
+from gradlane.policies.sim.scenario import job_buckets
 
 G = 1e9
 
@@ -342,6 +343,10 @@ def test_buckets_group_layers_and_keep_totals() -> None:
     assert buckets[0].bytes == 9.0  # closes once it holds half the bytes
     even = buckets_of([(1.0, 0.1, 0.2)] * 4, 2)  # ... or exactly half
     assert [b.bytes for b in even] == [2.0, 2.0]
+    # DDP-like buckets of a 16 MiB model on 4 workers, cut into the shim's fine chunks: a
+    # quarter of a worker's share, 1 MiB.
+    grouped, chunk = job_buckets([(float(1 << 20), 0.1, 0.2)] * 16, 4, buckets=4)
+    assert [b.bytes for b in grouped] == [4 << 20] * 4 and chunk == 1 << 20
 
 
 def test_bad_scenarios_are_refused() -> None:
@@ -362,6 +367,8 @@ def test_bad_scenarios_are_refused() -> None:
     assert replace(sc, iterations=1, warmup=0, react_s=0.0).iterations == 1
     with pytest.raises(ConfigError, match="whole leaves of 32, .* got 100 hosts"):
         cluster(hosts=100)
+    with pytest.raises(ConfigError, match="give each of the 8 jobs a group: got 32 hosts"):
+        cluster(hosts=32)  # 4 groups of 8 hosts
     for fraction, speed in ((-0.1, 0.5), (1.1, 0.5), (0.5, 0.0)):
         with pytest.raises(ConfigError, match="slow_fraction must be in 0..1"):
             cluster(hosts=64, slow_fraction=fraction, slow_speed=speed)
