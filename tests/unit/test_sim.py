@@ -349,6 +349,13 @@ def test_buckets_group_layers_and_keep_totals() -> None:
     assert [b.bytes for b in grouped] == [4 << 20] * 4 and chunk == 1 << 20
 
 
+def test_a_cluster_s_leaves_share_a_spine_and_one_leaf_has_none() -> None:
+    two = cluster(hosts=64, jobs=4)  # 32 hosts a leaf at 25 Gbit/s, 2:1 oversubscribed
+    assert two.topology.leaves == 2 and two.topology.uplink_bps == (400_000_000_000,) * 2
+    one = cluster(hosts=32, jobs=4)
+    assert one.topology.leaves == 1 and one.topology.uplink_bps == ()
+
+
 def test_bad_scenarios_are_refused() -> None:
     with pytest.raises(ConfigError, match="a host per worker"):
         SimJob("j", "resnet50", (), (Bucket(1, 1, 1),), 8)
