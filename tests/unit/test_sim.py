@@ -19,7 +19,12 @@ from gradlane.policies.sim import (
     one_switch,
     simulate,
 )
-from gradlane.policies.sim.scenario import job_buckets
+from gradlane.policies.sim.scenario import (
+    BATCH_PER_WORKER,
+    SAMPLES_PER_WORKER,
+    job_buckets,
+    profile_layers,
+)
 
 G = 1e9
 
@@ -343,10 +348,33 @@ def test_buckets_group_layers_and_keep_totals() -> None:
     assert buckets[0].bytes == 9.0  # closes once it holds half the bytes
     even = buckets_of([(1.0, 0.1, 0.2)] * 4, 2)  # ... or exactly half
     assert [b.bytes for b in even] == [2.0, 2.0]
+    # Compute-only layers at the end (a head without weights) join the last bucket.
+    tail = buckets_of([(2.0, 0.1, 0.2), (2.0, 0.1, 0.2), (0.0, 0.1, 0.2), (0.0, 0.1, 0.2)], 2)
+    assert [(b.bytes, b.forward_s, b.backward_s) for b in tail] == [
+        (2.0, 0.1, 0.2), (2.0, pytest.approx(0.3), pytest.approx(0.6))]
     # DDP-like buckets of a 16 MiB model on 4 workers, cut into the shim's fine chunks: a
     # quarter of a worker's share, 1 MiB.
     grouped, chunk = job_buckets([(float(1 << 20), 0.1, 0.2)] * 16, 4, buckets=4)
     assert [b.bytes for b in grouped] == [4 << 20] * 4 and chunk == 1 << 20
+
+
+@pytest.mark.parametrize("model, seconds", [
+    ("resnet50", 0.100), ("vgg19", 0.480), ("bert_base", 0.340), ("gpt2", 0.890)])
+def test_compute_follows_the_stated_calibration(model: str, seconds: float) -> None:
+    """The module docstring's iteration times (a V100 at half its FP32 peak, 32 samples a
+    worker, GPT-2 8 sequences, backward twice forward), from the profiles' FLOPs."""
+    layers = profile_layers(model, SAMPLES_PER_WORKER.get(model, BATCH_PER_WORKER))
+    forward = sum(f for _, f, _ in layers)
+    assert forward + sum(b for _, _, b in layers) == pytest.approx(seconds, rel=0.01)
+    assert sum(b for _, _, b in layers) == pytest.approx(2 * forward)
+
+
+def test_a_cluster_s_slow_fraction_of_host_groups_runs_at_the_slow_speed() -> None:
+    half = cluster(hosts=64, jobs=4, slow_fraction=0.5, slow_speed=0.5)  # 8 groups of 8
+    speeds = [s for job in half.jobs for s in job.speed]
+    assert len(speeds) == 64 and speeds.count(0.5) == 32 and speeds.count(1.0) == 32
+    every = cluster(hosts=64, jobs=4, slow_fraction=1.0, slow_speed=0.5)
+    assert {s for job in every.jobs for s in job.speed} == {0.5}
 
 
 def test_a_cluster_s_leaves_share_a_spine_and_one_leaf_has_none() -> None:
@@ -366,8 +394,9 @@ def test_bad_scenarios_are_refused() -> None:
         with pytest.raises(ConfigError, match="one positive speed per worker"):
             SimJob("j", "resnet50", (0, 1), (Bucket(1, 1, 1),), 8, speeds=speeds)
     sc = _one_job([(1e6, 0.01, 0.02)])
-    with pytest.raises(ConfigError, match="outside"):
-        Scenario("bad", sc.topology, (replace(sc.jobs[0], hosts=(0, 9)),))
+    for hosts in ((0, 9), (0, 2), (-1, 0)):  # two hosts: 0 and 1
+        with pytest.raises(ConfigError, match="a host outside 0..1"):
+            Scenario("bad", sc.topology, (replace(sc.jobs[0], hosts=hosts),))
     for bad in ({"iterations": 0}, {"warmup": -1}, {"replan_s": 0.0}, {"react_s": -0.1}):
         with pytest.raises(ConfigError, match="need iterations >= 1, warmup >= 0"):
             replace(sc, **bad)
