@@ -364,9 +364,9 @@ def test_compute_follows_the_stated_calibration(model: str, seconds: float) -> N
     """The module docstring's iteration times (a V100 at half its FP32 peak, 32 samples a
     worker, GPT-2 8 sequences, backward twice forward), from the profiles' FLOPs."""
     layers = profile_layers(model, SAMPLES_PER_WORKER.get(model, BATCH_PER_WORKER))
-    forward = sum(f for _, f, _ in layers)
-    assert forward + sum(b for _, _, b in layers) == pytest.approx(seconds, rel=0.01)
-    assert sum(b for _, _, b in layers) == pytest.approx(2 * forward)
+    forward, backward = (sum(layer[k] for layer in layers) for k in (1, 2))
+    assert forward + backward == pytest.approx(seconds, rel=0.01)
+    assert backward == pytest.approx(2 * forward)
 
 
 def test_a_cluster_s_slow_fraction_of_host_groups_runs_at_the_slow_speed() -> None:
