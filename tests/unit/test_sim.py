@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from gradlane.errors import ConfigError
@@ -53,6 +54,113 @@ def test_a_chunk_alone_on_the_ring_is_stored_and_forwarded_at_every_hop(workers:
     sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=True),))
     for t in simulate(sc, get_policy("fifo")).iteration_s["job0-x"]:
         assert t == pytest.approx(fwd + bwd + 2 * (workers - 1) * c * 8 / G, rel=1e-6)
+
+
+def _bucket_chunk_times(workers: int, chunks: int, ring: bool,
+                        owners: tuple[int, ...] = (), averages_from: int | None = None) -> int:
+    """A reference for one bucket of `chunks` equal chunks, moved chunk by chunk and
+    stage by stage, in chunk times.
+
+    Links: rank r's egress r, its ingress W + r. On the ring a chunk owned by o takes
+    2 (W - 1) hops, hop k from rank o + 1 + k to its successor, the first W - 1 partial
+    sums, the rest averages. Stored and forwarded on the tree (one switch): the partial
+    sums go up to the owner (one chunk on each other rank's egress, W - 1 on the owner's
+    ingress), then the average down (the reverse). Each link sends one stage at a time,
+    the shim's next: averages before partial sums, then by chunk; a stage is done once
+    through all its links. A link that finishes takes its next from the stages already
+    waiting; one arriving at that instant waits (the network promotes at the finish).
+    """
+    from gradlane.policies.chunks import assign_owners
+
+    def stage(owner: int, k: int) -> dict[int, int]:  # link: chunk times
+        if ring:
+            sender = (owner + 1 + k) % workers
+            return {sender: 1, workers + (sender + 1) % workers: 1}
+        others = [r for r in range(workers) if r != owner]
+        if k == 0:
+            return {**{r: 1 for r in others}, workers + owner: workers - 1}
+        return {owner: workers - 1, **{workers + r: 1 for r in others}}
+
+    stages = 2 * (workers - 1) if ring else 2
+    if averages_from is None:
+        averages_from = workers - 1 if ring else 1
+    owners = owners or tuple(assign_owners((1,) * chunks, workers))
+    waiting: list[list[tuple[int, int]]] = [[] for _ in range(2 * workers)]  # (key, chunk)
+    sending: dict[int, tuple[int, int]] = {}  # link: (chunk, when through)
+    left: dict[int, set[int]] = {}  # chunk: links its stage has still to go through
+    at = [0] * chunks  # each chunk's stage
+
+    def queue(chunk: int) -> list[tuple[int, tuple[int, int]]]:
+        links = stage(owners[chunk], at[chunk])
+        left[chunk] = set(links)
+        key = 0 if at[chunk] >= averages_from else 1
+        return [(link, (key, chunk)) for link in links]
+
+    arrived = [entry for chunk in range(chunks) for entry in queue(chunk)]
+    done = t = 0
+    while True:
+        for batch in ([], arrived):  # links that freed pick first, then the arrivals join
+            for link, entry in batch:
+                waiting[link].append(entry)
+            for link, queued in enumerate(waiting):
+                if link not in sending and queued:
+                    _, chunk = min(queued)
+                    queued.remove(min(queued))
+                    sending[link] = (chunk, t + stage(owners[chunk], at[chunk])[link])
+        if done == chunks:
+            return t
+        t += 1
+        assert t <= 2 * chunks * stages * workers, "the reference stalled"
+        arrived = []
+        for link, (chunk, through) in list(sending.items()):
+            if through == t:
+                del sending[link]
+                left[chunk].discard(link)
+                if not left[chunk]:
+                    at[chunk] += 1
+                    if at[chunk] == stages:
+                        done += 1
+                    else:
+                        arrived += queue(chunk)
+
+
+class _Owning(Policy):
+    """`fifo`'s plan with the chunk owners given."""
+
+    name = "owning"
+
+    def __init__(self, owners: tuple[int, ...]) -> None:
+        self.owners = owners
+
+    def plan(self, state: State) -> Plan:
+        return replace(get_policy("fifo").plan(state),
+                       ownership={job.name: self.owners for job in state.jobs})
+
+
+@pytest.mark.parametrize("ring, workers, chunks, owners", [
+    (True, 2, 5, ()), (True, 3, 5, ()), (True, 3, 7, ()), (True, 3, 8, ()), (True, 4, 6, ()),
+    (True, 4, 9, ()), (True, 5, 12, ()), (False, 2, 5, ()), (False, 3, 6, ()),
+    (False, 4, 7, ()), (False, 4, 8, ()),
+    (True, 3, 6, (1, 0, 1, 1, 0, 2)), (True, 4, 6, (1, 1, 1, 1, 3, 2)),
+    (False, 3, 5, (2, 2, 2, 2, 0)), (False, 4, 4, (2, 2, 2, 0))])
+def test_a_bucket_moved_chunk_by_chunk_sends_averages_before_partial_sums(
+        ring: bool, workers: int, chunks: int, owners: tuple[int, ...]) -> None:
+    # More chunks than ranks: the ring's hops, or the tree's stored and forwarded stages
+    # (`store_forward`), queue on the links, and the order they leave in sets when the
+    # bucket is through. With even owners, on the ring here 6, 7, 12, 12, 10, 18 and 24
+    # chunk times, on the tree 6, 10, 14 and 15 (partial sums first would take 5, 7, 10,
+    # 11, 10, 15 and 21, then 5, 8, 11 and 12: on a lone bucket the shim's order costs up
+    # to 1.27x). Even owners keep the chunks in step, the lower chunk ahead; the owners
+    # of the last cases have a later chunk's average wait beside an earlier chunk's
+    # partial sum, where chunk order alone or averages from one hop later would differ.
+    c, fwd, bwd = 1e6, 0.01, 0.02
+    sc = _one_job([(chunks * c, fwd, bwd)], workers)
+    sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=ring,
+                                   store_forward=not ring),))
+    policy = _Owning(owners) if owners else get_policy("fifo")
+    expected = _bucket_chunk_times(workers, chunks, ring, owners) * c * 8 / G
+    for t in simulate(sc, policy).iteration_s["job0-x"]:
+        assert t == pytest.approx(fwd + bwd + expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("ring", [False, True])
@@ -281,6 +389,50 @@ def test_open_loop_coflow_takes_its_exchange_time_and_waits_for_the_one_before()
     assert third == pytest.approx(exchange, rel=1e-6)
 
 
+class _Levels(Policy):
+    """`fifo`'s plan with given job levels, and one job's flows in band 1."""
+
+    name = "levels"
+
+    def __init__(self, levels: dict[str, int], band_one: str) -> None:
+        self.levels, self.band_one = levels, band_one
+
+    def plan(self, state: State) -> Plan:
+        plan = get_policy("fifo").plan(state)
+        job = np.array([state.coflows[k].job for k in state.flows.coflow])
+        bands = (job == self.band_one).astype(np.int64)
+        return replace(plan, job_level=self.levels, flow_band=bands)
+
+
+def test_each_job_s_band_is_a_queue_of_its_own() -> None:
+    # Three 2-worker jobs on the same two hosts, one bucket of S each, released at once,
+    # two bands. Job 0's band 1 and job 2's band 0 (level 1) both sit at HTB prio 1: as two
+    # queues they share the links and finish together at 2 exchanges (one queue would
+    # serve them one after the other: 1 and 2). Job 1, at level 5, goes last.
+    size = 10e6
+    base = _one_job([(size, 0.01, 0.02)])
+    job = base.jobs[0]
+    jobs = tuple(replace(job, name=f"j{i}") for i in range(3))
+    sc = replace(base, jobs=jobs, bands=2, arrivals=((0.0,),) * 3, warmup=0)
+    result = simulate(sc, _Levels({"j0": 0, "j1": 5, "j2": 1}, band_one="j0"))
+    exchange = size * 8 / G
+    assert result.cct_s["j0"] == pytest.approx([2 * exchange], rel=1e-6)
+    assert result.cct_s["j2"] == pytest.approx([2 * exchange], rel=1e-6)
+    assert result.cct_s["j1"] == pytest.approx([3 * exchange], rel=1e-6)
+
+
+def test_priorities_past_the_last_level_share_it() -> None:
+    # HTB has 8 prios: job level 7 in band 1 is prio min(7, 8) = 7, as level 7 in band 0.
+    # The two jobs share the links (both through at 2 exchanges), neither goes first.
+    size = 10e6
+    base = _one_job([(size, 0.01, 0.02)])
+    jobs = tuple(replace(base.jobs[0], name=f"j{i}") for i in range(2))
+    sc = replace(base, jobs=jobs, bands=2, arrivals=((0.0,),) * 2, warmup=0)
+    result = simulate(sc, _Levels({"j0": 7, "j1": 7}, band_one="j1"))
+    for name in ("j0", "j1"):
+        assert result.cct_s[name] == pytest.approx([2 * size * 8 / G], rel=1e-6)
+
+
 class _Recording:
     def __init__(self, inner: Policy) -> None:
         self.inner, self.name = inner, inner.name
@@ -308,6 +460,39 @@ def test_open_loop_backlog_is_one_coflow_per_arrival_each_with_its_age() -> None
     sent = [float(state.flows.bytes[state.flows.coflow == k].sum()) for k in (0, 1)]
     assert 0 < sent[0] < sent[1]  # the older one is partly through, the younger whole
     assert check_plan(state, get_policy("coflow").plan(state)) == []
+
+
+def _bucket_bytes(state: State, coflow: int) -> np.ndarray:
+    """A coflow's demand per bucket (its flows carry their bucket's first chunk)."""
+    (job,) = state.jobs
+    mine = state.flows.coflow == coflow
+    bucket = np.array(job.chunk_layers)[state.flows.chunk[mine]]
+    return np.bincount(bucket, state.flows.bytes[mine], job.layers)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_closed_loop_planner_sees_what_is_left_of_each_bucket(ring: bool) -> None:
+    # Six buckets of 4 chunks on 3 workers, 30 ms of backward each: the last bucket's
+    # exchange starts while the others are still computed. Every plan made while a coflow
+    # is in flight sees each of its buckets at most whole, partly sent once queued, and
+    # whole while still in the backward (ready 30 ms apart, last bucket first).
+    c, bwd, nb = 1e6, 0.03, 6
+    sc = _one_job([(4 * c, 0.001, bwd)] * nb, 3)
+    sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=ring),),
+                 iterations=2, warmup=0)
+    whole = _bucket_bytes(full_demand_state(sc, get_policy("fifo")), 0)
+    policy = _Recording(get_policy("fifo"))
+    simulate(sc, policy)
+    in_flight = [s for s in policy.states if s.coflows[0].age_s > 0]
+    assert in_flight
+    for state in in_flight:
+        (coflow,) = state.coflows
+        left = _bucket_bytes(state, 0) / whole
+        computing = [nb - 1 - k for k in range(nb) if k * bwd > coflow.age_s]
+        assert computing, coflow.age_s  # the plan comes while the backward goes on
+        assert np.all(left <= 1 + 1e-9), left
+        assert left[computing] == pytest.approx(1.0)
+        assert 0 < left[nb - 1] < 1  # the first bucket ready is on its way
 
 
 def test_coflow_load_matches_the_simulated_time_alone() -> None:
