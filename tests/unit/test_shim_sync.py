@@ -309,6 +309,8 @@ def test_the_optimizers_step_hooks_run_once_at_each_step_as_in_plain_pytorch() -
     with attach(mine, opt, overlap=True):
         for step in range(3):
             for m, o in ((ref, ref_opt), (mine, opt)):
+                if step == 1:  # a resume: `__setstate__` wraps an unhooked step again
+                    o.load_state_dict(o.state_dict())
                 x, y = data(step)
                 nn.functional.cross_entropy(m(x), y).backward()
                 o.step()
@@ -318,6 +320,62 @@ def test_the_optimizers_step_hooks_run_once_at_each_step_as_in_plain_pytorch() -
     assert not calls
     for a, b in zip(kept[ref], kept[mine], strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_group_goes_to_the_engine_as_its_last_gradient_comes_in_the_backward() -> None:
+    """Overlap with the backward: a group is handed over as soon as all its gradients
+    are in, last layer's first, not when the backward ends. When the gradient reaches
+    the first layer's output, every group but the first layer's has gone."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    handed: list[int] = []
+    at_first_layer: list[list[int]] = []
+    with attach(m, opt, overlap=True) as sync:
+        ready = sync.engine.ready
+        with mock.patch.object(sync.engine, "ready",
+                               side_effect=lambda g: (handed.append(g.gid), ready(g))):
+            for step in range(3):  # the first lays out the groups
+                handed.clear()
+                at_first_layer.clear()
+                x, y = data(step)
+                h = m[0](x)
+                h.register_hook(lambda _: at_first_layer.append(list(handed)))
+                nn.functional.cross_entropy(m[1:](h), y).backward()
+                opt.step()
+                opt.zero_grad()
+                (first,) = (g.gid for g in sync._groups
+                            if any(p is m[0].weight for p in sync._members[g.gid]))
+                assert len(sync._groups) >= 2
+                assert handed == sorted((g.gid for g in sync._groups), reverse=True)
+                assert at_first_layer == [[gid for gid in handed if gid != first]]
+
+
+def test_groups_the_backward_did_not_reach_go_as_it_ends_not_at_the_step() -> None:
+    """`b` never runs: its group is handed over as the backward ends (`_queue_end`), so
+    its exchange overlaps whatever comes before the step, as the others' do."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.a(x))  # b never runs
+
+    m = Branchy()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    handed: list[int] = []
+    with attach(m, opt, overlap=True) as sync:
+        ready = sync.engine.ready
+        with mock.patch.object(sync.engine, "ready",
+                               side_effect=lambda g: (handed.append(g.gid), ready(g))):
+            for _ in range(3):
+                handed.clear()
+                m(torch.ones(2, 4)).sum().backward()
+                assert sorted(handed) == sorted(g.gid for g in sync._groups)
+                opt.step()
+                opt.zero_grad()
 
 
 def test_the_models_zero_grad_after_step_leaves_the_update_to_the_next_forward() -> None:
@@ -613,10 +671,10 @@ def test_layout_trial_regroups_between_steps_and_steps_stay_exact(
     compare(opt, steps=decide + 3, overlap=overlap)
     m = model()
     sync = attach(m, opt(m.parameters()), overlap=overlap)
-    for step in range(decide + 1):
+    for step in range(decide + 3):  # and two steps past: the trial is over
         plain_step(m, sync.optimizer, None, step)
         expected = "coarse" if to_coarse <= step < to_fine else "fine"
-        assert step == decide or sync.layout == expected, step
+        assert step >= decide or sync.layout == expected, step
     assert sync.layout == winner and sync.layout_trial is not None
     trial = sync.layout_trial
     assert (trial["chosen"], trial["step"]) == (winner, decide)
@@ -1367,3 +1425,22 @@ def test_a_group_of_whole_chunks_keeps_its_chunk_count_with_its_flags() -> None:
     (group,) = sync._groups
     assert [c.stop - c.start for c in group.chunks] == [1024, 1024, 1024, 1025]
     sync.close()
+
+
+def test_a_rank_unlike_rank_0_is_told_its_first_difference() -> None:
+    """Options or world size first (either alone), then the first parameter that
+    differs, then the count."""
+    ref = {"params": [["0", 0, [4, 3], "torch.float32"], ["0", 1, [4], "torch.float32"]],
+           "options": {"bands": 4}, "world": 2}
+    first = sync_module._first_difference
+    for other in ({"options": {"bands": 2}}, {"world": 3}):
+        said = first(ref, {**ref, **other}, 1)
+        assert said.startswith("rank 1 was attached with options"), said
+        assert "rank 0 with {'bands': 4} (world 2)" in said
+    shape = {**ref, "params": [["0", 0, [4, 5], "torch.float32"], *ref["params"][1:]]}
+    assert first(ref, shape, 1) == (
+        "rank 1's model differs from rank 0's: 0 parameter 0 is [4, 5] torch.float32, "
+        "rank 0 has 0 parameter 0 [4, 3] torch.float32")
+    fewer = {**ref, "params": ref["params"][:1]}
+    assert first(ref, fewer, 1) == (
+        "rank 1's model has 1 trainable parameters, rank 0's has 2")
