@@ -44,6 +44,15 @@ def test_one_bucket_iteration_is_compute_plus_the_exchange(workers: int) -> None
         assert t == pytest.approx(fwd + bwd + exchange, rel=1e-6)
 
 
+def test_even_shares_wait_for_the_slow_worker_s_forward_and_backward() -> None:
+    # Speeds 1 and 0.5, even batch shares (`fifo` keeps them): the slow worker takes twice
+    # the forward and twice the backward, then the exchange.
+    size, fwd, bwd = 10e6, 0.01, 0.02
+    result = simulate(_one_job([(size, fwd, bwd)], speeds=[1.0, 0.5]), get_policy("fifo"))
+    for t in result.iteration_s["job0-x"]:
+        assert t == pytest.approx(2 * fwd + 2 * bwd + size * 8 / G, rel=1e-6)
+
+
 @pytest.mark.parametrize("workers", [3, 4])
 def test_a_chunk_alone_on_the_ring_is_stored_and_forwarded_at_every_hop(workers: int) -> None:
     # One one-chunk bucket: its partial sum takes W-1 hops to the owner, the average W-1
@@ -459,6 +468,10 @@ def test_open_loop_backlog_is_one_coflow_per_arrival_each_with_its_age() -> None
     assert older.age_s == pytest.approx(younger.age_s + 0.1 * exchange, rel=1e-6)
     sent = [float(state.flows.bytes[state.flows.coflow == k].sum()) for k in (0, 1)]
     assert 0 < sent[0] < sent[1]  # the older one is partly through, the younger whole
+    # A departure plans again too, react_s after the last plan (the arrival's, itself
+    # react_s after the first): the younger alone, aged since it came.
+    alone = [s.coflows for s in policy.states if [c.id for c in s.coflows] == ["job0-x/1"]]
+    assert alone and alone[0][0].age_s == pytest.approx(2 * base.react_s - 0.1 * exchange)
     assert check_plan(state, get_policy("coflow").plan(state)) == []
 
 
