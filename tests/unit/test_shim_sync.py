@@ -1444,3 +1444,16 @@ def test_a_rank_unlike_rank_0_is_told_its_first_difference() -> None:
     fewer = {**ref, "params": ref["params"][:1]}
     assert first(ref, fewer, 1) == (
         "rank 1's model has 1 trainable parameters, rank 0's has 2")
+
+
+def test_the_wait_for_averages_counted_is_time_training_spent() -> None:
+    """`last_exposed_comm_s` (what the bench records as a step's wait): seconds the
+    forward and the step waited for averages since the backward before, so never
+    negative nor more than the time trained since attach."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with attach(m, opt, overlap=True) as sync:
+        started = time.perf_counter()
+        for step in range(4):
+            plain_step(m, opt, None, step)
+            assert 0 <= sync.last_exposed_comm_s <= time.perf_counter() - started, step
