@@ -1,5 +1,6 @@
 """The flow-level simulator: analytic cases, determinism, and that plans stay valid."""
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -51,6 +52,37 @@ def test_even_shares_wait_for_the_slow_worker_s_forward_and_backward() -> None:
     result = simulate(_one_job([(size, fwd, bwd)], speeds=[1.0, 0.5]), get_policy("fifo"))
     for t in result.iteration_s["job0-x"]:
         assert t == pytest.approx(2 * fwd + 2 * bwd + size * 8 / G, rel=1e-6)
+
+
+def test_utilization_and_times_measure_the_run() -> None:
+    # Two workers on two leaves, uplinks twice the NICs: every bit a host sends crosses its
+    # leaf's uplink too, so uplinks are half as busy as host links. Each plan's time holds
+    # the policy's own, and the run's wall time holds them all, within the call's.
+    size, fwd, bwd = 10e6, 0.01, 0.02
+    sc = _one_job([(size, fwd, bwd)])
+    topo = Topology((Host("h0", 0, int(G)), Host("h1", 1, int(G))), (int(2 * G),) * 2)
+    sc = replace(sc, topology=topo)
+    fifo, inner_s = get_policy("fifo"), []
+
+    class Timed(Policy):
+        name = "timed"
+
+        def plan(self, state: State) -> Plan:
+            began = time.perf_counter()
+            plan = fifo.plan(state)
+            inner_s.append(time.perf_counter() - began)
+            return plan
+
+    started = time.perf_counter()
+    result = simulate(sc, Timed())
+    took = time.perf_counter() - started
+    exchange = size * 8 / G
+    assert result.utilization["host"] == pytest.approx(exchange / (fwd + bwd + exchange),
+                                                       rel=1e-3)
+    assert result.utilization["uplink"] == pytest.approx(result.utilization["host"] / 2)
+    assert len(result.plan_ms) == len(inner_s) > 0
+    assert all(ms >= s * 1000 for ms, s in zip(result.plan_ms, inner_s, strict=True))
+    assert sum(result.plan_ms) / 1000 <= result.wall_s <= took
 
 
 @pytest.mark.parametrize("workers", [3, 4])
@@ -216,6 +248,17 @@ def test_ranks_sharing_hosts_send_each_other_nothing_over_the_network(ring: bool
     alone = _co_located([(c, fwd, bwd)], (0, 0, 0), ring, chunk_bytes=int(c))
     for t in simulate(alone, get_policy("fifo")).iteration_s["job0-x"]:
         assert t == pytest.approx(fwd + bwd, rel=1e-9)
+
+
+@pytest.mark.parametrize("placement, ring, by_host", [
+    ((0, 0, 1, 1), False, True), ((0, 0, 1, 1), True, False), ((0, 1, 2, 3), False, False)])
+def test_the_planner_sees_a_job_reduced_within_hosts(placement: tuple[int, ...], ring: bool,
+                                                     by_host: bool) -> None:
+    # As the shim tells gradlaned: ranks sharing hosts, off the ring, reduce within hosts
+    # first (`JobState.by_host`: `loadbalance` plans their owners for that exchange).
+    policy = _Recording(get_policy("fifo"))
+    simulate(_co_located([(1e6, 0.01, 0.02)], placement, ring), policy)
+    assert {s.jobs[0].by_host for s in policy.states} == {by_host}
 
 
 def test_ranks_sharing_hosts_ring_and_within_hosts_as_on_the_testbed() -> None:
