@@ -987,6 +987,8 @@ def test_clip_grad_value_on_averaged_gradients_keeps_the_step_layer_by_layer(
         nn.functional.cross_entropy(mine(x), y).backward()
         with pytest.raises(ConfigError, match="clip_value must be >= 0, got -1"):
             sync.clip_grad_value_(-1)
+        sync.clip_grad_value_(0)  # as torch's: every gradient to zero
+        assert all(not sync.averaged_grad(p).any() for p in mine.parameters())
         sync.skip_step()
     assert beyond
     for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
@@ -1457,3 +1459,17 @@ def test_the_wait_for_averages_counted_is_time_training_spent() -> None:
         for step in range(4):
             plain_step(m, opt, None, step)
             assert 0 <= sync.last_exposed_comm_s <= time.perf_counter() - started, step
+
+
+def test_the_global_batch_is_the_first_step_s() -> None:
+    """What the ranks agree at the first backward (the batch the control plane splits),
+    kept when a later batch is smaller (an epoch's last)."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with attach(m, opt, overlap=True) as sync:
+        for step, n in enumerate((6, 6, 3)):
+            x, y = data(step)
+            nn.functional.cross_entropy(m(x[:n]), y[:n]).backward()
+            opt.step()
+            opt.zero_grad()
+            assert sync.global_batch == 6, step
