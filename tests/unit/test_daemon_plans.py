@@ -14,9 +14,10 @@ import pytest
 
 from gradlane.daemon import service
 from gradlane.daemon.config import InterfaceConfig
-from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello
+from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello, Timing
 from gradlane.daemon.qdisc import (
     Claim,
+    ClassStats,
     FlowMatch,
     QdiscManager,
     QdiscSpec,
@@ -448,3 +449,61 @@ def test_the_kernel_s_word_of_a_root_gone_makes_the_next_reconcile_verify(
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned == ["no netlink word of qdisc changes ([Errno 9] Bad file descriptor): "
                       "gradlaned repairs its trees every 30 s only"]
+
+
+def _stats(role: str, job: str | None, band: int | None, bps: float | None,
+           sent: int = 0) -> ClassStats:
+    return ClassStats("1:10", role, job, band, 0, 0, sent, 0, 0, 0, 0, bps)
+
+
+def test_band_throughput_and_metrics_come_from_the_latest_class_samples(
+        tmp_path: Path) -> None:
+    # What gradlaned reports to a control plane (each job's bands' bit/s, summed over
+    # interfaces, bands it has not measured at 0) and what /metrics shows, from the
+    # classes' latest reads. A class read once has no rate yet; neither has a band idle.
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    daemon = _daemon(tmp_path)
+    daemon._stats = {
+        "fake0": [_stats("root", None, None, 9e9), _stats("job", "j", None, 5e6, sent=700),
+                  _stats("band", "j", 0, 1e6), _stats("band", "j", 2, 3e6, sent=300),
+                  _stats("band", "k", 1, None), _stats("band", "k", 0, 0.0)],
+        "fake1": [_stats("band", "j", 0, 2e6), _stats("job", "k", None, None)],
+    }
+    assert daemon._band_throughput() == {"j": [3e6, 0.0, 3e6]}
+    def samples(name: str) -> dict[tuple[str, ...], float]:  # by label values, sorted
+        text = generate_latest(daemon.metrics).decode()
+        return {tuple(v for _, v in sorted(sample.labels.items())): sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name == name}
+
+    assert samples("gradlane_job_throughput_bps") == {("fake0", "j"): 5e6}
+    sent = samples("gradlane_class_bytes_total")  # by band, classid, interface, job, role
+    assert sent[("", "1:10", "fake0", "j", "job")] == 700
+    assert sent[("2", "1:10", "fake0", "j", "band")] == 300
+    assert samples("gradlane_interface_shaped") == {("fake0",): 1.0}
+    daemon._unshaped["fake0"] = "a root qdisc of someone else's"
+    assert samples("gradlane_interface_shaped") == {("fake0",): 0.0}
+
+
+def test_a_class_planned_for_another_link_scales_with_it() -> None:
+    cls = JobClassPlan(rate_bps=100, ceil_bps=1000, prio=2)
+    assert service._scaled(cls, 1) is cls
+    assert service._scaled(cls, 4) == JobClassPlan(400, 4000, 2)
+    assert service._scaled(cls, 0.25) == JobClassPlan(25, 250, 2)
+    # Never below 1 bit/s, the ceil never below the rate.
+    assert service._scaled(JobClassPlan(1, 1, 0), 0.001) == JobClassPlan(1, 1, 0)
+    assert service._scaled(JobClassPlan(10, 10, 0), 0.2) == JobClassPlan(2, 2, 0)
+
+
+def test_status_shows_each_worker_s_last_timing(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path)
+    (worker,) = daemon.registry.jobs()["j"]
+    assert daemon.status()["jobs"][0]["workers"][0]["last_timing"] is None
+    for it in (1, 2):
+        daemon.registry.record_timing(worker.id, Timing(it, 0.1 * it, 0.01, 32))
+    (shown,) = daemon.status()["jobs"][0]["workers"]
+    assert shown["last_timing"] == {"iteration": 2, "compute_s": 0.2, "comm_s": 0.01,
+                                    "samples": 32}
+    assert shown["iteration"] == 2
