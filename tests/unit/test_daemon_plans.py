@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -507,3 +508,16 @@ def test_status_shows_each_worker_s_last_timing(tmp_path: Path) -> None:
     assert shown["last_timing"] == {"iteration": 2, "compute_s": 0.2, "comm_s": 0.01,
                                     "samples": 32}
     assert shown["iteration"] == 2
+
+
+def test_status_shows_the_daemon_s_uptime_and_its_plan_s_age(tmp_path: Path) -> None:
+    now = [100.0]
+    started = time.time()
+    daemon = Daemon(fake_config(tmp_path / "gl.sock"), backend_factory=FakeBackend,
+                    clock=lambda: now[0])
+    assert daemon.status()["plan"]["age_s"] is None  # none yet
+    daemon._plan, daemon._plan_at = daemon.policy.plan(daemon.state()), now[0]
+    now[0] += 2.5
+    status = daemon.status()
+    assert status["plan"]["age_s"] == 2.5
+    assert 0 <= status["uptime_s"] <= time.time() - started + 0.001
