@@ -102,6 +102,21 @@ def start_daemon(sock: Path, http: str) -> subprocess.Popen[bytes]:
     )
 
 
+def end(proc: subprocess.Popen[bytes], timeout: float = 15) -> int | None:
+    """SIGTERM `proc` and wait for it; its exit code, or None if it had to be killed
+    (it ignored SIGTERM for `timeout` seconds): nothing is left running either way."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+    finally:
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
     sock = tmp_path / "gl.sock"
@@ -121,9 +136,7 @@ def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
         yield running
     finally:
         killed_by_test = proc.poll() is not None
-        proc.terminate()
-        code = proc.wait(timeout=15)
-        proc.stderr.close()  # type: ignore[union-attr]
+        code = end(proc)
     if not killed_by_test:  # a clean stop exits 0 and removes its socket
         assert code == 0
         assert not sock.exists()

@@ -25,7 +25,7 @@ from gradlane.daemon import protocol
 from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION
 from gradlane.daemon.service import host_id
 from gradlane.errors import ProtocolError
-from tests.integration.helpers import RunningDaemon, start_daemon
+from tests.integration.helpers import RunningDaemon, end, start_daemon
 
 
 class Client:
@@ -180,7 +180,10 @@ def test_client_limit(daemon: RunningDaemon) -> None:
 
 def test_second_daemon_on_the_same_socket_refuses_to_start(daemon: RunningDaemon) -> None:
     proc = start_daemon(daemon.socket, "")
-    _, err = proc.communicate(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        end(proc)  # not left serving if it did not refuse
     assert proc.returncode != 0 and b"another gradlaned is serving" in err
     assert daemon.status()["clients"] == 0  # the first one still serves
 
