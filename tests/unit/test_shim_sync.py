@@ -16,7 +16,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
@@ -322,32 +322,38 @@ def test_the_optimizers_step_hooks_run_once_at_each_step_as_in_plain_pytorch() -
         assert torch.equal(a, b)
 
 
+@contextlib.contextmanager
+def _handed_over(sync: gl.Sync) -> Iterator[list[int]]:
+    """The ids of the groups `sync` hands its engine, in order, while within."""
+    handed: list[int] = []
+    ready = sync.engine.ready
+    with mock.patch.object(sync.engine, "ready",
+                           side_effect=lambda g: (handed.append(g.gid), ready(g))):
+        yield handed
+
+
 def test_a_group_goes_to_the_engine_as_its_last_gradient_comes_in_the_backward() -> None:
     """Overlap with the backward: a group is handed over as soon as all its gradients
     are in, last layer's first, not when the backward ends. When the gradient reaches
     the first layer's output, every group but the first layer's has gone."""
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    handed: list[int] = []
     at_first_layer: list[list[int]] = []
-    with attach(m, opt, overlap=True) as sync:
-        ready = sync.engine.ready
-        with mock.patch.object(sync.engine, "ready",
-                               side_effect=lambda g: (handed.append(g.gid), ready(g))):
-            for step in range(3):  # the first lays out the groups
-                handed.clear()
-                at_first_layer.clear()
-                x, y = data(step)
-                h = m[0](x)
-                h.register_hook(lambda _: at_first_layer.append(list(handed)))
-                nn.functional.cross_entropy(m[1:](h), y).backward()
-                opt.step()
-                opt.zero_grad()
-                (first,) = (g.gid for g in sync._groups
-                            if any(p is m[0].weight for p in sync._members[g.gid]))
-                assert len(sync._groups) >= 2
-                assert handed == sorted((g.gid for g in sync._groups), reverse=True)
-                assert at_first_layer == [[gid for gid in handed if gid != first]]
+    with attach(m, opt, overlap=True) as sync, _handed_over(sync) as handed:
+        for step in range(3):  # the first lays out the groups
+            handed.clear()
+            at_first_layer.clear()
+            x, y = data(step)
+            h = m[0](x)
+            h.register_hook(lambda _: at_first_layer.append(list(handed)))
+            nn.functional.cross_entropy(m[1:](h), y).backward()
+            opt.step()
+            opt.zero_grad()
+            (first,) = (g.gid for g in sync._groups
+                        if any(p is m[0].weight for p in sync._members[g.gid]))
+            assert len(sync._groups) >= 2
+            assert handed == sorted((g.gid for g in sync._groups), reverse=True)
+            assert at_first_layer == [[gid for gid in handed if gid != first]]
 
 
 def test_groups_the_backward_did_not_reach_go_as_it_ends_not_at_the_step() -> None:
@@ -365,17 +371,13 @@ def test_groups_the_backward_did_not_reach_go_as_it_ends_not_at_the_step() -> No
 
     m = Branchy()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    handed: list[int] = []
-    with attach(m, opt, overlap=True) as sync:
-        ready = sync.engine.ready
-        with mock.patch.object(sync.engine, "ready",
-                               side_effect=lambda g: (handed.append(g.gid), ready(g))):
-            for _ in range(3):
-                handed.clear()
-                m(torch.ones(2, 4)).sum().backward()
-                assert sorted(handed) == sorted(g.gid for g in sync._groups)
-                opt.step()
-                opt.zero_grad()
+    with attach(m, opt, overlap=True) as sync, _handed_over(sync) as handed:
+        for _ in range(3):
+            handed.clear()
+            m(torch.ones(2, 4)).sum().backward()
+            assert sorted(handed) == sorted(g.gid for g in sync._groups)
+            opt.step()
+            opt.zero_grad()
 
 
 def test_the_models_zero_grad_after_step_leaves_the_update_to_the_next_forward() -> None:

@@ -98,7 +98,7 @@ def test_a_chunk_alone_on_the_ring_is_stored_and_forwarded_at_every_hop(workers:
 
 
 def _bucket_chunk_times(workers: int, chunks: int, ring: bool,
-                        owners: tuple[int, ...] = (), averages_from: int | None = None) -> int:
+                        owners: tuple[int, ...] = ()) -> int:
     """A reference for one bucket of `chunks` equal chunks, moved chunk by chunk and
     stage by stage, in chunk times.
 
@@ -122,9 +122,7 @@ def _bucket_chunk_times(workers: int, chunks: int, ring: bool,
             return {**{r: 1 for r in others}, workers + owner: workers - 1}
         return {owner: workers - 1, **{workers + r: 1 for r in others}}
 
-    stages = 2 * (workers - 1) if ring else 2
-    if averages_from is None:
-        averages_from = workers - 1 if ring else 1
+    stages, averages_from = (2 * (workers - 1), workers - 1) if ring else (2, 1)
     owners = owners or tuple(assign_owners((1,) * chunks, workers))
     waiting: list[list[tuple[int, int]]] = [[] for _ in range(2 * workers)]  # (key, chunk)
     sending: dict[int, tuple[int, int]] = {}  # link: (chunk, when through)
