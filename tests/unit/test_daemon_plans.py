@@ -473,6 +473,7 @@ def test_band_throughput_and_metrics_come_from_the_latest_class_samples(
         "fake1": [_stats("band", "j", 0, 2e6), _stats("job", "k", None, None)],
     }
     assert daemon._band_throughput() == {"j": [3e6, 0.0, 3e6]}
+
     def samples(name: str) -> dict[tuple[str, ...], float]:  # by label values, sorted
         text = generate_latest(daemon.metrics).decode()
         return {tuple(v for _, v in sorted(sample.labels.items())): sample.value

@@ -1,7 +1,9 @@
 """The flow-level simulator: analytic cases, determinism, and that plans stay valid."""
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from gradlane.policies import Plan, Policy, State, check_plan, get_policy
 from gradlane.policies.base import Host, Topology
 from gradlane.policies.sim import (
     Bucket,
+    Result,
     Scenario,
     SimJob,
     buckets_of,
@@ -163,17 +166,16 @@ def _bucket_chunk_times(workers: int, chunks: int, ring: bool,
                         arrived += queue(chunk)
 
 
-class _Owning(Policy):
-    """`fifo`'s plan with the chunk owners given."""
+class _FifoWith(Policy):
+    """`fifo`'s plan with the fields `fields` gives for the state."""
 
-    name = "owning"
+    name = "fifo-with"
 
-    def __init__(self, owners: tuple[int, ...]) -> None:
-        self.owners = owners
+    def __init__(self, fields: Callable[[State], dict[str, Any]]) -> None:
+        self.fields = fields
 
     def plan(self, state: State) -> Plan:
-        return replace(get_policy("fifo").plan(state),
-                       ownership={job.name: self.owners for job in state.jobs})
+        return replace(get_policy("fifo").plan(state), **self.fields(state))
 
 
 @pytest.mark.parametrize("ring, workers, chunks, owners", [
@@ -196,7 +198,8 @@ def test_a_bucket_moved_chunk_by_chunk_sends_averages_before_partial_sums(
     sc = _one_job([(chunks * c, fwd, bwd)], workers)
     sc = replace(sc, jobs=(replace(sc.jobs[0], chunk_bytes=int(c), ring=ring,
                                    store_forward=not ring),))
-    policy = _Owning(owners) if owners else get_policy("fifo")
+    policy = (_FifoWith(lambda state: {"ownership": {j.name: owners for j in state.jobs}})
+              if owners else get_policy("fifo"))
     expected = _bucket_chunk_times(workers, chunks, ring, owners) * c * 8 / G
     for t in simulate(sc, policy).iteration_s["job0-x"]:
         assert t == pytest.approx(fwd + bwd + expected, rel=1e-6)
@@ -439,33 +442,27 @@ def test_open_loop_coflow_takes_its_exchange_time_and_waits_for_the_one_before()
     assert third == pytest.approx(exchange, rel=1e-6)
 
 
-class _Levels(Policy):
-    """`fifo`'s plan with given job levels, and one job's flows in band 1."""
+def _levels(jobs: int, levels: dict[str, int], band_one: str) -> tuple[Result, float]:
+    """`jobs` 2-worker jobs j0, j1, ... on the same two hosts, one bucket each, released
+    at once on two bands, at the job `levels` given, `band_one`'s flows in band 1: the
+    run, and one job's exchange alone."""
+    size = 10e6
+    base = _one_job([(size, 0.01, 0.02)])
+    named = tuple(replace(base.jobs[0], name=f"j{i}") for i in range(jobs))
+    sc = replace(base, jobs=named, bands=2, arrivals=((0.0,),) * jobs, warmup=0)
 
-    name = "levels"
-
-    def __init__(self, levels: dict[str, int], band_one: str) -> None:
-        self.levels, self.band_one = levels, band_one
-
-    def plan(self, state: State) -> Plan:
-        plan = get_policy("fifo").plan(state)
+    def fields(state: State) -> dict[str, Any]:
         job = np.array([state.coflows[k].job for k in state.flows.coflow])
-        bands = (job == self.band_one).astype(np.int64)
-        return replace(plan, job_level=self.levels, flow_band=bands)
+        return {"job_level": levels, "flow_band": (job == band_one).astype(np.int64)}
+
+    return simulate(sc, _FifoWith(fields)), size * 8 / G
 
 
 def test_each_job_s_band_is_a_queue_of_its_own() -> None:
-    # Three 2-worker jobs on the same two hosts, one bucket of S each, released at once,
-    # two bands. Job 0's band 1 and job 2's band 0 (level 1) both sit at HTB prio 1: as two
-    # queues they share the links and finish together at 2 exchanges (one queue would
-    # serve them one after the other: 1 and 2). Job 1, at level 5, goes last.
-    size = 10e6
-    base = _one_job([(size, 0.01, 0.02)])
-    job = base.jobs[0]
-    jobs = tuple(replace(job, name=f"j{i}") for i in range(3))
-    sc = replace(base, jobs=jobs, bands=2, arrivals=((0.0,),) * 3, warmup=0)
-    result = simulate(sc, _Levels({"j0": 0, "j1": 5, "j2": 1}, band_one="j0"))
-    exchange = size * 8 / G
+    # Job 0's band 1 and job 2's band 0 (level 1) both sit at HTB prio 1: as two queues
+    # they share the links and finish together at 2 exchanges (one queue would serve them
+    # one after the other: 1 and 2). Job 1, at level 5, goes last.
+    result, exchange = _levels(3, {"j0": 0, "j1": 5, "j2": 1}, band_one="j0")
     assert result.cct_s["j0"] == pytest.approx([2 * exchange], rel=1e-6)
     assert result.cct_s["j2"] == pytest.approx([2 * exchange], rel=1e-6)
     assert result.cct_s["j1"] == pytest.approx([3 * exchange], rel=1e-6)
@@ -474,13 +471,9 @@ def test_each_job_s_band_is_a_queue_of_its_own() -> None:
 def test_priorities_past_the_last_level_share_it() -> None:
     # HTB has 8 prios: job level 7 in band 1 is prio min(7, 8) = 7, as level 7 in band 0.
     # The two jobs share the links (both through at 2 exchanges), neither goes first.
-    size = 10e6
-    base = _one_job([(size, 0.01, 0.02)])
-    jobs = tuple(replace(base.jobs[0], name=f"j{i}") for i in range(2))
-    sc = replace(base, jobs=jobs, bands=2, arrivals=((0.0,),) * 2, warmup=0)
-    result = simulate(sc, _Levels({"j0": 7, "j1": 7}, band_one="j1"))
+    result, exchange = _levels(2, {"j0": 7, "j1": 7}, band_one="j1")
     for name in ("j0", "j1"):
-        assert result.cct_s[name] == pytest.approx([2 * size * 8 / G], rel=1e-6)
+        assert result.cct_s[name] == pytest.approx([2 * exchange], rel=1e-6)
 
 
 class _Recording:
