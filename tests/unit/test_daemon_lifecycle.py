@@ -1,0 +1,178 @@
+"""gradlaned's life as systemd and its host see it: readiness and stopping told to systemd,
+a tree left by a crash, workers whose process died, counters read while it serves."""
+
+import asyncio
+import dataclasses
+import grp
+import os
+import socket
+import stat
+import subprocess
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from gradlane.daemon import service
+from gradlane.daemon.protocol import Hello
+from gradlane.daemon.qdisc import ClassStats, QdiscSpec
+from gradlane.daemon.registry import Credentials
+from gradlane.daemon.service import Daemon
+from tests.fakes import FakeBackend, fake_config
+
+
+async def _serving(daemon: Daemon, body: Callable[[], Awaitable[None]],
+                   notify_socket: str | None = None) -> None:
+    """Run `body` while `daemon` serves, then stop it and wait for `serve` to return."""
+    serving = asyncio.create_task(daemon.serve(notify_socket=notify_socket))
+    try:
+        await asyncio.wait_for(daemon.ready.wait(), 10)
+        await body()
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(serving, 20)
+
+
+async def _until(what: Callable[[], bool], timeout: float = 10) -> None:
+    async with asyncio.timeout(timeout):
+        while not what():
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["path", "abstract"])
+def test_systemd_hears_ready_once_serving_and_stopping_on_the_way_out(
+        tmp_path: Path, abstract: bool) -> None:
+    # gradlaned.service is Type=notify: without READY=1 systemd kills it at the start
+    # timeout. NOTIFY_SOCKET is a path, or "@name" for an abstract socket (containers').
+    name = f"gl-notify-{os.getpid()}-{tmp_path.name}"
+    where = "@" + name if abstract else str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind("\0" + name if abstract else where)
+        systemd.setblocking(False)
+        daemon = Daemon(fake_config(tmp_path / "gl.sock"), backend_factory=FakeBackend)
+        heard: list[bytes] = []
+
+        def read() -> list[bytes]:
+            while True:
+                try:
+                    heard.append(systemd.recv(256))
+                except BlockingIOError:
+                    return heard
+
+        async def body() -> None:
+            await _until(lambda: bool(read()))
+            assert heard == [b"READY=1"]  # once, and nothing else while serving
+
+        asyncio.run(_serving(daemon, body, where))
+        assert read() == [b"READY=1", b"STOPPING=1"]
+
+
+class LeftBehind(FakeBackend):
+    """An interface with a tree of gradlane's own from a run that crashed."""
+
+    calls: list[str]
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.spec = QdiscSpec(rate_bps=10**9, other_rate_bps=10**8, bands=(46,))
+        self.calls = []
+
+    def restore(self) -> bool:
+        self.calls.append("restore")
+        return super().restore()
+
+    def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]:
+        self.calls.append("apply")
+        return super().apply(spec, verify=verify)
+
+
+@pytest.mark.parametrize("on_start", ["takeover", "restore"])
+def test_a_tree_left_by_a_crash_is_restored_first_only_when_asked(
+        tmp_path: Path, on_start: str, caplog: pytest.LogCaptureFixture) -> None:
+    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), on_start=on_start)
+    daemon = Daemon(config, backend_factory=LeftBehind)
+    backend = daemon._backends[0]
+    assert isinstance(backend, LeftBehind)
+    asyncio.run(daemon._start_tc())
+    if on_start == "restore":
+        assert backend.calls == ["restore", "apply"]
+        assert "fake0: restoring a tree left by a previous run" in caplog.text
+    else:
+        assert backend.calls == ["apply"]
+        assert "fake0: taking over a tree left by a previous run" in caplog.text
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_worker_whose_process_died_expires_while_the_daemon_serves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its connection may outlive it (a child process holding the socket): the daemon looks
+    # for dead workers every EXPIRE_EVERY, again and again, and plans without them.
+    monkeypatch.setattr(service, "EXPIRE_EVERY", 0.02)
+    daemon = Daemon(fake_config(tmp_path / "gl.sock"), backend_factory=FakeBackend)
+    backend = daemon._backends[0]
+    assert isinstance(backend, FakeBackend)
+    me = Credentials(os.getpid(), os.getuid(), os.getgid())
+
+    def jobs() -> set[str]:
+        return {j.name for j in backend.spec.jobs} if backend.spec else set()
+
+    async def body() -> None:
+        daemon.registry.add(Hello(1, "alive", 0, 1, ()), me)
+        for i in range(2):  # the second one dies after the loop has looked a few times
+            await asyncio.sleep(0.1)
+            daemon.registry.add(Hello(1, f"gone{i}", 0, 1, ()),
+                                dataclasses.replace(me, pid=_dead_pid()))
+            daemon._dirty.set()
+            await _until(lambda: daemon.registry.jobs().keys() == {"alive"})
+            await _until(lambda: jobs() == {service.DSCP_JOB, "alive"})
+
+    asyncio.run(_serving(daemon, body))
+
+
+def test_class_counters_are_read_again_and_again_while_the_daemon_serves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "STATS_EVERY", 0.01)
+    reads: list[None] = []  # one per read, from the daemon's tc thread
+
+    class Counted(FakeBackend):
+        def class_stats(self) -> list[ClassStats]:
+            reads.append(None)
+            return super().class_stats()
+
+    daemon = Daemon(fake_config(tmp_path / "gl.sock"), backend_factory=Counted)
+
+    async def body() -> None:
+        await _until(lambda: len(reads) >= 5)
+
+    asyncio.run(_serving(daemon, body))
+
+
+def _another_group() -> grp.struct_group:
+    """A group the socket can be given: root may give any; others their own groups."""
+    if os.geteuid() == 0:
+        for group in grp.getgrall():
+            if group.gr_gid != os.getegid():
+                return group
+    return grp.getgrgid(os.getegid())
+
+
+def test_the_socket_has_the_mode_and_group_configured_and_the_daemon_s_owner(
+        tmp_path: Path) -> None:
+    # Who may register workers: socket_group's members with the default 0660, say.
+    group = _another_group()
+    config = dataclasses.replace(fake_config(tmp_path / "run" / "gl.sock"), socket_mode=0o660,
+                                 socket_group=group.gr_name)
+    daemon = Daemon(config, backend_factory=FakeBackend)
+
+    async def body() -> None:
+        seen = config.socket_path.stat()
+        assert stat.S_ISSOCK(seen.st_mode) and stat.S_IMODE(seen.st_mode) == 0o660
+        assert (seen.st_uid, seen.st_gid) == (os.geteuid(), group.gr_gid)
+
+    asyncio.run(_serving(daemon, body))
+    assert not config.socket_path.exists()
