@@ -34,7 +34,8 @@ Scheduling: a chunk rides its group's band. Every connection (peer, band)
 has a priority queue and a sender thread that pops it in priority order
 (smaller group priority first, AG before RS, chunk order), so a chunk that
 becomes ready while lower-priority chunks of its band are queued goes first,
-after at most the one chunk being written. Across bands the kernel decides:
+after at most the one chunk being written. (RS before AG was no faster on the
+testbed's traces: `bench/README.md`.) Across bands the kernel decides:
 gradlaned's HTB leaves (and DSCP-priority switches) send band 0 before band
 3, and TCP_NOTSENT_LOWAT keeps what a band has committed but not sent small.
 Without a daemon the bands share the link like any TCP flows. One receiver thread per
