@@ -3,6 +3,7 @@ a tree left by a crash, workers whose process died, counters read while it serve
 
 import asyncio
 import dataclasses
+import errno
 import grp
 import os
 import socket
@@ -14,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from gradlane.daemon import service
+from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.protocol import Hello
 from gradlane.daemon.qdisc import ClassStats, QdiscSpec
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import Daemon
+from gradlane.errors import TcError
 from tests.fakes import FakeBackend, fake_config
 
 
@@ -176,3 +179,30 @@ def test_the_socket_has_the_mode_and_group_configured_and_the_daemon_s_owner(
 
     asyncio.run(_serving(daemon, body))
     assert not config.socket_path.exists()
+
+
+def test_an_interface_that_cannot_be_restored_is_logged_and_the_others_still_are(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # One interface's failure (here EBUSY; anything but "gone") must not leave the next
+    # one shaped after gradlaned exits, nor any claim held.
+    closed: list[str] = []
+
+    class Stuck(FakeBackend):
+        def restore(self) -> bool:
+            if self.ifname == "fake0":
+                raise TcError(errno.EBUSY, self.ifname, "restore root qdisc", "busy")
+            return super().restore()
+
+        def close(self) -> None:
+            closed.append(self.ifname)
+
+    config = dataclasses.replace(
+        fake_config(tmp_path / "gl.sock"),
+        interfaces=(InterfaceConfig("fake0", 10**9), InterfaceConfig("fake1", 10**9)))
+    daemon = Daemon(config, backend_factory=Stuck)
+    asyncio.run(daemon._restore_tc())
+    _, other = daemon._backends
+    assert isinstance(other, Stuck) and other.restored and closed == ["fake0", "fake1"]
+    [record] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert record.getMessage() == "fake0: could not restore the original qdisc"
+    assert record.exc_info is not None and record.exc_info[0] is TcError
