@@ -9,6 +9,8 @@ import asyncio
 import signal
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
@@ -68,6 +70,15 @@ class FakeBackend:
 
     def addresses(self) -> set[str]:
         return {"10.0.0.1"}
+
+
+async def until(check: Callable[[], object], timeout: float = 10.0) -> float:
+    """Wait until `check()` holds (failing the test after `timeout` s); the time it took."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout, "timed out"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
 
 
 def fake_config(socket_path: Path, http: str = "", state_dir: Path | None = None) -> DaemonConfig:

@@ -29,7 +29,7 @@ from gradlane.daemon.service import Daemon
 from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
 from tests import examples, metric_samples
-from tests.fakes import FakeBackend, fake_config
+from tests.fakes import FakeBackend, fake_config, until
 from tests.integration.helpers import port_below_ephemeral
 from tests.strategies import json_like
 
@@ -72,14 +72,6 @@ class Shim:
                     if m["type"] == "plan" and m["batch_share"] is not None:
                         return m
                 self.inbox += self.decoder.feed(await self.reader.read(65536))
-
-
-async def _until(check: Any, timeout: float = 10.0) -> float:
-    started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < timeout, "timed out"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
 
 
 def _control_gauges(daemon: Daemon) -> dict[str, float]:
@@ -161,11 +153,11 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         slow = await shims[1].plan_with_share()
         while (fast["batch_share"], slow["batch_share"]) != (24, 8):
             fast, slow = await shims[0].plan_with_share(), await shims[1].plan_with_share()
-        await _until(lambda: daemon.status()["control"]["state"].startswith("following"))
-        await _until(lambda: daemon._plan is not None and daemon._plan.source == "control")
+        await until(lambda: daemon.status()["control"]["state"].startswith("following"))
+        await until(lambda: daemon._plan is not None and daemon._plan.source == "control")
         assert _control_gauges(daemon) == {"connected": 1.0, "plan_fresh": 1.0}
         # The job's demand reached the control plane, in forward order, and it plans owners.
-        await _until(lambda: plane.state is not None and plane.state.jobs[0].chunk_bytes)
+        await until(lambda: plane.state is not None and plane.state.jobs[0].chunk_bytes)
         assert plane.state is not None and plane.plan is not None
         job = plane.state.jobs[0]
         assert (job.chunk_bytes, job.chunk_layers, job.layers) == ((500, 3000, 2000), (0, 1, 1), 2)
@@ -174,7 +166,7 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
         assert plane.view()["jobs"]["j"]["exchange"] is None
         for shim in shims:
             await shim.send({"type": "flows", "flows": [], "exchange": "ring"})
-        await _until(lambda: plane.view()["jobs"]["j"]["exchange"] == "ring")
+        await until(lambda: plane.view()["jobs"]["j"]["exchange"] == "ring")
         said = [w["exchange"] for j in daemon.status()["jobs"] for w in j["workers"]]
         assert said == ["ring"] * 2
         # The slow worker recovers (its next steps' timings; the daemon takes the median of
@@ -191,14 +183,14 @@ def test_control_plans_reach_daemon_and_shims_expire_and_return(
                 fast, slow = await shims[0].plan_with_share(), await shims[1].plan_with_share()
         # 2. The control plane dies: the plan expires after its TTL, the daemon goes local.
         await control.cleanup()
-        await _until(lambda: "expired" in daemon.status()["control"]["state"], timeout=5)
-        await _until(lambda: daemon._plan is not None and daemon._plan.source == "fair")
+        await until(lambda: "expired" in daemon.status()["control"]["state"], timeout=5)
+        await until(lambda: daemon._plan is not None and daemon._plan.source == "fair")
         assert backend.spec is not None and any(j.name == "j" for j in backend.spec.jobs)
         assert _control_gauges(daemon) == {"connected": 0.0, "plan_fresh": 0.0}
         # 3. It comes back: the daemon re-registers and plans flow again within 5 s.
         restarted = time.monotonic()
         control, plane = await _start_control(port)
-        await _until(lambda: daemon.status()["control"]["state"].startswith("following"),
+        await until(lambda: daemon.status()["control"]["state"].startswith("following"),
                      timeout=10)
         assert time.monotonic() - restarted < 5.0
         for shim in shims:
@@ -285,7 +277,7 @@ def test_only_a_plan_that_changes_this_host_s_part_re_plans_it() -> None:
         # No more plans: told once when the last one runs out (not by the earlier
         # plans' timers), and the daemon falls back.
         started = time.monotonic()
-        await _until(lambda: len(told) == 4, timeout=5)
+        await until(lambda: len(told) == 4, timeout=5)
         await asyncio.sleep(0.2)
         assert len(told) == 4 and link.job_classes() is None
         assert told[-1] - started >= 0.25
@@ -373,20 +365,20 @@ def test_reports_go_when_the_workers_or_their_speed_change_and_every_period_else
             await asyncio.sleep(0.35)  # three ticks of the loop: one report, at the start
             assert sent == [1]
             clock[0] = uplink.REPORT_EVERY  # the period is up
-            await _until(lambda: len(sent) == 2)
+            await until(lambda: len(sent) == 2)
             worker = registry.add(protocol.Hello(1, "j", 0, 2, ()), Credentials(1, 0, 0))
-            await _until(lambda: len(sent) == 3)  # a worker came: at once, not in a period
+            await until(lambda: len(sent) == 3)  # a worker came: at once, not in a period
             await asyncio.sleep(0.35)
             assert sent == [1, 2, 3]
             # Its throughput moves past THROUGHPUT_CHANGE: at once too (the median of its
             # latest steps: 0, then 320 samples/s, then 3,200 once most steps were).
             registry.record_timing(worker.id, protocol.Timing(1, 0.1, 0.0, 32))
-            await _until(lambda: len(sent) == 4)
+            await until(lambda: len(sent) == 4)
             registry.record_timing(worker.id, protocol.Timing(2, 0.01, 0.0, 32))
             await asyncio.sleep(0.35)
             assert len(sent) == 4  # the low median is still 320
             registry.record_timing(worker.id, protocol.Timing(3, 0.01, 0.0, 30))
-            await _until(lambda: len(sent) == 5)
+            await until(lambda: len(sent) == 5)
             assert batches[3:] == [[32], [30]]  # each worker's latest step's samples
             for step, samples in enumerate((31, 29, 31), start=4):  # 3,000 -> 3,100: 3%
                 registry.record_timing(worker.id, protocol.Timing(step, 0.01, 0.0, samples))
@@ -477,7 +469,7 @@ def test_a_control_plane_that_breaks_the_protocol_never_stops_the_link() -> None
                                   Registry(bands=4), on_change=lambda: None)
         task = asyncio.create_task(link.run())
         try:
-            await _until(lambda: link.plan is not None or task.done())
+            await until(lambda: link.plan is not None or task.done())
             assert not task.done(), task.exception()
             assert link.plan is not None and link.plan["version"] == 7
             assert sessions == _SESSIONS
@@ -526,7 +518,7 @@ def test_a_host_whose_shims_use_both_nics_is_planned_with_their_sum(
         shims = []
         try:
             # Nothing registered yet: the host's link is its slowest NIC.
-            await _until(lambda: host_link() == 10**9)
+            await until(lambda: host_link() == 10**9)
             # Two jobs of two ranks, an address per NIC as `attach(address=[...])` gives:
             # each job's class is half the host.
             for job, rank in ((j, r) for j in "jk" for r in range(2)):
@@ -534,11 +526,11 @@ def test_a_host_whose_shims_use_both_nics_is_planned_with_their_sum(
                 await shim.send({"type": "hello", "version": 1, "job": job, "rank": rank,
                                  "world_size": 2, "flows": flows("10.0.0.1", "10.1.0.1")})
                 shims.append(shim)
-            await _until(lambda: host_link() == 3 * 10**9)
+            await until(lambda: host_link() == 3 * 10**9)
             assert plane.message_for("h1")["link_bps"] == 3 * 10**9
             assert daemon.status()["link_bps"] == 3 * 10**9
             # The daemon splits the control plane's class by each NIC's share of that link.
-            await _until(lambda: daemon._plan is not None and daemon._plan.source == "control")
+            await until(lambda: daemon._plan is not None and daemon._plan.source == "control")
             assert plane.plan is not None
             planned = plane.plan.host_classes[0]["j"]
             specs = [next(j for j in b.spec.jobs if j.name == "j")  # type: ignore[attr-defined]
@@ -551,7 +543,7 @@ def test_a_host_whose_shims_use_both_nics_is_planned_with_their_sum(
             # The shims move to fake0 alone: the host's link is fake0's.
             for shim in shims:
                 await shim.send({"type": "flows", "flows": flows("10.0.0.1")})
-            await _until(lambda: host_link() == 2 * 10**9)
+            await until(lambda: host_link() == 2 * 10**9)
         finally:
             for shim in shims:
                 shim.writer.close()

@@ -21,7 +21,7 @@ from gradlane.daemon.qdisc import ClassStats, QdiscSpec
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import Daemon
 from gradlane.errors import TcError
-from tests.fakes import FakeBackend, fake_config
+from tests.fakes import FakeBackend, fake_config, until
 
 
 async def _serving(daemon: Daemon, body: Callable[[], Awaitable[None]],
@@ -34,12 +34,6 @@ async def _serving(daemon: Daemon, body: Callable[[], Awaitable[None]],
     finally:
         daemon.stop()
         await asyncio.wait_for(serving, 20)
-
-
-async def _until(what: Callable[[], bool], timeout: float = 10) -> None:
-    async with asyncio.timeout(timeout):
-        while not what():
-            await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("abstract", [False, True], ids=["path", "abstract"])
@@ -63,7 +57,7 @@ def test_systemd_hears_ready_once_serving_and_stopping_on_the_way_out(
                     return heard
 
         async def body() -> None:
-            await _until(lambda: bool(read()))
+            await until(lambda: bool(read()))
             assert heard == [b"READY=1"]  # once, and nothing else while serving
 
         asyncio.run(_serving(daemon, body, where))
@@ -131,8 +125,8 @@ def test_a_worker_whose_process_died_expires_while_the_daemon_serves(
             daemon.registry.add(Hello(1, f"gone{i}", 0, 1, ()),
                                 dataclasses.replace(me, pid=_dead_pid()))
             daemon._dirty.set()
-            await _until(lambda: daemon.registry.jobs().keys() == {"alive"})
-            await _until(lambda: jobs() == {service.DSCP_JOB, "alive"})
+            await until(lambda: daemon.registry.jobs().keys() == {"alive"})
+            await until(lambda: jobs() == {service.DSCP_JOB, "alive"})
 
     asyncio.run(_serving(daemon, body))
 
@@ -150,7 +144,7 @@ def test_class_counters_are_read_again_and_again_while_the_daemon_serves(
     daemon = Daemon(fake_config(tmp_path / "gl.sock"), backend_factory=Counted)
 
     async def body() -> None:
-        await _until(lambda: len(reads) >= 5)
+        await until(lambda: len(reads) >= 5)
 
     asyncio.run(_serving(daemon, body))
 
