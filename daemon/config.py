@@ -192,8 +192,8 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
                                "lists them)") from None
                 raise fail(
                     f"{where}.rate",
-                    f"cannot detect the line rate of {name} (down, or virtual: a veth, a bond "
-                    f'of unknown speed); set it, e.g. rate = "10gbit"',
+                    f"cannot detect the line rate of {name} (down, or virtual: lo, a tunnel, a "
+                    f'bond of unknown speed); set it, e.g. rate = "10gbit"',
                 )
             rate = detected
         ifaces.append(InterfaceConfig(name, rate))

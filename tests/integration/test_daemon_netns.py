@@ -224,6 +224,20 @@ def _found(out: str, check: str) -> str:
     return f"{line[1]} {line[2]}"
 
 
+def test_an_interface_without_a_rate_gets_the_kernel_s_or_a_clear_error(
+        cluster: Cluster, tmp_path: Path) -> None:
+    # The ethtool ioctl's answer for the host's eth0, a veth (which the kernel says is
+    # 10 Gbit/s, whatever the testbed shapes it to); lo has no speed: the error says to
+    # set one.
+    done = _check(cluster, tmp_path, "-i", "eth0")
+    assert _found(done.stdout, "interface eth0").startswith("ok line rate 10Gbit, shaped to "
+                                                            "9.5Gbit"), done.stdout
+    done = _check(cluster, tmp_path, "-i", "lo")
+    assert done.returncode != 0
+    shown = " ".join((done.stdout + done.stderr).split())
+    assert "cannot detect the line rate of lo" in shown and 'rate = "10gbit"' in shown, shown
+
+
 def test_check_passes_on_a_host_and_changes_nothing(cluster: Cluster, tmp_path: Path) -> None:
     before = tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0")
     done = _check(cluster, tmp_path, "-i", "eth0=200mbit")
