@@ -4,6 +4,7 @@ rank's part of them: `tree_neighbours`)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -324,6 +325,43 @@ def test_a_rank_waits_for_higher_ranks_that_connect_late_and_names_those_that_ne
             alone.connect([1, 2])
     finally:
         alone.close()
+
+
+class _GoneStore:
+    """A store whose server is gone: torch raises its DistStoreError, a RuntimeError."""
+
+    def set(self, key: str, value: str) -> None:
+        raise RuntimeError("Connection reset by peer")
+
+    def get(self, key: str) -> bytes:
+        raise RuntimeError("Connection reset by peer")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_rank_whose_peers_never_post_or_whose_store_is_gone_gets_a_rendezvous_error(
+) -> None:
+    # A rank that died before posting: the others wait the store's timeout, then get a
+    # TransportError saying so (not torch's own error), and hold no socket open.
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=0.3))
+    with pytest.raises(TransportError, match=r"^rank 0: rendezvous failed: .*"):
+        transport.gather(store, "g", 0, 2, "mine")
+    with pytest.raises(TransportError, match=r"^rank 1: rendezvous failed: .*"):
+        transport.rank0_says(store, "k", 1, None)  # rank 0 never says
+    assert transport.rank0_says(store, "k2", 0, {"a": 1}) == {"a": 1}
+    before = _open_fds()
+    mesh = Mesh(1, 2, store, "127.0.0.1", (46, 0), credit_bytes=1 << 16, timeout_s=30,
+                prefix="none", connect=False)
+    with pytest.raises(TransportError, match=r"^rank 1: rendezvous failed: .*"):
+        mesh.connect([0])  # rank 0 never posted its addresses
+    mesh.close()
+    assert _open_fds() == before
+    with pytest.raises(TransportError, match=r"^rank 0: rendezvous failed: Connection reset"):
+        Mesh(0, 2, _GoneStore(), "127.0.0.1", (46, 0), credit_bytes=1 << 16)  # type: ignore[arg-type]
+    assert _open_fds() == before  # its listener closed
 
 
 @pytest.mark.parametrize("peers", [[2], [0], [-1], [1, 5]])
