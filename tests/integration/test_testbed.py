@@ -189,6 +189,24 @@ def test_down_of_unknown_cluster_is_a_clear_error() -> None:
     assert out.returncode != 0 and "no cluster named 'nosuch'" in out.stderr
 
 
+def test_smoke_shows_band_0_taking_the_link_under_gradlane_s_tree_and_leaves_nothing(
+) -> None:
+    # The command a new user runs to see the mechanism: a DSCP-high flow joins a bulk
+    # DSCP-low one, through the NIC's FIFO and then through gradlane's tree (HTB band 0
+    # over band 3, as gradlaned builds it).
+    done = subprocess.run([*GRADLANE, "testbed", "smoke", "--name", "tsmk", "--seconds", "2"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"}, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:5]]
+            for line in done.stdout.splitlines() if line.count("│") == 5}
+    assert set(rows) == {"host default (NIC FIFO)", "gradlane tree (band 0 / band 3)"}, rows
+    high, low, share = rows["gradlane tree (band 0 / band 3)"]
+    assert high.endswith("bit/s") and low.endswith("bit/s")
+    assert float(share.rstrip("%")) >= 90, rows  # strict priority, not a fair share
+    assert not {n for n in namespaces() if n.startswith("gl-tsmk-")}
+
+
 def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
