@@ -30,6 +30,7 @@ from gradlane.daemon.fields import EXCHANGES, MAX_LEAF
 from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import check_plan
 from tests import examples, metric_samples
+from tests.fakes import until
 from tests.strategies import json_like
 
 TOKEN = "t0ken-for-tests-0123456789"
@@ -61,6 +62,11 @@ def _report(ranks: list[int], throughput: float, batch: int = 64) -> dict[str, A
     return {"type": "report", "seq": 1, "jobs": [{
         "name": "j", "global_batch": batch, "layers": 4, "chunk_bytes": [1000] * 8,
         "workers": [{"rank": r, "throughput": throughput, "batch": 16} for r in ranks]}]}
+
+
+def _named(report: dict[str, Any], job: str) -> dict[str, Any]:
+    """`report` with its one job named `job`."""
+    return {**report, "jobs": [{**report["jobs"][0], "name": job}]}
 
 
 async def _next_plan(ws: aiohttp.ClientWebSocketResponse, want_shares: bool = True
@@ -178,6 +184,40 @@ def test_daemons_get_their_part_of_the_plan_with_throughput_shares() -> None:
         metrics = await (await client.get("/metrics", headers=AUTH)).text()
         assert "gradlane_control_plans_total" in metrics
         await fast.close()
+
+    _run(test)
+
+
+def test_a_daemon_lost_for_long_is_forgotten_and_the_others_planned_without_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Degraded for LOST_AFTER_S, then gone from the view and from the state the policy
+    # plans (a host taken out of the cluster must not hold its jobs' shares forever).
+    monkeypatch.setattr(control, "LOST_AFTER_S", 0.3)
+
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        stay = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await stay.send_json(_register("stay"))
+        assert (await stay.receive_json())["type"] == "welcome"
+        await stay.send_json(_named(_report([0, 1], 100.0, batch=60), "a"))
+        for host, job in (("gone", "j"), ("back", "k")):  # one lost, one that comes back
+            ws = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+            await ws.send_json(_register(host))
+            assert (await ws.receive_json())["type"] == "welcome"
+            await ws.send_json(_named(_report([0, 1], 50.0, batch=60), job))
+            await _next_plan(ws)
+            await ws.close()
+        again = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await again.send_json(_register("back"))
+        assert (await again.receive_json())["type"] == "welcome"
+        await again.send_json(_named(_report([0, 1], 50.0, batch=60), "k"))
+        await until(lambda: "gone" not in plane.daemons, timeout=10)
+        view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
+        assert [h["host"] for h in view["hosts"]] == ["back", "stay"]
+        assert set(view["jobs"]) == {"a", "k"}
+        await until(lambda: plane.state is not None and {j.name for j in plane.state.jobs}
+                    == {"a", "k"}, timeout=10)
+        await stay.close()
+        await again.close()
 
     _run(test)
 
