@@ -222,6 +222,36 @@ def test_a_daemon_lost_for_long_is_forgotten_and_the_others_planned_without_it(
     _run(test)
 
 
+def test_a_daemon_that_does_not_take_its_plan_is_disconnected_and_the_others_served(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        sockets = {}
+        for host, ranks in (("good", [0, 1]), ("wedged", [2, 3])):
+            ws = sockets[host] = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+            await ws.send_json(_register(host))
+            assert (await ws.receive_json())["type"] == "welcome"
+            await ws.send_json(_report(ranks, 50.0, batch=60))
+        await _next_plan(sockets["wedged"])
+        send = plane._send
+
+        async def stops_reading(daemon: Any, message: dict[str, Any]) -> None:
+            if daemon.register.host == "wedged":  # what SEND_TIMEOUT makes of a full socket
+                raise TimeoutError
+            await send(daemon, message)
+
+        plane._send = stops_reading  # type: ignore[method-assign]
+        async with asyncio.timeout(10):
+            while (await sockets["wedged"].receive()).type != aiohttp.WSMsgType.CLOSE:
+                pass
+        await until(lambda: not plane.daemons["wedged"].connected)
+        assert (await _next_plan(sockets["good"], want_shares=False))["type"] == "plan"
+        for ws in sockets.values():
+            await ws.close()
+
+    _run(test)
+    assert "daemon wedged did not take its plan (TimeoutError); disconnecting it" in caplog.text
+
+
 def test_an_oversubscribed_uplink_makes_shims_reduce_within_leaves() -> None:
     async def test(plane: ControlPlane, client: TestClient) -> None:
         a = await client.ws_connect("/api/v1/daemon", headers=AUTH)
