@@ -186,6 +186,24 @@ def test_restore_gives_back_the_exact_default_root(cluster: Cluster, tmp_path: P
     assert not (tmp_path / "q.json").exists()
 
 
+def test_a_tree_whose_state_file_is_gone_is_restored_to_the_kernel_default(
+        cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A crash, then the state directory wiped: what the root was before is not known, so
+    # the tree goes and the kernel's default comes back, said as a warning.
+    ns = cluster.ns("h1")
+    before = tc(ns, "qdisc", "show", "dev", "eth0")
+    crashed = QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json")
+    crashed.apply(job_spec())
+    crashed.close()  # no restore: as a crash leaves it
+    (tmp_path / "q.json").unlink()
+    with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
+        assert qm.owned()
+        assert qm.restore() is True
+    assert tc(ns, "qdisc", "show", "dev", "eth0") == before
+    assert (f"eth0: gradlane tree without a state file ({tmp_path / 'q.json'}): restoring the "
+            "kernel default") in caplog.text
+
+
 @pytest.mark.parametrize("kind, limit", [("pfifo", "321"), ("bfifo", "64000")])
 def test_restore_gives_back_an_operators_fifo(
     cluster: Cluster, tmp_path: Path, kind: str, limit: str
