@@ -578,6 +578,29 @@ def test_a_peer_that_closes_without_goodbye_is_lost_at_once(
         engine.close(linger_s=0)
 
 
+@pytest.mark.parametrize("sent, says", [
+    (_HDR.pack(RS, 0, 0, 0, 4000, 1)[:5], f"closed after 5 of {_HDR.size} bytes"),
+    (_HDR.pack(RS, 0, 0, 0, 4000, 1), "closed mid-chunk"),
+    (_HDR.pack(RS, 0, 0, 0, 4000, 1) + bytes(1000), "closed after 1000 of 4000 bytes"),
+], ids=["mid-header", "after-header", "mid-chunk"])
+def test_a_peer_that_dies_inside_a_frame_is_lost_saying_where(
+        sent: bytes, says: str, two_meshes: tuple[Mesh, Mesh]) -> None:
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    try:
+        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
+        engine.begin(0, 1)
+        engine.ready(group)
+        mesh1.link(0, 0, 0).sock.sendall(sent)
+        mesh1.link(0, 0, 0).sock.shutdown(socket.SHUT_WR)  # its process died
+        with pytest.raises(PeerLost) as lost:
+            engine.wait([group], 0)
+        assert lost.value.rank == 1
+        assert str(lost.value) == f"step 0: rank 1 lost: connection broke: {says}"
+    finally:
+        engine.close(linger_s=0)
+
+
 def test_a_failing_rank_drops_what_it_queued_and_its_goodbye_names_the_rank_lost(
         two_meshes: tuple[Mesh, Mesh]) -> None:
     """Rank 1 breaks the protocol on band 1 while 64 MB of rank 0's contributions wait on
