@@ -286,6 +286,8 @@ class DaemonClient:
                 )
             )
             welcome = self._read(sock, decoder)
+            if welcome.get("type") == "error":  # refused: the daemon's reason, not "no welcome"
+                self._handle(welcome)
             if welcome.get("type") != "welcome":
                 raise ProtocolError("order", f"expected welcome, got {welcome.get('type')!r}")
             self._adopt_bands(welcome.get("bands"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ from gradlane.daemon import protocol
 from gradlane.daemon.service import Daemon
 from gradlane.shim.client import ComputeClock, DaemonClient
 from gradlane.shim.config import ShimConfig
-from tests.fakes import FakeBackend, fake_config
+from tests.fakes import FakeBackend, fake_config, until
 
 
 class _Mesh:
@@ -440,11 +441,6 @@ def test_a_shim_with_more_bands_than_gradlaned_registers_and_follows_a_reload(
     def registered(daemon: Daemon) -> list[int]:
         return [f.band for w in daemon.registry.workers() for f in w.flows]
 
-    async def until(check: Callable[[], bool]) -> None:
-        async with asyncio.timeout(10):
-            while not check():
-                await asyncio.sleep(0.02)
-
     async def main() -> None:
         daemon = Daemon(config, backend_factory=FakeBackend)
         serving = asyncio.create_task(daemon.serve())
@@ -464,6 +460,37 @@ def test_a_shim_with_more_bands_than_gradlaned_registers_and_follows_a_reload(
             await asyncio.wait_for(serving, 10)
 
     asyncio.run(main())
+
+
+def test_a_shim_the_daemon_refuses_says_the_daemon_s_reason_and_trains_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Two processes claiming one job's rank 0 (a job name given twice by hand): gradlaned
+    # answers the second hello with an error; the user must read why, not only that no
+    # welcome came.
+    config = fake_config(tmp_path / "gl.sock")
+
+    async def main() -> None:
+        daemon = Daemon(config, backend_factory=FakeBackend)
+        serving = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(daemon.ready.wait(), 10)
+        shim = ShimConfig(daemon_socket=str(config.socket_path), job="twice")
+        first = DaemonClient(shim, 0, 2, _Mesh())
+        second = None
+        try:
+            await until(lambda: first.connected)
+            second = DaemonClient(shim, 0, 2, _Mesh())
+            await until(lambda: "training goes on" in caplog.text)
+            assert not second.connected and first.connected
+        finally:
+            for client in (first, second):
+                if client is not None:
+                    await asyncio.to_thread(client.close)
+            daemon.stop()
+            await asyncio.wait_for(serving, 10)
+
+    asyncio.run(main())
+    assert (f"gradlane: gradlaned at {config.socket_path}: job 'twice' rank 0 is registered "
+            f"already by pid {os.getpid()}; training goes on") in caplog.text
 
 
 def test_a_step_s_compute_starts_at_its_first_forward_in_training_mode() -> None:
