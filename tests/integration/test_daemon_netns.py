@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gradlane.daemon import protocol
+from gradlane.daemon import QdiscManager, QdiscSpec, protocol
 from gradlane.testbed import Cluster, Topology
 from tests.integration.helpers import hello, register, status, stop, tc, wait_for
 from tests.integration.helpers import start_netns_daemon as start_daemon
@@ -252,6 +252,39 @@ def test_check_passes_on_a_host_and_changes_nothing(cluster: Cluster, tmp_path: 
                            text=True, check=True, timeout=10).stdout
     assert "gl-chk" not in links, links
     assert not list(tmp_path.iterdir())
+
+
+def test_check_warns_of_a_link_down_loopback_and_a_tree_a_crash_left(
+        cluster: Cluster, tmp_path: Path) -> None:
+    ns = cluster.ns("h1")
+    # A NIC not up (and without an address), and lo: gradlaned would run, but not as meant.
+    subprocess.run(["ip", "-n", ns, "link", "add", "gl-tv0", "type", "veth", "peer", "name",
+                    "gl-tv1"], check=True, timeout=10)
+    try:
+        done = _check(cluster, tmp_path, "-i", "gl-tv0=1gbit", "-i", "lo=1gbit")
+        assert done.returncode == 0, done.stdout + done.stderr  # warnings only
+        assert _found(done.stdout, "interface gl-tv0").startswith(
+            "warn line rate 1Gbit, shaped to 950Mbit; no IPv4 address: the shims' flows (IPv4) "
+            "cannot leave by it; link down; ")
+        assert _found(done.stdout, "interface lo").startswith(
+            "warn line rate 1Gbit, shaped to 950Mbit; IPv4 127.0.0.1; loopback: shaped, it "
+            "would slow every connection within this host; ")
+    finally:
+        subprocess.run(["ip", "-n", ns, "link", "del", "gl-tv0"], check=True, timeout=10)
+    # A tree left by a crashed gradlaned: taken over (the default) or restored first.
+    crashed = QdiscManager("eth0", netns=ns, state_file=tmp_path / "left.json")
+    crashed.apply(QdiscSpec(rate_bps=190_000_000, other_rate_bps=9_500_000))
+    crashed.close()
+    try:
+        done = _check(cluster, tmp_path, "-i", "eth0=200mbit")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert _found(done.stdout, "interface eth0").startswith("ok line rate 200Mbit")
+        assert _found(done.stdout, "interface eth0").endswith(
+            "holds a gradlane tree (a running gradlaned's, or one a crash left: gradlaned "
+            "takes it over, daemon.on_start)")
+    finally:
+        with QdiscManager("eth0", netns=ns, state_file=tmp_path / "left.json") as left:
+            assert left.restore()
 
 
 def test_check_names_what_would_stop_gradlaned(cluster: Cluster, tmp_path: Path) -> None:
