@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
-from gradlane.errors import ConfigError, PeerLost, TransportError
+from gradlane.errors import ConfigError, TransportError
 from gradlane.policies.chunks import Routes, group_consecutive, layout_sizes
 from gradlane.shim.client import ComputeClock, DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
@@ -499,14 +499,9 @@ class HookState:
             idle = time.monotonic() - self.engine.last_rx
             if self._pending and idle > self.config.timeout_s:
                 with self._lock:
-                    waiting = [segment.group.label for _, segment in self._waiting.values()]
-                self._fail_pending(
-                    PeerLost(
-                        None,
-                        self.engine.step,
-                        f"nothing received for {idle:.0f} s while waiting for {waiting[:3]}",
-                    )
-                )
+                    groups = [segment.group for _, segment in self._waiting.values()]
+                # The engine's error names the rank they wait on, as `Engine.wait`'s does.
+                self._fail_pending(self.engine.give_up(groups, self.engine.step, idle))
 
     def close(self) -> None:
         """Stop the watchdog, remove the gradient hooks, send what is queued and close the

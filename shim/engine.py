@@ -416,15 +416,27 @@ class Engine:
                     raise lost
                 idle = time.monotonic() - max(self.last_rx, started)
                 if idle >= self.timeout_s:
-                    missing = self._missing(pending, step)
-                    rank = missing[0] if len(set(missing)) == 1 else None
-                    raise PeerLost(
-                        rank,
-                        step,
-                        f"nothing received for {idle:.0f} s while waiting for "
-                        f"{pending[0].label}; waiting on ranks {sorted(set(missing))}",
-                    )
+                    break
                 self._cond.wait(min(1.0, self.timeout_s - idle))
+        raise self.give_up(pending, step, idle)
+
+    def give_up(self, pending: Sequence[Group], step: int, idle: float) -> TransportError:
+        """After `idle` seconds of silence while `pending` waited for `step`: the engine's
+        error, which is then (if it had none yet) the rank they wait on lost, when it is
+        one (else the peers).
+
+        A peer that hangs (stopped, wedged) says nothing, and its connections stay
+        open. Failing the engine makes its goodbyes, as this worker closes, name that
+        rank for the other ranks, who would otherwise blame this one for leaving.
+        """
+        with self._cond:
+            missing = sorted(set(self._missing(pending, step)))
+        self._fail(PeerLost(
+            missing[0] if len(missing) == 1 else None, step,
+            f"nothing received for {idle:.0f} s while waiting for "
+            f"{pending[0].label if pending else 'its groups'}; waiting on ranks {missing}"))
+        assert self.error is not None
+        return self.error
 
     def lost(self, groups: Sequence[Group], step: int | None = None) -> PeerLost | None:
         """Why `groups` cannot be averaged for `step` (default: current), if a peer they

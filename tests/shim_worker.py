@@ -103,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--chunk-bytes", type=int, default=4096)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--die-at", type=int, default=-1, help="SIGKILL self in this step's backward")
+    ap.add_argument("--hang-at", type=int, default=-1,
+                    help="SIGSTOP self in this step's backward (alive, connected, silent)")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--daemon-socket", default="/nonexistent/gradlaned.sock")
     ap.add_argument("--ddp-hook", action="store_true", help="DDP(gloo) + gradlane's comm hook")
@@ -167,8 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 x, y = batch(step, sum(sizes), dtype)
                 x, y = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
                 loss = nn.functional.cross_entropy(model(x), y)
-                if step == args.die_at:
-                    loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+                _end_in_backward(loss, step, args)
                 loss.backward()
                 opt.step()
                 scheduler.step()
@@ -189,6 +190,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.save(
         {k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt"
     )
+
+
+def _end_in_backward(loss: torch.Tensor, step: int, args: argparse.Namespace) -> None:
+    """--die-at and --hang-at: this rank dies (SIGKILL) or hangs (SIGSTOP) in `step`'s
+    backward, with its peers mid-iteration."""
+    for at, sig in ((args.die_at, signal.SIGKILL), (args.hang_at, signal.SIGSTOP)):
+        if step == at:
+            loss.register_hook(lambda g, sig=sig: os.kill(os.getpid(), sig))
 
 
 def run_ddp_hook(
@@ -228,8 +237,7 @@ def run_ddp_hook(
             last = i == len(parts) - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 loss = nn.functional.cross_entropy(ddp(x[part]), y[part]) * len(part) / sizes[rank]
-                if step == args.die_at:
-                    loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+                _end_in_backward(loss, step, args)
                 try:
                     loss.backward()
                 except RuntimeError as exc:  # DDP's, around the hook's PeerLost

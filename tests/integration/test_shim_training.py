@@ -264,6 +264,55 @@ def test_a_sigkilled_peer_makes_the_others_raise_well_within_the_timeout(
     assert elapsed < timeout / 2
 
 
+HUNG = {  # what the survivors print when rank 3 goes silent with its connections open
+    "attach": ((), r"PeerLost: step 5: "),
+    "ddp-hook": (("--ddp-hook",), r"PeerLost \(through DDP\): .*step 5: "),
+}
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP): state T in /proc/PID/stat."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("path", sorted(HUNG))
+def test_a_hung_peer_makes_the_others_raise_once_their_timeout_passes(
+    tmp_path: Path, path: str
+) -> None:
+    # Rank 3 stops (SIGSTOP: a wedged process, a paused VM) in step 5's backward with every
+    # connection open: nothing says it is gone, so the others raise after `timeout` s of
+    # silence (with the hook, its watchdog fails DDP's futures), not never. The first to
+    # give up names rank 3, and so do its goodbyes: a rank that hears them names rank 3
+    # too (before, it blamed the rank that gave up, for leaving). A rank whose own
+    # timeout ran out first names the rank it waits on (on the ring, its predecessor).
+    timeout = 6.0
+    flags, raised = HUNG[path]
+    procs = launch(tmp_path, *flags, "--steps", "30", "--timeout", str(timeout),
+                   per_rank={3: ["--hang-at", "5"]})
+    try:
+        deadline = time.monotonic() + 60
+        while not _stopped(procs[3].pid):
+            assert procs[3].poll() is None and time.monotonic() < deadline, report(procs)
+            time.sleep(0.05)
+        hung = time.monotonic()
+        results = finish(procs[:3], timeout=timeout * 4 + 30)
+        elapsed = time.monotonic() - hung
+    finally:
+        procs[3].kill()
+        procs[3].wait(timeout=10)
+    said = []
+    for rank, (code, log) in enumerate(results):
+        assert code == 3, f"rank {rank} should have raised PeerLost:\n{log[-2000:]}"
+        found = re.search(raised + r"(rank 3 lost: |rank \d lost: nothing received for \d+ s)",
+                          log)
+        assert found and "left (closed its shim" not in log, log[-2000:]
+        said.append(found[1])
+    assert "rank 3 lost: " in said, said
+    print(f"the others raised {elapsed:.1f} s after rank 3 stopped")
+    assert elapsed < timeout * 4
+
+
 @pytest.mark.timeout(120)
 def test_workers_register_with_the_daemon_and_survive_its_death(
     tmp_path: Path, daemon: RunningDaemon

@@ -460,7 +460,7 @@ def _recv_frame(sock: socket.socket, nbytes: int) -> tuple[tuple[int, ...], byte
 
 def test_a_wait_with_nothing_coming_names_the_rank_it_waits_on(
         two_meshes: tuple[Mesh, Mesh]) -> None:
-    mesh0, _ = two_meshes
+    mesh0, mesh1 = two_meshes
     engine = Engine(mesh0, timeout_s=1)  # rank 1 is connected, and says nothing
     try:
         group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
@@ -468,11 +468,17 @@ def test_a_wait_with_nothing_coming_names_the_rank_it_waits_on(
         engine.ready(group)
         started = time.monotonic()
         with pytest.raises(PeerLost, match=r"^step 0: rank 1 lost: nothing received for \d+ s "
-                                           r"while waiting for g; waiting on ranks \[1\]$"):
+                                           r"while waiting for g; waiting on ranks \[1\]$"
+                           ) as lost:
             engine.wait([group], 0)
         assert time.monotonic() - started >= 1
+        # The engine fails with it: a hung rank says nothing, so this one's goodbyes name
+        # it for the others.
+        assert engine.error is lost.value
     finally:
         engine.close(linger_s=0)
+    bye = _HDR.unpack(mesh1.link(0, 0, 0).sock.recv(_HDR.size))
+    assert (bye[0], bye[3]) == (BYE, 2)  # rank 1 lost (a goodbye says the rank plus one)
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:
