@@ -1,0 +1,45 @@
+"""Bad input to the CLI: a clear message naming what is wrong, a non-zero exit, nothing
+started (none of these ever ran before)."""
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gradlane import cli
+from tests import REPO
+
+TOKEN = "t0ken-for-tests-0123456789"
+
+
+@pytest.fixture
+def token(tmp_path: Path) -> str:
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["control", "--listen", "nohost", "--token-file", "{token}"],
+     "Invalid value for --listen: expected \"host:port\" with a port in 1..65535, got "
+     "'nohost'"),
+    (["control", "--token-file", "{token}", "--cadence", "5", "--ttl", "2"],
+     "ttl_s must exceed cadence_s, or plans expire between pushes"),
+    (["control", "--token-file", "{token}", "--uplink", "fast"],
+     "bad rate 'fast': expected a number with a unit such as '100mbit'"),
+    (["probe"], "give a PEER to probe, or --serve to answer probes"),
+    (["probe", "--serve", "10.0.0.1"], "give a PEER to probe, or --serve to answer probes"),
+    (["bench", "table", str(REPO / "bench" / "results" / "trace-vgg19.json"),
+      "--readme", "{empty}"], "has no <!-- bench-table:begin --> ... <!-- bench-table:end -->"
+                             " markers"),
+], ids=["listen", "ttl-under-cadence", "uplink", "probe-nothing", "probe-both",
+        "readme-without-markers"])
+def test_bad_input_is_refused_saying_what(args: list[str], says: str, token: str,
+                                           tmp_path: Path) -> None:
+    empty = tmp_path / "README.md"
+    empty.write_text("# no table here\n")
+    shown = CliRunner().invoke(cli.cli, [a.format(token=token, empty=empty) for a in args])
+    assert shown.exit_code in (1, 2), shown.output
+    assert says in " ".join(shown.output.split()), shown.output
+    assert "Traceback" not in shown.output
+    assert empty.read_text() == "# no table here\n"  # left as it was
