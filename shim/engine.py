@@ -246,6 +246,7 @@ class Engine:
         # it): with connections to its routes' peers only, most ranks hear of a lost rank
         # from the ranks between.
         self._blame: dict[int, int] = {}
+        self._silent: PeerLost | None = None  # what this worker gave up waiting on (`give_up`)
         self._byes: dict[int, int] = {}
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # chunk and group progress, failures
@@ -420,23 +421,23 @@ class Engine:
                 self._cond.wait(min(1.0, self.timeout_s - idle))
         raise self.give_up(pending, step, idle)
 
-    def give_up(self, pending: Sequence[Group], step: int, idle: float) -> TransportError:
-        """After `idle` seconds of silence while `pending` waited for `step`: the engine's
-        error, which is then (if it had none yet) the rank they wait on lost, when it is
-        one (else the peers).
+    def give_up(self, pending: Sequence[Group], step: int, idle: float) -> PeerLost:
+        """The error of `idle` seconds of silence while `pending` waited for `step`: the
+        rank they wait on lost, when it is one (else the peers).
 
         A peer that hangs (stopped, wedged) says nothing, and its connections stay
-        open. Failing the engine makes its goodbyes, as this worker closes, name that
-        rank for the other ranks, who would otherwise blame this one for leaving.
+        open: this worker's goodbyes, as it closes, name the rank it gave up on (and
+        drop what is queued), for the other ranks, who would otherwise blame this one
+        for leaving. Waits on groups already averaged still return (`Sync.flush` as
+        a checkpoint is saved).
         """
         with self._cond:
             missing = sorted(set(self._missing(pending, step)))
-        self._fail(PeerLost(
-            missing[0] if len(missing) == 1 else None, step,
-            f"nothing received for {idle:.0f} s while waiting for "
-            f"{pending[0].label if pending else 'its groups'}; waiting on ranks {missing}"))
-        assert self.error is not None
-        return self.error
+            self._silent = PeerLost(
+                missing[0] if len(missing) == 1 else None, step,
+                f"nothing received for {idle:.0f} s while waiting for "
+                f"{pending[0].label if pending else 'its groups'}; waiting on ranks {missing}")
+            return self._silent
 
     def lost(self, groups: Sequence[Group], step: int | None = None) -> PeerLost | None:
         """Why `groups` cannot be averaged for `step` (default: current), if a peer they
@@ -501,7 +502,7 @@ class Engine:
         if self._closing:
             return
         lost = self._lost()
-        failing = self.error is not None or lost is not None
+        failing = self.error is not None or self._silent is not None or lost is not None
         drained = self.drain(0.0 if failing else linger_s)
         self._closing = True
         bye = _HDR.pack(BYE, 0, self.step, 0 if lost is None else lost + 1, 0, 0)
@@ -540,8 +541,9 @@ class Engine:
 
     def _lost(self) -> int | None:
         """The rank whose loss stops this worker, as far as it knows (None: none)."""
-        if isinstance(self.error, PeerLost) and self.error.rank is not None:
-            return self.error.rank
+        for error in (self.error, self._silent):
+            if isinstance(error, PeerLost) and error.rank is not None:
+                return error.rank
         with self._cond:
             for peer in self.left:
                 if peer in self._vanished or peer in self._blame:
