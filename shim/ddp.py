@@ -535,7 +535,7 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
                     state._fill(segment, i, gradients[segment.first + i])
     except Exception as exc:  # surfaces in backward() as DDP's error
         future.set_exception(exc)  # type: ignore[arg-type]
-        return future
+        return _for_ddp(future)
     finally:
         if bucket.is_last():
             state._backward_ended()
@@ -555,4 +555,13 @@ def comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torc
         state._deliver(waiter, segment)
     if not future.done():
         state._check_peers()  # a peer lost before this bucket was asked for
-    return future
+    return _for_ddp(future)
+
+
+def _for_ddp(future: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+    """`future` as DDP's reducer reads it. A Python future's exception is its value, raised
+    only by Python's ``value()``: read in C++, DDP said "Unable to cast <the error> to
+    Tensor". Through a callback that reads it in Python, the error is the future's own,
+    and backward() raises it as "... PeerLost: step N: rank R lost: ...".
+    """
+    return future.then(lambda done: done.value())
