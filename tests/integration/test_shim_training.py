@@ -230,6 +230,34 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
         ), f"{name} never trained"
 
 
+def _rank_3_ends(tmp_path: Path, flags: tuple[str, ...], how: str, timeout: float
+                 ) -> tuple[list[tuple[int | None, str]], float]:
+    """Four ranks, rank 3 ending in step 5's backward as `how` says ("die": SIGKILL,
+    "hang": SIGSTOP); the other ranks' exit codes and logs, and how long after rank 3
+    ended they had all ended."""
+    procs = launch(tmp_path, *flags, "--steps", "30", "--timeout", str(timeout),
+                   per_rank={3: [f"--{how}-at", "5"]})
+    try:
+        deadline = time.monotonic() + 60
+        while not (procs[3].poll() == -9 if how == "die" else _stopped(procs[3].pid)):
+            assert procs[3].poll() in (None, -9) and time.monotonic() < deadline, \
+                report(procs)
+            time.sleep(0.05)
+        ended = time.monotonic()
+        # A hung rank is only waited out: the others take their timeout, give or take.
+        bound = timeout * (4 if how == "hang" else 1) + 30
+        return finish(procs[:3], timeout=bound), time.monotonic() - ended
+    finally:
+        if procs[3].poll() is None:
+            procs[3].kill()
+            procs[3].wait(timeout=10)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP): state T in /proc/PID/stat."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
 # What the survivors print: `attach`'s PeerLost, or DDP's error around the hook's.
 RAISED = {
     # The step the survivor was in: 5, or still 4 where rank 3 died with a step-4 average
@@ -251,13 +279,7 @@ def test_a_sigkilled_peer_makes_the_others_raise_well_within_the_timeout(
     # (with the hook, their gradient hooks sending the step's first groups): the lost
     # connection says so, and a rank that hears it only from its peers' goodbyes (not
     # rank 3's neighbour on the ring) need not wait for silence either.
-    procs = launch(tmp_path, *flags, "--steps", "30", "--timeout", str(timeout),
-                   per_rank={3: ["--die-at", "5"]})
-    procs[3].wait(timeout=60)
-    died = time.monotonic()
-    assert procs[3].returncode == -9
-    results = finish(procs, timeout=timeout + 30)[:3]
-    elapsed = time.monotonic() - died
+    results, elapsed = _rank_3_ends(tmp_path, flags, "die", timeout)
     for rank, (code, log) in enumerate(results):
         assert code == 3, f"rank {rank} should have raised PeerLost:\n{log[-2000:]}"
         assert re.search(raised, log), log[-2000:]
@@ -269,11 +291,6 @@ HUNG = {  # what the survivors print when rank 3 goes silent with its connection
     "attach": ((), r"PeerLost: step 5: "),
     "ddp-hook": (("--ddp-hook",), r"PeerLost \(through DDP\): .*PeerLost: step 5: "),
 }
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP): state T in /proc/PID/stat."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 @pytest.mark.timeout(150)
@@ -289,19 +306,7 @@ def test_a_hung_peer_makes_the_others_raise_once_their_timeout_passes(
     # own timeouts run out about as soon: one that ran out first names its predecessor.
     timeout = 6.0
     flags, raised = HUNG[path]
-    procs = launch(tmp_path, *flags, "--steps", "30", "--timeout", str(timeout),
-                   per_rank={3: ["--hang-at", "5"]})
-    try:
-        deadline = time.monotonic() + 60
-        while not _stopped(procs[3].pid):
-            assert procs[3].poll() is None and time.monotonic() < deadline, report(procs)
-            time.sleep(0.05)
-        hung = time.monotonic()
-        results = finish(procs[:3], timeout=timeout * 4 + 30)
-        elapsed = time.monotonic() - hung
-    finally:
-        procs[3].kill()
-        procs[3].wait(timeout=10)
+    results, elapsed = _rank_3_ends(tmp_path, flags, "hang", timeout)
     said = []
     for rank, (code, log) in enumerate(results):
         assert code == 3, f"rank {rank} should have raised PeerLost:\n{log[-2000:]}"
