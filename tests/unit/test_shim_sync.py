@@ -15,6 +15,7 @@ import itertools
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ import gradlane.shim.sync as sync_module
 from gradlane.errors import ConfigError, PeerLost, TransportError
 from gradlane.shim.transport import Mesh, local_address
 from tests import examples
+from tests.ranks import on_every_rank
 
 
 def model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -1475,3 +1477,42 @@ def test_the_global_batch_is_the_first_step_s() -> None:
             opt.step()
             opt.zero_grad()
             assert sync.global_batch == 6, step
+
+
+def test_an_attach_that_fails_to_connect_leaves_nothing_running_and_can_be_retried(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 dies after the ranks compared models, before connecting (its connect raises
+    # here, as a crash there would stop it): rank 0 waits the timeout, raises, and has
+    # stopped the daemon client it had started and closed its sockets; the model and its
+    # optimizer can be attached again.
+    real = Mesh.connect
+
+    def connect(mesh: Mesh, peers: Any) -> None:
+        if mesh.rank == 1:
+            mesh.close()
+            raise TransportError("rank 1: died before connecting")
+        real(mesh, peers)
+
+    monkeypatch.setattr(Mesh, "connect", connect)
+    store = dist.HashStore()
+    kept: dict[int, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    raised: dict[int, str] = {}
+    fds = len(os.listdir("/proc/self/fd"))
+
+    def body(rank: int) -> None:
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        kept[rank] = m, opt
+        try:
+            gl.attach(m, opt, rank=rank, world_size=2, store=store, address="127.0.0.1",
+                      daemon_socket="/nonexistent/gl.sock", timeout_s=1)
+        except TransportError as exc:
+            raised[rank] = str(exc)
+
+    on_every_rank(2, body)
+    assert raised == {0: "rank 0: ranks [1] did not connect within 1 s",
+                      1: "rank 1: died before connecting"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("gl-")]
+    assert len(os.listdir("/proc/self/fd")) == fds
+    m, opt = kept[0]
+    attach(m, opt).close()
