@@ -492,11 +492,16 @@ class HookState:
             self._fail_pending(lost)
 
     def _watch(self) -> None:
-        while not self._stop.wait(1.0):
+        wake = 1.0
+        while not self._stop.wait(wake):
+            wake = 1.0
             if not self._pending:
                 continue
             self._check_peers()
             idle = time.monotonic() - self.engine.last_rx
+            # Wake when the timeout runs out, as `Engine.wait` does, not up to a second
+            # after it.
+            wake = min(1.0, max(0.01, self.config.timeout_s - idle))
             if self._pending and idle > self.config.timeout_s:
                 with self._lock:
                     groups = [segment.group for _, segment in self._waiting.values()]
