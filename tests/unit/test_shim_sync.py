@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import io
 import itertools
 import math
@@ -1495,6 +1496,7 @@ def test_an_attach_that_fails_to_connect_leaves_nothing_running_and_can_be_retri
 
     monkeypatch.setattr(Mesh, "connect", connect)
     store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=20))  # a rendezvous gone wrong fails, not hangs
     kept: dict[int, tuple[nn.Module, torch.optim.Optimizer]] = {}
     raised: dict[int, str] = {}
     fds = len(os.listdir("/proc/self/fd"))
@@ -1504,8 +1506,10 @@ def test_an_attach_that_fails_to_connect_leaves_nothing_running_and_can_be_retri
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         kept[rank] = m, opt
         try:
+            # A job of its own: the meetings of rank 0's earlier attaches in this process
+            # (world size 1) are not rank 1's (`meeting_prefix` counts them per job).
             gl.attach(m, opt, rank=rank, world_size=2, store=store, address="127.0.0.1",
-                      daemon_socket="/nonexistent/gl.sock", timeout_s=1)
+                      daemon_socket="/nonexistent/gl.sock", timeout_s=1, job="connect-fails")
         except TransportError as exc:
             raised[rank] = str(exc)
 
