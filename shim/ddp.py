@@ -492,21 +492,36 @@ class HookState:
             self._fail_pending(lost)
 
     def _watch(self) -> None:
-        wake = 1.0
+        """Fail what DDP waits on when a peer is gone or silent: as `Engine.wait` does,
+        after timeout_s without word it asks the ranks it waits on, and gives up on them
+        only if they do not answer (or, having answered, stay silent timeout_s more)."""
+        wake, asked = 1.0, None
         while not self._stop.wait(wake):
             wake = 1.0
             if not self._pending:
+                asked = None
                 continue
             self._check_peers()
-            idle = time.monotonic() - self.engine.last_rx
-            # Wake when the timeout runs out, as `Engine.wait` does, not up to a second
-            # after it.
+            now = time.monotonic()
+            idle = now - self.engine.last_rx
+            verdict = self.engine.silence(idle, asked, now) if self._pending else "wait"
+            # Wake when the timeout (or the wait for an answer) runs out, not up to a
+            # second after it.
             wake = min(1.0, max(0.01, self.config.timeout_s - idle))
-            if self._pending and idle > self.config.timeout_s:
-                with self._lock:
-                    groups = [segment.group for _, segment in self._waiting.values()]
-                # The engine's error names the rank they wait on, as `Engine.wait`'s does.
-                self._fail_pending(self.engine.give_up(groups, self.engine.step, idle))
+            if verdict == "wait":
+                if asked is not None and self.engine.last_rx < asked:
+                    wake = min(1.0, max(0.01, asked + self.engine.ping_grace - now))
+                continue
+            with self._lock:
+                groups = [segment.group for _, segment in self._waiting.values()]
+            if verdict == "ask":
+                asked = time.monotonic()
+                self.engine.ping(self.engine.missing(groups, self.engine.step))
+                wake = 0.01
+                continue
+            # The engine's error names the rank they wait on, as `Engine.wait`'s does.
+            self._fail_pending(self.engine.give_up(groups, self.engine.step, idle))
+            asked = None
 
     def close(self) -> None:
         """Stop the watchdog, remove the gradient hooks, send what is queued and close the

@@ -127,8 +127,14 @@ def _close_at_exit() -> None:
             logger.warning("gradlane: rank %d: closing at exit failed: %s", owner.rank, exc)
 
 RS, AG, BYE, PS = 1, 2, 3, 4
+# "Are you there?" and its answer, from the peer's receiver thread: a rank its training
+# keeps waiting (on a peer of its own) still answers; a hung one (stopped) cannot.
+PING, PONG = 5, 6
 _HDR = struct.Struct("<BxxxIQIII")  # kind, group, step, chunk, nbytes, samples
-_LAST = (1 << 62,)
+_FIRST, _LAST = (-1,), (1 << 62,)
+_EMPTY = memoryview(b"")
+# How long a rank that has waited timeout_s waits for the answer to its PING.
+PING_GRACE_S = 1.0
 
 
 @dataclass(eq=False)
@@ -406,20 +412,61 @@ class Engine:
         """Block until every group in `groups` is averaged for `step` (default: current)."""
         step = self.step if step is None else step
         started = time.monotonic()
+        asked: float | None = None  # when it asked the ranks it waits on (`ping`)
+        while True:
+            with self._cond:
+                while True:
+                    self.raise_error()
+                    pending = [g for g in groups if g.done_step < step]
+                    if not pending:
+                        return
+                    lost = self._lost_for(pending, step)
+                    if lost is not None:
+                        raise lost
+                    now = time.monotonic()
+                    idle = now - max(self.last_rx, started)
+                    verdict = self.silence(idle, asked, now)
+                    if verdict != "wait":
+                        break
+                    left = (self.timeout_s - idle if asked is None or self.last_rx >= asked
+                            else asked + self.ping_grace - now)
+                    self._cond.wait(min(1.0, max(left, 0.001)))
+            if verdict == "lost":
+                raise self.give_up(pending, step, idle)
+            asked = time.monotonic()
+            self.ping(self.missing(pending, step))
+
+    @property
+    def ping_grace(self) -> float:
+        """How long a wait that asked (`ping`) waits for an answer."""
+        return min(PING_GRACE_S, self.timeout_s)
+
+    def silence(self, idle: float, asked: float | None, now: float) -> str:
+        """What a wait does after `idle` seconds without word, having asked (`ping`) at
+        `asked` (None: not yet): "wait", "ask", or "lost" (`give_up`).
+
+        Asked once it has waited timeout_s; lost if no word came within
+        `PING_GRACE_S` of asking, or, if some came, after timeout_s more without.
+        A rank whose peer waits on a hung rank itself so hears that peer give up (its
+        goodbye names the hung rank) before giving up on it.
+        """
+        if asked is not None and self.last_rx < asked:
+            return "lost" if now - asked >= self.ping_grace else "wait"
+        if idle < self.timeout_s:
+            return "wait"
+        return "ask" if asked is None else "lost"
+
+    def ping(self, ranks: Iterable[int]) -> None:
+        """Ask `ranks` whether they are there (`PING`): a live one's answer counts as word
+        from it (`last_rx`)."""
+        for peer in sorted(set(ranks)):
+            if (peer, 0, 0) in self._queues:
+                self._enqueue(peer, _FIRST, _HDR.pack(PING, 0, self.step, 0, 0, 0), _EMPTY, 0, 0)
+
+    def missing(self, groups: Sequence[Group], step: int) -> list[int]:
+        """The ranks `groups` wait on for `step` (`_missing`, under the engine's lock)."""
         with self._cond:
-            while True:
-                self.raise_error()
-                pending = [g for g in groups if g.done_step < step]
-                if not pending:
-                    return
-                lost = self._lost_for(pending, step)
-                if lost is not None:
-                    raise lost
-                idle = time.monotonic() - max(self.last_rx, started)
-                if idle >= self.timeout_s:
-                    break
-                self._cond.wait(min(1.0, self.timeout_s - idle))
-        raise self.give_up(pending, step, idle)
+            return self._missing(groups, step)
 
     def give_up(self, pending: Sequence[Group], step: int, idle: float) -> PeerLost:
         """The error of `idle` seconds of silence while `pending` waited for `step`: the
@@ -605,8 +652,15 @@ class Engine:
                         self._vanished.add(peer)
                         self._peer_left(peer, "closed its connections without saying goodbye")
                     return
-                self.last_rx = time.monotonic()
                 kind, gid, step, index, nbytes, samples = _HDR.unpack(head)
+                if kind == PING:  # answered first, ahead of any chunk queued to it
+                    # Not word for this rank's waits: a peer asks because it waits too.
+                    self._enqueue(peer, _FIRST, _HDR.pack(PONG, 0, step, 0, 0, 0), _EMPTY,
+                                  link.band, link.plane)
+                    continue
+                self.last_rx = time.monotonic()
+                if kind == PONG:  # word from it (last_rx): it is there
+                    continue
                 if kind == BYE:  # data before it on this connection is all processed
                     with self._cond:
                         self._byes[peer] = self._byes.get(peer, 0) + 1

@@ -301,10 +301,10 @@ def test_a_hung_peer_makes_the_others_raise_once_their_timeout_passes(
     # Rank 3 stops (SIGSTOP: a wedged process, a paused VM) in step 5's backward with every
     # connection open: nothing says it is gone, so the others raise after `timeout` s of
     # silence (with the hook, its watchdog fails DDP's futures), not never. On the ring
-    # each rank waits on its predecessor: rank 0 names rank 3, and its goodbyes say so
-    # to the ranks that hear them (before, they blamed rank 0, for leaving). The others'
-    # own timeouts run out about as soon (all stalled at once): one that ran out first
-    # names its predecessor, alive and waiting too.
+    # each rank waits on its predecessor, and all stalled at once: each asks its
+    # predecessor (PING); rank 3 cannot answer, so rank 0 names it, and its goodbyes say
+    # so to rank 1, which rank 0 answered and which waits on, and so on. Before, a rank
+    # named its predecessor (alive, waiting too), or blamed rank 0 for leaving.
     timeout = 3.0
     flags, raised = HUNG[path]
     results, elapsed = _rank_3_ends(tmp_path, flags, "hang", timeout)
@@ -314,7 +314,7 @@ def test_a_hung_peer_makes_the_others_raise_once_their_timeout_passes(
         found = re.search(raised + r"(rank \d lost): ", log)
         assert found and "left (closed its shim" not in log, log[-2000:]
         said.append(found[1])
-    assert said[0] == "rank 3 lost", said
+    assert said == ["rank 3 lost"] * 3, said
     print(f"the others raised {elapsed:.1f} s after rank 3 stopped, ranks 0-2 saying {said}")
     assert elapsed < timeout * 4
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import Routes
-from gradlane.shim.engine import _HDR, AG, BYE, RS, Engine, Group
+from gradlane.shim.engine import _HDR, AG, BYE, PING, PONG, RS, Engine, Group
 from gradlane.shim.layout import split
 from gradlane.shim.transport import Mesh
 from tests import examples
@@ -473,14 +473,48 @@ def test_a_wait_with_nothing_coming_names_the_rank_it_waits_on(
                                            r"while waiting for g; waiting on ranks \[1\]$"
                            ) as lost:
             engine.wait([group], 0)
-        assert time.monotonic() - started >= 1
+        assert time.monotonic() - started >= 1 + engine.ping_grace  # asked, no answer
         assert lost.value.rank == 1
         engine.wait([empty], 0)  # a group averaged still returns (flush, for a checkpoint)
     finally:
         engine.close(linger_s=0)
-    # A hung rank says nothing: this one's goodbyes name it for the others.
-    bye = _HDR.unpack(mesh1.link(0, 0, 0).sock.recv(_HDR.size))
-    assert (bye[0], bye[3]) == (BYE, 2)  # rank 1 lost (a goodbye says the rank plus one)
+    # Asked first (rank 1 did not answer); then, as a hung rank says nothing, this one's
+    # goodbyes name it for the others.
+    frames = [(h[0], h[3]) for h, _ in _frames(_read_until_closed(mesh1.link(0, 0, 0).sock))]
+    assert frames == [(PING, 0), (BYE, 2)]  # rank 1 lost (a goodbye says the rank plus one)
+
+
+def test_a_peer_that_answers_is_waited_on_until_its_goodbye_names_the_rank_lost(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    # Rank 1 is alive but waits itself (on a rank 2 that hung): it answers the PING, so
+    # rank 0 waits on instead of blaming it, and hears its goodbye naming rank 2.
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=1)
+    said: list[int] = []
+
+    def rank_1() -> None:
+        sock = mesh1.link(0, 0, 0).sock
+        sock.settimeout(30)
+        said.append(_HDR.unpack(sock.recv(_HDR.size))[0])
+        sock.sendall(_HDR.pack(PONG, 0, 0, 0, 0, 0))
+        time.sleep(0.5)  # then it gives up on rank 2
+        for band in range(len(DSCP)):
+            mesh1.link(0, band, 0).sock.sendall(_HDR.pack(BYE, 0, 0, 2 + 1, 0, 0))
+
+    answering = threading.Thread(target=rank_1, daemon=True)
+    try:
+        group = engine.add_group(0, "g", torch.zeros(1000), [(0, 1000)], [0], 0, 0)
+        engine.begin(0, 1)
+        engine.ready(group)
+        answering.start()
+        with pytest.raises(PeerLost) as lost:
+            engine.wait([group], 0)
+        assert said == [PING]
+        assert str(lost.value) == "step 0: rank 2 lost: rank 1 stopped at step 0, having lost " \
+                                  "rank 2"
+    finally:
+        answering.join(30)
+        engine.close(linger_s=0)
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:
