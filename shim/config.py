@@ -66,7 +66,9 @@ class ShimConfig:
             little low-priority data is committed when high-priority data
             arrives. The kernel's HTB bands preempt what is already sent.
         timeout_s: a peer that delivers nothing for this long while we wait
-            on it is declared lost (`PeerLost`).
+            on it is declared lost (`PeerLost`), unless it answers a PING
+            (alive, waiting on a peer of its own): then after as long again,
+            or as soon as its goodbye names the rank it lost.
         overlap: step each layer's optimizer as soon as its averaged gradient
             is in and let the next forward start layer by layer. False: one
             whole-model step at ``optimizer.step()`` (still priority-ordered).

@@ -44,7 +44,12 @@ write straight from tensor memory.
 
 Failure: EOF, a reset or a malformed frame on any connection, or no message
 from anyone for `timeout_s` while a caller waits, makes every wait raise
-`PeerLost` naming the rank the missing data was expected from.
+`PeerLost` naming the rank the missing data was expected from. Before that
+last, the wait asks those ranks (PING): one that answers (its receiver thread
+lives; it waits on a rank of its own) is waited on `timeout_s` more, and its
+goodbye, as it gives up, names the rank it lost; one that does not answer
+within `PING_GRACE_S` (a hung process) is the rank lost. The closing rank's
+goodbyes name that rank for the others.
 """
 
 from __future__ import annotations

@@ -63,7 +63,9 @@ _HELLO = struct.Struct("<4sIII")  # magic, rank, band, plane
 # A peer sends its hello as it connects; a connection silent this long is something else.
 HELLO_WAIT_S = 10.0
 _IPV4_ONLY = "gradlane's transport and gradlaned's filters are IPv4 only"
-_MAGIC = b"GLS2"
+# The chunk protocol's version (`gradlane.shim.engine`'s frames; 3: PING and PONG): ranks
+# of another version drop each other's connections at the hello, not mid-training.
+_MAGIC = b"GLS3"
 MAX_PLANES = 8
 
 

@@ -282,7 +282,7 @@ def test_a_rank_retries_a_lower_rank_until_it_listens_or_the_timeout_ends() -> N
         mesh.connect([0])
         thread.join(30)
         assert sorted(mesh.links) == [(0, 0, 0), (0, 1, 0)]
-        assert sorted(hellos) == [b"GLS2" + bytes([1, 0, 0, 0]) + bytes([b, 0, 0, 0]) + bytes(4)
+        assert sorted(hellos) == [b"GLS3" + bytes([1, 0, 0, 0]) + bytes([b, 0, 0, 0]) + bytes(4)
                                   for b in (0, 1)]  # magic, rank 1, band, plane 0
     finally:
         mesh.close()
