@@ -596,9 +596,11 @@ DEFAULT_TOKEN = Path("/etc/gradlane/control.token")
               help=f"Global policy: {POLICIES} (gradlane: priority, loadbalance and "
                    "straggler composed, coflow's order reported), or "
                    "package.module:Class.")
-@click.option("--cadence", default=1.0, show_default=True, help="Seconds between plans.")
-@click.option("--ttl", default=10.0, show_default=True,
-              help="Seconds a daemon may keep a plan without hearing from the control plane.")
+@click.option("--cadence", default=1.0, show_default=True,
+              type=click.FloatRange(0, 3600, min_open=True), help="Seconds between plans.")
+@click.option("--ttl", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds a daemon may keep a plan without hearing from the control plane "
+                   "(more than --cadence).")
 @click.option("--uplink", default=None,
               help="Each leaf switch's uplink rate to the spine, e.g. 40gbit; daemons report "
                    "their leaf. Default: a non-blocking fabric.")
@@ -623,6 +625,9 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
         host, port = host_port(listen)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--listen") from None
+    if ttl <= cadence:
+        raise click.BadParameter(f"{ttl:g} s is not more than --cadence ({cadence:g} s): plans "
+                                 "would expire between pushes", param_hint="--ttl")
     try:
         config = ControlConfig(token=read_token(token_file), host=host, port=port,
                                policy=policy, cadence_s=cadence, ttl_s=ttl,

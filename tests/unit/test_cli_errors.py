@@ -24,7 +24,10 @@ def token(tmp_path: Path) -> str:
      "Invalid value for --listen: expected \"host:port\" with a port in 1..65535, got "
      "'nohost'"),
     (["control", "--token-file", "{token}", "--cadence", "5", "--ttl", "2"],
-     "ttl_s must exceed cadence_s, or plans expire between pushes"),
+     "Invalid value for --ttl: 2 s is not more than --cadence (5 s): plans would expire "
+     "between pushes"),
+    (["control", "--token-file", "{token}", "--cadence", "0"],
+     "Invalid value for '--cadence': 0.0 is not in the range 0<x<=3600."),
     (["control", "--token-file", "{token}", "--uplink", "fast"],
      "bad rate 'fast': expected a number with a unit such as '100mbit'"),
     (["probe"], "give a PEER to probe, or --serve to answer probes"),
@@ -32,7 +35,7 @@ def token(tmp_path: Path) -> str:
     (["bench", "table", str(REPO / "bench" / "results" / "trace-vgg19.json"),
       "--readme", "{empty}"], "has no <!-- bench-table:begin --> ... <!-- bench-table:end -->"
                              " markers"),
-], ids=["listen", "ttl-under-cadence", "uplink", "probe-nothing", "probe-both",
+], ids=["listen", "ttl-under-cadence", "cadence-zero", "uplink", "probe-nothing", "probe-both",
         "readme-without-markers"])
 def test_bad_input_is_refused_saying_what(args: list[str], says: str, token: str,
                                            tmp_path: Path) -> None:
