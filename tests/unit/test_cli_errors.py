@@ -1,12 +1,15 @@
 """Bad input to the CLI: a clear message naming what is wrong, a non-zero exit, nothing
 started (none of these ever ran before)."""
 
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from gradlane import cli
+from gradlane.errors import ConfigError
+from gradlane.policies.loadbalance import load_solver
 from tests import REPO
 
 TOKEN = "t0ken-for-tests-0123456789"
@@ -46,3 +49,18 @@ def test_bad_input_is_refused_saying_what(args: list[str], says: str, token: str
     assert says in " ".join(shown.output.split()), shown.output
     assert "Traceback" not in shown.output
     assert empty.read_text() == "# no table here\n"  # left as it was
+
+
+@pytest.mark.parametrize("args", [["control", "--token-file", "{token}"], ["sim", "cluster"]],
+                         ids=["control", "sim"])
+def test_without_scipy_the_planners_say_which_extra(args: list[str], token: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Daemon-only installs have no SciPy: what plans unequal links refuses at start, naming
+    # the extra, before serving or simulating anything.
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # as if not installed
+    shown = CliRunner().invoke(cli.cli, [a.format(token=token) for a in args])
+    assert shown.exit_code == 1, shown.output
+    assert "needs SciPy: pip install 'gradlane[control]'" in shown.output
+    assert "Traceback" not in shown.output
+    with pytest.raises(ConfigError, match=r"needs SciPy"):
+        load_solver()
