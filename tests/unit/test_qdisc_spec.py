@@ -1,6 +1,7 @@
 """The qdisc manager's pure parts: spec validation, the wanted tree, the filter diff; and
 reading its state file."""
 
+import errno
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -200,6 +201,33 @@ def test_root_watch_hears_roots_deleted_or_replaced_not_its_own_nor_classes() ->
     ]))
     assert heard == {6, 7}
     assert RootWatch.roots_in(b"\x08\0\0\0" + b"\0" * 40) == set()  # a bad length: no loop
+
+
+def test_root_watch_that_overflowed_says_anything_may_have_changed() -> None:
+    # The kernel drops messages a full socket cannot take and says ENOBUFS once: every
+    # tree must then be looked at, and what was read after it still counts.
+    deleted = struct.pack("=IHHII", 36, RTM_DELQDISC, 0, 0, 0) + struct.pack(
+        "=BxxxiIII", 0, 9, handle(MARKER, 0), TC_H_ROOT, 0)
+    reads: list[bytes | OSError] = [OSError(errno.ENOBUFS, "No buffer space"), deleted,
+                                    BlockingIOError()]
+
+    class Overflowed:
+        def recv(self, size: int) -> bytes:
+            word = reads.pop(0)
+            if isinstance(word, OSError):
+                raise word
+            return word
+
+    watch = RootWatch()
+    try:
+        real, watch._sock = watch._sock, Overflowed()  # type: ignore[assignment]
+        assert watch.roots_changed() == {RootWatch.ALL, 9}
+        assert reads == []
+        reads.append(OSError(errno.EBADF, "Bad file descriptor"))
+        with pytest.raises(OSError, match="Bad file descriptor"):  # not taken for an overflow
+            watch.roots_changed()
+    finally:
+        real.close()
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"original": {"nope": 1}}',
