@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_result  # noqa: E402
 
 TARGET_MS = 100.0
+MIN_WINDOW_S = 2.0
 
 
 def _free_port() -> int:
@@ -177,9 +178,15 @@ async def _run(args: argparse.Namespace, url: str, token: str, pid: int) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--daemons", type=int, default=200)
-    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--seconds", type=float, default=15.0,
+                    help=f"the measured window (at least {MIN_WINDOW_S:g} s)")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/control.json")
     args = ap.parse_args()
+    if args.seconds < MIN_WINDOW_S:
+        # Daemons that connected together report together, so plans come a cadence (1 s)
+        # plus react_s and the plan's own time apart: a 1 s window can fall between two.
+        ap.error(f"--seconds must be at least {MIN_WINDOW_S:g}: two plan cadences, or the "
+                 "window may see no plan")
     token = secrets.token_hex(16)
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:

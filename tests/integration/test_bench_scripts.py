@@ -29,7 +29,7 @@ def _plan(r: dict[str, Any]) -> bool:
 
 
 def _control(r: dict[str, Any]) -> bool:
-    return r["plans_received"] == 5 and r["push_latency_ms"]["median"] > 0
+    return r["plans_received"] >= 5 and r["push_latency_ms"]["median"] > 0  # a plan to each
 
 
 def _transport(r: dict[str, Any]) -> bool:
@@ -63,7 +63,7 @@ def _state_copy(r: dict[str, Any]) -> bool:
 SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
     ("policy_plan.py", ["--repeat", "1"], _plan, False),
     ("coflow_orders.py", ["--hosts", "64", "--iterations", "2"], _coflow_orders, False),
-    ("control.py", ["--daemons", "5", "--seconds", "1"], _control, False),
+    ("control.py", ["--daemons", "5", "--seconds", "2"], _control, False),
     ("shim_transport.py", ["--size-mb", "1", "--reps", "1"], _transport, False),
     ("shim_overlap.py", ["--iters", "3", "--warmup", "1", "--rounds", "1", "--forward-ms", "5",
                          "--model-mb", "1"], _overlap, True),
