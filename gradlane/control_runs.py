@@ -223,6 +223,7 @@ def run_control_straggler(
     say: Callable[[str], None] = lambda _: None,
     ddp: bool = False,
     reference: bool = False,
+    ttl_s: float = 10.0,
 ) -> dict[str, Any]:
     """One job on workers at speeds 1, 1, 1, 0.5: without the control plane, with it, and
     through a control-plane crash.
@@ -239,8 +240,8 @@ def run_control_straggler(
        daemon holds a plan from the new control plane is measured in the
        daemons' own ``/status``.
     4. The control plane's host is cut off (its switch port down): each
-       daemon's ``/status`` must say, once the plan's TTL is over, that the
-       local policy is back.
+       daemon's ``/status`` must say, once the plan's TTL (`ttl_s`, the
+       control plane's ``--ttl``) is over, that the local policy is back.
     All in one cluster. With `ddp`, PyTorch DDP runs the job first (same
     speeds, batch 32 each). With `reference`, the bound's compute is measured
     first (`gradlane.benchmark`): the workers compute alone (``local``, nothing
@@ -272,7 +273,7 @@ def run_control_straggler(
         say("without the control plane")
         without, _ = run_on_cluster(c, "gradlane", args, port=29810, out=workdir,
                                     sockets=sockets, speeds=STRAGGLER_SPEEDS, workers=4)
-        control = ctl.start_control()
+        control = ctl.start_control("--ttl", f"{ttl_s:g}")
         ctl.wait_view(lambda v: len(v["hosts"]) == len(workers), "all 4 daemons register")
         say("with the control plane")
         with_control, _ = run_on_cluster(c, "gradlane", args, port=29811, out=workdir,
@@ -295,7 +296,7 @@ def run_control_straggler(
         arrivals = ctl.probe_daemons(workers, time.monotonic(), "plan", 20)
         time.sleep(2)
         restarted = time.monotonic()
-        ctl.start_control()
+        ctl.start_control("--ttl", f"{ttl_s:g}")
         training = all(p.poll() is None for p in job.procs)
         delays = [t - restarted for t in arrivals()]
         # The new control plane splits the same global batch (the shims stated it), not
@@ -354,8 +355,9 @@ def run_control_straggler(
             "training_throughout": training,
         },
         # After the control plane's host is cut off: when each daemon's /status said its
-        # plan had expired and the local policy is back (the plan's TTL is 10 s).
+        # plan had expired and the local policy is back (after the plan's TTL).
         "partition_local_policy_after_s": expired,
+        "plan_ttl_s": ttl_s,
         "daemon_exit_codes": codes,
         **extra,
     }

@@ -48,7 +48,7 @@ def test_the_shims_take_the_plan_s_owners_and_relieve_a_slow_link(tmp_path: Path
 
 @pytest.mark.timeout(420)
 def test_batch_shares_from_the_control_plane_cut_the_straggler(tmp_path: Path) -> None:
-    result = run_control_straggler(tmp_path, steps=24)
+    result = run_control_straggler(tmp_path, steps=24, ttl_s=5)  # the bench keeps 10 s
     assert result["daemon_exit_codes"] == [0, 0, 0, 0]  # each restored its qdisc
     batches = result["batches"]
     # The advice arrived: the slow worker ends with about half a fast one's batch, each fast
@@ -77,10 +77,10 @@ def test_batch_shares_from_the_control_plane_cut_the_straggler(tmp_path: Path) -
     # whatever batches the ranks had when the new one started.
     assert [tuple(s) for s in crash["split"]] == [(128, 128), (128, 128)], crash["split"]
     # The control plane's host cut off: each daemon says the local policy is back once the
-    # plan's 10 s TTL is over (`run_control_straggler` raises if one does not within 30 s).
+    # plan's 5 s TTL is over (`run_control_straggler` raises if one does not within 30 s).
     partition = result["partition_local_policy_after_s"]
     print(f"local policy after the cut: {[round(d, 2) for d in partition]} s")
-    assert min(partition) >= 9.0
+    assert min(partition) >= 4.0
 
 
 @pytest.mark.timeout(420)
