@@ -480,7 +480,9 @@ class QdiscManager:
 
     def _apply(self, spec: QdiscSpec, verify: bool) -> list[str]:
         changes: list[str] = []
+        read = False
         if verify or self._view is None:
+            read = True
             self._ifindex = None
             index = self._index()
             self._ensure_root(index, changes)
@@ -489,10 +491,21 @@ class QdiscManager:
                 filters=self._filters(index),
             )
         index = self._index()
-        view = self._view
         slots = self._assign_slots(spec)
         want_classes = _wanted_classes(spec, slots)
         want_filters = _wanted_filters(spec, slots)
+        view = self._view
+        moved = _moved_class(view.classes, want_classes) if read else None
+        if moved:
+            # Someone else's doing: the kernel moves no class to another parent, and deletes
+            # none with children or a filter pointing to it. Start afresh.
+            changes.append(f"rebuild the tree: {moved}")
+            logger.warning("%s: %s: rebuilding gradlane's tree", self.ifname, moved)
+            with translated(self.ifname, "delete root qdisc"):
+                self.ipr.tc("del", index=index, handle=ROOT, parent=TC_H_ROOT)
+            self._install_root(index, changes)
+            self._view = view = _View(classes={}, filters=[])
+            self._last_bytes.clear()
 
         have_classes = dict(view.classes)
         diff = _diff_filters(want_filters, view.filters)
@@ -504,10 +517,6 @@ class QdiscManager:
             if have is None:
                 self._set_class("add-class", index, want)
                 changes.append(f"add class {fmt_handle(want.classid)}")
-            elif have.parent != want.parent:
-                self._del_class(index, want.classid)
-                self._set_class("add-class", index, want)
-                changes.append(f"re-add class {fmt_handle(want.classid)}")
             elif have != stored:
                 self._set_class("change-class", index, want)
                 changes.append(f"change class {fmt_handle(want.classid)}")
@@ -670,6 +679,9 @@ class QdiscManager:
                                self.ifname, found.kind, fmt_handle(found.handle))
             self._state = _Persisted(original=found)
             self._save_state()
+        self._install_root(index, changes)
+
+    def _install_root(self, index: int, changes: list[str]) -> None:
         with translated(self.ifname, "install root qdisc htb 474c:"):
             self.ipr.tc("replace", "htb", index, ROOT, default=OTHER_CLASS & 0xFFFF)
         self._holding = True
@@ -908,6 +920,16 @@ def _is_ours(root: Any) -> bool:
 def _leaf_rate(ceil_bps: int) -> int:
     # Tiny guaranteed rate: leaves live on borrowed bandwidth, arbitrated by prio.
     return max(ceil_bps // 1000, MIN_RATE_BPS)
+
+
+def _moved_class(have: dict[int, HtbParams], want: dict[int, HtbParams]) -> str | None:
+    """Says the first class of `have` under another parent than `want` puts it, if any."""
+    for classid, params in sorted(have.items()):
+        wanted = want.get(classid)
+        if wanted is not None and wanted.parent != params.parent:
+            return (f"class {fmt_handle(classid)} is under {fmt_handle(params.parent)}, "
+                    f"not {fmt_handle(wanted.parent)}")
+    return None
 
 
 def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, HtbParams]:

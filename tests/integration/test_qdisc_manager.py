@@ -256,6 +256,32 @@ def test_a_tree_removed_behind_its_back_is_rebuilt_and_the_original_still_restor
             tc(ns, "qdisc", "del", "dev", "eth0", "root")
 
 
+def test_a_class_moved_under_another_parent_is_put_back_by_rebuilding_the_tree(
+    cluster: Cluster, manager: QdiscManager
+) -> None:
+    """Someone re-created a band class under the root class, its filter with it. The kernel
+    moves no class, and deletes none that a filter points to ("HTB class in use"): the
+    verifying apply rebuilds the tree, which ends as gradlane built it."""
+    ns = cluster.ns("h1")
+    manager.apply(job_spec())
+    built = (tc(ns, "class", "show", "dev", "eth0"), tc(ns, "filter", "show", "dev", "eth0"))
+    band3_filter = ["dev", "eth0", "parent", "474c:", "pref", "32771"]
+    tc(ns, "filter", "del", *band3_filter)
+    tc(ns, "class", "del", "dev", "eth0", "classid", "474c:104")
+    tc(ns, "class", "add", "dev", "eth0", "parent", "474c:1", "classid", "474c:104", "htb",
+       "rate", "1mbit")  # fmt: skip
+    tc(ns, "filter", "add", *band3_filter, "protocol", "ip", "u32", "match", "ip", "tos",
+       "0x48", "0xfc", "flowid", "474c:104")  # fmt: skip
+    assert "474c:104 parent 474c:1 " in tc(ns, "class", "show", "dev", "eth0")
+
+    changes = manager.apply(job_spec(), verify=True)
+    assert changes[0] == "rebuild the tree: class 474c:104 is under 474c:1, not 474c:100"
+    assert "install root qdisc" in changes
+    assert (tc(ns, "class", "show", "dev", "eth0"),
+            tc(ns, "filter", "show", "dev", "eth0")) == built
+    assert manager.apply(job_spec(), verify=True) == []
+
+
 WATCHER = textwrap.dedent(
     """
     import select, socket, subprocess, sys, time
