@@ -32,6 +32,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 import gradlane.shim as gl
+import gradlane.shim.ddp as ddp_module
 import gradlane.shim.engine as engine_module
 import gradlane.shim.sync as sync_module
 from gradlane.errors import ConfigError, PeerLost, TransportError
@@ -1361,6 +1362,30 @@ def test_a_ddp_that_ignores_every_attached_parameter_is_let_be_and_walked_once()
     finally:
         dist.destroy_process_group()
         sync.close()
+
+
+def test_a_ddp_hook_state_that_fails_to_start_leaves_nothing_running(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its daemon client and sockets are up before the engine: an engine that fails to start
+    # (a bad route, a peer gone) takes them down with it, and the model can try again.
+    m = model()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+
+        def broken(*args: Any, **kwargs: Any) -> Engine:
+            assert any(t.name.startswith("gl-") for t in threading.enumerate())  # the client's
+            raise TransportError("rank 0: the engine broke")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(ddp_module, "Engine", broken)
+            with pytest.raises(TransportError, match="^rank 0: the engine broke$"):
+                gl.HookState(m, daemon_socket="/nonexistent/gl.sock", job="init-fails")
+        assert not [t for t in threading.enumerate() if t.name.startswith("gl-")]
+        assert len(os.listdir("/proc/self/fd")) == fds
+        gl.HookState(m, daemon_socket="/nonexistent/gl.sock", job="init-fails").close()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_an_ipv6_rendezvous_is_refused_saying_why() -> None:
