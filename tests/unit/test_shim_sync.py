@@ -1366,23 +1366,32 @@ def test_a_ddp_that_ignores_every_attached_parameter_is_let_be_and_walked_once()
 
 def test_a_ddp_hook_state_that_fails_to_start_leaves_nothing_running(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Its daemon client and sockets are up before the engine: an engine that fails to start
-    # (a bad route, a peer gone) takes them down with it, and the model can try again.
+    # Its daemon client and listening sockets are up before the ranks agree their routes:
+    # a failure there (a store gone, a peer that never posts) takes them down with it, and
+    # the model can try again.
     m = model()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         fds = len(os.listdir("/proc/self/fd"))
+        meshes: list[Mesh] = []  # held: a mesh let go would close its sockets as it is freed
+        real = Mesh.__init__
 
-        def broken(*args: Any, **kwargs: Any) -> Engine:
+        def kept(mesh: Mesh, *args: Any, **kwargs: Any) -> None:
+            real(mesh, *args, **kwargs)
+            meshes.append(mesh)
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
             assert any(t.name.startswith("gl-") for t in threading.enumerate())  # the client's
-            raise TransportError("rank 0: the engine broke")
+            assert len(os.listdir("/proc/self/fd")) > fds  # and the mesh's listener
+            raise TransportError("rank 0: rendezvous failed: the store is gone")
 
         with monkeypatch.context() as patched:
-            patched.setattr(ddp_module, "Engine", broken)
-            with pytest.raises(TransportError, match="^rank 0: the engine broke$"):
+            patched.setattr(Mesh, "__init__", kept)
+            patched.setattr(ddp_module, "reduction_groups", broken)
+            with pytest.raises(TransportError, match="^rank 0: rendezvous failed: the store"):
                 gl.HookState(m, daemon_socket="/nonexistent/gl.sock", job="init-fails")
         assert not [t for t in threading.enumerate() if t.name.startswith("gl-")]
-        assert len(os.listdir("/proc/self/fd")) == fds
+        assert len(os.listdir("/proc/self/fd")) == fds and len(meshes) == 1
         gl.HookState(m, daemon_socket="/nonexistent/gl.sock", job="init-fails").close()
     finally:
         dist.destroy_process_group()
