@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
-from gradlane.errors import ConfigError, TransportError
+from gradlane.errors import ConfigError
 from gradlane.policies.chunks import Routes, group_consecutive, layout_sizes
 from gradlane.shim.client import ComputeClock, DaemonClient
 from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
@@ -456,7 +456,7 @@ class HookState:
             return
         if not self.engine.drain(self.config.timeout_s):  # an owner's results still queued
             self.engine.raise_error()
-            raise TransportError(f"rank {self.rank}: sends did not drain before regrouping")
+            raise self.engine.undrained(self.config.timeout_s, "regrouping")
         self.engine.retire(list(self._groups.values()))
         self._slots = {}
         self._planned = {str(k): [int(o) for o in v] for k, v in posted.items()}

@@ -269,7 +269,7 @@ class Engine:
         ]
         self._queues = {key: [] for key in mesh.links}
         self._qcond = {key: threading.Condition() for key in mesh.links}
-        self._queued_bytes = 0
+        self._queued: dict[int, int] = dict.fromkeys(mesh.peers(), 0)  # bytes, by peer
         self._closing = False
         self._senders: list[threading.Thread] = []
         self._receivers: list[threading.Thread] = []
@@ -528,12 +528,25 @@ class Engine:
         """Wait until the send queues are empty; False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queued_bytes > 0 and self.error is None:
+            while any(self._queued.values()) and self.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._sent.wait(min(left, 0.5))
         return self.error is None
+
+    def undrained(self, timeout_s: float, before: str) -> PeerLost:
+        """The error of sends that `drain` did not see leave within `timeout_s`, `before`
+        what: the rank (or ranks) they wait to be taken by, marked as `give_up` marks
+        a silent one (goodbyes name it, what is queued is dropped at close)."""
+        with self._cond:
+            stuck = sorted(p for p, n in self._queued.items() if n > 0)
+            queued = sum(self._queued.values())
+            self._silent = PeerLost(
+                stuck[0] if len(stuck) == 1 else None, self.step,
+                f"sends to ranks {stuck} did not drain within {timeout_s:g} s before {before} "
+                f"({queued / 1e6:.1f} MB still queued)")
+            return self._silent
 
     @property
     def healthy(self) -> bool:
@@ -565,7 +578,7 @@ class Engine:
                     dropped = sum(len(item[3]) for item in queue if item[3] is not None)
                     queue.clear()
                 with self._cond:
-                    self._queued_bytes -= dropped
+                    self._queued[peer] -= dropped
             elif not drained:  # its sender goes on until the sockets shut
                 with cond:
                     cond.notify_all()
@@ -615,7 +628,7 @@ class Engine:
     ) -> None:
         size = len(payload) if payload is not None else 0
         with self._cond:
-            self._queued_bytes += size
+            self._queued[peer] += size
         link = (peer, band, plane)
         with self._qcond[link]:
             heapq.heappush(self._queues[link], (key, next(self._seq), header, payload))
@@ -639,8 +652,8 @@ class Engine:
                     return
                 _send_all(link.sock, header, payload)
                 with self._cond:
-                    self._queued_bytes -= len(payload)
-                    if self._queued_bytes == 0:
+                    self._queued[peer] -= len(payload)
+                    if not any(self._queued.values()):
                         self._sent.notify_all()
         except OSError as exc:
             self._fail(PeerLost(peer, self.step, f"sending failed: {exc}"), quiet=self._closing)

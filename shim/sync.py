@@ -1336,7 +1336,7 @@ class Sync:
         """
         if not self.engine.drain(self.config.timeout_s):
             self.engine.raise_error()
-            raise TransportError(f"rank {self.rank}: sends did not drain before {before}")
+            raise self.engine.undrained(self.config.timeout_s, before)
 
     def _finish_step(self) -> None:
         self._state = "idle"

@@ -11,6 +11,7 @@ must be the sample-weighted mean of the ranks' gradients.
 from __future__ import annotations
 
 import itertools
+import re
 import socket
 import threading
 import time
@@ -664,3 +665,31 @@ def test_a_failing_rank_drops_what_it_queued_and_its_goodbye_names_the_rank_lost
     engine.close(linger_s=20)
     assert time.monotonic() - started < 10  # not the linger: what is queued is dropped
     assert _frames(_read_until_closed(mesh1.link(0, 1, 0).sock)) == [((BYE, 0, 0, 2, 0, 0), b"")]
+
+
+def test_sends_a_peer_does_not_take_name_it_once_the_drain_gives_up(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    """Rank 1 reads nothing (hung, its connections open) while 64 MB of rank 0's
+    contributions are queued for it: a drain (before clipping, stepping, regrouping) gives
+    up naming rank 1, and rank 0's goodbye, which does not wait for them, names it too."""
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    numel = 16 << 20
+    ranges = [(k, k + (2 << 20)) for k in range(0, numel, 2 << 20)]
+    group = engine.add_group(0, "g", torch.zeros(numel), ranges, [1] * len(ranges), 0, 0)
+    try:
+        engine.begin(0, 1)
+        engine.ready(group)
+        assert not engine.drain(0.2)
+        stuck = engine.undrained(0.2, "clipping")
+        assert stuck.rank == 1
+        assert re.fullmatch(r"step 0: rank 1 lost: sends to ranks \[1\] did not drain within "
+                            r"0.2 s before clipping \(\d+\.\d MB still queued\)", str(stuck))
+        queued = float(str(stuck).rsplit("(", 1)[1].split()[0])
+        assert 0 < queued <= numel * 4 / 1e6  # what the kernel's buffers took is not queued
+    finally:
+        started = time.monotonic()
+        engine.close(linger_s=20)
+    assert time.monotonic() - started < 10  # not the linger: what is queued is dropped
+    frames = _frames(_read_until_closed(mesh1.link(0, 1, 0).sock))  # band 1: nothing queued
+    assert frames == [((BYE, 0, 0, 2, 0, 0), b"")]  # rank 1 lost
