@@ -631,6 +631,9 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
     try:
         config = ControlConfig(token=read_token(token_file), host=host, port=port,
                                policy=policy, cadence_s=cadence, ttl_s=ttl,
+                               # Plans follow a change this soon, at the earliest: never
+                               # later than the cadence (a --cadence under 0.05 s).
+                               react_s=min(ControlConfig.react_s, cadence),
                                uplink_bps=None if uplink is None else parse_rate(uplink))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None

@@ -8,6 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from gradlane import cli
+from gradlane.daemon import control as control_module
+from gradlane.daemon.control import ControlConfig
 from gradlane.errors import ConfigError
 from gradlane.policies.loadbalance import load_solver
 from tests import REPO
@@ -64,3 +66,20 @@ def test_without_scipy_the_planners_say_which_extra(args: list[str], token: str,
     assert "Traceback" not in shown.output
     with pytest.raises(ConfigError, match=r"needs SciPy"):
         load_solver()
+
+
+def test_a_cadence_under_the_reaction_time_is_taken(token: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Plans follow a change after react_s (0.05 s) at the earliest; a shorter cadence
+    # shortens it too, rather than failing on a setting no flag sets.
+    served: list[ControlConfig] = []
+
+    async def serve(config: ControlConfig) -> None:
+        served.append(config)
+
+    monkeypatch.setattr(control_module, "serve", serve)
+    monkeypatch.setattr(cli, "_log_as_a_service", lambda: None)
+    shown = CliRunner().invoke(cli.cli, ["control", "--token-file", token, "--cadence", "0.01",
+                                         "--ttl", "1"])
+    assert shown.exit_code == 0, shown.output
+    assert [(c.cadence_s, c.react_s, c.ttl_s) for c in served] == [(0.01, 0.01, 1.0)]
