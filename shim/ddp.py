@@ -454,9 +454,7 @@ class HookState:
                             said, f"{self._prefix}/owners/{self.step - OWNERS_EVERY}")
         if not isinstance(posted, dict):
             return
-        if not self.engine.drain(self.config.timeout_s):  # an owner's results still queued
-            self.engine.raise_error()
-            raise self.engine.undrained(self.config.timeout_s, "regrouping")
+        self.engine.drain_before("regrouping", self.config.timeout_s)  # owners' results
         self.engine.retire(list(self._groups.values()))
         self._slots = {}
         self._planned = {str(k): [int(o) for o in v] for k, v in posted.items()}

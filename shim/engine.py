@@ -535,18 +535,28 @@ class Engine:
                 self._sent.wait(min(left, 0.5))
         return self.error is None
 
-    def undrained(self, timeout_s: float, before: str) -> PeerLost:
-        """The error of sends that `drain` did not see leave within `timeout_s`, `before`
-        what: the rank (or ranks) they wait to be taken by, marked as `give_up` marks
-        a silent one (goodbyes name it, what is queued is dropped at close)."""
+    def drain_before(self, before: str, timeout_s: float) -> None:
+        """`drain` before `before` (what must not start until every queued send left).
+
+        Raises:
+            TransportError: the engine failed meanwhile.
+            PeerLost: sends are still queued after `timeout_s`: it names the rank (or
+                ranks) they wait to be taken by, marked as `give_up` marks a silent one
+                (goodbyes name it, what is queued is dropped at close).
+        """
+        if self.drain(timeout_s):
+            return
+        self.raise_error()
         with self._cond:
             stuck = sorted(p for p, n in self._queued.items() if n > 0)
+            if not stuck:  # the last went just now
+                return
             queued = sum(self._queued.values())
             self._silent = PeerLost(
                 stuck[0] if len(stuck) == 1 else None, self.step,
                 f"sends to ranks {stuck} did not drain within {timeout_s:g} s before {before} "
                 f"({queued / 1e6:.1f} MB still queued)")
-            return self._silent
+            raise self._silent
 
     @property
     def healthy(self) -> bool:

@@ -1334,9 +1334,7 @@ class Sync:
         averages in place (clipping, an optimizer outside torch.optim, whose
         step may write its gradients) must wait, or the peer gets other bytes.
         """
-        if not self.engine.drain(self.config.timeout_s):
-            self.engine.raise_error()
-            raise self.engine.undrained(self.config.timeout_s, before)
+        self.engine.drain_before(before, self.config.timeout_s)
 
     def _finish_step(self) -> None:
         self._state = "idle"

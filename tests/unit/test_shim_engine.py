@@ -680,8 +680,9 @@ def test_sends_a_peer_does_not_take_name_it_once_the_drain_gives_up(
     try:
         engine.begin(0, 1)
         engine.ready(group)
-        assert not engine.drain(0.2)
-        stuck = engine.undrained(0.2, "clipping")
+        with pytest.raises(PeerLost) as lost:
+            engine.drain_before("clipping", 0.2)
+        stuck = lost.value
         assert stuck.rank == 1
         assert re.fullmatch(r"step 0: rank 1 lost: sends to ranks \[1\] did not drain within "
                             r"0.2 s before clipping \(\d+\.\d MB still queued\)", str(stuck))
