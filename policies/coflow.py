@@ -24,7 +24,9 @@ Brinch Hansen's HRRN), so one that has waited many times its own length
 moves up. Only the simulator gives coflows an age (`Coflow.age_s`, from when
 its first flow was ready): the control plane's coflow is a job's next
 iteration, whose start no report carries, so there every age is 0, the
-weights are all 1 and the order follows the load alone. Flows within a
+weights are all 1 and the order follows the load alone (in the simulator's
+1,024-host runs, ages all 0 lengthened neither the mean CCT, 0-3% shorter,
+nor the longest: bench/README.md, "The simulator"). Flows within a
 coflow share one band (`priority` adds bands; `gradlane` composes both).
 """
 
