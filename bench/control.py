@@ -182,6 +182,8 @@ def main() -> None:
                     help=f"the measured window (at least {MIN_WINDOW_S:g} s)")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/control.json")
     args = ap.parse_args()
+    if args.daemons < 1:
+        ap.error("--daemons must be at least 1")
     if args.seconds < MIN_WINDOW_S:
         # Daemons that connected together report together, so plans come a cadence (1 s)
         # plus react_s and the plan's own time apart: a 1 s window can fall between two.
