@@ -78,7 +78,7 @@ class DaemonConfig:
     control_token_file: Path | None = None
     control_host: str | None = None  # the name this host registers as (default: hostname)
     control_leaf: int = 0  # the leaf switch it hangs off
-    source: str = field(default="(defaults)", compare=False)
+    source: str = field(default="the command line", compare=False)
 
     @property
     def http_address(self) -> tuple[str, int] | None:
@@ -98,25 +98,32 @@ def host_port(text: str) -> tuple[str, int]:
 
 
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
-    """Read `path` (None: defaults only), apply `overrides` ("section.key" -> value).
+    """Read `path` (None: the defaults), apply `overrides` ("section.key" -> value): the
+    command line's options.
 
     Overrides use the file's names: ``{"daemon.socket": "/tmp/s.sock",
     "interface": ["eth0=1gbit"]}``.
 
     Raises:
-        ConfigError: unreadable file, unknown key, or a bad value (named).
+        ConfigError: no interface named, an unreadable file, an unknown key, or a bad
+            value (named, with where it came from).
     """
     raw: dict[str, Any] = {}
-    source = "(defaults)"
+    overrides = overrides or {}
+    if path is None and not overrides.get("interface"):
+        raise ConfigError("no interface to manage: give --interface IF[=RATE], or a config "
+                          "file listing [[interface]] (--config; systemd/gradlaned.toml is an "
+                          "example)")
+    source = "the command line"
     if path is not None:
-        source = str(path)
+        source = f"{path} and the command line" if overrides else str(path)
         try:
             raw = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"config file {path}: {exc}") from None
-    for key, value in (overrides or {}).items():
+    for key, value in overrides.items():
         if key == "interface":
             raw["interface"] = [_interface_flag(v) for v in value]
             continue

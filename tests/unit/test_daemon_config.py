@@ -88,8 +88,12 @@ def test_missing_file_and_undetectable_rate(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe[daemon]")  # saved as UTF-16, say
     with pytest.raises(ConfigError, match=r"^config file .*binary\.toml: 'utf-8' codec"):
         load_config(binary)
-    with pytest.raises(ConfigError, match=r"interface\[0\].name: no interface 'nosuch0' here"):
+    with pytest.raises(ConfigError, match=r"^the command line: interface\[0\].name: no "
+                                          r"interface 'nosuch0' here"):
         load_config(None, {"interface": ["nosuch0"]})
+    with pytest.raises(ConfigError, match=r"^no interface to manage: give --interface "
+                                          r"IF\[=RATE\], or a config file"):
+        load_config(None, {"daemon.http": ""})  # neither a file nor --interface
     # Loopback is there, and has no line rate to read.
     with pytest.raises(ConfigError, match=r"interface\[0\].rate: cannot detect the line rate "
                        r"of lo \(down, or virtual"):
