@@ -184,6 +184,21 @@ def test_restore_gives_back_the_exact_default_root(cluster: Cluster, tmp_path: P
         assert qm.restore() is True
     assert tc(ns, "qdisc", "show", "dev", "eth0") == before
     assert not (tmp_path / "q.json").exists()
+    with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
+        assert qm.restore() is False  # no gradlane tree: nothing done
+    assert tc(ns, "qdisc", "show", "dev", "eth0") == before
+
+
+def test_a_state_file_removed_under_a_running_manager_is_written_again(
+        cluster: Cluster, manager: QdiscManager, tmp_path: Path) -> None:
+    # Without it, a crash would leave a tree whose original root nobody knows: the next
+    # apply, even one that changes nothing, writes it again.
+    manager.apply(job_spec())
+    state = tmp_path / "q.json"
+    kept = state.read_text()
+    state.unlink()
+    assert manager.apply(job_spec()) == []
+    assert state.read_text() == kept
 
 
 def test_a_tree_whose_state_file_is_gone_is_restored_to_the_kernel_default(
@@ -333,6 +348,7 @@ def test_foreign_root_is_left_alone(cluster: Cluster, tmp_path: Path) -> None:
             with pytest.raises(ForeignQdiscError, match="root qdisc tbf 9:0 on eth0"):
                 qm.apply(job_spec())
             assert not qm.owned()
+            assert qm.restore() is False  # nothing of gradlane's to remove: theirs stays
         assert tc(ns, "qdisc", "show", "dev", "eth0") == before
     finally:
         tc(ns, "qdisc", "del", "dev", "eth0", "root")
