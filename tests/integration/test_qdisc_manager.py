@@ -395,6 +395,10 @@ def test_takeover_after_sigkill_then_exact_restore(cluster: Cluster, tmp_path: P
             )
             assert qm.apply(same) == []  # taken over as it was: nothing duplicated
             assert tc(ns, "class", "show", "dev", "eth0") == classes_left
+            # The tree taken over is gradlane's to keep: deleted behind its back, it is
+            # built again, and what the end restores is still the operator's fifo.
+            tc(ns, "qdisc", "del", "dev", "eth0", "root")
+            assert "install root qdisc" in qm.apply(same, verify=True)
             assert qm.restore() is True
         assert tc(ns, "qdisc", "show", "dev", "eth0") == before
     finally:
