@@ -125,6 +125,16 @@ def test_filters_existing_in_kernel_are_kept_and_missing_ones_added() -> None:
     assert diff.build_table and len(diff.add) == 5 and diff.drop_prefs == set()
 
 
+@pytest.mark.parametrize("left", [[TABLE], [LINK], [TABLE, flow_node(FLOW, 0x474C0102)]],
+                         ids=["table-without-link", "link-without-table", "no-link"])
+def test_a_flow_table_half_there_is_built_again(left: list[U32Filter]) -> None:
+    # What a crash between the table and its link, or someone's `tc filter del`, leaves:
+    # the flows' priority goes whole and is built again, not used as it is.
+    want = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(FLOW,)),)), {"a": 1})
+    diff = _diff_filters(want, left)
+    assert diff.build_table and FLOW_PREF in diff.drop_prefs
+
+
 def test_a_flow_moved_to_another_band_is_retargeted_in_place() -> None:
     moved = FlowMatch(3, FLOW.src, FLOW.sport, FLOW.dst, FLOW.dport)
     want = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(moved,)),)), {"a": 1})
