@@ -44,6 +44,27 @@ def test_file_values_and_overrides(tmp_path: Path) -> None:
     assert [i.name for i in flags.interfaces] == ["eth1"] and flags.http_address is None
 
 
+def test_values_at_their_limits_and_defaults(tmp_path: Path) -> None:
+    def bands(value: object) -> str:
+        return GOOD.replace("bands = [46, 26]", f"bands = {value}")
+
+    def mode(value: str) -> str:
+        return GOOD.replace('socket_mode = "0600"', f'socket_mode = "{value}"')
+
+    assert load_config(write(tmp_path, bands([1, 63]))).bands == (1, 63)
+    assert len(load_config(write(tmp_path, bands(list(range(1, 16))))).bands) == 15
+    for bad in ("[]", "[0]", "[64]", '["46"]', str(list(range(1, 17)))):
+        with pytest.raises(ConfigError, match=r"network.bands: must be 1..15 distinct DSCP "):
+            load_config(write(tmp_path, bands(bad)))
+    assert load_config(write(tmp_path, mode("0000"))).socket_mode == 0
+    assert load_config(write(tmp_path, mode("0777"))).socket_mode == 0o777
+    with pytest.raises(ConfigError, match="daemon.socket_mode: must be octal"):
+        load_config(write(tmp_path, mode("1000")))
+    config = load_config(write(tmp_path, GOOD.replace("[daemon]", "[daemon]\ncoalesce_ms = 5")))
+    assert config.coalesce_s == 0.005
+    assert config.control_leaf == 0 and config.control_url is None
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
