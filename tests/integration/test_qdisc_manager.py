@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,26 @@ def test_registered_5tuple_overrides_dscp(cluster: Cluster, manager: QdiscManage
     band1 = "474c:102"
     assert after[band1] - before[band1] >= 4_000_000
     assert after["474c:2"] - before["474c:2"] < 1_000_000  # not in "other traffic"
+
+
+def test_the_kept_view_follows_what_was_deleted(cluster: Cluster, manager: QdiscManager) -> None:
+    # One apply deletes a flow, moves one to another band, and moves the DSCP fallbacks
+    # to another job (their priorities deleted whole and added again): the manager's
+    # view, which later applies diff against without asking the kernel, must be what the
+    # kernel now holds.
+    h2 = cluster.addr("h2")
+    flows = tuple(FlowMatch(band=1, dst=h2, dport=5301 + 2 * i) for i in range(3))
+    manager.apply(job_spec(flows=flows))
+    moved = replace(job_spec(flows=(replace(flows[0], band=2), flows[1])), dscp_job="eval")
+    changes = manager.apply(moved)
+    assert sum(c.startswith("delete flow 474:") for c in changes) == 1
+    assert sum(c.startswith("change flow 474:") for c in changes) == 1
+    assert sum(c.startswith("delete filter pref") for c in changes) == 4, changes
+    assert manager.apply(moved) == []  # the kept view ...
+    assert manager.apply(moved, verify=True) == []  # ... is the kernel's
+    shown = tc(cluster.ns("h1"), "filter", "show", "dev", "eth0")
+    assert [shown.count(f"flowid 474c:{c} ") for c in (201, 202, 203, 204, 102, 103)] == \
+        [1, 1, 1, 1, 1, 1], shown
 
 
 def test_thousands_of_flows_hash_and_classify(cluster: Cluster, manager: QdiscManager) -> None:
@@ -338,14 +359,17 @@ def test_the_root_watch_hears_roots_go_and_nothing_of_classes_and_filters(
     assert lines["deleted"][:-1] == [f"[{index}]"], out
 
 
-def test_foreign_root_is_left_alone(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("qdisc", [
+    ["tbf", "rate", "50mbit", "burst", "32kb", "latency", "50ms"],
+    ["htb", "default", "1"],  # an operator's own HTB tree: not gradlane's for being HTB
+], ids=["tbf", "htb"])
+def test_foreign_root_is_left_alone(cluster: Cluster, tmp_path: Path, qdisc: list[str]) -> None:
     ns = cluster.ns("h1")
-    tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "9:", "tbf",
-       "rate", "50mbit", "burst", "32kb", "latency", "50ms")  # fmt: skip
+    tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "9:", *qdisc)
     try:
         before = tc(ns, "qdisc", "show", "dev", "eth0")
         with QdiscManager("eth0", netns=ns, state_file=tmp_path / "q.json") as qm:
-            with pytest.raises(ForeignQdiscError, match="root qdisc tbf 9:0 on eth0"):
+            with pytest.raises(ForeignQdiscError, match=f"root qdisc {qdisc[0]} 9:0 on eth0"):
                 qm.apply(job_spec())
             assert not qm.owned()
             assert qm.restore() is False  # nothing of gradlane's to remove: theirs stays

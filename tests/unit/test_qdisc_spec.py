@@ -2,6 +2,7 @@
 reading its state file."""
 
 import errno
+import json
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -250,3 +251,23 @@ def test_a_state_file_it_cannot_read_is_refused_naming_it(tmp_path: Path, text: 
     state.write_text('{"original": {"kind": "pfifo", "handle": 65536, "limit": 100}, '
                      '"slots": {"a": 1}}')
     QdiscManager("eth0", state_file=state)  # its own format reads
+
+
+def test_a_job_keeps_its_slot_and_the_slots_of_jobs_gone_are_taken_again(
+        tmp_path: Path) -> None:
+    # A daemon serves job after job for months: a job's classes stay where they are while
+    # others come and go (their counters with them), and a departed job's slot is free.
+    manager = QdiscManager("eth0", state_file=tmp_path / "q.json")  # no kernel asked
+    for i in range(MAX_JOBS + 5):  # more jobs over time than slots at once
+        slots = manager._assign_slots(spec(jobs=(JobSpec("long", M, 100 * M),
+                                                 JobSpec(f"short{i}", M, 100 * M)), dscp_job=None))
+        assert slots == {"long": 1, f"short{i}": 2}
+        manager._state.slots = slots
+
+
+def test_the_state_file_s_directory_is_made(tmp_path: Path) -> None:
+    # gradlaned's state_dir (/run/gradlane) may not exist yet at its first start.
+    state = tmp_path / "run" / "gradlane" / "qdisc-eth0.json"
+    manager = QdiscManager("eth0", state_file=state)  # no kernel asked
+    manager._save_state()
+    assert json.loads(state.read_text())["ifname"] == "eth0"
