@@ -503,12 +503,10 @@ class HookState:
             now = time.monotonic()
             idle = now - self.engine.last_rx
             verdict = self.engine.silence(idle, asked, now) if self._pending else "wait"
-            # Wake when the timeout (or the wait for an answer) runs out, not up to a
-            # second after it.
-            wake = min(1.0, max(0.01, self.config.timeout_s - idle))
             if verdict == "wait":
-                if asked is not None and self.engine.last_rx < asked:
-                    wake = min(1.0, max(0.01, asked + self.engine.ping_grace - now))
+                # Wake when the timeout (or the wait for an answer) runs out, not up to a
+                # second after it.
+                wake = min(1.0, max(0.01, self.engine.next_look(idle, asked, now)))
                 continue
             with self._lock:
                 groups = [segment.group for _, segment in self._waiting.values()]

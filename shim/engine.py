@@ -433,9 +433,7 @@ class Engine:
                     verdict = self.silence(idle, asked, now)
                     if verdict != "wait":
                         break
-                    left = (self.timeout_s - idle if asked is None or self.last_rx >= asked
-                            else asked + self.ping_grace - now)
-                    self._cond.wait(min(1.0, max(left, 0.001)))
+                    self._cond.wait(min(1.0, max(self.next_look(idle, asked, now), 0.001)))
             if verdict == "lost":
                 raise self.give_up(pending, step, idle)
             asked = time.monotonic()
@@ -461,6 +459,13 @@ class Engine:
             return "wait"
         return "ask" if asked is None else "lost"
 
+    def next_look(self, idle: float, asked: float | None, now: float) -> float:
+        """Seconds until `silence` may say otherwise: until the answer's grace runs out,
+        while an answer is awaited, else until timeout_s without word."""
+        if asked is not None and self.last_rx < asked:
+            return asked + self.ping_grace - now
+        return self.timeout_s - idle
+
     def ping(self, ranks: Iterable[int]) -> None:
         """Ask `ranks` whether they are there (`PING`): a live one's answer counts as word
         from it (`last_rx`)."""
@@ -485,11 +490,15 @@ class Engine:
         """
         with self._cond:
             missing = sorted(set(self._missing(pending, step)))
-            self._silent = PeerLost(
-                missing[0] if len(missing) == 1 else None, step,
-                f"nothing received for {idle:.0f} s while waiting for "
+            return self._mark_lost(
+                missing, step, f"nothing received for {idle:.0f} s while waiting for "
                 f"{pending[0].label if pending else 'its groups'}; waiting on ranks {missing}")
-            return self._silent
+
+    def _mark_lost(self, ranks: list[int], step: int, detail: str) -> PeerLost:
+        """The error naming `ranks` lost (the one, or "peers"), kept for close: its
+        goodbyes name the rank, and what is queued is dropped. Under the engine's lock."""
+        self._silent = PeerLost(ranks[0] if len(ranks) == 1 else None, step, detail)
+        return self._silent
 
     def lost(self, groups: Sequence[Group], step: int | None = None) -> PeerLost | None:
         """Why `groups` cannot be averaged for `step` (default: current), if a peer they
@@ -552,11 +561,9 @@ class Engine:
             if not stuck:  # the last went just now
                 return
             queued = sum(self._queued.values())
-            self._silent = PeerLost(
-                stuck[0] if len(stuck) == 1 else None, self.step,
-                f"sends to ranks {stuck} did not drain within {timeout_s:g} s before {before} "
-                f"({queued / 1e6:.1f} MB still queued)")
-            raise self._silent
+            raise self._mark_lost(
+                stuck, self.step, f"sends to ranks {stuck} did not drain within {timeout_s:g} s "
+                f"before {before} ({queued / 1e6:.1f} MB still queued)")
 
     @property
     def healthy(self) -> bool:
