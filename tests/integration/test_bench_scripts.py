@@ -56,6 +56,16 @@ def _coflow_orders(r: dict[str, Any]) -> bool:
                     for row in rows.values()))
 
 
+def _coflow_ages(r: dict[str, Any]) -> bool:
+    settings = r["settings"]
+    return ([s["loop"] for s in settings] == ["closed", "open"]
+            and all(s["runs"].keys() == {"coflow", "coflow-ageless"}
+                    and all(run["mean_cct_s"] > 0 for run in s["runs"].values())
+                    and s["ageless_over_aged"]["mean_cct_s"] > 0
+                    and s["runs"]["coflow-ageless"]["plans_with_ages_taken"] > 0
+                    for s in settings))
+
+
 def _state_copy(r: dict[str, Any]) -> bool:
     return all(t > 0 for ways in r["median_s"].values() for t in ways.values())
 
@@ -63,6 +73,7 @@ def _state_copy(r: dict[str, Any]) -> bool:
 SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
     ("policy_plan.py", ["--repeat", "1"], _plan, False),
     ("coflow_orders.py", ["--hosts", "64", "--iterations", "2"], _coflow_orders, False),
+    ("coflow_ages.py", ["--hosts", "64", "--loads", "0.6", "--seeds", "0"], _coflow_ages, False),
     ("control.py", ["--daemons", "5", "--seconds", "2"], _control, False),
     ("shim_transport.py", ["--size-mb", "1", "--reps", "1"], _transport, False),
     ("shim_overlap.py", ["--iters", "3", "--warmup", "1", "--rounds", "1", "--forward-ms", "5",
