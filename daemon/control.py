@@ -714,8 +714,8 @@ def _load_solver() -> None:
         logger.error("the solver did not import (%s); plans that need it will fail", exc)
 
 
-async def serve(config: ControlConfig, ready: asyncio.Event | None = None) -> None:
-    """Serve until cancelled; the site is bound before `ready` is set."""
+async def serve(config: ControlConfig) -> None:
+    """Serve until cancelled."""
     plane = ControlPlane(config)
     runner = web.AppRunner(plane.app(), access_log=None, shutdown_timeout=2)
     await runner.setup()
@@ -726,8 +726,6 @@ async def serve(config: ControlConfig, ready: asyncio.Event | None = None) -> No
         # The solver's import (about a second) while the daemons reconnect: not before
         # listening, which a restart's daemons wait for, nor in the first plan needing it.
         asyncio.get_running_loop().run_in_executor(None, _load_solver)
-        if ready is not None:
-            ready.set()
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
