@@ -38,7 +38,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _config(**kw: Any) -> ControlConfig:
-    return ControlConfig(token=TOKEN, cadence_s=0.2, react_s=0.01, ttl_s=5.0, **kw)
+    return ControlConfig(**{"token": TOKEN, "cadence_s": 0.2, "react_s": 0.01, "ttl_s": 5.0, **kw})
 
 
 def _run(test: Callable[[ControlPlane, TestClient], Awaitable[None]], **kw: Any) -> None:
@@ -342,7 +342,7 @@ def _status_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view: dict[str, 
     return shown.output
 
 
-def test_a_bad_message_closes_only_that_connection() -> None:
+def test_a_bad_message_closes_only_that_connection(caplog: pytest.LogCaptureFixture) -> None:
     async def test(plane: ControlPlane, client: TestClient) -> None:
         good = await client.ws_connect("/api/v1/daemon", headers=AUTH)
         await good.send_json(_register("good"))
@@ -357,6 +357,8 @@ def test_a_bad_message_closes_only_that_connection() -> None:
         await good.close()
 
     _run(test)
+    # The refused connection ended as the plane meant it to, not in an error of its own.
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
 def test_a_daemon_past_the_most_the_plane_takes_is_refused_and_one_registered_comes_back(
@@ -378,6 +380,37 @@ def test_a_daemon_past_the_most_the_plane_takes_is_refused_and_one_registered_co
         assert set(plane.daemons) == {"h1"}
 
     _run(test, max_daemons=1)
+
+
+def test_a_daemon_connecting_again_gets_the_plan_at_once_and_its_old_session_is_closed(
+) -> None:
+    """A restarted gradlaned reconnects while its old connection may still be open (its
+    host gone quiet, not closed): the newer session wins, the old one is closed and its
+    close leaves the daemon connected; the plan there is comes with the welcome, not with
+    the plan the register brings about a second later (a new version: no plan comes on
+    the 30 s cadence in between)."""
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        old = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await old.send_json(_register("h1"))
+        assert (await old.receive_json())["type"] == "welcome"
+        await old.send_json(_report([0, 1], 1.0, batch=4))
+        first = await _next_plan(old)
+        new = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await new.send_json(_register("h1"))
+        assert (await new.receive_json())["type"] == "welcome"
+        at_once = await new.receive_json()
+        assert at_once["type"] == "plan" and at_once["version"] == first["version"]
+        assert at_once["batch_shares"] == {"j": [2, 2]}
+        async with asyncio.timeout(5):
+            while (await old.receive()).type not in (aiohttp.WSMsgType.CLOSE,
+                                                     aiohttp.WSMsgType.CLOSED):
+                pass
+        await until(lambda: plane.daemons["h1"].connected and plane.daemons["h1"].ws is not None)
+        await new.send_json(_report([0, 1], 1.0, batch=6))
+        assert (await _next_plan(new))["batch_shares"] == {"j": [3, 3]}
+        await new.close()
+
+    _run(test, cadence_s=30.0, react_s=1.0, ttl_s=60.0)
 
 
 def test_a_flood_of_bad_connections_does_not_stop_good_daemons() -> None:
@@ -414,11 +447,14 @@ def test_a_flood_of_bad_connections_does_not_stop_good_daemons() -> None:
 
 def test_config_and_token_errors(tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match="at least 16"):
-        ControlConfig(token="short")
+        ControlConfig(token="x" * 15)
+    assert ControlConfig(token="x" * 16).token == "x" * 16
     with pytest.raises(ConfigError, match="unknown policy"):
         ControlConfig(token=TOKEN, policy="nope")
     with pytest.raises(ConfigError, match="ttl_s must exceed"):
         ControlConfig(token=TOKEN, cadence_s=5, ttl_s=1)
+    with pytest.raises(ConfigError, match="ttl_s must exceed"):  # it would lapse at each push
+        ControlConfig(token=TOKEN, cadence_s=5, ttl_s=5)
     for timing in ({"cadence_s": 0}, {"cadence_s": 3601, "ttl_s": 4000},
                    {"react_s": 2.0}, {"react_s": -0.1}):
         with pytest.raises(ConfigError, match=r"^cadence_s must be in \(0, 3600\] and react_s "
@@ -433,8 +469,13 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
     path.write_bytes(b"\xff" * 20)  # a key file, say
     with pytest.raises(ConfigError, match="^cannot read the token file .*: not UTF-8 text$"):
         read_token(path)
+    path.write_text(f"  {'x' * 15}\n")  # 18 characters, 15 of them the token's
+    with pytest.raises(ConfigError, match=f"^{path}: the token must be at least 16 characters$"):
+        read_token(path)
     path.write_text(TOKEN + "\n")
     assert read_token(path) == TOKEN
+    path.write_text("x" * 16)
+    assert read_token(path) == "x" * 16
 
 
 def _reported(plane: ControlPlane, host: str, leaf: int, jobs: list[dict[str, Any]],
@@ -642,6 +683,41 @@ def test_ranks_sharing_a_host_put_only_what_crosses_hosts_in_the_demand() -> Non
     # 4 chunks x 4 crossings x 1000 bytes, half leaving each host (owners alternate hosts).
     assert state.flows.bytes.sum() == 16_000
     assert set(state.flows.src.tolist()) == {0, 1} and (state.flows.src != state.flows.dst).all()
+
+
+def test_demand_of_a_deep_model_comes_in_at_most_demand_buckets_a_job() -> None:
+    """200 layers, a chunk each, on two hosts: consecutive layers share a bucket, so the
+    state has at most 2 x DEMAND_BUCKETS flows a worker, every byte still in them, and
+    each bucket's priority is its first layer's."""
+    plane = ControlPlane(_config())
+    chunks = [1000 + i for i in range(200)]
+    _reported(plane, "h0", 0, [_job("j", [0], chunks)])
+    _reported(plane, "h1", 0, [_job("j", [1], chunks)])
+    state = plane.build_state()
+    for host in (0, 1):
+        assert 0 < (state.flows.src == host).sum() <= 2 * control.DEMAND_BUCKETS
+    assert state.flows.bytes.sum() == 2 * sum(chunks)  # flat, two ranks: each chunk twice
+    firsts = sorted(set(state.flows.priority.tolist()))
+    assert len(firsts) == control.DEMAND_BUCKETS and firsts[0] == 0
+    assert firsts == [-(-b * 200 // control.DEMAND_BUCKETS) for b in range(len(firsts))]
+
+
+def test_a_job_back_with_fewer_ranks_gets_owners_among_them() -> None:
+    """A plan's chunk owners of a job of three ranks, the job then restarted on two (its
+    chunks the same): owners of rank 2 are no rank of it, so the demand assigns afresh."""
+    plane = ControlPlane(_config())
+    chunks = [1000] * 6
+    for h in range(3):
+        _reported(plane, f"h{h}", 0, [_job("j", [h], chunks)])
+    plane.plan = plane.policy.plan(plane.build_state())
+    assert max(plane.plan.ownership["j"]) == 2
+    del plane.daemons["h2"]
+    for h in range(2):
+        _reported(plane, f"h{h}", 0, [_job("j", [h], chunks)])
+    state = plane.build_state()
+    assert state.flows.bytes.sum() == 2 * sum(chunks)
+    assert set(state.flows.src.tolist()) == set(state.flows.dst.tolist()) == {0, 1}
+    assert check_plan(state, plane.policy.plan(state)) == []
 
 
 def test_demand_follows_how_the_shims_say_they_reduce() -> None:
