@@ -306,6 +306,8 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
             # ... and said the failure, for operators: in the view, `gradlane status` and /metrics.
             assert view["planning_failed"]["times"] == 1
             assert view["planning_failed"]["error"] == "RuntimeError: a state bug"
+            assert 0 <= view["planning_failed"]["last_s_ago"] < 5
+            assert 0 <= view["hosts"][0]["seen_s_ago"] < 5
             shown = _status_of(tmp_path, monkeypatch, view)
             assert "planning FAILED 1 time(s) since the last plan" in shown
             assert "RuntimeError: a state bug; the daemons keep the last plan" in shown
@@ -316,9 +318,13 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
             assert (await _next_plan(ws))["batch_shares"] == {"j": [8]}
             view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
             assert view["planning_failed"] is None  # planned since
+            assert 0 <= view["plan"]["age_s"] < 5
             metrics = await (await client.get("/metrics", headers=AUTH)).text()
             age = metric_samples(metrics, "gradlane_control_plan_age_seconds")
             assert list(age) == [""] and 0 <= age[""] < 5
+            for timed in ("plan", "push"):  # each an interval, not a moment
+                seconds = metric_samples(metrics, f"gradlane_control_{timed}_seconds")
+                assert seconds["_count"] >= 1 and 0 <= seconds["_sum"] < 5 * seconds["_count"]
             assert "FAILED" not in _status_of(tmp_path, monkeypatch, view)
             await ws.close()
         finally:
@@ -500,7 +506,8 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     small, big = [1_000_000] * 4, [8_000_000] * 4
     _reported(plane, "h0", 0, [{**_job("a", [0], small), "band_bps": [2e6, 1.5e6]},
                                _job("b", [0], big)])
-    _reported(plane, "h1", 1, [_job("a", [1], small), _job("b", [1], big)])
+    _reported(plane, "h1", 1, [{**_job("a", [1], small), "band_bps": [1e6, 0.0, 0.5e6]},
+                               _job("b", [1], big)])
     state = plane.build_state()
     assert [c.job for c in state.coflows] == ["a", "b"]
     # Two workers, flat: each sends every chunk it does not own up, and those it owns down.
@@ -515,6 +522,7 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     view = plane.view()
     assert view["plan"]["coflow_order"] == ["a", "b"]
     assert view["jobs"]["b"]["demand_bytes"] == 2 * sum(big)
+    assert view["jobs"]["a"]["band_bps"] == [3e6, 1.5e6, 0.5e6]  # per band, both hosts'
     # `gradlane status --cluster` shows them (the view as the control plane would serve it).
     monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: json.loads(json.dumps(view)))
     token = tmp_path / "token"
@@ -522,7 +530,7 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     shown = CliRunner().invoke(cli.cli, ["status", "--cluster", "--token-file", str(token)])
     assert shown.exit_code == 0, shown.output
     a, b = (line for line in shown.output.splitlines() if "(level" in line)  # jobs a, b
-    assert "8.00 MB" in a and "1 (level 0)" in a and "3.5Mbit" in a  # sending now
+    assert "8.00 MB" in a and "1 (level 0)" in a and "│ 5Mbit " in a  # sending now
     assert "64.00 MB" in b and "2 (level 1)" in b
     assert view["jobs"]["a"]["global_batch"] == 64 and "[32, 32] of 64" in a  # its shares
     assert view["plan"]["owned_shares"]["a"] == [0.5, 0.5] and "50/50%" in a  # owned bytes
@@ -742,6 +750,20 @@ def test_demand_follows_how_the_shims_say_they_reduce() -> None:
     assert uplink_bytes({}) == (leaf[0], None)
     assert uplink_bytes({"in_leaf": False}) == flat
     assert uplink_bytes({"in_leaf": True}) == leaf
+
+
+def test_shims_not_told_their_leaves_are_expected_on_the_ring_until_a_plan_advises() -> None:
+    """Four ranks, a host each, two on each leaf, not said how they reduce: with no plan
+    advising reduction within leaves, their shims (at "auto") know no leaves and take the
+    ring; once one does, within leaves first."""
+    plane = ControlPlane(_config(uplink_bps=5_000_000_000))
+    for rank in range(4):
+        _reported(plane, f"h{rank}", rank // 2, [_job("j", [rank], [1000] * 8)])
+    state = plane.build_state()
+    assert (state.jobs[0].ring, state.jobs[0].by_host) == (True, False)
+    plane.plan = plane.policy.plan(state)
+    assert plane.plan.reduce_in_leaf
+    assert plane.build_state().jobs[0].ring is False
 
 
 @pytest.mark.parametrize(("said", "busiest"), [("ring", 2000), ("flat", 3000), (None, 2000)])
