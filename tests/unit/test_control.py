@@ -728,6 +728,35 @@ def test_a_job_back_with_fewer_ranks_gets_owners_among_them() -> None:
     assert check_plan(state, plane.policy.plan(state)) == []
 
 
+def test_the_view_of_a_job_that_regrouped_its_chunks_since_the_plan() -> None:
+    """The shims' layout trial regroups (8 chunks, then 4): until the next plan its owners
+    are for chunks no longer there, so the view shows no owned shares, not an error."""
+    plane = ControlPlane(_config())
+    for h in range(2):
+        _reported(plane, f"h{h}", 0, [_job("j", [h], [1000] * 8)])
+    plane.state = plane.build_state()
+    plane.plan = plane.policy.plan(plane.state)
+    assert plane.view()["plan"]["owned_shares"] == {"j": [0.5, 0.5]}
+    for h in range(2):
+        _reported(plane, f"h{h}", 0, [_job("j", [h], [2000] * 4)])
+    plane.state = plane.build_state()
+    assert plane.view()["plan"]["owned_shares"] == {}
+
+
+def test_a_daemon_new_since_the_plan_gets_no_other_host_s_part_of_it() -> None:
+    plane = ControlPlane(_config())
+    for h in range(2):
+        _reported(plane, f"h{h}", 0, [_job("j", [h], [1000] * 8)])
+    plane.state = plane.build_state()
+    plane.plan = plane.policy.plan(plane.state)
+    assert plane.message_for("h0")["job_classes"] and plane.message_for("h0")["link_bps"]
+    _reported(plane, "h2", 0, [_job("k", [0], [1000] * 8)])  # after the state was built
+    message = plane.message_for("h2")
+    assert message["version"] == plane.plan.version
+    assert (message["job_classes"], message["link_bps"], message["leaf"]) == ({}, None, None)
+    assert message["batch_shares"] == message["ownership"] == {}
+
+
 def test_demand_follows_how_the_shims_say_they_reduce() -> None:
     # Ranks 0, 1 on leaf 0 and 2, 3 on leaf 1; the plan advises reduction within leaves.
     def uplink_bytes(said: dict[str, object]) -> tuple[float, str | None]:
