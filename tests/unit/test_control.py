@@ -125,7 +125,7 @@ def test_oversized_body_is_413_and_garbage_is_400() -> None:
 
 
 def test_post_report_answers_with_the_hosts_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(control, "POST_SILENT_S", 0.5)
+    monkeypatch.setattr(control, "POST_SILENT_S", 2.0)
 
     async def test(plane: ControlPlane, client: TestClient) -> None:
         body = {"register": _register("h1"), "report": _report([0, 1], 10.0, batch=10)}
@@ -138,6 +138,11 @@ def test_post_report_answers_with_the_hosts_plan(monkeypatch: pytest.MonkeyPatch
             await asyncio.sleep(0.05)
         assert plan["batch_shares"] == {"j": [5, 5]}
         assert set(plan["job_classes"]) == {"j"} and plan["ttl_s"] == 5.0
+        # Reporting, it is connected: plans made since (the report's, 10 ms later) keep it.
+        assert (await client.post("/api/v1/report", json=body, headers=AUTH)).status == 200
+        await asyncio.sleep(0.3)
+        view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
+        assert view["hosts"][0]["connected"] and not view["jobs"]["j"]["degraded"]
         # A daemon that only POSTs and then goes quiet is lost: its job is degraded.
         for _ in range(100):
             view = await (await client.get("/api/v1/cluster", headers=AUTH)).json()
@@ -749,7 +754,8 @@ def test_a_daemon_new_since_the_plan_gets_no_other_host_s_part_of_it() -> None:
         _reported(plane, f"h{h}", 0, [_job("j", [h], [1000] * 8)])
     plane.state = plane.build_state()
     plane.plan = plane.policy.plan(plane.state)
-    assert plane.message_for("h0")["job_classes"] and plane.message_for("h0")["link_bps"]
+    known = plane.message_for("h0")
+    assert known["job_classes"] and known["link_bps"] and known["leaf"] is None  # no advice
     _reported(plane, "h2", 0, [_job("k", [0], [1000] * 8)])  # after the state was built
     message = plane.message_for("h2")
     assert message["version"] == plane.plan.version
