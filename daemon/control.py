@@ -281,7 +281,9 @@ class ControlPlane:
             self._rejected.labels("no_register").inc()
         finally:
             await ws.close()
-            if daemon is not None and daemon.ws is ws:
+            # Not when a newer session of the host replaced this one (`_accept`): that
+            # daemon is connected.
+            if daemon is not None and self.daemons.get(daemon.register.host) is daemon:
                 daemon.connected, daemon.ws = False, None
                 daemon.seen = time.monotonic()
                 self._changed.set()

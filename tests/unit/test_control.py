@@ -394,6 +394,7 @@ def test_a_daemon_past_the_most_the_plane_takes_is_refused_and_one_registered_co
 
 
 def test_a_daemon_connecting_again_gets_the_plan_at_once_and_its_old_session_is_closed(
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A restarted gradlaned reconnects while its old connection may still be open (its
     host gone quiet, not closed): the newer session wins, the old one is closed and its
@@ -416,12 +417,15 @@ def test_a_daemon_connecting_again_gets_the_plan_at_once_and_its_old_session_is_
             while (await old.receive()).type not in (aiohttp.WSMsgType.CLOSE,
                                                      aiohttp.WSMsgType.CLOSED):
                 pass
-        await until(lambda: plane.daemons["h1"].connected and plane.daemons["h1"].ws is not None)
         await new.send_json(_report([0, 1], 1.0, batch=6))
-        assert (await _next_plan(new))["batch_shares"] == {"j": [3, 3]}
+        assert (await _next_plan(new))["batch_shares"] == {"j": [3, 3]}  # a second later
+        assert plane.daemons["h1"].connected and plane.daemons["h1"].ws is not None
+        assert "disconnected" not in caplog.text  # the old session's end said nothing
         await new.close()
 
-    _run(test, cadence_s=30.0, react_s=1.0, ttl_s=60.0)
+    with caplog.at_level("WARNING", logger=control.__name__):
+        _run(test, cadence_s=30.0, react_s=1.0, ttl_s=60.0)
+    assert "daemon h1 disconnected; its jobs are degraded" in caplog.text  # the new one's
 
 
 def test_a_flood_of_bad_connections_does_not_stop_good_daemons() -> None:
