@@ -501,6 +501,12 @@ def _reported(plane: ControlPlane, host: str, leaf: int, jobs: list[dict[str, An
         register, cp.parse_report({"type": "report", "seq": 1, "jobs": jobs}), ws=None)
 
 
+def _plan_now(plane: ControlPlane) -> None:
+    """The state of what the daemons reported and its plan, as the planner would make them."""
+    plane.state = plane.build_state()
+    plane.plan = plane.policy.plan(plane.state)
+
+
 def _job(name: str, ranks: list[int], chunk_bytes: list[int]) -> dict[str, Any]:
     return {"name": name, "global_batch": 64, "layers": len(chunk_bytes),
             "chunk_bytes": chunk_bytes, "chunk_layers": list(range(len(chunk_bytes))),
@@ -553,8 +559,7 @@ def test_gradlane_status_sums_up_a_large_cluster_a_leaf_a_row(
     for h in range(40):
         _reported(plane, f"h{h:02d}", h // 20, [{**_job("j", [h], [1000] * 80),
                                                   "global_batch": 40 * 16}])
-    plane.state = plane.build_state()
-    plane.plan = plane.policy.plan(plane.state)
+    _plan_now(plane)
     for lost in ("h03", "h27"):
         plane.daemons[lost].connected = False
     view = json.loads(json.dumps(plane.view()))
@@ -743,8 +748,7 @@ def test_the_view_of_a_job_that_regrouped_its_chunks_since_the_plan() -> None:
     plane = ControlPlane(_config())
     for h in range(2):
         _reported(plane, f"h{h}", 0, [_job("j", [h], [1000] * 8)])
-    plane.state = plane.build_state()
-    plane.plan = plane.policy.plan(plane.state)
+    _plan_now(plane)
     assert plane.view()["plan"]["owned_shares"] == {"j": [0.5, 0.5]}
     for h in range(2):
         _reported(plane, f"h{h}", 0, [_job("j", [h], [2000] * 4)])
@@ -756,8 +760,7 @@ def test_a_daemon_new_since_the_plan_gets_no_other_host_s_part_of_it() -> None:
     plane = ControlPlane(_config())
     for h in range(2):
         _reported(plane, f"h{h}", 0, [_job("j", [h], [1000] * 8)])
-    plane.state = plane.build_state()
-    plane.plan = plane.policy.plan(plane.state)
+    _plan_now(plane)
     known = plane.message_for("h0")
     assert known["job_classes"] and known["link_bps"] and known["leaf"] is None  # no advice
     _reported(plane, "h2", 0, [_job("k", [0], [1000] * 8)])  # after the state was built
@@ -881,8 +884,7 @@ def test_ranks_sharing_hosts_under_leaves_reduce_within_hosts_then_leaves() -> N
     for host, leaf, ranks in (("h0", 0, [0, 1]), ("h1", 0, [2, 3]), ("h2", 1, [4, 5]),
                               ("h3", 1, [6, 7])):
         _reported(plane, host, leaf, [{**_job("j", ranks, [1000]), "exchange": "leaf"}])
-    plane.state = plane.build_state()
-    plane.plan = plane.policy.plan(plane.state)
+    _plan_now(plane)
     plane.plan = replace(plane.plan, ownership={"j": (0,)})
     state = plane.build_state()
     sent = np.bincount(state.flows.src, state.flows.bytes, minlength=4)
@@ -896,12 +898,10 @@ def test_the_shims_are_told_owners_only_once_every_rank_is_reported() -> None:
     plane = ControlPlane(_config())
     _reported(plane, "h0", 0, [{**_job("j", [0], [1000] * 6), "world_size": 3}])
     _reported(plane, "h1", 0, [{**_job("j", [1], [1000] * 6), "world_size": 3}])
-    plane.state = plane.build_state()
-    plane.plan = plane.policy.plan(plane.state)
+    _plan_now(plane)
     assert plane.plan.ownership["j"] and plane.message_for("h0")["ownership"] == {}
     _reported(plane, "h2", 0, [{**_job("j", [2], [1000] * 6), "world_size": 3}])
-    plane.state = plane.build_state()
-    plane.plan = plane.policy.plan(plane.state)
+    _plan_now(plane)
     assert plane.message_for("h0")["ownership"]["j"] == list(plane.plan.ownership["j"])
     assert sorted(set(plane.plan.ownership["j"])) == [0, 1, 2]
 
