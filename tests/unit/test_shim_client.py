@@ -93,6 +93,15 @@ class _Daemon:
         self._server.close()
 
 
+def _wait_for(check: Callable[[], object], told: Callable[[], str] = lambda: "",
+              timeout: float = 10.0) -> None:
+    """Wait until `check` holds; fail saying `told` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {told()}"
+        time.sleep(0.01)
+
+
 def _said(daemon: _Daemon) -> list[dict[str, object]]:
     return [{k: v for k, v in m.items() if k in ("exchange", "in_leaf", "global_batch")}
             for m in daemon.got if m["type"] == "flows"]
@@ -197,9 +206,7 @@ def test_a_plan_s_chunk_owners_are_taken_when_they_are_ranks_of_the_job(
     client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
     try:
         assert client.welcomed.wait(10)
-        deadline = time.monotonic() + 10
-        while client.plan is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(lambda: client.plan is not None)
         assert client.plan is not None and client.advised_batch_share == 24
         assert client.advised_owners == taken
     finally:
@@ -248,9 +255,7 @@ def test_what_the_ranks_agreed_reaches_a_daemon_too_busy_for_reports(tmp_path: P
         assert client._outbox.full()
         client.exchange_agreed("ring")
         daemon.reading.set()
-        deadline = time.monotonic() + 10
-        while not client._outbox.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(client._outbox.empty)
         client.timing(0.1, 0.0)  # the daemon's cue to stop
         assert daemon.timed.wait(10)
     finally:
@@ -315,6 +320,8 @@ def test_a_worker_s_leaf_is_configured_or_advised(
         (42, None),  # not text
         ("", None),
         ("x" * 257, None),  # longer than any name gradlaned gives
+        ("h", "h"),
+        ("x" * 256, "x" * 256),
     ],
 )
 def test_a_worker_s_host_is_the_one_its_daemon_names(
@@ -358,6 +365,161 @@ def test_the_planes_rates_are_the_ones_gradlaned_shapes_their_nics_to(
         daemon.close()
 
 
+class _Scripted:
+    """A daemon that welcomes one shim, then answers its n-th timing report with
+    ``answers[n]``: messages to send, or None to close the connection. It keeps what
+    the shim says."""
+
+    def __init__(self, path: Path, answers: list[list[dict[str, Any]] | None]) -> None:
+        self.got: list[dict[str, Any]] = []
+        self._answers = answers
+        self._server = socket.socket(socket.AF_UNIX)
+        self._server.bind(str(path))
+        self._server.listen()
+        self._server.settimeout(10)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._server.accept()
+        conn.settimeout(10)
+        decoder = protocol.FrameDecoder()
+        answers = iter(self._answers)
+        with conn:
+            while data := conn.recv(65536):
+                for message in decoder.feed(data):
+                    self.got.append(message)
+                    if message["type"] == "hello":
+                        said = [{"type": "welcome", "version": protocol.VERSION,
+                                 "worker": "w1", "bands": [46]}]
+                    elif message["type"] == "timing":
+                        said = next(answers)
+                    else:
+                        continue
+                    if said is None:
+                        return
+                    for out in said:
+                        conn.sendall(protocol.encode(out))
+
+    def said(self, kind: str) -> list[dict[str, Any]]:
+        return [m for m in self.got if m["type"] == kind]
+
+    def close(self) -> None:
+        self._thread.join(10)
+        self._server.close()
+
+
+def test_a_plan_sent_between_reports_is_taken_and_a_daemon_that_closes_is_noticed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # After the welcome the session reads what the daemon says between reports: a plan
+    # it takes in the same session, and the end of the connection, after which training
+    # goes on without the daemon, saying so again (it said so before the daemon came).
+    monkeypatch.setattr("gradlane.shim.client.RETRY_S", 0.05)
+    path = tmp_path / "gl.sock"
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    plan = {"type": "plan", "version": 2, "bands": [46], "batch_share": 24}
+    daemon = None
+    try:
+        _wait_for(lambda: "no gradlaned socket" in caplog.text, lambda: caplog.text)
+        daemon = _Scripted(path, [[plan], None])
+        assert client.welcomed.wait(10)
+        client.timing(0.1, 0.0)  # answered with the plan
+        _wait_for(lambda: client.plan is not None)
+        assert client.plan == plan and client.advised_batch_share == 24 and client.connected
+        client.timing(0.2, 0.0)  # answered by closing
+        daemon.close()
+        _wait_for(lambda: not client.connected)
+        _wait_for(lambda: "gradlaned closed the connection; training goes on" in caplog.text,
+                  lambda: caplog.text)
+    finally:
+        client.close()
+        if daemon is not None:
+            daemon.close()
+    assert [m["type"] for m in daemon.got] == ["hello", "timing", "timing"]  # one session
+    assert daemon.got[1]["samples"] == 0  # no step began: no samples counted
+
+
+@pytest.mark.parametrize("bands", [[46], None, [], ["46"], 46])
+def test_a_plan_whose_bands_are_the_same_or_no_table_leaves_the_marks_and_the_flows_alone(
+        tmp_path: Path, bands: object) -> None:
+    # Only a new table is adopted (a reload) and makes the shim say its flows again.
+    path = tmp_path / "gl.sock"
+    mesh = _FourBands()
+    daemon = _Scripted(path, [[{"type": "plan", "version": 2, "bands": bands}], []])
+    client = DaemonClient(ShimConfig(daemon_socket=str(path)), 0, 2, mesh)
+    try:
+        assert client.welcomed.wait(10)
+        client.timing(0.1, 0.0)  # answered with the plan
+        _wait_for(lambda: client.plan is not None)
+        client.timing(0.2, 0.0)  # after the plan: a flows message said by now is in first
+        _wait_for(lambda: len(daemon.said("timing")) == 2)
+    finally:
+        client.close()
+        daemon.close()
+    assert mesh.marks == [(46, 46, 46, 46)] and client.daemon_bands == (46,)  # the welcome's
+    # Its four bands said once, as the welcome's one band: not again after the plan.
+    assert [m["type"] for m in daemon.got] == ["hello", "flows", "timing", "timing", "bye"]
+
+
+def test_a_step_s_events_go_out_all_in_messages_of_at_most_max_events(tmp_path: Path) -> None:
+    path = tmp_path / "gl.sock"
+    daemon = _Daemon(path, features=list(protocol.FEATURES))
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    try:
+        assert client.welcomed.wait(10)
+        for n in range(protocol.MAX_EVENTS + 1):
+            client.chunk_event(SimpleNamespace(priority=n, band=0),  # type: ignore[arg-type]
+                               SimpleNamespace(nbytes=1024), "ready")  # type: ignore[arg-type]
+        client.begin(1, 32)
+        client.timing(0.1, 0.0)  # the daemon's cue to stop
+        assert daemon.timed.wait(10)
+    finally:
+        client.close()
+        daemon.close()
+    sent = [m["events"] for m in daemon.got if m["type"] == "chunks"]
+    assert [len(events) for events in sent] == [protocol.MAX_EVENTS, 1]
+    assert [e[0] for events in sent for e in events] == list(range(protocol.MAX_EVENTS + 1))
+
+
+def test_a_daemon_that_does_not_welcome_is_waited_for_once_and_not_taken_as_connected(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A gradlaned that accepts and says nothing (wedged, or busy): the first of `leaf`,
+    # `host` and `plane_rates` waits WELCOME_WAIT_S for its welcome, the others do not
+    # wait again (each would hold up the attach), and the shim does not count it as a
+    # daemon that listens.
+    monkeypatch.setattr("gradlane.shim.client.WELCOME_WAIT_S", 0.1)
+    path = tmp_path / "gl.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    server.settimeout(10)
+    release = threading.Event()
+
+    def hold() -> None:
+        conn, _ = server.accept()
+        with conn:
+            release.wait(10)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
+    waits: list[float | None] = []
+    wait = client.welcomed.wait
+    monkeypatch.setattr(client.welcomed, "wait",
+                        lambda timeout=None: waits.append(timeout) or wait(timeout))
+    try:
+        assert client.leaf() is None and client.host() is None
+        assert client.plane_rates(["10.0.0.5"]) is None
+        assert waits == [0.1]
+        assert not client.connected
+    finally:
+        release.set()  # the session ends as the connection closes
+        thread.join(10)
+        client.close()
+        server.close()
+
+
 def test_no_daemon_no_host(tmp_path: Path) -> None:
     client = DaemonClient(ShimConfig(daemon_socket=str(tmp_path / "none.sock"), dscp=(46,)),
                           0, 2, _Mesh())
@@ -379,10 +541,7 @@ def test_a_socket_this_user_may_not_use_is_said_with_the_way_in(
     there.touch()
     client = DaemonClient(ShimConfig(daemon_socket=str(there), dscp=(46,)), 0, 2, _Mesh())
     try:
-        deadline = time.monotonic() + 10
-        while "Permission denied" not in caplog.text:
-            assert time.monotonic() < deadline, caplog.text
-            time.sleep(0.01)
+        _wait_for(lambda: "Permission denied" in caplog.text, lambda: caplog.text)
     finally:
         client.close()
     assert "daemon.socket_group names: add this user to it" in caplog.text
@@ -404,14 +563,12 @@ def test_a_session_that_fails_in_a_way_not_foreseen_is_retried_not_the_end_of_th
     there.touch()
     client = DaemonClient(ShimConfig(daemon_socket=str(there), dscp=(46,)), 0, 2, _Mesh())
     try:
-        deadline = time.monotonic() + 10
-        while len(tries) < 3:
-            assert time.monotonic() < deadline, caplog.text
-            time.sleep(0.01)
+        _wait_for(lambda: len(tries) >= 3, lambda: caplog.text)
     finally:
         client.close()
     assert ("KeyError: 'a field of a daemon of another version'; training goes on with the "
             "local priority order") in caplog.text
+    assert caplog.text.count("training goes on") == 1  # said once, not at every retry
 
 
 class _FourBands:
