@@ -165,12 +165,31 @@ def test_the_soft_open_file_limit_is_raised_for_the_connections() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_hard_limit_without_room_is_named_with_the_way_out() -> None:
+def test_a_soft_open_file_limit_with_room_is_left_as_it_is() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    roomy = len(os.listdir("/proc/self/fd")) + 1000
+    if hard != resource.RLIM_INFINITY and hard < roomy:
+        pytest.skip(f"the hard open-file limit ({hard}) is below {roomy}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (roomy, hard))
+    try:
+        _room_for(10, 0)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (roomy, hard)  # not lowered
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_hard_limit_with_just_the_room_needed_is_enough_and_one_without_is_named() -> None:
     # The hard limit cannot be raised again without privileges: in a process of its own.
     script = (
         "import os, resource\n"
         "from gradlane.errors import TransportError\n"
         "from gradlane.shim.transport import _room_for\n"
+        # Room for exactly as many (and the 64 spare) is room enough: the soft limit rises
+        # to the hard one.
+        "n = len(os.listdir('/proc/self/fd')) + 100 + 64\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n - 100, n))\n"
+        "_room_for(100, 3)\n"
+        "print('soft', resource.getrlimit(resource.RLIMIT_NOFILE)[0] == n)\n"
         "n = len(os.listdir('/proc/self/fd')) + 20\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))\n"
         "try:\n"
@@ -181,6 +200,29 @@ def test_a_hard_limit_without_room_is_named_with_the_way_out() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert "rank 3 needs 1196 connections" in out and "ulimit -n" in out, out
+    assert "soft True" in out, out
+
+
+@pytest.mark.parametrize(("families", "said"), [
+    ([socket.AF_INET6], "^MASTER_ADDR 'head' is IPv6 only"),
+    ([socket.AF_INET6, socket.AF_INET], "^cannot resolve MASTER_ADDR 'head'"),  # IPv4 failed
+    ([socket.AF_INET], "^cannot resolve MASTER_ADDR 'head'"),
+    (None, "^cannot resolve MASTER_ADDR 'head'"),  # the name is not known at all
+])
+def test_a_rendezvous_name_without_an_ipv4_address_is_said_to_be_ipv6_only_or_unresolved(
+        monkeypatch: pytest.MonkeyPatch, families: list[int] | None, said: str) -> None:
+    def gethostbyname(host: str) -> str:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    def getaddrinfo(host: str, port: object, **kw: object) -> list[tuple[object, ...]]:
+        if families is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(f, socket.SOCK_STREAM, 6, "", ("::1", 0)) for f in families]
+
+    monkeypatch.setattr(socket, "gethostbyname", gethostbyname)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    with pytest.raises(TransportError, match=said):
+        transport.local_address("head")
 
 
 def _two_ranks(store: dist.Store, prefix: str) -> list[Mesh]:
@@ -217,7 +259,7 @@ def test_strays_at_the_rendezvous_are_dropped_and_the_ranks_still_connect(
             mesh.close()
 
 
-def test_every_connection_carries_its_band_s_dscp_and_takes_a_new_table() -> None:
+def test_every_connection_carries_its_band_s_dscp_and_credit_and_takes_a_new_table() -> None:
     meshes: list[Mesh] = []
     try:
         meshes += _two_ranks(dist.HashStore(), "marks")
@@ -228,6 +270,10 @@ def test_every_connection_carries_its_band_s_dscp_and_takes_a_new_table() -> Non
                     for (_, band, _), link in mesh.links.items()}
 
         assert [tos(m) for m in meshes] == [{0: 46 << 2, 1: 0}] * 2
+        for link in (link for m in meshes for link in m.links.values()):  # both ends
+            assert link.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            assert link.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) \
+                == 128 << 10  # the credit: no more unsent data in the kernel per band
         for mesh in meshes:  # gradlaned's flows: the connection as this end sees it
             for link in mesh.links.values():
                 src, sport = link.sock.getsockname()
@@ -249,6 +295,29 @@ def test_every_connection_carries_its_band_s_dscp_and_takes_a_new_table() -> Non
 def test_a_mesh_needs_one_to_eight_distinct_addresses(addresses: list[str]) -> None:
     with pytest.raises(TransportError, match="need 1..8 distinct addresses"):
         Mesh(0, 2, dist.HashStore(), addresses, (0,), credit_bytes=1 << 16, connect=False)
+
+
+def test_a_mesh_makes_room_for_a_connection_per_peer_band_and_plane(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(transport, "_room_for",
+                        lambda sockets, rank: asked.append((sockets, rank)))
+    store, meshes = dist.HashStore(), []
+    try:
+        meshes += [Mesh(r, 3, store, ["127.0.0.1", "127.0.0.2"], (46, 0), credit_bytes=1 << 16,
+                        timeout_s=30, prefix="room", connect=False) for r in range(3)]
+        on_every_rank(3, lambda rank: meshes[rank].connect(r for r in range(3) if r != rank))
+        assert sorted(asked) == [(8, 0), (8, 1), (8, 2)]  # 2 peers x 2 bands x 2 planes
+        assert [len(m.links) for m in meshes] == [8] * 3
+    finally:
+        for mesh in meshes:
+            mesh.close()
+
+
+def test_the_local_address_is_the_one_the_routing_table_picks() -> None:
+    assert transport.local_address("localhost") == "127.0.0.1"
+    # Not a loopback address by its name: the kernel's route to this host says it.
+    assert transport.local_address("0.0.0.0") == "127.0.0.1"
 
 
 def _listening_later(after_s: float, links: int) -> tuple[str, threading.Thread, list[bytes]]:
