@@ -37,60 +37,77 @@ class _Mesh:
         pass
 
 
-class _Daemon:
-    """Accepts one shim, welcomes it, and keeps what it says until a timing message."""
+class _OneShim:
+    """A fake gradlaned on `path`: it accepts one shim's connection and serves it on a
+    thread of its own (`serve`, which keeps what the shim says in `got`)."""
 
-    def __init__(self, path: Path, features: list[str] | None, leaf: int | None = None,
-                 host: object = None, nics: object = None,
-                 plan: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: Path) -> None:
         self.got: list[dict[str, Any]] = []
-        self.timed = threading.Event()
-        self.reading = threading.Event()  # cleared: reads nothing after the welcome (busy)
-        self.reading.set()
-        self._release = threading.Event()  # hold the connection open until `close`
         self._server = socket.socket(socket.AF_UNIX)
         self._server.bind(str(path))
         self._server.listen()
         self._server.settimeout(10)
-        self._features, self._leaf, self._host, self._nics = features, leaf, host, nics
-        self._plan = plan  # sent after the welcome
-        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
+    def _accept(self) -> None:
         conn, _ = self._server.accept()
         conn.settimeout(10)
+        with conn:
+            self.serve(conn)
+
+    def serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._thread.join(10)
+        self._server.close()
+
+
+class _Daemon(_OneShim):
+    """Welcomes the shim, and keeps what it says until a timing message."""
+
+    def __init__(self, path: Path, features: list[str] | None, leaf: int | None = None,
+                 host: object = None, nics: object = None,
+                 plan: dict[str, Any] | None = None) -> None:
+        self.timed = threading.Event()
+        self.reading = threading.Event()  # cleared: reads nothing after the welcome (busy)
+        self.reading.set()
+        self._release = threading.Event()  # hold the connection open until `close`
+        self._features, self._leaf, self._host, self._nics = features, leaf, host, nics
+        self._plan = plan  # sent after the welcome
+        super().__init__(path)
+
+    def serve(self, conn: socket.socket) -> None:
         decoder = protocol.FrameDecoder()
         welcomed = False
-        with conn:
-            while not self.timed.is_set():
-                data = conn.recv(65536)
-                if not data:
-                    return
-                for message in decoder.feed(data):
-                    self.got.append(message)
-                    if message["type"] == "hello" and not welcomed:
-                        welcome = {"type": "welcome", "version": protocol.VERSION,
-                                   "worker": "w1", "bands": [46], "leaf": self._leaf}
-                        if self._features is not None:
-                            welcome["features"] = self._features
-                        if self._host is not None:
-                            welcome["host"] = self._host
-                        if self._nics is not None:
-                            welcome["nics"] = self._nics
-                        conn.sendall(protocol.encode(welcome))
-                        if self._plan is not None:
-                            conn.sendall(protocol.encode(self._plan))
-                        welcomed = True
-                        self.reading.wait(10)
-                    if message["type"] == "timing":
-                        self.timed.set()
-            self._release.wait(10)
+        while not self.timed.is_set():
+            data = conn.recv(65536)
+            if not data:
+                return
+            for message in decoder.feed(data):
+                self.got.append(message)
+                if message["type"] == "hello" and not welcomed:
+                    welcome = {"type": "welcome", "version": protocol.VERSION,
+                               "worker": "w1", "bands": [46], "leaf": self._leaf}
+                    if self._features is not None:
+                        welcome["features"] = self._features
+                    if self._host is not None:
+                        welcome["host"] = self._host
+                    if self._nics is not None:
+                        welcome["nics"] = self._nics
+                    conn.sendall(protocol.encode(welcome))
+                    if self._plan is not None:
+                        conn.sendall(protocol.encode(self._plan))
+                    welcomed = True
+                    self.reading.wait(10)
+                if message["type"] == "timing":
+                    self.timed.set()
+        self._release.wait(10)
 
     def close(self) -> None:
         self._release.set()
-        self._thread.join(10)
-        self._server.close()
+        super().close()
 
 
 def _wait_for(check: Callable[[], object], told: Callable[[], str] = lambda: "",
@@ -365,48 +382,49 @@ def test_the_planes_rates_are_the_ones_gradlaned_shapes_their_nics_to(
         daemon.close()
 
 
-class _Scripted:
-    """A daemon that welcomes one shim, then answers its n-th timing report with
-    ``answers[n]``: messages to send, or None to close the connection. It keeps what
-    the shim says."""
+class _Scripted(_OneShim):
+    """Welcomes the shim, then answers its n-th timing report with ``answers[n]``:
+    messages to send, or None to close the connection."""
 
     def __init__(self, path: Path, answers: list[list[dict[str, Any]] | None]) -> None:
-        self.got: list[dict[str, Any]] = []
         self._answers = answers
-        self._server = socket.socket(socket.AF_UNIX)
-        self._server.bind(str(path))
-        self._server.listen()
-        self._server.settimeout(10)
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(path)
 
-    def _serve(self) -> None:
-        conn, _ = self._server.accept()
-        conn.settimeout(10)
+    def serve(self, conn: socket.socket) -> None:
         decoder = protocol.FrameDecoder()
         answers = iter(self._answers)
-        with conn:
-            while data := conn.recv(65536):
-                for message in decoder.feed(data):
-                    self.got.append(message)
-                    if message["type"] == "hello":
-                        said = [{"type": "welcome", "version": protocol.VERSION,
-                                 "worker": "w1", "bands": [46]}]
-                    elif message["type"] == "timing":
-                        said = next(answers)
-                    else:
-                        continue
-                    if said is None:
-                        return
-                    for out in said:
-                        conn.sendall(protocol.encode(out))
+        while data := conn.recv(65536):
+            for message in decoder.feed(data):
+                self.got.append(message)
+                if message["type"] == "hello":
+                    said = [{"type": "welcome", "version": protocol.VERSION,
+                             "worker": "w1", "bands": [46]}]
+                elif message["type"] == "timing":
+                    said = next(answers)
+                else:
+                    continue
+                if said is None:
+                    return
+                for out in said:
+                    conn.sendall(protocol.encode(out))
 
     def said(self, kind: str) -> list[dict[str, Any]]:
         return [m for m in self.got if m["type"] == kind]
 
+
+class _Silent(_OneShim):
+    """Accepts the shim and says nothing (wedged, or busy) until closed."""
+
+    def __init__(self, path: Path) -> None:
+        self._release = threading.Event()
+        super().__init__(path)
+
+    def serve(self, conn: socket.socket) -> None:
+        self._release.wait(10)
+
     def close(self) -> None:
-        self._thread.join(10)
-        self._server.close()
+        self._release.set()  # the session ends as the connection closes
+        super().close()
 
 
 def test_a_plan_sent_between_reports_is_taken_and_a_daemon_that_closes_is_noticed(
@@ -490,19 +508,7 @@ def test_a_daemon_that_does_not_welcome_is_waited_for_once_and_not_taken_as_conn
     # daemon that listens.
     monkeypatch.setattr("gradlane.shim.client.WELCOME_WAIT_S", 0.1)
     path = tmp_path / "gl.sock"
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(str(path))
-    server.listen()
-    server.settimeout(10)
-    release = threading.Event()
-
-    def hold() -> None:
-        conn, _ = server.accept()
-        with conn:
-            release.wait(10)
-
-    thread = threading.Thread(target=hold, daemon=True)
-    thread.start()
+    daemon = _Silent(path)
     client = DaemonClient(ShimConfig(daemon_socket=str(path), dscp=(46,)), 0, 2, _Mesh())
     waits: list[float | None] = []
     wait = client.welcomed.wait
@@ -514,10 +520,8 @@ def test_a_daemon_that_does_not_welcome_is_waited_for_once_and_not_taken_as_conn
         assert waits == [0.1]
         assert not client.connected
     finally:
-        release.set()  # the session ends as the connection closes
-        thread.join(10)
+        daemon.close()
         client.close()
-        server.close()
 
 
 def test_no_daemon_no_host(tmp_path: Path) -> None:
