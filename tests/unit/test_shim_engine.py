@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from gradlane.errors import PeerLost, TransportError
 from gradlane.policies.chunks import Routes
-from gradlane.shim.engine import _HDR, AG, BYE, PING, PONG, RS, Engine, Group
+from gradlane.shim.engine import _HDR, AG, BYE, PING, PING_GRACE_S, PONG, RS, Engine, Group
 from gradlane.shim.layout import split
 from gradlane.shim.transport import Mesh
 from tests import examples
@@ -138,6 +138,10 @@ def run(job: Job) -> list[list[list[torch.Tensor]]]:
 
     try:
         on_every_rank(job.world, connect)
+        # What the shim lays its chunks out by (finer around the ring: `layout_sizes`);
+        # below three ranks the ring is the flat exchange.
+        assert [e.ring for e in engines if e is not None] \
+            == [job.exchange == "ring" and job.world >= 3] * job.world
         on_every_rank(job.world, train)
     finally:
         on_every_rank(job.world, close)
@@ -589,6 +593,7 @@ def test_a_peer_is_gone_once_it_said_goodbye_on_every_connection_and_fails_what_
         engine.ready(group)
         engine.wait([group], 0)
         assert torch.equal(group.out, torch.full((1000,), 2.0))
+        assert engine.lost([group], 0) is None  # nothing of step 0 waits on rank 1 now
         assert failures == []  # a goodbye is no failure of the job
         engine.begin(1, 1)
         engine.ready(group)  # the next step needs rank 1's part
@@ -694,3 +699,28 @@ def test_sends_a_peer_does_not_take_name_it_once_the_drain_gives_up(
     assert time.monotonic() - started < 10  # not the linger: what is queued is dropped
     frames = _frames(_read_until_closed(mesh1.link(0, 1, 0).sock))  # band 1: nothing queued
     assert frames == [((BYE, 0, 0, 2, 0, 0), b"")]  # rank 1 lost
+
+
+def test_a_silent_wait_asks_after_the_timeout_then_gives_up_after_the_grace_or_a_timeout_more(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    """`silence` and `next_look`, the waits' clock: read at given instants."""
+    engine = Engine(two_meshes[0], timeout_s=5.0)
+    try:
+        grace = engine.ping_grace
+        assert grace == min(PING_GRACE_S, 5.0)
+        engine.last_rx = 100.0  # the last word from a peer
+        # Not asked yet: wait out the timeout, then ask.
+        assert engine.silence(4.9, None, 104.9) == "wait"
+        assert engine.next_look(4.9, None, 104.9) == pytest.approx(0.1)
+        assert engine.silence(5.0, None, 105.0) == "ask"
+        # Asked at 105 and no word since: lost once the grace is out.
+        assert engine.silence(5.0, 105.0, 105.0 + grace - 0.01) == "wait"
+        assert engine.next_look(5.0, 105.0, 105.0 + grace - 0.01) == pytest.approx(0.01)
+        assert engine.silence(5.0, 105.0, 105.0 + grace) == "lost"
+        # A word came after the asking (at 105.5): lost after a timeout more without one.
+        engine.last_rx = 105.5
+        assert engine.silence(4.9, 105.0, 110.4) == "wait"
+        assert engine.next_look(4.9, 105.0, 110.4) == pytest.approx(0.1)
+        assert engine.silence(5.0, 105.0, 110.5) == "lost"
+    finally:
+        engine.close(linger_s=0)
