@@ -429,8 +429,10 @@ def train(rank, out):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 4))
 
-    def save():  # the parameters themselves: state_dict() would apply the last step itself
-        torch.save({name: p.detach().clone() for name, p in model.named_parameters()},
+    def save():  # the parameters as they are: state_dict() and the attached model's own
+        # named_parameters() would apply a pending last step themselves, hiding whether
+        # gradlane's exit handler did; nn.Module's reads them past gradlane.
+        torch.save({name: p.detach().clone() for name, p in nn.Module.named_parameters(model)},
                    out / f"rank{rank}.pt")
 
     # After gradlane's own exit handler: registered before it (last in, first out); in a
