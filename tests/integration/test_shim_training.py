@@ -288,8 +288,10 @@ def test_a_sigkilled_peer_makes_the_others_raise_well_within_the_timeout(
 
 
 HUNG = {  # what the survivors print when rank 3 goes silent with its connections open
-    "attach": ((), r"PeerLost: step 5: "),
-    "ddp-hook": (("--ddp-hook",), r"PeerLost \(through DDP\): .*PeerLost: step 5: "),
+    # Step 5, or still 4 where rank 3 stopped with a step-4 average not yet sent (as in
+    # RAISED; seen once in a full CI run on a busy machine).
+    "attach": ((), r"PeerLost: step [45]: "),
+    "ddp-hook": (("--ddp-hook",), r"PeerLost \(through DDP\): .*PeerLost: step [45]: "),
 }
 
 
