@@ -731,7 +731,7 @@ def test_a_job_back_with_fewer_ranks_gets_owners_among_them() -> None:
     chunks = [1000] * 6
     for h in range(3):
         _reported(plane, f"h{h}", 0, [_job("j", [h], chunks)])
-    plane.plan = plane.policy.plan(plane.build_state())
+    _plan_now(plane)
     assert max(plane.plan.ownership["j"]) == 2
     del plane.daemons["h2"]
     for h in range(2):
@@ -777,7 +777,7 @@ def test_demand_follows_how_the_shims_say_they_reduce() -> None:
         for host, leaf, ranks in (("h0", 0, [0]), ("h1", 0, [1]), ("h2", 1, [2]),
                                   ("h3", 1, [3])):
             _reported(plane, host, leaf, [{**_job("j", ranks, [1000] * 8), **said}])
-        plane.plan = plane.policy.plan(plane.build_state())
+        _plan_now(plane)
         assert plane.plan.reduce_in_leaf
         state = plane.build_state()
         leaf = np.array([h.leaf for h in state.topology.hosts])
@@ -801,9 +801,8 @@ def test_shims_not_told_their_leaves_are_expected_on_the_ring_until_a_plan_advis
     plane = ControlPlane(_config(uplink_bps=5_000_000_000))
     for rank in range(4):
         _reported(plane, f"h{rank}", rank // 2, [_job("j", [rank], [1000] * 8)])
-    state = plane.build_state()
-    assert (state.jobs[0].ring, state.jobs[0].by_host) == (True, False)
-    plane.plan = plane.policy.plan(state)
+    _plan_now(plane)
+    assert (plane.state.jobs[0].ring, plane.state.jobs[0].by_host) == (True, False)
     assert plane.plan.reduce_in_leaf
     assert plane.build_state().jobs[0].ring is False
 
@@ -849,9 +848,8 @@ def test_chunk_owners_of_ranks_sharing_a_host_sit_where_the_ring_crosses_a_nic()
     plane = ControlPlane(_config())
     _reported(plane, "h0", 0, [{**_job("j", [0, 1, 2, 3], [1000] * 8), "exchange": "ring"}])
     _reported(plane, "h1", 0, [{**_job("j", [4, 5, 6, 7], [1000] * 8), "exchange": "ring"}])
-    plane.state = plane.build_state()
+    _plan_now(plane)
     assert plane.state.jobs[0].ring and [w.host for w in plane.state.workers] == [0] * 4 + [1] * 4
-    plane.plan = plane.policy.plan(plane.state)
     owners = plane.plan.ownership["j"]
     assert [owners.count(r) for r in range(8)] == [2, 0, 0, 2, 2, 0, 0, 2]
     assert plane.message_for("h1")["ownership"]["j"] == list(owners)
