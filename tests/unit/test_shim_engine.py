@@ -320,20 +320,25 @@ def test_a_lost_rank_is_named_by_the_ranks_not_connected_to_it() -> None:
     assert "having lost rank 3" in str(errors[1]), errors[1]
 
 
-@pytest.fixture
-def two_meshes() -> Iterator[tuple[Mesh, Mesh]]:
-    """Ranks 0 and 1 connected, each a mesh of its own; closed after the test."""
+def _connected(world: int) -> list[Mesh]:
+    """Ranks 0 to `world` - 1, each a mesh of its own, connected to every other; by rank."""
     store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
     meshes: list[Mesh] = []
 
     def connect(rank: int) -> None:
-        mesh = Mesh(rank, 2, store, "127.0.0.1", DSCP, credit_bytes=128 << 10, timeout_s=30,
-                    prefix=prefix, connect=False)
-        mesh.connect([1 - rank])
+        mesh = Mesh(rank, world, store, "127.0.0.1", DSCP, credit_bytes=128 << 10,
+                    timeout_s=30, prefix=prefix, connect=False)
+        mesh.connect([r for r in range(world) if r != rank])
         meshes.append(mesh)
 
-    on_every_rank(2, connect)
-    mesh0, mesh1 = sorted(meshes, key=lambda m: m.rank)
+    on_every_rank(world, connect)
+    return sorted(meshes, key=lambda m: m.rank)
+
+
+@pytest.fixture
+def two_meshes() -> Iterator[tuple[Mesh, Mesh]]:
+    """Ranks 0 and 1 connected, each a mesh of its own; closed after the test."""
+    mesh0, mesh1 = _connected(2)
     yield mesh0, mesh1
     mesh0.close()
     mesh1.close()
@@ -579,6 +584,43 @@ def test_a_rank_closing_delivers_what_it_queued_then_says_goodbye(
     assert _frames(_read_until_closed(mesh1.link(0, 1, 0).sock)) == [((BYE, 0, 0, 0, 0, 0), b"")]
 
 
+def test_queued_sends_go_by_priority_and_a_group_s_results_before_its_contributions(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    """Rank 1 reads nothing while rank 0's 56 MB of contributions to group a (priority 5)
+    wait on band 0. Then group b (priority 0) is made ready, and rank 1 sends its part of
+    a's chunk 7, which rank 0 owns: b's contribution and then chunk 7's result overtake
+    every contribution of a still queued (first used, first sent; an average sent back
+    frees its owner's peers, where one more contribution would only queue at them)."""
+    mesh0, mesh1 = two_meshes
+    done = threading.Event()
+    engine = Engine(mesh0, timeout_s=30,
+                    on_event=lambda group, chunk, kind: kind == "done" and done.set())
+    per = 2 << 20  # elements: 8 MB chunks, more than the kernel's buffers hold
+    ranges = [(k, k + per) for k in range(0, 8 * per, per)]
+    a = engine.add_group(0, "a", torch.zeros(8 * per), ranges, [1] * 7 + [0], 5, 0)
+    b = engine.add_group(1, "b", torch.zeros(1000), [(0, 1000)], [1], 0, 0)
+    engine.begin(0, 1)
+    engine.ready(a)  # chunks 0-6 for rank 1; the first fills the kernel's buffers
+    time.sleep(0.2)
+    engine.ready(b)
+    mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(RS, 0, 0, 7, 4 * per, 1)
+                                     + bytes(4 * per))
+    assert done.wait(10)  # a's chunk 7 is averaged: its result is queued
+    got: list[bytes] = []
+    band0 = mesh1.link(0, 0, 0).sock
+    reader = threading.Thread(target=lambda: got.append(_read_until_closed(band0)))
+    reader.start()
+    engine.close(linger_s=20)
+    reader.join(30)
+    order = [(kind, gid, index) for (kind, gid, _, index, _, _), _ in _frames(got[0])]
+    overtook = [(RS, 1, 0), (AG, 0, 7)]
+    at = order.index(overtook[0])
+    assert order[at : at + 2] == overtook, order
+    assert 1 <= at <= 3, order  # behind what the kernel had taken before b was ready
+    assert [o for o in order if o not in overtook] == [(RS, 0, i) for i in range(7)] + [
+        (BYE, 0, 0)]
+
+
 def test_a_peer_is_gone_once_it_said_goodbye_on_every_connection_and_fails_what_needs_it(
         two_meshes: tuple[Mesh, Mesh]) -> None:
     """Rank 1 gives its part of step 0 and leaves (as a rank ending before the others, in
@@ -713,6 +755,33 @@ def test_sends_a_peer_does_not_take_name_it_once_the_drain_gives_up(
     assert frames == [((BYE, 0, 0, 2, 0, 0), b"")]  # rank 1 lost
     # The sends its close cut short are no new failure: the drain's error said it all.
     assert engine.error is None and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_drain_that_gives_up_names_only_the_ranks_whose_sends_are_still_queued() -> None:
+    """Of rank 0's contributions, 56 MB wait for rank 1, which reads nothing, and one
+    small one for rank 2, which reads: the drain names rank 1 alone, and rank 0's
+    goodbye to rank 2 blames rank 1 (its queue dropped), not rank 2."""
+    meshes = _connected(3)
+    engine = Engine(meshes[0], timeout_s=30)
+    per = 2 << 20
+    ranges = [(k, k + per) for k in range(0, 7 * per, per)] + [(7 * per, 7 * per + 1000)]
+    group = engine.add_group(0, "g", torch.zeros(7 * per + 1000), ranges, [1] * 7 + [2], 0, 0)
+    got: list[bytes] = []
+    to_2 = meshes[2].link(0, 0, 0).sock
+    reader = threading.Thread(target=lambda: got.append(_read_until_closed(to_2)))
+    reader.start()
+    try:
+        engine.begin(0, 1)
+        engine.ready(group)
+        with pytest.raises(PeerLost, match=r"^step 0: rank 1 lost: sends to ranks \[1\] did "):
+            engine.drain_before("stepping", 0.5)
+    finally:
+        engine.close(linger_s=20)
+        reader.join(30)
+        for mesh in meshes:
+            mesh.close()
+    assert [header for header, _ in _frames(got[0])] == [
+        (RS, 0, 0, 7, 4000, 1), (BYE, 0, 0, 2, 0, 0)]  # rank 1 lost (its rank + 1)
 
 
 def test_a_silent_wait_asks_after_the_timeout_then_gives_up_after_the_grace_or_a_timeout_more(
