@@ -320,13 +320,13 @@ def test_a_lost_rank_is_named_by_the_ranks_not_connected_to_it() -> None:
     assert "having lost rank 3" in str(errors[1]), errors[1]
 
 
-def _connected(world: int) -> list[Mesh]:
+def _connected(world: int, planes: int = 1) -> list[Mesh]:
     """Ranks 0 to `world` - 1, each a mesh of its own, connected to every other; by rank."""
     store, prefix = dist.HashStore(), f"engine-test/{next(_jobs)}"
     meshes: list[Mesh] = []
 
     def connect(rank: int) -> None:
-        mesh = Mesh(rank, world, store, "127.0.0.1", DSCP, credit_bytes=128 << 10,
+        mesh = Mesh(rank, world, store, PLANES[:planes], DSCP, credit_bytes=128 << 10,
                     timeout_s=30, prefix=prefix, connect=False)
         mesh.connect([r for r in range(world) if r != rank])
         meshes.append(mesh)
@@ -539,6 +539,38 @@ def test_a_peer_that_answers_is_waited_on_until_its_goodbye_names_the_rank_lost(
         engine.close(linger_s=0)
 
 
+def test_a_ping_is_answered_on_its_connection_ahead_of_what_is_queued_and_is_no_word(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    """Rank 1 asks on band 1, where 56 MB of rank 0's contributions wait for it (it reads
+    nothing): the answer overtakes them, and the asking is no word from rank 1 for rank
+    0's own waits (a rank asks because it waits too)."""
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    per = 2 << 20  # elements: 8 MB chunks, more than the kernel's buffers hold
+    ranges = [(k, k + per) for k in range(0, 7 * per, per)]
+    group = engine.add_group(0, "g", torch.zeros(7 * per), ranges, [1] * 7, 0, 1)
+    got: list[bytes] = []
+    band1 = mesh1.link(0, 1, 0).sock
+    reader = threading.Thread(target=lambda: got.append(_read_until_closed(band1)))
+    try:
+        engine.begin(3, 1)
+        engine.ready(group)
+        time.sleep(0.2)
+        heard = engine.last_rx
+        band1.sendall(_HDR.pack(PING, 0, 3, 0, 0, 0))
+        time.sleep(0.2)  # rank 0's receiver queues the answer
+        assert engine.last_rx == heard
+    finally:
+        reader.start()
+        engine.close(linger_s=20)
+        reader.join(30)
+    headers = [header for header, _ in _frames(got[0])]
+    at = headers.index((PONG, 0, 3, 0, 0, 0))
+    assert 1 <= at <= 3, headers  # behind what the kernel had taken before the asking
+    assert headers[:at] + headers[at + 1 :] == [(RS, 0, 3, i, 4 * per, 1) for i in range(7)] + [
+        (BYE, 0, 3, 0, 0, 0)]
+
+
 def _read_until_closed(sock: socket.socket) -> bytes:
     sock.settimeout(30)
     parts = []
@@ -621,12 +653,14 @@ def test_queued_sends_go_by_priority_and_a_group_s_results_before_its_contributi
         (BYE, 0, 0)]
 
 
+@pytest.mark.parametrize("planes", [1, 2])
 def test_a_peer_is_gone_once_it_said_goodbye_on_every_connection_and_fails_what_needs_it(
-        two_meshes: tuple[Mesh, Mesh]) -> None:
+        planes: int) -> None:
     """Rank 1 gives its part of step 0 and leaves (as a rank ending before the others, in
-    `test_ranks_that_leave_one_after_the_other_end_identical`): step 0 still averages it,
-    and only a step that needs rank 1 again fails."""
-    mesh0, mesh1 = two_meshes
+    `test_ranks_that_leave_one_after_the_other_end_identical`), saying goodbye on each of
+    its connections (two bands, on one plane or two): it is gone only after the last one.
+    Step 0 still averages it, and only a step that needs rank 1 again fails."""
+    mesh0, mesh1 = _connected(2, planes)
     engine = Engine(mesh0, timeout_s=30)
     failures: list[TransportError] = []
     engine.on_failure = failures.append
@@ -636,9 +670,13 @@ def test_a_peer_is_gone_once_it_said_goodbye_on_every_connection_and_fails_what_
         mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(RS, 0, 0, 0, 4000, 1)
                                          + torch.ones(1000).numpy().tobytes()
                                          + _HDR.pack(BYE, 0, 0, 0, 0, 0))
+        *first, last = [link.sock for key, link in sorted(mesh1.links.items())
+                        if key != (0, 0, 0)]
+        for sock in first:
+            sock.sendall(_HDR.pack(BYE, 0, 0, 0, 0, 0))
         time.sleep(0.3)
-        assert engine.healthy and engine.left == {}  # band 1 may still carry its data
-        mesh1.link(0, 1, 0).sock.sendall(_HDR.pack(BYE, 0, 0, 0, 0, 0))
+        assert engine.healthy and engine.left == {}  # one connection may still carry data
+        last.sendall(_HDR.pack(BYE, 0, 0, 0, 0, 0))
         deadline = time.monotonic() + 10
         while not engine.left and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -656,6 +694,7 @@ def test_a_peer_is_gone_once_it_said_goodbye_on_every_connection_and_fails_what_
             engine.wait([group], 1)
     finally:
         engine.close(linger_s=0)
+        mesh1.close()
 
 
 def test_a_peer_that_closes_without_goodbye_is_lost_at_once(
