@@ -248,6 +248,8 @@ def run_ddp_hook(
         scheduler.step()
         opt.zero_grad()
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+        if step == 0:
+            print(f"rank {rank} early sends in step 0: {state.early_sends}", flush=True)
         if rank == 0 and step == args.advise_owners:  # what gradlaned passes on from a plan
             chunks = sum(len(state._groups[gid].chunks) for gid in state._last_ready
                          if gid in state._groups)
