@@ -1514,6 +1514,35 @@ def test_the_global_batch_is_the_first_step_s() -> None:
             assert sync.global_batch == 6, step
 
 
+def test_the_ddp_hook_s_global_batch_is_the_first_step_s() -> None:
+    """As `attach`'s: the samples the ranks agree at the first bucket of the first step,
+    kept when a later batch is smaller (an epoch's last)."""
+    m = model()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(m)
+        state = gl.HookState(wrapped, daemon_socket="/nonexistent/gl.sock", job="batch")
+        wrapped.register_comm_hook(state, gl.comm_hook)
+        try:
+            for step, n in enumerate((6, 6, 3)):
+                state.samples = n
+                x, y = data(step)
+                nn.functional.cross_entropy(wrapped(x[:n]), y[:n]).backward()
+                assert state.global_batch == 6, step
+        finally:
+            state.close()
+        del wrapped, state  # DDP before the process group (README, "Keeping DDP")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_ddp_hook_state_before_init_process_group_is_refused_saying_so() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match=r"^HookState needs "
+                                          r"torch.distributed.init_process_group\(\) first$"):
+        gl.HookState(model())
+
+
 def test_an_attach_that_fails_to_connect_leaves_nothing_running_and_can_be_retried(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Rank 1 dies after the ranks compared models, before connecting (its connect raises
