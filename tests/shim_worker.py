@@ -23,6 +23,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--ddp-option", action="append", default=[], metavar="NAME",
                     help="with --ddp-hook: a DDP flag to set (gradient_as_bucket_view, "
                          "static_graph)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="with --ddp-hook: DDP's bucket size (default DDP's: one bucket for "
+                         "the test CNN)")
     ap.add_argument("--hidden", type=int, default=32,
                     help="units of the hidden linear layer (`make_model`; 512: 159 KB)")
     ap.add_argument("--leaf", type=int, default=None, help="this rank's leaf switch")
@@ -215,7 +219,9 @@ def run_ddp_hook(
     import gradlane.shim as gl
 
     dist.init_process_group("gloo", rank=rank, world_size=len(sizes))
-    flags = dict.fromkeys(args.ddp_option, True)
+    flags: dict[str, Any] = dict.fromkeys(args.ddp_option, True)
+    if args.bucket_cap_mb is not None:
+        flags["bucket_cap_mb"] = args.bucket_cap_mb
     if args.unused:
         ddp = DistributedDataParallel(WithUnused(model), find_unused_parameters=True, **flags)
     else:
@@ -260,7 +266,7 @@ def run_ddp_hook(
     largest = max((c.stop - c.start) * g.grad.element_size()
                   for g in state._groups.values() for c in g.chunks)
     print(f"rank {rank} hook chunk bytes {state.chunk_bytes}, largest cut {largest}, "
-          f"early sends {state.early_sends}", flush=True)
+          f"early sends {state.early_sends}, buckets {len(state._buckets)}", flush=True)
     print(f"rank {rank} owners taken at {state.owners_taken_at}, owned {state.owned_bytes()}",
           flush=True)
     state.close()

@@ -168,6 +168,10 @@ CASES = {
                                   ("--ddp-hook", "--ddp-option", "gradient_as_bucket_view"), ""),
     "ddp-comm-hook-static-graph": ("sgd", "float32", "3,5,2,6", True,
                                    ("--ddp-hook", "--ddp-option", "static_graph"), ""),
+    # DDP's buckets of at most 4 KB: the test CNN in several, each cut and sent on its own
+    # (the one-bucket cases above would not see the hook confuse two buckets).
+    "ddp-comm-hook-buckets": ("sgd", "float32", "3,5,2,6", True,
+                              ("--ddp-hook", "--bucket-cap-mb", "0.004"), ""),
     # Rank 0 is advised, as by a control plan, that rank 3 owns every chunk: all ranks take
     # it at step 10 (`OWNERS_EVERY`) and regroup, and training stays exact.
     "ddp-comm-hook-plan-owners": ("sgd", "float32", "3,5,2,6", True,
@@ -209,6 +213,9 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
             early = re.search(rf"rank {rank} hook chunk bytes .* early sends (\d+)", log)
             assert early and int(early.group(1)) > 0, log[-3000:]
             assert f"rank {rank} DDP freed before the group: True" in log, log[-3000:]
+            buckets = re.search(rf"rank {rank} hook chunk bytes .* buckets (\d+)", log)
+            assert buckets and (int(buckets.group(1)) > 1) == ("--bucket-cap-mb" in flags), \
+                log[-3000:]
         if "--advise-owners" in flags:
             owned = re.search(r"owners taken at 10, owned \[0, 0, 0, (\d+)\]", log)
             assert owned and int(owned.group(1)) > 0, log[-3000:]
