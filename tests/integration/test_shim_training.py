@@ -168,6 +168,10 @@ CASES = {
                                   ("--ddp-hook", "--ddp-option", "gradient_as_bucket_view"), ""),
     "ddp-comm-hook-static-graph": ("sgd", "float32", "3,5,2,6", True,
                                    ("--ddp-hook", "--ddp-option", "static_graph"), ""),
+    # No `samples` set: the plain mean of the ranks' gradients, as DDP takes it (equal
+    # batches, so the reference's weighted mean is the same).
+    "ddp-comm-hook-no-samples": ("sgd", "float32", "4,4,4,4", True,
+                                 ("--ddp-hook", "--no-samples"), ""),
     # DDP's buckets of at most 4 KB: the test CNN in several, each cut and sent on its own
     # (the one-bucket cases above would not see the hook confuse two buckets).
     "ddp-comm-hook-buckets": ("sgd", "float32", "3,5,2,6", True,
@@ -418,8 +422,8 @@ def test_ddp_hook_workers_register_with_the_daemon(
         timings = [w["last_timing"] for w in workers]
         # Without `samples` the hook cannot count them: it says 0 (not known) and states
         # no global batch, so the control plane plans no batch shares from step rates.
-        assert [t["samples"] for t in timings] == [4, 4, 4] if samples else [0, 0, 0]
-        assert [w["global_batch"] for w in workers] == [12, 12, 12] if samples else [None] * 3
+        assert [t["samples"] for t in timings] == ([4, 4, 4] if samples else [0, 0, 0])
+        assert [w["global_batch"] for w in workers] == ([12] * 3 if samples else [None] * 3)
         assert all(0 < t["compute_s"] < 5 and t["comm_s"] >= 0 for t in timings), timings
     finally:
         results = finish(procs)
