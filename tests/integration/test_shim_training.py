@@ -424,7 +424,7 @@ def test_ddp_hook_workers_register_with_the_daemon(
         # no global batch, so the control plane plans no batch shares from step rates.
         assert [t["samples"] for t in timings] == ([4, 4, 4] if samples else [0, 0, 0])
         assert [w["global_batch"] for w in workers] == ([12] * 3 if samples else [None] * 3)
-        assert all(0 < t["compute_s"] < 5 and t["comm_s"] >= 0 for t in timings), timings
+        assert all(0 < t["compute_s"] < 5 and 0 <= t["comm_s"] < 5 for t in timings), timings
     finally:
         results = finish(procs)
     for rank, (code, log) in enumerate(results):
