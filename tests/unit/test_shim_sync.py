@@ -1536,6 +1536,22 @@ def test_the_ddp_hook_s_global_batch_is_the_first_step_s() -> None:
         dist.destroy_process_group()
 
 
+def test_the_ddp_hook_cuts_attach_s_fine_chunks_for_the_model() -> None:
+    """A quarter of a rank's share of the model's gradient bytes (`layout_sizes`): on one
+    rank, 526,336 bytes give chunks of 131,584, under the configured 1 MiB."""
+    m = nn.Linear(256, 512)  # 131,584 parameters
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(m)
+        state = gl.HookState(wrapped, daemon_socket="/nonexistent/gl.sock", job="chunks",
+                             chunk_bytes=1 << 20)
+        state.close()
+        assert state.chunk_bytes == 131_584
+        del wrapped, state  # DDP before the process group (README, "Keeping DDP")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_ddp_hook_state_before_init_process_group_is_refused_saying_so() -> None:
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match=r"^HookState needs "
