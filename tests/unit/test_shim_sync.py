@@ -1514,42 +1514,38 @@ def test_the_global_batch_is_the_first_step_s() -> None:
             assert sync.global_batch == 6, step
 
 
-def test_the_ddp_hook_s_global_batch_is_the_first_step_s() -> None:
-    """As `attach`'s: the samples the ranks agree at the first bucket of the first step,
-    kept when a later batch is smaller (an epoch's last)."""
-    m = model()
+@contextlib.contextmanager
+def _one_rank_hook(m: nn.Module, **options: Any) -> Iterator[tuple[nn.Module, gl.HookState]]:
+    """DDP around `m` in a process group of one, with gradlane's comm hook."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         wrapped = nn.parallel.DistributedDataParallel(m)
-        state = gl.HookState(wrapped, daemon_socket="/nonexistent/gl.sock", job="batch")
+        state = gl.HookState(wrapped, daemon_socket="/nonexistent/gl.sock", **options)
         wrapped.register_comm_hook(state, gl.comm_hook)
         try:
-            for step, n in enumerate((6, 6, 3)):
-                state.samples = n
-                x, y = data(step)
-                nn.functional.cross_entropy(wrapped(x[:n]), y[:n]).backward()
-                assert state.global_batch == 6, step
+            yield wrapped, state
         finally:
             state.close()
-        del wrapped, state  # DDP before the process group (README, "Keeping DDP")
     finally:
         dist.destroy_process_group()
+
+
+def test_the_ddp_hook_s_global_batch_is_the_first_step_s() -> None:
+    """As `attach`'s: the samples the ranks agree at the first bucket of the first step,
+    kept when a later batch is smaller (an epoch's last)."""
+    with _one_rank_hook(model(), job="batch") as (wrapped, state):
+        for step, n in enumerate((6, 6, 3)):
+            state.samples = n
+            x, y = data(step)
+            nn.functional.cross_entropy(wrapped(x[:n]), y[:n]).backward()
+            assert state.global_batch == 6, step
 
 
 def test_the_ddp_hook_cuts_attach_s_fine_chunks_for_the_model() -> None:
     """A quarter of a rank's share of the model's gradient bytes (`layout_sizes`): on one
     rank, 526,336 bytes give chunks of 131,584, under the configured 1 MiB."""
-    m = nn.Linear(256, 512)  # 131,584 parameters
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        wrapped = nn.parallel.DistributedDataParallel(m)
-        state = gl.HookState(wrapped, daemon_socket="/nonexistent/gl.sock", job="chunks",
-                             chunk_bytes=1 << 20)
-        state.close()
-        assert state.chunk_bytes == 131_584
-        del wrapped, state  # DDP before the process group (README, "Keeping DDP")
-    finally:
-        dist.destroy_process_group()
+    with _one_rank_hook(nn.Linear(256, 512), job="chunks", chunk_bytes=1 << 20) as (_, state):
+        assert state.chunk_bytes == 131_584  # 131,584 parameters of 4 bytes
 
 
 def test_a_ddp_hook_state_before_init_process_group_is_refused_saying_so() -> None:
