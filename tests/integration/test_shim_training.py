@@ -223,6 +223,9 @@ def test_replicas_identical_and_match_reference(tmp_path: Path, case: str) -> No
         if "--advise-owners" in flags:
             owned = re.search(r"owners taken at 10, owned \[0, 0, 0, (\d+)\]", log)
             assert owned and int(owned.group(1)) > 0, log[-3000:]
+        elif "--ddp-hook" in flags:  # the hook's own owners: every rank reduces a part
+            owned = re.search(rf"rank {rank} owners taken at None, owned \[([\d, ]+)\]", log)
+            assert owned and min(int(b) for b in owned.group(1).split(",")) > 0, log[-3000:]
     if "--ddp-hook" not in flags:
         # 20 steps: the layout trial regrouped twice or once (at steps 9 and 16), the
         # same way on every rank, and the replicas still match (below).
