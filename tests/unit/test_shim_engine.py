@@ -10,6 +10,7 @@ must be the sample-weighted mean of the ranks' gradients.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import re
@@ -546,12 +547,8 @@ def test_a_ping_is_answered_on_its_connection_ahead_of_what_is_queued_and_is_no_
     0's own waits (a rank asks because it waits too)."""
     mesh0, mesh1 = two_meshes
     engine = Engine(mesh0, timeout_s=30)
-    per = 2 << 20  # elements: 8 MB chunks, more than the kernel's buffers hold
-    ranges = [(k, k + per) for k in range(0, 7 * per, per)]
-    group = engine.add_group(0, "g", torch.zeros(7 * per), ranges, [1] * 7, 0, 1)
-    got: list[bytes] = []
+    group = engine.add_group(0, "g", torch.zeros(7 * BIG), _big_chunks(7), [1] * 7, 0, 1)
     band1 = mesh1.link(0, 1, 0).sock
-    reader = threading.Thread(target=lambda: got.append(_read_until_closed(band1)))
     try:
         engine.begin(3, 1)
         engine.ready(group)
@@ -561,13 +558,12 @@ def test_a_ping_is_answered_on_its_connection_ahead_of_what_is_queued_and_is_no_
         time.sleep(0.2)  # rank 0's receiver queues the answer
         assert engine.last_rx == heard
     finally:
-        reader.start()
-        engine.close(linger_s=20)
-        reader.join(30)
+        with _reading(band1) as got:
+            engine.close(linger_s=20)
     headers = [header for header, _ in _frames(got[0])]
     at = headers.index((PONG, 0, 3, 0, 0, 0))
     assert 1 <= at <= 3, headers  # behind what the kernel had taken before the asking
-    assert headers[:at] + headers[at + 1 :] == [(RS, 0, 3, i, 4 * per, 1) for i in range(7)] + [
+    assert headers[:at] + headers[at + 1 :] == [(RS, 0, 3, i, 4 * BIG, 1) for i in range(7)] + [
         (BYE, 0, 3, 0, 0, 0)]
 
 
@@ -577,6 +573,27 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     while part := sock.recv(1 << 20):
         parts.append(part)
     return b"".join(parts)
+
+
+@contextlib.contextmanager
+def _reading(sock: socket.socket) -> Iterator[list[bytes]]:
+    """`sock` read until closed on another thread while the block runs; what came, in the
+    list it yields, once the block has ended."""
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(_read_until_closed(sock)))
+    reader.start()
+    try:
+        yield got
+    finally:
+        reader.join(30)
+
+
+BIG = 2 << 20  # float32 elements: 8 MB, more than a connection's kernel buffers hold
+
+
+def _big_chunks(n: int) -> list[tuple[int, int]]:
+    """The element ranges of `n` consecutive chunks of BIG elements."""
+    return [(k * BIG, (k + 1) * BIG) for k in range(n)]
 
 
 def _frames(data: bytes) -> list[tuple[tuple[int, ...], bytes]]:
@@ -600,14 +617,10 @@ def test_a_rank_closing_delivers_what_it_queued_then_says_goodbye(
     group = engine.add_group(0, "g", grad.clone(), [(0, half), (half, 2 * half)], [1, 1], 0, 0)
     engine.begin(0, 2)
     engine.ready(group)  # both chunks go to their owner, rank 1, on band 0
-    got: list[bytes] = []
-    band0 = mesh1.link(0, 0, 0).sock
-    reader = threading.Thread(target=lambda: got.append(_read_until_closed(band0)))
-    reader.start()
-    started = time.monotonic()
-    engine.close(linger_s=20)
-    assert time.monotonic() - started < 10  # delivered: not the linger's end
-    reader.join(30)
+    with _reading(mesh1.link(0, 0, 0).sock) as got:
+        started = time.monotonic()
+        engine.close(linger_s=20)
+        assert time.monotonic() - started < 10  # delivered: not the linger's end
     frames = _frames(got[0])
     # (kind, group, step, chunk, bytes, samples); a goodbye's chunk: the rank lost + 1, 0
     assert [header for header, _ in frames] == [
@@ -627,23 +640,16 @@ def test_queued_sends_go_by_priority_and_a_group_s_results_before_its_contributi
     done = threading.Event()
     engine = Engine(mesh0, timeout_s=30,
                     on_event=lambda group, chunk, kind: kind == "done" and done.set())
-    per = 2 << 20  # elements: 8 MB chunks, more than the kernel's buffers hold
-    ranges = [(k, k + per) for k in range(0, 8 * per, per)]
-    a = engine.add_group(0, "a", torch.zeros(8 * per), ranges, [1] * 7 + [0], 5, 0)
+    a = engine.add_group(0, "a", torch.zeros(8 * BIG), _big_chunks(8), [1] * 7 + [0], 5, 0)
     b = engine.add_group(1, "b", torch.zeros(1000), [(0, 1000)], [1], 0, 0)
     engine.begin(0, 1)
     engine.ready(a)  # chunks 0-6 for rank 1; the first fills the kernel's buffers
     time.sleep(0.2)
     engine.ready(b)
-    mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(RS, 0, 0, 7, 4 * per, 1)
-                                     + bytes(4 * per))
+    mesh1.link(0, 0, 0).sock.sendall(_HDR.pack(RS, 0, 0, 7, 4 * BIG, 1) + bytes(4 * BIG))
     assert done.wait(10)  # a's chunk 7 is averaged: its result is queued
-    got: list[bytes] = []
-    band0 = mesh1.link(0, 0, 0).sock
-    reader = threading.Thread(target=lambda: got.append(_read_until_closed(band0)))
-    reader.start()
-    engine.close(linger_s=20)
-    reader.join(30)
+    with _reading(mesh1.link(0, 0, 0).sock) as got:
+        engine.close(linger_s=20)
     order = [(kind, gid, index) for (kind, gid, _, index, _, _), _ in _frames(got[0])]
     overtook = [(RS, 1, 0), (AG, 0, 7)]
     at = order.index(overtook[0])
@@ -749,9 +755,7 @@ def test_a_failing_rank_drops_what_it_queued_and_its_goodbye_names_the_rank_lost
     that it stopped because it lost rank 1."""
     mesh0, mesh1 = two_meshes
     engine = Engine(mesh0, timeout_s=30)
-    numel = 16 << 20
-    ranges = [(k, k + (2 << 20)) for k in range(0, numel, 2 << 20)]
-    group = engine.add_group(0, "g", torch.zeros(numel), ranges, [1] * len(ranges), 0, 0)
+    group = engine.add_group(0, "g", torch.zeros(8 * BIG), _big_chunks(8), [1] * 8, 0, 0)
     engine.begin(0, 1)
     engine.ready(group)
     mesh1.link(0, 1, 0).sock.sendall(_HDR.pack(9, 0, 0, 0, 0, 0))  # an unknown kind
@@ -772,9 +776,7 @@ def test_sends_a_peer_does_not_take_name_it_once_the_drain_gives_up(
     up naming rank 1, and rank 0's goodbye, which does not wait for them, names it too."""
     mesh0, mesh1 = two_meshes
     engine = Engine(mesh0, timeout_s=30)
-    numel = 16 << 20
-    ranges = [(k, k + (2 << 20)) for k in range(0, numel, 2 << 20)]
-    group = engine.add_group(0, "g", torch.zeros(numel), ranges, [1] * len(ranges), 0, 0)
+    group = engine.add_group(0, "g", torch.zeros(8 * BIG), _big_chunks(8), [1] * 8, 0, 0)
     try:
         engine.begin(0, 1)
         engine.ready(group)
@@ -785,7 +787,7 @@ def test_sends_a_peer_does_not_take_name_it_once_the_drain_gives_up(
         assert re.fullmatch(r"step 0: rank 1 lost: sends to ranks \[1\] did not drain within "
                             r"0.2 s before clipping \(\d+\.\d MB still queued\)", str(stuck))
         queued = float(str(stuck).rsplit("(", 1)[1].split()[0])
-        assert 0 < queued <= numel * 4 / 1e6  # what the kernel's buffers took is not queued
+        assert 0 < queued <= 8 * BIG * 4 / 1e6  # what the kernel's buffers took is not queued
     finally:
         started = time.monotonic()
         engine.close(linger_s=20)
@@ -802,21 +804,19 @@ def test_a_drain_that_gives_up_names_only_the_ranks_whose_sends_are_still_queued
     goodbye to rank 2 blames rank 1 (its queue dropped), not rank 2."""
     meshes = _connected(3)
     engine = Engine(meshes[0], timeout_s=30)
-    per = 2 << 20
-    ranges = [(k, k + per) for k in range(0, 7 * per, per)] + [(7 * per, 7 * per + 1000)]
-    group = engine.add_group(0, "g", torch.zeros(7 * per + 1000), ranges, [1] * 7 + [2], 0, 0)
-    got: list[bytes] = []
-    to_2 = meshes[2].link(0, 0, 0).sock
-    reader = threading.Thread(target=lambda: got.append(_read_until_closed(to_2)))
-    reader.start()
+    ranges = [*_big_chunks(7), (7 * BIG, 7 * BIG + 1000)]
+    group = engine.add_group(0, "g", torch.zeros(7 * BIG + 1000), ranges, [1] * 7 + [2], 0, 0)
     try:
-        engine.begin(0, 1)
-        engine.ready(group)
-        with pytest.raises(PeerLost, match=r"^step 0: rank 1 lost: sends to ranks \[1\] did "):
-            engine.drain_before("stepping", 0.5)
+        with _reading(meshes[2].link(0, 0, 0).sock) as got:
+            try:
+                engine.begin(0, 1)
+                engine.ready(group)
+                with pytest.raises(PeerLost, match=r"^step 0: rank 1 lost: sends to ranks "
+                                                   r"\[1\] did "):
+                    engine.drain_before("stepping", 0.5)
+            finally:
+                engine.close(linger_s=20)
     finally:
-        engine.close(linger_s=20)
-        reader.join(30)
         for mesh in meshes:
             mesh.close()
     assert [header for header, _ in _frames(got[0])] == [
