@@ -206,6 +206,8 @@ class HookState:
         self._in_step = False
         self._buckets: dict[int, _Bucket] = {}  # by DDP's bucket index
         self._versions = 0  # buckets seen (made anew when DDP rebuilds them)
+        # The groups of buckets DDP rebuilt away, until the engine may forget them.
+        self._stale: list[Group] = []
         # The parameters of armed buckets: (segment, place in it), by id.
         self._slots: dict[int, tuple[_Segment, int]] = {}
         # By group id: the bucket (and the segment of it) its average goes to.
@@ -293,6 +295,7 @@ class HookState:
                 self.client.batch_agreed(self.global_batch)
         if self.world > 1 and self.step and self.step % OWNERS_EVERY == 0:
             self._follow_plan_owners()
+        self._retire_stale()
         # Without `samples`, the plain mean; gradlaned is told 0 (not known), so no batch
         # shares are planned from step rates taken for sample rates.
         self.engine.begin(self.step, self.samples if self.samples is not None else 1)
@@ -336,19 +339,31 @@ class HookState:
             return known.segments
         # New (the first step), or DDP rebuilt its buckets: what held these parameters
         # before goes. If it was armed, its groups that this step's gradients completed
-        # are averaged anyway, on every rank alike, and nobody waits for them.
+        # are averaged anyway, on every rank alike, and nobody waits for them; the engine
+        # forgets its groups once none is under way (`_retire_stale`).
         mine = {id(p) for p in params}
         for index, old in list(self._buckets.items()):
             if index == bucket.index() or any(id(p) in mine for p in old.params):
                 for segment in old.segments:
                     for p in segment.params:
                         self._slots.pop(id(p), None)
+                    self._stale.append(segment.group)
                 del self._buckets[index]
+        self._retire_stale()
         self._versions += 1
         new = _Bucket(bucket.index(), list(params), buffer.numel(), buffer.dtype, self._versions)
         self._cut(new)
         self._buckets[new.index] = new
         return new.segments
+
+    def _retire_stale(self) -> None:
+        """Let the engine forget the groups of buckets DDP rebuilt away (their gradient and
+        average buffers, each a copy of the bucket), once none is under way: those made ready
+        in the step DDP rebuilt in are averaged first, on every rank alike."""
+        idle = [group for group in self._stale if group.done_step == group.step]
+        if idle:
+            self.engine.retire(idle)
+            self._stale = [group for group in self._stale if group.done_step != group.step]
 
     def _rebuild_pending(self) -> bool:
         """Whether DDP will rebuild its buckets at a coming forward: it does once, in

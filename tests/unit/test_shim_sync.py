@@ -1515,11 +1515,13 @@ def test_the_global_batch_is_the_first_step_s() -> None:
 
 
 @contextlib.contextmanager
-def _one_rank_hook(m: nn.Module, **options: Any) -> Iterator[tuple[nn.Module, gl.HookState]]:
-    """DDP around `m` in a process group of one, with gradlane's comm hook."""
+def _one_rank_hook(m: nn.Module, ddp: dict[str, Any] | None = None, **options: Any
+                   ) -> Iterator[tuple[nn.Module, gl.HookState]]:
+    """DDP (given `ddp`'s options) around `m` in a process group of one, with gradlane's
+    comm hook (given `options`)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        wrapped = nn.parallel.DistributedDataParallel(m)
+        wrapped = nn.parallel.DistributedDataParallel(m, **(ddp or {}))
         state = gl.HookState(wrapped, daemon_socket="/nonexistent/gl.sock", **options)
         wrapped.register_comm_hook(state, gl.comm_hook)
         try:
@@ -1546,6 +1548,45 @@ def test_the_ddp_hook_cuts_attach_s_fine_chunks_for_the_model() -> None:
     rank, 526,336 bytes give chunks of 131,584, under the configured 1 MiB."""
     with _one_rank_hook(nn.Linear(256, 512), job="chunks", chunk_bytes=1 << 20) as (_, state):
         assert state.chunk_bytes == 131_584  # 131,584 parameters of 4 bytes
+
+
+class _ReadySmallFirst(nn.Module):
+    """Registered small, big, big, small (1,000 and 10,000 parameters); used big, big,
+    small, small, so backward has the small ones' gradients first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s1, self.b1, self.b2, self.s2 = (nn.Parameter(torch.randn(n))
+                                              for n in (1000, 10_000, 10_000, 1000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for p in (self.b1, self.b2, self.s1, self.s2):
+            x = x * p.mean()
+        return x
+
+
+def test_the_ddp_hook_follows_a_rebuild_into_fewer_buckets_and_frees_the_old_ones() -> None:
+    """Under a 40,000-byte cap, DDP's first buckets (in registration order) hold 1, 1 and 2
+    parameters; after the first step it rebuilds them in gradient-ready order into 2. The
+    hook keeps DDP's buckets only, its engine forgets the groups of the old ones (each held
+    a copy of its bucket's gradient and another of its average), and the gradients stay
+    right (on one rank, the average is the rank's own)."""
+    torch.manual_seed(0)
+    m = _ReadySmallFirst()
+    reference = copy.deepcopy(m)
+    with _one_rank_hook(m, ddp={"bucket_cap_mb_list": [40_000 / 2**20]},
+                        job="rebuild") as (wrapped, state):
+        for step in range(3):
+            x = torch.full((4,), 1.0 + step)
+            for net in (wrapped, reference):
+                net.zero_grad()
+                net(x).sum().backward()
+            for p, q in zip(m.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+            assert set(state.engine.groups) == set(state._groups), step
+            assert len(state._buckets) == (3 if step == 0 else 2), step
+        rebuilt = wrapped._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+        assert rebuilt == "48000, 40000"  # DDP's own account: 2 buckets, bytes each
 
 
 def test_a_ddp_hook_state_before_init_process_group_is_refused_saying_so() -> None:
