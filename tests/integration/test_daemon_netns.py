@@ -245,6 +245,9 @@ def test_check_passes_on_a_host_and_changes_nothing(cluster: Cluster, tmp_path: 
     assert _found(done.stdout, "privileges").startswith("ok")
     assert _found(done.stdout, "interface eth0").startswith(f"ok line rate 200Mbit, shaped to "
                                                             f"190Mbit; IPv4 {cluster.addr('h1')}")
+    root = before.split()[1]  # "qdisc <kind> <handle>: root ..."
+    assert _found(done.stdout, "interface eth0").endswith(
+        f"; root qdisc {root}: gradlaned replaces it and puts it back when it stops")
     assert _found(done.stdout, "kernel: HTB and u32").startswith("ok built 7 HTB classes")
     # Read, not touched: the host's qdiscs as they were, the scratch veth gone, no files.
     assert tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0") == before
@@ -252,6 +255,24 @@ def test_check_passes_on_a_host_and_changes_nothing(cluster: Cluster, tmp_path: 
                            text=True, check=True, timeout=10).stdout
     assert "gl-chk" not in links, links
     assert not list(tmp_path.iterdir())
+
+
+def test_check_names_a_scratch_veth_a_killed_check_left(cluster: Cluster) -> None:
+    """The check's scratch veth is named for its pid: one a killed check left under that
+    name fails the kernel check, which says how to remove it (not "kernel modules?")."""
+    script = textwrap.dedent("""
+        import os
+        from gradlane.daemon.preflight import SCRATCH_PREFIX, _kernel, scratch_veth
+        with scratch_veth(f"{SCRATCH_PREFIX}{os.getpid() % 100_000}") as name:
+            found = _kernel()
+            print(found.level, name, found.detail)
+    """)
+    done = cluster.run("h1", [sys.executable, "-c", script], check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    level, name, detail = done.stdout.strip().split(" ", 2)
+    assert level == "fail" and name.startswith("gl-chk"), done.stdout
+    assert detail.endswith(f"(a {name} left by a killed check? `gradlane testbed clean` "
+                           "removes it)"), detail
 
 
 def test_check_warns_of_a_link_down_loopback_and_a_tree_a_crash_left(

@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
-from gradlane.daemon.preflight import _control, _socket, preflight
+from gradlane.daemon.preflight import (
+    CAP_NET_ADMIN,
+    Finding,
+    _control,
+    _socket,
+    _state_dir,
+    preflight,
+)
 
 
 def _config(tmp_path: Path, **kw: Any) -> DaemonConfig:
@@ -82,3 +89,17 @@ def test_without_cap_net_admin_the_check_fails_and_tries_no_kernel(tmp_path: Pat
     lo = next(f for f in findings if f.check == "interface lo")
     assert lo.level == "warn" and "loopback: shaped, it would slow every connection" in lo.detail
     assert not any(f.check.startswith(("http", "control")) for f in findings)  # both off
+
+
+def test_the_state_dir_check_tells_a_writable_dir_from_one_to_create(tmp_path: Path) -> None:
+    assert _state_dir(tmp_path).detail == "writable"
+    assert _state_dir(tmp_path / "state" / "gradlane").detail == "can be created"
+
+
+def test_every_capability_but_cap_net_admin_is_not_enough(tmp_path: Path) -> None:
+    """CAP_NET_ADMIN is bit 12 of the mask: the others (CAP_NET_RAW, bit 13, among them)
+    do not let gradlaned change qdiscs."""
+    findings = preflight(_config(tmp_path, control_url=None),
+                         capabilities=((1 << 64) - 1) & ~(1 << CAP_NET_ADMIN))
+    assert findings[0] == Finding("privileges", "fail",
+                                  "no CAP_NET_ADMIN: run as root (the systemd unit grants it)")
