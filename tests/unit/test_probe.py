@@ -8,11 +8,12 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from gradlane.probe import _REPLY, _REQUEST, probe, serve, tos_of
+from gradlane.probe import _REPLY, _REQUEST, BandResult, probe, serve, tos_of
 
 
 def _free_udp_port() -> int:
@@ -24,7 +25,7 @@ def _free_udp_port() -> int:
 @pytest.fixture
 def server() -> Iterator[int]:
     port, ready, stop = _free_udp_port(), threading.Event(), threading.Event()
-    thread = threading.Thread(target=serve, args=(("127.0.0.1", port), 30.0, ready, stop))
+    thread = threading.Thread(target=serve, args=(("127.0.0.1", port), None, ready, stop))
     thread.start()
     assert ready.wait(5)
     yield port
@@ -33,12 +34,69 @@ def server() -> Iterator[int]:
 
 
 def test_marks_that_survive_are_reported_kept_both_ways(server: int) -> None:
-    results = probe(("127.0.0.1", server), [46, 34, 26, 18], count=3)
+    started = time.monotonic()
+    results = probe(("127.0.0.1", server), [46, 34, 26, 18], count=3, timeout_s=20)
+    # Every answer in: no waiting out the timeout (a loopback answer takes microseconds).
+    assert time.monotonic() - started < 10
     assert [r.dscp for r in results] == [46, 34, 26, 18]
     for r in results:
         assert r.ok, r
         assert r.sent == 3 and r.there == r.back == [r.dscp] * 3
+        assert all(0 < rtt < 10 for rtt in r.rtt_s), r.rtt_s
         assert "there DSCP" in r.summary() and "kept" in r.summary()
+
+
+def test_a_band_s_summary_and_verdict() -> None:
+    kept = BandResult(0, 46, sent=2, there=[46, 46], back=[46, 46], rtt_s=[0.002, 0.003])
+    assert kept.ok
+    assert kept.summary() == ("2 of 2 answered, there DSCP 46 kept, back DSCP 46 kept, "
+                              "round trip 2.50 ms")
+    assert not BandResult(0, 46).ok  # nothing sent is nothing shown
+    assert not BandResult(0, 46, sent=2, there=[46], back=[46], rtt_s=[0.001]).ok  # one lost
+
+
+def test_serve_ends_after_its_seconds_and_counts_what_it_answered() -> None:
+    port, ready, answered = _free_udp_port(), threading.Event(), []
+    thread = threading.Thread(target=lambda: answered.append(
+        serve(("127.0.0.1", port), seconds=2.0, ready=ready)))
+    thread.start()
+    assert ready.wait(5)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as junk:
+        # The size of a request, but not one: another magic, or a DSCP past 63.
+        junk.sendto(_REQUEST.pack(b"XXXX", 0, 46, 0, 1, 0.0), ("127.0.0.1", port))
+        junk.sendto(_REQUEST.pack(b"GLPQ", 0, 64, 0, 1, 0.0), ("127.0.0.1", port))
+    assert all(r.ok for r in probe(("127.0.0.1", port), [46, 63], count=2))  # 63: the last
+    thread.join(10)
+    assert not thread.is_alive() and answered == [4]
+
+
+def _rogue_peer(port: int, ready: threading.Event, requests: int) -> None:
+    """Answers each request first with replies the prober must ignore (another magic,
+    another nonce, a band it did not send), each claiming TOS 0, then rightly."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", port))
+        sock.settimeout(5)
+        ready.set()
+        for _ in range(requests):
+            data, peer = sock.recvfrom(64)
+            _, band, dscp, seq, nonce, sent = _REQUEST.unpack(data)
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+            for reply in (_REPLY.pack(b"GLPX", band, dscp, seq, nonce, sent, 0),
+                          _REPLY.pack(b"GLPA", band, dscp, seq, nonce ^ 1, sent, 0),
+                          _REPLY.pack(b"GLPA", 2, dscp, seq, nonce, sent, 0),
+                          _REPLY.pack(b"GLPA", band, dscp, seq, nonce, sent, dscp << 2)):
+                sock.sendto(reply, peer)
+
+
+def test_answers_that_are_not_to_this_probe_are_ignored() -> None:
+    port, ready = _free_udp_port(), threading.Event()
+    peer = threading.Thread(target=_rogue_peer, args=(port, ready, 4))
+    peer.start()
+    assert ready.wait(5)
+    results = probe(("127.0.0.1", port), [46, 18], count=2)
+    peer.join(10)
+    assert [(r.there, r.back) for r in results] == [([46, 46], [46, 46]), ([18, 18], [18, 18])]
+    assert all(r.ok for r in results)
 
 
 def _bleaching_peer(port: int, ready: threading.Event, answers: int) -> None:
