@@ -1,12 +1,16 @@
+import errno
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTM_NEWTFILTER
 from pyroute2.netlink.rtnl.tcmsg import cls_u32, tcmsg
 
 from gradlane.daemon.tc import (
     TC_U32_ROOT,
+    HtbParams,
     U32Filter,
     dscp_key,
     fmt_handle,
@@ -16,9 +20,11 @@ from gradlane.daemon.tc import (
     ipv4_tcp_keys,
     parse_u32_filter,
     tos_class_key,
+    translated,
     u32_bytemap,
     u32_message,
 )
+from gradlane.errors import TcError
 
 
 def test_handles() -> None:
@@ -30,6 +36,27 @@ def test_dscp_key_matches_tos_byte_without_ecn() -> None:
     # DSCP 46 (EF) is TOS 0xb8; the two ECN bits are masked out.
     assert dscp_key(46) == (0x00B80000, 0x00FC0000, 0)
     assert tos_class_key(5) == (0x00A00000, 0x00E00000, 0)
+
+
+def test_dscp_and_class_selector_keys_take_their_ranges_only() -> None:
+    assert dscp_key(0)[0] == 0 and dscp_key(63) == (0x00FC0000, 0x00FC0000, 0)
+    assert tos_class_key(0)[0] == 0 and tos_class_key(7) == (0x00E00000, 0x00E00000, 0)
+    for bad in (-1, 64):
+        with pytest.raises(ValueError, match=f"^DSCP must be in 0..63, got {bad}$"):
+            dscp_key(bad)
+    for bad in (-1, 8):
+        with pytest.raises(ValueError, match=f"^class selector must be in 0..7, got {bad}$"):
+            tos_class_key(bad)
+
+
+def test_netlink_errors_become_tc_errors_with_the_kernel_s_words() -> None:
+    with pytest.raises(TcError) as raised, translated("eth0", "class 474c:101"):
+        raise NetlinkError(errno.EINVAL, "Invalid rate")
+    assert (raised.value.errno, raised.value.detail) == (errno.EINVAL, "Invalid rate")
+    assert str(raised.value) == "class 474c:101 on eth0: Invalid rate (EINVAL)"
+    with pytest.raises(TcError) as raised, translated("eth0", "root qdisc"):
+        raise NetlinkError(errno.EPERM)  # no extended ack: the errno's own words
+    assert str(raised.value) == "root qdisc on eth0: Operation not permitted (EPERM)"
 
 
 def test_bytemap_is_independent_of_packing() -> None:
@@ -68,6 +95,9 @@ def test_ipv4_tcp_keys_cover_the_5tuple() -> None:
     assert ((40000 << 16) | 5201, 0xFFFFFFFF, 20) in keys
     assert (0x00060000, 0x00FF0000, 8) in keys  # TCP
     assert (0x05000000, 0x0F000000, 0) in keys  # IHL 5: ports really at offset 20
+    # One port alone: the other half of the word neither matched nor set.
+    assert ipv4_tcp_keys(dport=5201)[-1] == (5201, 0x0000FFFF, 20)
+    assert ipv4_tcp_keys(sport=40000)[-1] == (40000 << 16, 0xFFFF0000, 20)
 
 
 def test_htb_kwargs_are_bytes_per_second_with_explicit_bursts() -> None:
@@ -76,7 +106,16 @@ def test_htb_kwargs_are_bytes_per_second_with_explicit_bursts() -> None:
     assert kw["prio"] == 3 and kw["quantum"] == 3028
     assert kw["burst"] == 25_000 and kw["cburst"] == 50_000
     small = htb_class_kwargs(8_000, 8_000, 0, 1514)
-    assert small["burst"] == 2 * 1514  # never under two frames
+    assert small["burst"] == small["cburst"] == 2 * 1514  # never under two frames
+    assert htb_class_kwargs(0, 0, 0, 1514)["rate"] == 1  # the kernel's least: 1 byte/s
+
+
+def test_a_class_as_the_kernel_keeps_it_has_whole_bytes_and_ceil_at_least_rate() -> None:
+    asked = HtbParams(classid=0x474C0101, parent=0x474C0001, rate_bps=1001, ceil_bps=500,
+                      prio=1, quantum=1514)
+    kept = asked.as_kernel_stores()
+    assert (kept.rate_bps, kept.ceil_bps) == (1000, 1000)
+    assert kept == HtbParams(0x474C0101, 0x474C0001, 1000, 1000, 1, 1514)
 
 
 def _round_trip(msg: Any) -> U32Filter | None:
