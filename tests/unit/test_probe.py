@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -70,55 +71,52 @@ def test_serve_ends_after_its_seconds_and_counts_what_it_answered() -> None:
     assert not thread.is_alive() and answered == [4]
 
 
-def _rogue_peer(port: int, ready: threading.Event, requests: int) -> None:
-    """Answers each request first with replies the prober must ignore (another magic,
-    another nonce, a band it did not send), each claiming TOS 0, then rightly."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", port))
-        sock.settimeout(5)
-        ready.set()
-        for _ in range(requests):
-            data, peer = sock.recvfrom(64)
-            _, band, dscp, seq, nonce, sent = _REQUEST.unpack(data)
-            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
-            for reply in (_REPLY.pack(b"GLPX", band, dscp, seq, nonce, sent, 0),
-                          _REPLY.pack(b"GLPA", band, dscp, seq, nonce ^ 1, sent, 0),
-                          _REPLY.pack(b"GLPA", 2, dscp, seq, nonce, sent, 0),
-                          _REPLY.pack(b"GLPA", band, dscp, seq, nonce, sent, dscp << 2)):
-                sock.sendto(reply, peer)
+def _probe_a_hand_made_peer(replies: Callable[[tuple[Any, ...]], list[bytes]],
+                            mark: bool) -> list[BandResult]:
+    """Probe bands 46 and 18, twice each, at a peer that answers each request (its fields)
+    with `replies(request)`, marked with the request's DSCP if `mark`, else unmarked."""
+    port, ready = _free_udp_port(), threading.Event()
+
+    def peer() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", port))
+            sock.settimeout(5)
+            ready.set()
+            for _ in range(4):
+                data, prober = sock.recvfrom(64)
+                request = _REQUEST.unpack(data)
+                sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, request[2] << 2 if mark else 0)
+                for reply in replies(request):
+                    sock.sendto(reply, prober)
+
+    thread = threading.Thread(target=peer)
+    thread.start()
+    assert ready.wait(5)
+    results = probe(("127.0.0.1", port), [46, 18], count=2)
+    thread.join(10)
+    return results
 
 
 def test_answers_that_are_not_to_this_probe_are_ignored() -> None:
-    port, ready = _free_udp_port(), threading.Event()
-    peer = threading.Thread(target=_rogue_peer, args=(port, ready, 4))
-    peer.start()
-    assert ready.wait(5)
-    results = probe(("127.0.0.1", port), [46, 18], count=2)
-    peer.join(10)
+    """Before each right answer, three the prober must ignore (another magic, another
+    nonce, a band it did not send), each claiming the request arrived as DSCP 0."""
+    def replies(request: tuple[Any, ...]) -> list[bytes]:
+        _, band, dscp, seq, nonce, sent = request
+        return [_REPLY.pack(b"GLPX", band, dscp, seq, nonce, sent, 0),
+                _REPLY.pack(b"GLPA", band, dscp, seq, nonce ^ 1, sent, 0),
+                _REPLY.pack(b"GLPA", 2, dscp, seq, nonce, sent, 0),
+                _REPLY.pack(b"GLPA", band, dscp, seq, nonce, sent, dscp << 2)]
+
+    results = _probe_a_hand_made_peer(replies, mark=True)
     assert [(r.there, r.back) for r in results] == [([46, 46], [46, 46]), ([18, 18], [18, 18])]
     assert all(r.ok for r in results)
 
 
-def _bleaching_peer(port: int, ready: threading.Event, answers: int) -> None:
+def test_a_re_marked_path_is_named_and_fails() -> None:
     """A peer behind a network that re-marks everything to DSCP 0: it says it saw TOS 0 and
     its answers leave unmarked."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", port))
-        sock.settimeout(5)
-        ready.set()
-        for _ in range(answers):
-            data, peer = sock.recvfrom(64)
-            magic, band, dscp, seq, nonce, sent = _REQUEST.unpack(data)
-            sock.sendto(_REPLY.pack(b"GLPA", band, dscp, seq, nonce, sent, 0), peer)
-
-
-def test_a_re_marked_path_is_named_and_fails() -> None:
-    port, ready = _free_udp_port(), threading.Event()
-    peer = threading.Thread(target=_bleaching_peer, args=(port, ready, 4))
-    peer.start()
-    assert ready.wait(5)
-    results = probe(("127.0.0.1", port), [46, 18], count=2)
-    peer.join(10)
+    results = _probe_a_hand_made_peer(
+        lambda request: [_REPLY.pack(b"GLPA", *request[1:], 0)], mark=False)
     assert not any(r.ok for r in results)
     assert results[0].there == results[0].back == [0, 0]
     assert ("there DSCP 46 arrived as 0 (re-marked), back DSCP 46 arrived as 0 (re-marked)"
