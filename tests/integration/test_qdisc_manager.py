@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -159,6 +161,24 @@ def test_class_stats_count_traffic_and_derive_throughput(cluster: Cluster, tmp_p
     assert leaf.throughput_bps == pytest.approx(sent * 8 / 2.0)
     assert second["474c:1"].role == "root" and second["474c:2"].role == "other"
     assert leaf.drops >= 0 and leaf.backlog >= 0
+
+
+def test_a_band_s_queue_shows_in_its_counters_while_a_flow_fills_it(
+    cluster: Cluster, manager: QdiscManager
+) -> None:
+    """TCP sends faster than the band's shaped rate, so the band's queue holds packets
+    while it runs: its backlog and length, read with the class counters (gradlaned's
+    `gradlane_class_backlog_bytes`), are above 0 at some of the reads."""
+    manager.apply(job_spec())
+    flow = threading.Thread(target=run_flows,
+                            args=(cluster, [Flow("h1", "h2", dscp=BAND0, seconds=1.5)]))
+    flow.start()
+    seen: list[tuple[int, int]] = []
+    while flow.is_alive() and len(seen) < 400:  # reads every 10 ms, bounded
+        seen += [(s.backlog, s.qlen) for s in manager.class_stats() if s.classid == "474c:101"]
+        time.sleep(0.01)
+    flow.join(60)
+    assert max(backlog for backlog, _ in seen) > 0 and max(qlen for _, qlen in seen) > 0, seen
 
 
 def test_apply_is_idempotent_and_local(cluster: Cluster, manager: QdiscManager) -> None:
