@@ -78,6 +78,11 @@ def test_a_trace_batch_computes_the_whole_profile(clock: FakeClock) -> None:
     clock.asked.clear()
     model(workloads.trace_batch(workloads.BATCH // 2)).sum().backward()
     assert sum(clock.asked) == pytest.approx(0.075)
+    # A worker at half speed (the heterogeneous scenarios' slow one) takes twice as long.
+    clock.asked.clear()
+    slow = workloads.make_trace("vgg19", 1, forward_s=0.05, speed=0.5)
+    slow(workloads.trace_batch()).sum().backward()
+    assert sum(clock.asked) == pytest.approx(0.300)
 
 
 def test_the_demo_measures_its_model_with_every_worker_training_at_once(
