@@ -399,6 +399,54 @@ def test_nothing_enters_a_namespace_while_it_is_removed(monkeypatch: pytest.Monk
     assert name not in namespaces()
 
 
+_GRACEFUL = """
+import pathlib, signal, sys, time
+def finish(*_):
+    time.sleep(0.3)  # finishing up, as a gradlaned restores its qdiscs
+    pathlib.Path(sys.argv[1]).write_text("finished")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, finish)
+print("ready", flush=True)
+time.sleep(60)
+"""
+_STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_removing_a_namespace_lets_its_processes_finish_then_kills_the_rest(
+        tmp_path: Path) -> None:
+    """SIGTERM first, and a grace to finish in (a gradlaned restores its qdiscs then),
+    nothing else meanwhile; then SIGKILL to what still runs."""
+    name = "gl-tgrace-h1"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for script in (_GRACEFUL, _STUBBORN):
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", name, sys.executable, "-c", script,
+                 str(tmp_path / "finished")], stdout=subprocess.PIPE, text=True))
+            assert procs[-1].stdout is not None
+            assert procs[-1].stdout.readline() == "ready\n"  # bounded: each sleeps 60 s
+        gl_netns.remove(name)
+        codes = [proc.wait(timeout=10) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+        if name in namespaces():
+            subprocess.run(["ip", "netns", "del", name])
+    assert (tmp_path / "finished").read_text() == "finished"
+    assert codes == [0, -signal.SIGKILL]
+
+
 def test_clean_removes_stale_namespaces_and_their_processes() -> None:
     subprocess.run(["ip", "netns", "add", "gl-tstale-h1"], check=True)
     sleeper = subprocess.Popen(["ip", "netns", "exec", "gl-tstale-h1", "sleep", "60"])
