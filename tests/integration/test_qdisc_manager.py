@@ -160,7 +160,6 @@ def test_class_stats_count_traffic_and_derive_throughput(cluster: Cluster, tmp_p
     assert sent >= 3_000_000 and leaf.packets > first["474c:101"].packets
     assert leaf.throughput_bps == pytest.approx(sent * 8 / 2.0)
     assert second["474c:1"].role == "root" and second["474c:2"].role == "other"
-    assert leaf.drops >= 0 and leaf.backlog >= 0
 
 
 def test_a_band_s_queue_shows_in_its_counters_while_a_flow_fills_it(
