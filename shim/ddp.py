@@ -360,10 +360,13 @@ class HookState:
         """Let the engine forget the groups of buckets DDP rebuilt away (their gradient and
         average buffers, each a copy of the bucket), once none is under way: those made ready
         in the step DDP rebuilt in are averaged first, on every rank alike."""
-        idle = [group for group in self._stale if group.done_step == group.step]
+        idle: list[Group] = []
+        busy: list[Group] = []
+        for group in self._stale:  # one look at each: an engine thread may finish one
+            (idle if group.done_step == group.step else busy).append(group)
         if idle:
             self.engine.retire(idle)
-            self._stale = [group for group in self._stale if group.done_step != group.step]
+        self._stale = busy
 
     def _rebuild_pending(self) -> bool:
         """Whether DDP will rebuild its buckets at a coming forward: it does once, in
