@@ -46,16 +46,24 @@ def port_below_ephemeral(start: int = 20000) -> int:
     """A loopback port free now and below the kernel's ephemeral range, for a server that
     binds it later (a rank 0's store, a daemon in its own process): no bind to port 0 or
     outgoing connection takes one from there meanwhile, as they may one found by binding
-    port 0."""
+    port 0.
+
+    Each pytest-xdist worker (``make test`` runs the tests that need no namespace in
+    several) looks in its own share of those ports: a port one worker found free could
+    otherwise be found by another before the first one's server binds it."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in range(start + os.getpid() % 1000, low):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    span = (low - start) // workers
+    base, end = start + worker * span, start + (worker + 1) * span
+    for port in range(base + os.getpid() % (span // 2), end):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise AssertionError(f"no free port in {start}..{low}")
+    raise AssertionError(f"no free port in {base}..{end}")
 
 
 class AgentStore:
