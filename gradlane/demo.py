@@ -415,18 +415,15 @@ def run_loopback(hosts: int, steps: int, out: Path, say: Callable[[str], None]) 
         "1",
         "--nproc-per-node",
         str(hosts),
-        "--master-addr",
-        "127.0.0.1",
+        "--standalone",  # a rendezvous on a free loopback port: no port to collide with
     ]
-    for i, system in enumerate(("ddp", "gradlane")):
+    for system in ("ddp", "gradlane"):
         say(f"{system}: {hosts} local workers on loopback, {steps} steps")
         start = time.monotonic()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(
             [
                 *torchrun,
-                "--master-port",
-                str(29600 + i),
                 *_worker_argv(
                     system, out, ["--steps", str(steps), "--daemon-socket", "/nonexistent"]
                 ),
