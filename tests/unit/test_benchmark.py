@@ -37,6 +37,7 @@ from gradlane.cli import cli
 from gradlane.demo import SystemRun, steady_start
 from gradlane.errors import ConfigError, TestbedError
 from gradlane.policies.chunks import trial_schedule
+from gradlane.systems import DAEMON_SYSTEMS, REFERENCE, SYSTEMS
 from tests import REPO, examples
 
 SCENARIOS = sorted((REPO / "bench/scenarios").glob("*.toml"))
@@ -58,12 +59,9 @@ def test_shipped_scenarios_load(path: Path) -> None:
         # Each measured once a round: a second would mix with the first's times.
         ('name = "x"\nsystems = ["ddp", "fifo", "ddp"]\n[workload]\nkind = "cnn"\n',
          "systems must be a list drawn from ddp, fifo, priority, gradlane, ddp-hook, each once"),
-        ('name = "x"\nhosts = 99\n[workload]\nkind = "cnn"\n', "hosts"),
         ('name = "x"\nlayout = "tiny"\n[workload]\nkind = "cnn"\n', "layout"),
         ('name = "x"\nexchange = "tree"\n[workload]\nkind = "cnn"\n', "exchange"),
-        ('name = "x"\nchunk_bytes = 100\n[workload]\nkind = "cnn"\n', "chunk_bytes"),
         ('name = "x"\nchunk_bytes = "1M"\n[workload]\nkind = "cnn"\n', "chunk_bytes"),
-        ('name = "x"\ncredit_bytes = 100\n[workload]\nkind = "cnn"\n', "credit_bytes"),
         ('hosts = 4\n[workload]\nkind = "cnn"\n', "name"),
         ('name = "x"\n[workload\n', "x.toml"),
         # Misspelt: refused, not run on the default.
@@ -79,6 +77,70 @@ def test_bad_scenarios_name_the_key(tmp_path: Path, text: str, key: str) -> None
     path.write_text(text)
     with pytest.raises(ConfigError, match=re.escape(key)):
         load_scenario(path)
+
+
+CNN = '\n[workload]\nkind = "cnn"\n'
+TRACE = '\n[workload]\nkind = "trace"\nmodel = "vgg19"\n'
+
+
+@pytest.mark.parametrize(
+    "lines, refused",
+    [
+        # Each range's edges are taken, and the values just past them refused with the range.
+        ("hosts = 2", None),
+        ("hosts = 8", None),
+        ("hosts = 1", "need hosts 2..8"),
+        ("hosts = 9", "need hosts 2..8"),
+        ("steps = 10", None),
+        ("steps = 9", "steps >= 10"),
+        ("rounds = 1", None),
+        ("rounds = 0", "rounds >= 1"),
+        ("comm_to_compute = 0.01", None),
+        ("comm_to_compute = 0", "comm_to_compute must be positive"),
+        ("chunk_bytes = 4096", None),
+        ("chunk_bytes = 1073741824", None),
+        ("chunk_bytes = 4095", "chunk_bytes must be 4096..1073741824"),
+        ("chunk_bytes = 1073741825", "chunk_bytes must be 4096..1073741824"),
+        ("credit_bytes = 1024", None),
+        ("credit_bytes = 1073741824", None),
+        ("credit_bytes = 1023", "credit_bytes must be 1024..1073741824"),
+        ("credit_bytes = 1073741825", "credit_bytes must be 1024..1073741824"),
+    ],
+)
+def test_a_scenario_s_ranges_take_their_edges_and_refuse_past_them(
+        tmp_path: Path, lines: str, refused: str | None) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\n' + lines + CNN)
+    if refused is None:
+        load_scenario(path)
+        return
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        load_scenario(path)
+
+
+@pytest.mark.parametrize("key", ["model_mb", "forward_ms"])
+@pytest.mark.parametrize("value, taken", [("0.5", True), ("0", False), ("-1", False),
+                                          ('"1"', False)])
+def test_a_trace_s_size_and_time_must_be_positive_numbers(
+        tmp_path: Path, key: str, value: str, taken: bool) -> None:
+    other = "forward_ms" if key == "model_mb" else "model_mb"
+    path = tmp_path / "x.toml"
+    path.write_text(f'name = "x"{TRACE}{key} = {value}\n{other} = 1\n')
+    if taken:
+        assert load_scenario(path).workload[key] == 0.5
+        return
+    with pytest.raises(ConfigError, match=f"workload.{key} must be a positive number"):
+        load_scenario(path)
+
+
+def test_a_scenario_s_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"' + CNN)
+    scenario = load_scenario(path)
+    assert (scenario.hosts, scenario.steps, scenario.rounds) == (4, 30, 2)
+    assert (scenario.chunk_bytes, scenario.credit_bytes, scenario.comm_to_compute) == (
+        None, None, 1.0)
+    assert scenario.systems == tuple(SYSTEMS) and scenario.description == ""
 
 
 def test_a_scenario_that_is_not_text_is_refused_naming_the_file(tmp_path: Path) -> None:
@@ -156,6 +218,12 @@ def test_a_scenario_is_named_as_the_issue_names_it_or_given_as_its_file(
                                           '[workload]\nkind = "cnn"\n')
     result = CliRunner().invoke(cli, ["bench", "run", "trace-vgg19", *narrowed_run])
     assert "compares ddp; not nccl" in result.output, result.output  # a file goes first
+
+
+def test_summary_p90_is_the_nearest_rank_below_and_the_median_the_middle() -> None:
+    times = [0.011, 0.003, 0.007, 0.001, 0.009, 0.005, 0.002, 0.010, 0.004, 0.008, 0.006]
+    (row,) = summarize({"gradlane": times}, 0.001).values()
+    assert (row["median_s"], row["p90_s"]) == (0.006, 0.010)
 
 
 def test_summary_speedups_are_over_ddp_and_skip_the_reference() -> None:
@@ -518,6 +586,10 @@ def test_table_and_plot_refuse_files_that_are_not_bench_results(tmp_path: Path) 
     assert shown.exit_code == 1 and "none of these is a result of" in shown.output
     shown = CliRunner().invoke(cli, ["bench", "plot", str(other)])
     assert shown.exit_code == 1 and "not a result of `gradlane bench run`" in shown.output
+    # A summary without the bound it is measured against is no bench result either.
+    other.write_text(json.dumps({"summary": {"gradlane": {"median_s": 0.1}}}))
+    shown = CliRunner().invoke(cli, ["bench", "table", str(other)])
+    assert shown.exit_code == 1 and "none of these is a result of" in shown.output
     shown = CliRunner().invoke(cli, ["bench", "table", str(garbled)])
     assert isinstance(shown.exception, ConfigError)
     assert "garbled.json: not a results file" in str(shown.exception)
@@ -625,6 +697,59 @@ def test_a_run_that_stops_keeps_the_runs_it_measured(
     assert {s: len(rs) for s, rs in data["runs"].items()} == {"local": 2, "ddp": 1, "fifo": 1}
     assert data["runs"]["ddp"][0]["iteration_s"] == [0.1] * 30
     assert data["scenario"]["systems"] == ["ddp", "fifo"]
+
+
+@pytest.mark.parametrize("hosts, ratio", [(2, 1.0), (4, 0.5), (8, 2.0)])
+def test_the_link_rate_makes_an_iteration_s_bytes_take_the_scenario_s_share_of_compute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: int, ratio: float) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(f'name = "x"\nhosts = {hosts}\ncomm_to_compute = {ratio}\n'
+                    f'systems = ["ddp", "fifo"]\n[workload]\n{_TRACE}')
+    scenario = load_scenario(path)
+    built: list[Any] = []
+    monkeypatch.setattr(_Cluster, "__enter__", lambda self: built.append(self) or self)
+    _runs_until(monkeypatch, None, after=0, steps=30)
+    result = run_scenario(scenario, say=lambda _: None)
+    compute, size = compute_and_bytes(scenario)
+    rate = result["link_bps"]
+    # Each worker sends 2(W-1)/W model sizes an iteration, in whole segments' goodput.
+    seconds = 2 * (hosts - 1) / hosts * size * 8 / (rate * PAYLOAD_EFFICIENCY)
+    assert seconds == pytest.approx(ratio * compute, rel=1e-6)
+    assert result["nominal_lower_bound_s"] == pytest.approx(max(compute, seconds))
+    (cluster,) = built
+    assert list(cluster.topology.rates) == [rate] * hosts
+
+
+def test_every_round_runs_every_system_and_only_the_daemon_systems_get_the_daemons(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(f'name = "x"\nhosts = 3\nrounds = 2\nsystems = {list(SYSTEMS)!r}\n'
+                    f'[workload]\n{_TRACE}'.replace("'", '"'))
+    started: list[int] = []
+
+    class Hosts(_Cluster):
+        def start_daemons(self, hosts: Any, out: Path) -> dict[str, tuple[None, Path]]:
+            started.extend(hosts)
+            return {f"h{h}": (None, out / f"gl{h}.sock") for h in hosts}
+
+    ran: list[tuple[str, int, list[str] | None]] = []
+
+    def run_on_cluster(c: Any, system: str, args: list[str], *, port: int, out: Path,
+                       sockets: list[Path] | None) -> tuple[SystemRun, Any]:
+        ran.append((system, port, sockets and [p.name for p in sockets]))
+        return SystemRun(system, [0.1] * 30, [1.0] * 30, wall_s=3.0), {}
+
+    monkeypatch.setattr("gradlane.testbed.Cluster", Hosts)
+    monkeypatch.setattr("gradlane.demo.run_on_cluster", run_on_cluster)
+    result = run_scenario(load_scenario(path), say=lambda _: None)
+    assert started == [1, 2, 3]  # once, on every host, for all the rounds
+    order = [REFERENCE, *SYSTEMS]
+    assert [system for system, _, _ in ran] == order * 2
+    for system, _, sockets in ran:
+        want = ["gl1.sock", "gl2.sock", "gl3.sock"] if system in DAEMON_SYSTEMS else None
+        assert sockets == want, system
+    assert len({port for _, port, _ in ran}) == len(ran)  # each run its own rendezvous
+    assert {s: len(r) for s, r in result["runs"].items()} == dict.fromkeys(order, 2)
 
 
 def test_a_run_that_stops_before_any_run_keeps_nothing(
