@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cluster_args, record_cluster_run, unwind_on_signals  # noqa: E402
 
 from gradlane.control_runs import run_two_jobs  # noqa: E402
-from gradlane.shim.config import LAYOUTS  # noqa: E402
+from gradlane.policies.chunks import LAYOUTS  # noqa: E402  (torch-free: --help is quick)
 
 
 def main() -> None:
