@@ -637,12 +637,22 @@ _TRACE = 'kind = "trace"\nmodel = "vgg19"\nmodel_mb = 10\nforward_ms = 50\n'
 
 
 class _Cluster:
-    """Stands in for the emulated cluster: `run_on_cluster` is faked too."""
+    """Stands in for the emulated cluster: `run_on_cluster` is faked too. Each one built is
+    kept in `built`, with the hosts it started daemons on and its runs' (system, port,
+    daemon sockets' names)."""
 
     gone: list[bool] = []
+    built: list[_Cluster] = []
 
     def __init__(self, topology: Any) -> None:
         self.topology = topology
+        self.daemons_on: list[int] = []
+        self.runs: list[tuple[str, int, list[str] | None]] = []
+        self.built.append(self)
+
+    def start_daemons(self, hosts: Any, out: Path) -> dict[str, tuple[None, Path]]:
+        self.daemons_on.extend(hosts)
+        return {f"h{h}": (None, out / f"gl{h}.sock") for h in hosts}
 
     def __enter__(self) -> _Cluster:
         return self
@@ -657,14 +667,16 @@ def _runs_until(monkeypatch: pytest.MonkeyPatch, stop: BaseException | None, aft
     return the systems run, in order."""
     started: list[str] = []
 
-    def run_on_cluster(c: Any, system: str, *args: Any, **kwargs: Any) -> tuple[SystemRun, Any]:
+    def run_on_cluster(c: _Cluster, system: str, args: list[str], *, port: int, out: Path,
+                       sockets: list[Path] | None) -> tuple[SystemRun, Any]:
         started.append(system)
+        c.runs.append((system, port, sockets and [p.name for p in sockets]))
         if stop is not None and len(started) > after:
             assert not _Cluster.gone
             raise stop
         return SystemRun(system, [0.1] * steps, [1.0] * steps, wall_s=0.1 * steps), {}
 
-    _Cluster.gone = []
+    _Cluster.gone, _Cluster.built = [], []
     monkeypatch.setattr("gradlane.testbed.Cluster", _Cluster)
     monkeypatch.setattr("gradlane.demo.run_on_cluster", run_on_cluster)
     return started
@@ -706,8 +718,6 @@ def test_the_link_rate_makes_an_iteration_s_bytes_take_the_scenario_s_share_of_c
     path.write_text(f'name = "x"\nhosts = {hosts}\ncomm_to_compute = {ratio}\n'
                     f'systems = ["ddp", "fifo"]\n[workload]\n{_TRACE}')
     scenario = load_scenario(path)
-    built: list[Any] = []
-    monkeypatch.setattr(_Cluster, "__enter__", lambda self: built.append(self) or self)
     _runs_until(monkeypatch, None, after=0, steps=30)
     result = run_scenario(scenario, say=lambda _: None)
     compute, size = compute_and_bytes(scenario)
@@ -716,7 +726,7 @@ def test_the_link_rate_makes_an_iteration_s_bytes_take_the_scenario_s_share_of_c
     seconds = 2 * (hosts - 1) / hosts * size * 8 / (rate * PAYLOAD_EFFICIENCY)
     assert seconds == pytest.approx(ratio * compute, rel=1e-6)
     assert result["nominal_lower_bound_s"] == pytest.approx(max(compute, seconds))
-    (cluster,) = built
+    (cluster,) = _Cluster.built
     assert list(cluster.topology.rates) == [rate] * hosts
 
 
@@ -725,24 +735,11 @@ def test_every_round_runs_every_system_and_only_the_daemon_systems_get_the_daemo
     path = tmp_path / "x.toml"
     path.write_text(f'name = "x"\nhosts = 3\nrounds = 2\nsystems = {list(SYSTEMS)!r}\n'
                     f'[workload]\n{_TRACE}'.replace("'", '"'))
-    started: list[int] = []
-
-    class Hosts(_Cluster):
-        def start_daemons(self, hosts: Any, out: Path) -> dict[str, tuple[None, Path]]:
-            started.extend(hosts)
-            return {f"h{h}": (None, out / f"gl{h}.sock") for h in hosts}
-
-    ran: list[tuple[str, int, list[str] | None]] = []
-
-    def run_on_cluster(c: Any, system: str, args: list[str], *, port: int, out: Path,
-                       sockets: list[Path] | None) -> tuple[SystemRun, Any]:
-        ran.append((system, port, sockets and [p.name for p in sockets]))
-        return SystemRun(system, [0.1] * 30, [1.0] * 30, wall_s=3.0), {}
-
-    monkeypatch.setattr("gradlane.testbed.Cluster", Hosts)
-    monkeypatch.setattr("gradlane.demo.run_on_cluster", run_on_cluster)
+    _runs_until(monkeypatch, None, after=0, steps=30)
     result = run_scenario(load_scenario(path), say=lambda _: None)
-    assert started == [1, 2, 3]  # once, on every host, for all the rounds
+    (cluster,) = _Cluster.built
+    ran = cluster.runs
+    assert cluster.daemons_on == [1, 2, 3]  # once, on every host, for all the rounds
     order = [REFERENCE, *SYSTEMS]
     assert [system for system, _, _ in ran] == order * 2
     for system, _, sockets in ran:
