@@ -83,3 +83,20 @@ def test_a_cadence_under_the_reaction_time_is_taken(token: str,
                                          "--ttl", "1"])
     assert shown.exit_code == 0, shown.output
     assert [(c.cadence_s, c.react_s, c.ttl_s) for c in served] == [(0.01, 0.01, 1.0)]
+
+
+@pytest.mark.parametrize("args", [
+    ["testbed", "up", "glnoroot"], ["testbed", "down", "glnoroot"], ["testbed", "clean"],
+    ["testbed", "run", "glnoroot", "h1", "true"], ["testbed", "smoke", "--name", "glnoroot"],
+    ["bench", "run", "trace-vgg19"],
+], ids=["up", "down", "clean", "run", "smoke", "bench-run"])
+def test_the_commands_that_build_clusters_tell_a_user_without_root_to_use_sudo(
+        args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradlane.testbed import cluster_names
+
+    monkeypatch.setattr(cli.os, "geteuid", lambda: 1000)
+    shown = CliRunner().invoke(cli.cli, args)
+    assert shown.exit_code == 1, shown.output
+    command = "gradlane " + " ".join(args[:2])
+    assert f"{command} needs root" in shown.output and "run it with sudo" in shown.output
+    assert "glnoroot" not in cluster_names()

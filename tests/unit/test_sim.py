@@ -1,8 +1,10 @@
 """The flow-level simulator: analytic cases, determinism, and that plans stay valid."""
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from gradlane.errors import ConfigError
 from gradlane.policies import Plan, Policy, State, check_plan, get_policy
 from gradlane.policies.base import Host, Topology
+from gradlane.policies.profiles import trace_layers
 from gradlane.policies.sim import (
     Bucket,
     Result,
@@ -29,7 +32,9 @@ from gradlane.policies.sim.scenario import (
     SAMPLES_PER_WORKER,
     job_buckets,
     profile_layers,
+    shim_buckets,
 )
+from tests import REPO
 
 G = 1e9
 
@@ -351,6 +356,7 @@ def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
     coarse = testbed_scenario(result(), None, "gradlane").jobs[0]
     fifo = testbed_scenario(result(), None, "fifo").jobs[0]
     assert fine.overlap and not fifo.overlap
+    assert fine.store_forward and fifo.store_forward  # chunks of tens of ms, as the shim's
     # gradlaned shapes the hosts' links under the rate; fifo runs without it.
     nic = {system: testbed_scenario(result(), None, system).topology.hosts[0].nic_bps
            for system in ("gradlane", "fifo")}
@@ -369,6 +375,9 @@ def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
     # ends there, fifo's (one band) goes on.
     assert len(coarse.buckets) < len(fine.buckets)
     assert fine.buckets[0].bytes < MIN_GROUP_BYTES <= fifo.buckets[0].bytes
+    layers = trace_layers("vgg19", 10, 50, None)
+    assert fine.buckets == shim_buckets(layers, 4)[0]  # the shim's four bands
+    assert fifo.buckets == shim_buckets(layers, 4, bands=1)[0]
     assert fine.bytes == pytest.approx(coarse.bytes) == pytest.approx(fifo.bytes)
 
 
@@ -405,12 +414,19 @@ def test_every_plan_made_during_a_cluster_run_is_valid(name: str) -> None:
 
 
 def test_straggler_brings_the_heterogeneous_job_within_1_1x_of_ideal() -> None:
-    sc = heterogeneous()
-    (job,) = sc.jobs
-    w, nic = job.workers, sc.topology.hosts[0].nic_bps
-    ideal = w * job.compute_s / sum(job.speed) + 2 * (w - 1) / w * job.bytes * 8 / nic
-    straggler = simulate(sc, get_policy("straggler")).mean_iteration_s
-    fifo = simulate(sc, get_policy("fifo")).mean_iteration_s
+    """The ideal: the global batch over the summed throughputs (4 workers' batches at
+    speeds 1, 1, 1, 0.5: 4 / 3.5 of one worker's compute), plus the all-reduce's
+    2 (W-1) / W model sizes at the 10 Gbit/s line rate."""
+    from gradlane.simulation import run_heterogeneous
+
+    (job,) = heterogeneous().jobs
+    result = run_heterogeneous(("fifo", "straggler"))
+    assert result["ideal_compute_s"] == pytest.approx(job.compute_s * 4 / 3.5)
+    assert result["ideal_comm_s"] == pytest.approx(1.5 * job.bytes * 8 / 10e9)
+    ideal = result["ideal_compute_s"] + result["ideal_comm_s"]
+    assert result["ideal_s"] == pytest.approx(ideal)
+    straggler, fifo = (result["results"][p]["mean_iteration_s"] for p in ("straggler", "fifo"))
+    assert result["over_ideal"]["straggler"] == pytest.approx(straggler / ideal)
     assert straggler <= 1.1 * ideal
     assert straggler < fifo  # even shares wait for the slow worker
 
@@ -702,3 +718,70 @@ def test_the_cct_ceiling_weighs_each_job_as_fair_s_mean_does() -> None:
     assert cct_ceiling(fair, {"a": 0.5, "b": 1.5}) == pytest.approx(2.0)
     assert run_cluster(("fair",), seed=0, hosts=64, buckets=2)["cct_ceiling"] == \
         pytest.approx(1.0)
+
+
+def test_open_loop_offers_each_job_its_coflows_so_the_busiest_link_is_at_the_load() -> None:
+    """Each job arrives at a rate proportional to 1 / its coflow's time alone (every job
+    keeps itself the same fraction busy), scaled so that the busiest link is `load` busy
+    on average; the rarest job gets about `COFLOWS_OF_RAREST` coflows."""
+    from gradlane.simulation import COFLOWS_OF_RAREST, open_loop
+
+    base = cluster(hosts=64, hosts_per_leaf=32, jobs=4, group=8, nic_bps=G, iterations=1)
+    seconds, alone = coflow_load(base)
+    sc = open_loop(base, 0.6, seed=3)
+    rate = np.array([sc.notes["arrivals_per_s"][j.name] for j in base.jobs])
+    assert [sc.notes["coflow_alone_s"][j.name] for j in base.jobs] == pytest.approx(alone)
+    assert rate * alone == pytest.approx(np.full(len(rate), rate[0] * alone[0]))
+    assert float((seconds * rate[:, None]).sum(axis=0).max()) == pytest.approx(0.6)
+    assert sc.notes["horizon_s"] == pytest.approx(COFLOWS_OF_RAREST / rate.min())
+    for times, r in zip(sc.arrivals, rate, strict=True):
+        horizon = sc.notes["horizon_s"]
+        assert list(times) == sorted(times) and times[0] > 0 and times[-1] < horizon
+        # Poisson: within 4 standard deviations, and arriving until the end (no arrival in
+        # the last quarter has odds of exp(-6) for the rarest job).
+        expected = r * horizon
+        assert abs(len(times) - expected) < 4 * expected**0.5 + 1
+        assert times[-1] > 0.75 * horizon
+    assert open_loop(base, 0.6, seed=3).arrivals == sc.arrivals  # the seed decides them
+    assert open_loop(base, 0.6, seed=4).arrivals != sc.arrivals
+
+
+def test_a_job_is_growing_when_its_later_coflows_took_over_1_5x_its_earlier_ones() -> None:
+    from gradlane.simulation import growing_jobs
+
+    cct_s = {
+        "grew": [1.0, 1.0, 2.0, 2.0],
+        "steady": [1.0, 1.0, 1.4, 1.4],
+        "at_the_factor": [1.0, 1.0, 1.5, 1.5],  # not more than 1.5x
+        "odd": [1.0, 1.0, 3.0],  # halves [1.0] and [1.0, 3.0]
+        "one": [5.0],  # no halves to compare
+        "shrank": [2.0, 2.0, 1.0, 1.0],
+    }
+    assert growing_jobs(cct_s) == ["grew", "odd"]
+    assert growing_jobs(cct_s, factor=1.2) == ["grew", "steady", "at_the_factor", "odd"]
+
+
+def test_a_control_run_replays_the_layout_its_trial_kept_or_fine() -> None:
+    from gradlane.simulation import _kept
+
+    assert _kept({"layout_trial": {"chosen": "coarse"}}) == "coarse"
+    assert _kept({"layout_trial": {"chosen": None}}) == "fine"  # the trial never ended
+    assert _kept({"layout_trial": None}) == "fine"
+    assert _kept({}) == "fine"  # results from before the trial
+
+
+def test_validate_skips_the_control_runs_that_predate_their_recorded_waits(
+        tmp_path: Path) -> None:
+    """A run without its waits (or a result without gradlaned's line rates) has no
+    compute to replay with: left out, the others kept."""
+    from gradlane.simulation import run_validate
+
+    measured = json.loads((REPO / "bench/results/slow_link.json").read_text())
+    del measured["with_control"]["waited_s"]
+    (tmp_path / "slow_link.json").write_text(json.dumps(measured))
+    rows = run_validate(tmp_path)["rows"]
+    assert [(r["scenario"], r["system"]) for r in rows] == [("control-slow-link", "gradlane")]
+    del measured["daemon_line_bps"]
+    (tmp_path / "slow_link.json").write_text(json.dumps(measured))
+    with pytest.raises(ConfigError, match="no trace-scenario results"):
+        run_validate(tmp_path)
