@@ -352,6 +352,9 @@ def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
 
     assert layout_kept(result(), "gradlane") == "coarse" and layout_kept(result(), "fifo") == "fine"
     assert layout_kept(result(layout="fine"), "gradlane") == "fine"  # pinned: no trial
+    tie = {**result(), "runs": {"gradlane": [{"layout_trial": {"chosen": c}}
+                                             for c in ("coarse", "fine")]}}
+    assert layout_kept(tie, "gradlane") == "fine"
     fine = testbed_scenario(result(layout="fine"), None, "gradlane").jobs[0]
     coarse = testbed_scenario(result(), None, "gradlane").jobs[0]
     fifo = testbed_scenario(result(), None, "fifo").jobs[0]
@@ -785,3 +788,31 @@ def test_validate_skips_the_control_runs_that_predate_their_recorded_waits(
     (tmp_path / "slow_link.json").write_text(json.dumps(measured))
     with pytest.raises(ConfigError, match="no trace-scenario results"):
         run_validate(tmp_path)
+    (tmp_path / "slow_link.json").unlink()
+    # The two-NIC runs keep their waits and line rates each.
+    measured = json.loads((REPO / "bench/results/two_nics.json").read_text())
+    del measured["runs"]["gradlane, one NIC"]["waited_s"]
+    del measured["runs"]["gradlane, two NICs"]["daemon_line_bps"]
+    (tmp_path / "two_nics.json").write_text(json.dumps(measured))
+    rows = run_validate(tmp_path)["rows"]
+    assert [r["system"] for r in rows] == [measured["uneven"]["label"]]
+
+
+def test_each_experiment_runs_every_policy_it_compares_unless_told_which(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradlane import simulation
+
+    ran: list[tuple[str, tuple[str, ...]]] = []
+    for name in ("cluster", "coflows", "heterogeneous"):
+        monkeypatch.setattr(simulation, f"run_{name}",
+                            lambda policies, *a, name=name, **kw: ran.append((name, policies)))
+    for name in ("cluster", "coflows", "heterogeneous"):
+        simulation.run_experiment(name)
+        simulation.run_experiment(name, policies=("fifo",))
+    assert ran == [
+        ("cluster", simulation.CLUSTER_POLICIES), ("cluster", ("fifo",)),
+        ("coflows", ("fair", "coflow")), ("coflows", ("fifo",)),
+        ("heterogeneous", ("fifo", "priority", "straggler", "gradlane")),
+        ("heterogeneous", ("fifo",))]
+    assert simulation.CLUSTER_POLICIES == (
+        "fifo", "fair", "priority", "coflow", "loadbalance", "straggler", "gradlane")

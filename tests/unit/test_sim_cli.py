@@ -68,6 +68,7 @@ def test_sim_validate_replays_the_shipped_testbed_results(tmp_path: Path) -> Non
         ("two-nics", "gradlane, two NICs, eth1 at half the rate")}
     for row in data["rows"]:
         assert row["error"] == pytest.approx(row["simulated_s"] / row["measured_s"] - 1), row
+        assert row["compute_s"] > 0  # every shipped result records the compute it measured
     assert data["max_abs_error"] == max(abs(r["error"]) for r in data["rows"])
     # Issue 5's target, on what the testbed measured (bench/results): a change to the
     # simulator that takes a replay past it fails here, not at the next measurement.
@@ -170,6 +171,15 @@ def test_a_variant_of_the_cluster_gets_a_file_of_its_own(
     assert "--store-forward applies to 'cluster' and 'coflows'" in result.output
 
 
+def test_sim_takes_one_bucket_a_job_and_refuses_none(tmp_path: Path) -> None:
+    args = ["sim", "cluster", "--hosts", "64", "--policy", "fifo", "--json"]
+    one = CliRunner().invoke(cli, [*args, str(tmp_path / "one.json"), "--buckets", "1"])
+    assert one.exit_code == 0, one.output
+    none = CliRunner().invoke(cli, [*args, str(tmp_path / "none.json"), "--buckets", "0"])
+    assert none.exit_code != 0 and "buckets must be >= 1, got 0" in none.output
+    assert not (tmp_path / "none.json").exists()
+
+
 @pytest.mark.parametrize("load", ["0", "1", "1.2", "-0.1"])
 def test_sim_coflows_refuses_a_load_outside_0_1(load: str, tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["sim", "coflows", "--hosts", "64", "--load", load,
@@ -190,6 +200,7 @@ def test_validate_replays_the_control_runs_placement_and_exchange() -> None:
               "daemon_line_bps": [101585205, 101585205]}
     ring = owners_scenario(result, 0.07, "fine")
     assert ring.jobs[0].hosts == (0, 0, 0, 1, 1, 1) and ring.jobs[0].ring
+    assert ring.jobs[0].store_forward  # as the shim moves its chunks, as `_replay` has it
     rates = {h.nic_bps for h in ring.topology.hosts}  # gradlaned's shaped rate, payload
     assert len(ring.topology.hosts) == 2 and len(rates) == 1 and 90e6 < rates.pop() < 100e6
     within = owners_scenario(result, 0.07, "fine", ("--exchange", "auto"))  # the further run
