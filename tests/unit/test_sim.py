@@ -381,6 +381,13 @@ def test_the_testbed_replay_groups_layers_as_the_shim_did() -> None:
     layers = trace_layers("vgg19", 10, 50, None)
     assert fine.buckets == shim_buckets(layers, 4)[0]  # the shim's four bands
     assert fifo.buckets == shim_buckets(layers, 4, bands=1)[0]
+    # (VGG-19's groups happen to end where two bands would; ResNet-50's do not.)
+    resnet = {**workload, "model": "resnet50"}
+    one_band = testbed_scenario({**result(), "scenario": {"name": "x", "hosts": 4,
+                                                          "workload": resnet}}, None, "fifo")
+    layers = trace_layers("resnet50", 10, 50, None)
+    assert one_band.jobs[0].buckets == shim_buckets(layers, 4, bands=1)[0] != \
+        shim_buckets(layers, 4, bands=2)[0]
     assert fine.bytes == pytest.approx(coarse.bytes) == pytest.approx(fifo.bytes)
 
 
@@ -729,8 +736,10 @@ def test_open_loop_offers_each_job_its_coflows_so_the_busiest_link_is_at_the_loa
     on average; the rarest job gets about `COFLOWS_OF_RAREST` coflows."""
     from gradlane.simulation import COFLOWS_OF_RAREST, open_loop
 
-    base = cluster(hosts=64, hosts_per_leaf=32, jobs=4, group=8, nic_bps=G, iterations=1)
+    # Leaves of 16: the jobs share uplinks, so the busiest link is not any job's alone.
+    base = cluster(hosts=64, hosts_per_leaf=16, jobs=4, group=8, nic_bps=G, iterations=1)
     seconds, alone = coflow_load(base)
+    assert float((seconds / alone[:, None]).sum(axis=0).max()) > 1.05
     sc = open_loop(base, 0.6, seed=3)
     rate = np.array([sc.notes["arrivals_per_s"][j.name] for j in base.jobs])
     assert [sc.notes["coflow_alone_s"][j.name] for j in base.jobs] == pytest.approx(alone)
@@ -759,9 +768,10 @@ def test_a_job_is_growing_when_its_later_coflows_took_over_1_5x_its_earlier_ones
         "odd": [1.0, 1.0, 3.0],  # halves [1.0] and [1.0, 3.0]
         "one": [5.0],  # no halves to compare
         "shrank": [2.0, 2.0, 1.0, 1.0],
+        "late": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0],  # halves of three: 1 and 5/3
     }
-    assert growing_jobs(cct_s) == ["grew", "odd"]
-    assert growing_jobs(cct_s, factor=1.2) == ["grew", "steady", "at_the_factor", "odd"]
+    assert growing_jobs(cct_s) == ["grew", "odd", "late"]
+    assert growing_jobs(cct_s, factor=1.2) == ["grew", "steady", "at_the_factor", "odd", "late"]
 
 
 def test_a_control_run_replays_the_layout_its_trial_kept_or_fine() -> None:
