@@ -90,7 +90,7 @@ def test_a_cadence_under_the_reaction_time_is_taken(token: str,
     ["testbed", "run", "glnoroot", "h1", "true"], ["testbed", "smoke", "--name", "glnoroot"],
     ["bench", "run", "trace-vgg19"],
 ], ids=["up", "down", "clean", "run", "smoke", "bench-run"])
-def test_the_commands_that_build_clusters_tell_a_user_without_root_to_use_sudo(
+def test_the_commands_that_need_root_tell_a_user_without_it_to_use_sudo(
         args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from gradlane.testbed import cluster_names
 
