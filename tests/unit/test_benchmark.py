@@ -302,6 +302,9 @@ def test_steady_steps_begin_past_the_warm_up_and_the_shim_s_layout_trial() -> No
     assert steady_start(100) == 20  # the first fifth, later than the trial's end
     # Too short a run to leave half of it past the trial: only the first fifth is dropped.
     assert steady_start(30) == 6 and steady_start(10) == 2 and steady_start(0) == 0
+    # At 36 steps, the 18 past the trial are half the run: enough; at 35, 17 of 35 too
+    # (half rounds down); at 34, 16 are not.
+    assert (steady_start(36), steady_start(35), steady_start(34)) == (18, 18, 6)
 
 
 def result(name: str) -> dict[str, object]:
@@ -410,7 +413,8 @@ def _spin(seconds: float) -> None:
 
 
 def _stat(user: int, system: int, idle: int, softirq: int, steal: int = 0) -> tuple[int, ...]:
-    return (user, 0, system, idle, 0, 0, softirq, steal)  # /proc/stat's order
+    """/proc/stat's order; nice, iowait and irq a fifth of user, idle and softirq."""
+    return (user, user // 5, system, idle, idle // 5, softirq // 5, softirq, steal)
 
 
 def test_machine_cpu_shares_come_from_the_samples_inside_the_window(tmp_path: Path) -> None:
@@ -421,11 +425,15 @@ def test_machine_cpu_shares_come_from_the_samples_inside_the_window(tmp_path: Pa
     cpu.samples = [
         (0.0, _stat(0, 0, 0, 0)),
         (1.0, _stat(100, 50, 100, 0)),  # the window: from here ...
-        (2.0, _stat(200, 100, 120, 20, 10)),  # ... to here: 200 ticks
+        (2.0, _stat(200, 100, 120, 20, 10)),  # ... to here
         (3.0, _stat(900, 900, 900, 900)),
     ]
     shares = cpu.over(0.5, 2.5)
-    assert shares == {"busy": 0.9, "user": 0.5, "system": 0.25, "softirq": 0.1, "steal": 0.05}
+    # user 100 + nice 20, system 50, idle 20 + iowait 4, softirq 20 + irq 4, steal 10: 228.
+    assert shares == pytest.approx({"busy": 1 - 24 / 228, "user": 120 / 228,
+                                    "system": 50 / 228, "softirq": 24 / 228,
+                                    "steal": 10 / 228}, abs=1e-4)
+    assert cpu.over(1.0, 2.0) == shares  # samples at the window's edges are in it
     assert cpu.over(1.5, 2.5) is None  # one sample cannot tell
     # The machine's own counters: a busy loop shows up as busy time.
     real = MachineCpu(every=0.05)
@@ -436,6 +444,25 @@ def test_machine_cpu_shares_come_from_the_samples_inside_the_window(tmp_path: Pa
     measured = real.over(t0, time.monotonic())
     assert measured is not None and 0 < measured["busy"] <= 1
     assert measured["user"] + measured["system"] + measured["softirq"] <= measured["busy"] + 1e-3
+
+
+def test_the_demo_s_figures_come_from_the_steady_steps() -> None:
+    """Median, p90 and the speedup over the steps past the warm-up (the first fifth of
+    10: 2 steps, here 9 s each); the final loss over the last 10 steps."""
+    from gradlane.demo import DemoResult
+
+    steps = [0.1 * k for k in range(1, 9)]
+    ddp = SystemRun("ddp", [9.0, 9.0, *steps], [2.0] * 12, 1.0)
+    ours = SystemRun("gradlane", [9.0, 9.0, *(t / 2 for t in steps)], [2.0] * 11 + [2.2], 1.0)
+    assert ddp.p(0.0) == pytest.approx(0.1) and ddp.p(1.0) == pytest.approx(0.8)
+    assert ddp.p(0.5) == pytest.approx(0.5) and ddp.p(0.9) == pytest.approx(0.8)
+    result = DemoResult(2, 100_000_000, 0.1, {"ddp": ddp, "gradlane": ours})
+    assert result.speedup == pytest.approx(2.0)
+    assert result.loss_gap == pytest.approx(0.01)  # 2.02 against 2.0
+    assert result.loss_curve_gap == pytest.approx(0.1)  # the last step's 2.2 against 2.0
+    shown = result.as_json()
+    assert shown["systems"]["ddp"]["median_s"] == pytest.approx(0.45)
+    assert shown["systems"]["gradlane"]["p90_s"] == pytest.approx(0.4)
 
 
 def test_summary_means_worker_and_machine_cpu_over_runs() -> None:
