@@ -435,6 +435,9 @@ def test_machine_cpu_shares_come_from_the_samples_inside_the_window(tmp_path: Pa
                                     "steal": 10 / 228}, abs=1e-4)
     assert cpu.over(1.0, 2.0) == shares  # samples at the window's edges are in it
     assert cpu.over(1.5, 2.5) is None  # one sample cannot tell
+    cpu.samples = [(0.0, _stat(5, 5, 5, 5)), (1.0, _stat(5, 5, 5, 5)), (2.0, _stat(5, 5, 5, 6))]
+    assert cpu.over(0.0, 1.0) is None  # no tick between them
+    assert cpu.over(0.0, 2.0) is not None  # one is enough
     # The machine's own counters: a busy loop shows up as busy time.
     real = MachineCpu(every=0.05)
     t0 = time.monotonic()
