@@ -80,7 +80,15 @@ def test_bad_scenarios_name_the_key(tmp_path: Path, text: str, key: str) -> None
 
 
 CNN = '\n[workload]\nkind = "cnn"\n'
-TRACE = '\n[workload]\nkind = "trace"\nmodel = "vgg19"\n'
+
+
+def _trace(model_mb: str = "10", forward_ms: str = "50") -> str:
+    """A trace workload's table body (TOML values). A trace's compute and bytes come from
+    its profile (a CNN's would be measured: seconds)."""
+    return f'kind = "trace"\nmodel = "vgg19"\nmodel_mb = {model_mb}\nforward_ms = {forward_ms}\n'
+
+
+_TRACE = _trace()
 
 
 @pytest.mark.parametrize(
@@ -123,9 +131,8 @@ def test_a_scenario_s_ranges_take_their_edges_and_refuse_past_them(
                                           ('"1"', False)])
 def test_a_trace_s_size_and_time_must_be_positive_numbers(
         tmp_path: Path, key: str, value: str, taken: bool) -> None:
-    other = "forward_ms" if key == "model_mb" else "model_mb"
     path = tmp_path / "x.toml"
-    path.write_text(f'name = "x"{TRACE}{key} = {value}\n{other} = 1\n')
+    path.write_text('name = "x"\n[workload]\n' + _trace(**{key: value}))
     if taken:
         assert load_scenario(path).workload[key] == 0.5
         return
@@ -660,10 +667,6 @@ def test_table_and_plot_name_a_results_file_with_a_field_of_the_wrong_kind(
     shown = CliRunner().invoke(cli, ["bench", command, *map(str, files)])
     assert isinstance(shown.exception, ConfigError), shown.output  # `main` shows it
     assert "edited.json: not a results file gradlane can read" in str(shown.exception)
-
-
-# A trace's compute and bytes come from its profile (a CNN's would be measured: seconds).
-_TRACE = 'kind = "trace"\nmodel = "vgg19"\nmodel_mb = 10\nforward_ms = 50\n'
 
 
 class _Cluster:
