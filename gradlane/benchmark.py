@@ -108,9 +108,9 @@ if TYPE_CHECKING:
     from gradlane.demo import SystemRun
 
 __all__ = [
-    "CELL_NAMES", "Scenario", "cells", "dependency_bound", "is_bench_result", "load_scenario",
-    "lower_bound", "narrowed", "read_result", "reading", "run_scenario", "summarize",
-    "trace_layers", "waits_cell", "worker_args",
+    "CELL_NAMES", "Scenario", "cells", "dependency_bound", "exchange_bits", "is_bench_result",
+    "load_scenario", "lower_bound", "narrowed", "read_result", "reading", "run_scenario",
+    "summarize", "trace_layers", "waits_cell", "worker_args",
 ]
 
 PAYLOAD_EFFICIENCY = 1448 / FRAME_BYTES
@@ -262,10 +262,15 @@ def _trace_spec(workload: dict[str, Any]) -> list[tuple[int, float, float]]:
     return trace_spec(workload["model"], workload["model_mb"], workload["forward_ms"] / 1000)
 
 
+def exchange_bits(hosts: int, model_bytes: float) -> float:
+    """The bits a worker's link carries each way per iteration at the all-reduce minimum
+    (``2 (W-1)/W`` model sizes), in full TCP frames."""
+    return 2 * (hosts - 1) / hosts * model_bytes * 8 / PAYLOAD_EFFICIENCY
+
+
 def lower_bound(hosts: int, compute_s: float, model_bytes: int, rate_bps: float) -> float:
     """The physical lower bound of one iteration (see the module docstring)."""
-    traffic = 2 * (hosts - 1) / hosts * model_bytes
-    return max(compute_s, traffic * 8 / (rate_bps * PAYLOAD_EFFICIENCY))
+    return max(compute_s, exchange_bits(hosts, model_bytes) / rate_bps)
 
 
 def dependency_bound(hosts: int, layers: list[tuple[int, float]], rate_bps: float) -> float:
@@ -274,7 +279,7 @@ def dependency_bound(hosts: int, layers: list[tuple[int, float]], rate_bps: floa
     `layers`: each layer's parameter bytes and compute seconds (forward and
     backward), in forward order.
     """
-    per_byte = 2 * (hosts - 1) / hosts * 8 / (rate_bps * PAYLOAD_EFFICIENCY)
+    per_byte = exchange_bits(hosts, 1) / rate_bps
     after = sum(compute for _, compute in layers)  # compute of the layers past the cut
     before = 0  # bytes of the layers before it
     bound = after

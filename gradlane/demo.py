@@ -299,10 +299,17 @@ def calibrate(hosts: int) -> tuple[float, int]:
     return statistics.median(together), measured[0][1]
 
 
+MIN_RATE, MAX_RATE = 10e6, 1e9  # bit/s: the demo's link rates, whatever its model measures
+
+
 def pick_rate(hosts: int, compute_s: float, size: int) -> int:
-    per_iteration = 2 * (hosts - 1) / hosts * size
-    rate = per_iteration * 8 / compute_s / (1448 / 1514)
-    return int(min(1e9, max(10e6, rate)) // 1e6 * 1e6)
+    """The link rate (bit/s, whole Mbit/s, within `MIN_RATE`..`MAX_RATE`) at which the
+    all-reduce minimum of a `size`-byte model among `hosts` workers takes as long as
+    `compute_s` (the module docstring)."""
+    from gradlane.benchmark import exchange_bits  # not at the top: it imports this module
+
+    rate = exchange_bits(hosts, size) / compute_s
+    return int(min(MAX_RATE, max(MIN_RATE, rate)) // 1e6 * 1e6)
 
 
 def _worker_options(system: str, out: Path, extra: list[str]) -> list[str]:
@@ -732,7 +739,7 @@ def run_cluster(
 
 
 def report(result: DemoResult, console: Console) -> None:
-    from gradlane.benchmark import waits_cell  # imports the shim (torch); only the table needs it
+    from gradlane.benchmark import waits_cell  # not at the top: it imports this module
 
     table = Table(
         title=f"gradlane demo: {result.hosts} workers"

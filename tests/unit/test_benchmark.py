@@ -34,7 +34,7 @@ from gradlane.benchmark import (
     worker_args,
 )
 from gradlane.cli import cli
-from gradlane.demo import SystemRun, steady_start
+from gradlane.demo import MAX_RATE, MIN_RATE, SystemRun, pick_rate, steady_start
 from gradlane.errors import ConfigError, TestbedError
 from gradlane.policies.chunks import trial_schedule
 from gradlane.systems import DAEMON_SYSTEMS, REFERENCE, SYSTEMS
@@ -245,6 +245,16 @@ def test_lower_bound_is_the_larger_of_compute_and_traffic() -> None:
     comm = 1.5 * 8e6 * 8 / (100e6 * 1448 / 1514)
     assert lower_bound(4, 0.5, 8_000_000, 100e6) == pytest.approx(max(0.5, comm))
     assert lower_bound(4, 2.0, 8_000_000, 100e6) == 2.0
+
+
+def test_the_demo_s_rate_makes_the_exchange_as_long_as_the_compute() -> None:
+    # 4 workers, 8 MB: 96 Mbit per iteration, in full frames 100.4 Mbit; in 0.5 s, 200.8 Mbit/s.
+    rate = pick_rate(4, 0.5, 8_000_000)
+    assert rate == 200e6
+    assert lower_bound(4, 0.0, 8_000_000, rate) == pytest.approx(0.5, rel=0.01)
+    assert pick_rate(2, 0.5, 8_000_000) == 133e6  # 1 model size each way over 2 workers
+    # Whole Mbit/s, never outside the demo's range.
+    assert pick_rate(4, 0.5, 1) == MIN_RATE and pick_rate(4, 1e-6, 8_000_000) == MAX_RATE
 
 
 def test_dependency_bound_is_the_simple_bound_when_the_bytes_come_last() -> None:
