@@ -1589,6 +1589,35 @@ def test_the_ddp_hook_follows_a_rebuild_into_fewer_buckets_and_frees_the_old_one
         assert rebuilt == "48000, 40000"  # DDP's own account: 2 buckets, bytes each
 
 
+def test_a_group_still_under_way_when_ddp_rebuilds_is_forgotten_only_once_averaged() -> None:
+    """DDP rebuilds its buckets at the second step (as above). One of the old buckets'
+    groups is made to look under way (made ready in that step, its average not in, as
+    when an engine thread is still on it): the engine keeps it through the rebuild while
+    the others go, and forgets it at the first step after its average is in."""
+    m = _ReadySmallFirst()
+    with _one_rank_hook(m, ddp={"bucket_cap_mb_list": [40_000 / 2**20]},
+                        job="rebuild-busy") as (wrapped, state):
+        def step(k: int) -> None:
+            wrapped.zero_grad()
+            wrapped(torch.full((4,), 1.0 + k)).sum().backward()
+
+        step(0)
+        old = list(state._groups.values())
+        assert len(old) > 1 and all(g.done_step == 0 for g in old)
+        busy = old[0]
+        busy.step = 1  # made ready in step 1, its average not in yet
+        step(1)
+        assert busy not in state._groups.values()  # DDP's bucket went: the hook's too
+        assert state._stale == [busy]
+        assert set(state.engine.groups) == {*state._groups, busy.gid}
+        step(2)  # still under way: kept
+        assert state._stale == [busy] and busy.gid in state.engine.groups
+        busy.done_step = 1  # its average is in
+        step(3)
+        assert state._stale == []
+        assert set(state.engine.groups) == set(state._groups)
+
+
 def test_a_ddp_hook_state_before_init_process_group_is_refused_saying_so() -> None:
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match=r"^HookState needs "
