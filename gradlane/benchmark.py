@@ -99,6 +99,8 @@ from gradlane.demo import past_warm_up, steady_start
 from gradlane.errors import ConfigError, GradlaneError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
 from gradlane.policies.chunks import LAYOUTS
+from gradlane.policies.profiles import trace_layers as profile_layers
+from gradlane.policies.profiles import trace_totals
 from gradlane.systems import DAEMON_SYSTEMS, REFERENCE, SYSTEMS
 from gradlane.testbed.links import FRAME_BYTES, line_rate
 
@@ -251,15 +253,7 @@ def compute_and_bytes(scenario: Scenario) -> tuple[float, int]:
         from gradlane.demo import calibrate
 
         return calibrate(scenario.hosts)
-    spec = _trace_spec(w)
-    return sum(f + b for _, f, b in spec), 4 * sum(n for n, _, _ in spec)
-
-
-def _trace_spec(workload: dict[str, Any]) -> list[tuple[int, float, float]]:
-    """A trace workload's layers: (parameters, forward s, backward s), in forward order."""
-    from gradlane.workloads import trace_spec
-
-    return trace_spec(workload["model"], workload["model_mb"], workload["forward_ms"] / 1000)
+    return trace_totals(w["model"], w["model_mb"], w["forward_ms"])
 
 
 def exchange_bits(hosts: int, model_bytes: float) -> float:
@@ -298,9 +292,8 @@ def trace_layers(scenario: Scenario, compute_s: float) -> list[tuple[int, float]
     w = scenario.workload
     if w["kind"] != "trace":
         return None
-    spec = _trace_spec(w)
-    scale = compute_s / sum(f + b for _, f, b in spec)
-    return [(4 * n, (f + b) * scale) for n, f, b in spec]
+    return [(int(n), f + b) for n, f, b in
+            profile_layers(w["model"], w["model_mb"], w["forward_ms"], compute_s)]
 
 
 def summarize(steady: dict[str, list[float]], bound_s: float,

@@ -35,7 +35,7 @@ from typing import Any
 from gradlane.benchmark import PAYLOAD_EFFICIENCY, lower_bound, summarize
 from gradlane.demo import SystemRun, collect, launch, run_on_cluster, steady_start
 from gradlane.errors import ConfigError, TestbedError
-from gradlane.policies.profiles import trace_layers
+from gradlane.policies.profiles import trace_totals as profile_totals
 from gradlane.policies.straggler import proportional_shares
 from gradlane.systems import REFERENCE
 from gradlane.testbed import Cluster, Topology
@@ -197,9 +197,9 @@ def trace_workload(workload: Sequence[str]) -> tuple[str, float, float]:
 
 
 def trace_totals(workload: Sequence[str]) -> tuple[float, int]:
-    """Compute seconds per iteration (batch 32, speed 1) and model bytes of a trace workload."""
-    layers = trace_layers(*trace_workload(workload))
-    return sum(f + b for _, f, b in layers), int(sum(n for n, _, _ in layers))
+    """Compute seconds per iteration (batch 32, speed 1) and model bytes of a trace workload
+    given as the worker's argv."""
+    return profile_totals(*trace_workload(workload))
 
 
 def controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) -> Controlled:

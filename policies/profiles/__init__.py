@@ -14,7 +14,7 @@ from importlib import resources
 
 from gradlane.errors import ConfigError
 
-__all__ = ["NAMES", "Module", "Profile", "load_profile", "trace_layers", "trace_spec"]
+__all__ = ["NAMES", "Module", "Profile", "load_profile", "trace_layers", "trace_spec", "trace_totals"]
 
 NAMES = ("resnet50", "vgg19", "bert_base", "gpt2")
 BACKWARD_TO_FORWARD = 2.0  # backward costs about twice the forward (two matmuls per one)
@@ -94,3 +94,10 @@ def trace_layers(model: str, model_mb: float, forward_ms: float, compute_s: floa
     nominal = sum(f + b for _, f, b in spec)
     scale = (compute_s or nominal) / nominal
     return [(n * 4.0, f * scale, b * scale) for n, f, b in spec]
+
+
+def trace_totals(model: str, model_mb: float, forward_ms: float) -> tuple[float, int]:
+    """A trace workload's compute seconds per iteration (forward and backward, at speed 1)
+    and model bytes."""
+    layers = trace_layers(model, model_mb, forward_ms)
+    return sum(f + b for _, f, b in layers), int(sum(n for n, _, _ in layers))

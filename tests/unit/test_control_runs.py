@@ -1,9 +1,12 @@
-"""The two-job run's bookkeeping: which iterations (and which stretch of time) both jobs shared."""
+"""The control-plane runs' bookkeeping: which iterations (and which stretch of time) two
+jobs shared; a workload's options, compute and bytes."""
 
 import pytest
 
-from gradlane.control_runs import _overlapping, _shared_window
-from gradlane.errors import TestbedError
+from gradlane.benchmark import compute_and_bytes, load_scenario
+from gradlane.control_runs import _overlapping, _shared_window, trace_totals, worker_option
+from gradlane.errors import ConfigError, TestbedError
+from tests import REPO
 
 
 def _rank0(start: float, steps: int, step_s: float) -> dict[str, list[float]]:
@@ -25,7 +28,6 @@ def test_jobs_that_hardly_overlap_are_an_error() -> None:
         _overlapping(rank0)
 
 
-
 def _with_trial(start: float, steps: int) -> dict[str, list[float]]:
     """Steps of 1 s but the first 18, the layout trial's, of 1.5 s."""
     times = [1.5 if k < 18 else 1.0 for k in range(steps)]
@@ -39,3 +41,26 @@ def test_a_long_run_counts_only_steps_past_the_layout_trial() -> None:
     rank0 = {"a": _with_trial(0.0, 50), "b": _with_trial(0.5, 50)}
     assert _shared_window(rank0) == (27.5, 59.0)  # b's step 18 begins .. a ends
     assert _overlapping(rank0) == {"a": [1.0] * 31, "b": [1.0] * 31}
+
+
+def test_a_worker_option_is_the_last_given_or_the_default() -> None:
+    argv = ["--model", "vgg19", "--speed", "1", "--model", "bert_base", "--steps"]
+    assert worker_option(argv, "--model") == "bert_base"
+    assert worker_option(argv, "--forward-ms", "50") == "50"
+    assert worker_option(argv, "--steps", "60") == "60"  # last, without a value: not given
+    with pytest.raises(ConfigError, match=r"needs --forward-ms$"):
+        worker_option(argv, "--forward-ms")
+
+
+def test_a_trace_s_totals_are_the_bench_harness_s() -> None:
+    # VGG-19 scaled to 10 MiB with a 50 ms forward: the backward twice that, 150 ms in all;
+    # each module's bytes rounded to whole fp32 elements, at least 1024 of them.
+    compute, size = trace_totals(["--model", "vgg19", "--model-mb", "10", "--forward-ms", "50"])
+    assert compute == pytest.approx(0.150)
+    assert size == pytest.approx(10 * 2**20, rel=1e-3) and size % 4 == 0
+    # A shipped scenario's workload, given as the worker's argv, adds up as the harness's.
+    scenario = load_scenario(REPO / "bench" / "scenarios" / "trace-bert-comm-bound.toml")
+    w = scenario.workload
+    argv = ["--model", w["model"], "--model-mb", str(w["model_mb"]),
+            "--forward-ms", str(w["forward_ms"])]
+    assert trace_totals(argv) == compute_and_bytes(scenario)
