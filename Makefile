@@ -56,7 +56,9 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	PYTHON=$(BIN)/python scripts/typecheck
 	@status=0; \
+	echo "== the tests without namespaces, in parallel"; \
 	$(BIN)/python -m pytest -m 'not netns' -n auto --maxprocesses 4 --dist worksteal || status=1; \
+	echo "== the namespace tests, one at a time"; \
 	$(BIN)/python -m pytest -m netns || status=1; \
 	exit $$status
 
