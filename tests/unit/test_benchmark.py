@@ -405,6 +405,28 @@ def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
     assert run.run_queue_s == [0.009, 0.004]
 
 
+def test_the_machine_s_cpu_is_taken_over_rank_0_s_steady_steps(tmp_path: Path) -> None:
+    from gradlane.demo import _collect
+
+    class Cpu:
+        def over(self, start: float, end: float) -> dict[str, float]:
+            self.asked = (start, end)
+            return {"busy": 0.5}
+
+    ends = [0.1 * (k + 1) for k in range(10)]
+    record = {"times": [0.1] * 10, "losses": [1.0] * 10, "ends": ends}
+    (tmp_path / "ddp-rank0.json").write_text(json.dumps(record))
+    cpu = Cpu()
+    run = _collect("ddp", tmp_path, 1.0, cpu)  # type: ignore[arg-type]
+    assert run.ends == ends and run.machine_cpu == {"busy": 0.5}
+    # Steps 2..9 are steady (`steady_start`): from the end of step 1 to the last.
+    assert steady_start(10) == 2 and cpu.asked == pytest.approx((0.2, 1.0))
+    # A worker that recorded no step ends: no window, nothing asked.
+    del record["ends"]
+    (tmp_path / "ddp-rank0.json").write_text(json.dumps(record))
+    assert _collect("ddp", tmp_path, 1.0, Cpu()).machine_cpu is None
+
+
 def test_run_queue_wait_grows_when_the_cores_are_taken() -> None:
     from gradlane.worker import run_queue_s
 
@@ -525,11 +547,11 @@ def test_the_wait_for_averages_is_split_by_what_held_the_slowest_worker_back() -
     # Step 2: rank 1 computes 0.02 longer and ends 0.02 late: of rank 0's 0.05 in step 3,
     # 0.02 is the slowest worker's; rank 1 was the last itself (none of its 0.01).
     # Step 3: rank 1 computes 0.03 longer but, having waited less, ends only 0.01 late:
-    # rank 0's 0.01 in step 4 is all the slowest worker's.
-    ranks = [_rank([0.1, 0.1, 0.10, 0.10, 0.1], [0.0, 0.00, 0.04, 0.05, 0.01]),
+    # of rank 0's 0.02 in step 4, that 0.01 is the slowest worker's.
+    ranks = [_rank([0.1, 0.1, 0.10, 0.10, 0.1], [0.0, 0.00, 0.04, 0.05, 0.02]),
              _rank([0.1, 0.1, 0.12, 0.13, 0.1], [0.0, 0.03, 0.01, 0.01, 0.00])]
     exposed, slowest = waits_for_slowest(ranks)
-    assert exposed == pytest.approx([0.0, 0.015, 0.025, 0.03, 0.005])
+    assert exposed == pytest.approx([0.0, 0.015, 0.025, 0.03, 0.01])
     # Steps 0 and 1 have no step before theirs to compare: 0.
     assert slowest == pytest.approx([0.0, 0.0, 0.0, 0.01, 0.005])
     # A rank that did not record every series (an older worker): nothing to say.
@@ -606,6 +628,14 @@ def test_the_demo_averages_band_usage_over_the_phase_of_its_steady_iterations() 
     half = PHASE_BINS // 2
     assert usage["band0"] == pytest.approx([1e6] * half + [0.0] * half, abs=1)
     assert usage["band1"] == pytest.approx([0.0] * half + [2e6] * half, abs=1)
+
+
+def test_the_parts_of_an_iteration_no_sample_covers_read_zero() -> None:
+    # Samples (1 Mbit/s on band 0) until 1 s; the window asked for runs on to 2 s.
+    samples = [(k / 100, {0x101: 1250 * k}) for k in range(101)]
+    usage = _sampler(samples).band_usage(1, [(0.0, 2.0)])
+    half = len(usage["band0"]) // 2
+    assert usage["band0"] == pytest.approx([1e6] * half + [0.0] * half)  # not NaN: JSON
 
 
 def test_the_demo_s_band_profile_does_not_read_above_a_link_sent_in_whole_segments() -> None:
