@@ -21,6 +21,7 @@ loopback, and the report says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -391,23 +392,56 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
 
 
 def _finish(procs: Sequence[Proc], what: str, timeout: float) -> None:
+    """Wait for `procs` (a job's workers) to end, for at most `timeout` seconds.
+
+    The first that fails, or the time running out, kills those still running
+    and raises `TestbedError` with what the failed one (or the first still
+    running) wrote on stderr. A worker's failure is said as soon as it
+    happens, in its own words, rather than after the peers waiting on it
+    hang until the deadline. A process with pipes has them read as it writes
+    (one thread each), so that none blocks on a full pipe while another is
+    waited for.
+    """
+    said: dict[int, str] = {}
+
+    def drain(i: int, p: Proc) -> None:
+        said[i] = p.communicate()[1] or ""
+
+    drains = {i: threading.Thread(target=drain, args=(i, p), name=f"{what}-{i}", daemon=True)
+              for i, p in enumerate(procs) if getattr(p, "stderr", None) is not None}
+    for thread in drains.values():
+        thread.start()
     deadline = time.monotonic() + timeout
-    failed = None
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate()
-            failed = failed or f"{what} did not finish in {timeout:.0f} s: {err[-1500:]}"
-            continue
-        if p.returncode and failed is None:
-            failed = f"{what} failed (exit {p.returncode}):\n{err[-3000:]}"
-    if failed:
+    failed: tuple[int, int | None] | None = None  # (which, its exit code; None: still running)
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = next((i for i, code in enumerate(codes) if code), None)
+            if bad is not None:
+                failed = bad, codes[bad]
+                break
+            if all(code == 0 for code in codes):
+                break
+            if time.monotonic() >= deadline:
+                failed = codes.index(None), None
+                break
+            time.sleep(0.05)
+    finally:  # failed, timed out, or interrupted: none goes on
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        raise TestbedError(failed)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+        for thread in drains.values():
+            thread.join(10)
+    if failed is None:
+        return
+    which, code = failed
+    err = said.get(which, "") if which in drains else procs[which].communicate()[1] or ""
+    if code is None:
+        raise TestbedError(f"{what} did not finish in {timeout:.0f} s: {err[-1500:]}")
+    raise TestbedError(f"{what} failed (exit {code}):\n{err[-3000:]}")
 
 
 def run_loopback(hosts: int, steps: int, out: Path, say: Callable[[str], None]) -> DemoResult:
