@@ -507,6 +507,33 @@ def test_the_demo_s_figures_come_from_the_steady_steps() -> None:
     assert shown["systems"]["gradlane"]["p90_s"] == pytest.approx(0.4)
 
 
+def test_the_demo_s_table_shows_each_run_s_figures() -> None:
+    from rich.console import Console
+
+    from gradlane.demo import DemoResult, report
+
+    steps = [0.1 * k for k in range(1, 9)]
+    ddp = SystemRun("ddp", [9.0, 9.0, *steps], [2.0] * 12, 1.0, wire_bytes=12_345_678,
+                    utilization=0.456, cpu_cores=[0.8, 1.0], machine_cpu={"busy": 0.6})
+    ours = SystemRun("gradlane", [9.0, 9.0, *(t / 2 for t in steps)], [2.0] * 11 + [2.2], 1.0,
+                     exposed=[0.0] * 10, slowest=[0.0] * 10)
+    console = Console(record=True, width=250)
+    report(DemoResult(2, 100_000_000, 0.1, {"ddp": ddp, "gradlane": ours}), console)
+    text = console.export_text()
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in text.splitlines() if line.count("│") > 5}
+    assert rows["PyTorch DDP (gloo)"] == ["450.0 ms", "800.0 ms", "1.00x", "12.3 MB", "46%",
+                                          "0.90 cores", "60%", "-", "2.0000"]
+    assert rows["gradlane"][:3] == ["225.0 ms", "400.0 ms", "2.00x"]
+    assert rows["gradlane"][3:7] == ["-", "-", "-", "-"]  # not measured on this run
+    assert rows["gradlane"][7].startswith("0.0 ms") and rows["gradlane"][8] == "2.0200"
+    assert "gradlane demo: 2 workers, 100 Mbit/s links" in text
+    assert "final losses differ by 1.00%" in text and "at most 10.00% at any of the 12" in text
+    console = Console(record=True, width=250)
+    report(DemoResult(2, None, 0.1, {"ddp": ddp, "gradlane": ours}), console)
+    assert "2 workers, loopback (no traffic control)" in console.export_text()
+
+
 def test_summary_means_worker_and_machine_cpu_over_runs() -> None:
     from gradlane.demo import SystemRun
 
