@@ -49,6 +49,7 @@ __all__ = ["DemoResult", "MachineCpu", "SystemRun", "nic_tx_bytes", "past_warm_u
 
 WINDOW_S = 1.0  # the band-usage plot's window when no iteration can be picked
 SAMPLE_S = 0.01
+MIN_RATE, MAX_RATE = 10e6, 1e9  # bit/s: the demo's link rates, whatever its model measures
 PHASE_BINS = 20  # parts of an iteration in the band-usage profile
 
 
@@ -298,9 +299,6 @@ def calibrate(hosts: int) -> tuple[float, int]:
     if not together:
         raise TestbedError("measuring the demo model: its processes never ran at once")
     return statistics.median(together), measured[0][1]
-
-
-MIN_RATE, MAX_RATE = 10e6, 1e9  # bit/s: the demo's link rates, whatever its model measures
 
 
 def pick_rate(hosts: int, compute_s: float, size: int) -> int:

@@ -14,7 +14,8 @@ from importlib import resources
 
 from gradlane.errors import ConfigError
 
-__all__ = ["NAMES", "Module", "Profile", "load_profile", "trace_layers", "trace_spec", "trace_totals"]
+__all__ = ["NAMES", "Module", "Profile", "load_profile", "trace_layers", "trace_spec",
+           "trace_totals"]
 
 NAMES = ("resnet50", "vgg19", "bert_base", "gpt2")
 BACKWARD_TO_FORWARD = 2.0  # backward costs about twice the forward (two matmuls per one)
