@@ -643,15 +643,18 @@ def test_the_demo_averages_band_usage_over_the_phase_of_its_steady_iterations() 
     # Band leaves 1:101 (band 0) and 1:102 (band 1) of job slot 1, sampled every 5 ms
     # (a twentieth of an iteration): band 0 sends 1 Mbit/s in each iteration's first
     # half, band 1 2 Mbit/s in its second. Two other jobs (slots 2 and 3) each send 0.6
-    # of that on their band 0. Parent classes count their leaves' sum and are no band: the
-    # jobs' (1:S00) and the root (1:1, more than any one job).
+    # of that on their band 0. Leaves had counted bytes before sampling began: 8 MB each
+    # of job 1's, 20 MB job 2's, none job 3's (only bytes since count). Parent classes
+    # count their leaves' sum and are no band: the jobs' (1:S00) and the root (1:1, more
+    # than any one job).
     def sent(t: float) -> dict[int, int]:
         tick = round(t * 200)
         whole, phase = divmod(tick, 20)  # 5 ms ticks: iterations, ticks into one
-        leaves = {0x101: 625 * (10 * whole + min(phase, 10)),
-                  0x102: 1250 * (10 * whole + max(phase - 10, 0)),
-                  0x201: 560 * tick, 0x301: 560 * tick}
-        jobs = {0x100: leaves[0x101] + leaves[0x102], 0x200: 560 * tick, 0x300: 560 * tick}
+        leaves = {0x101: 8_000_000 + 625 * (10 * whole + min(phase, 10)),
+                  0x102: 8_000_000 + 1250 * (10 * whole + max(phase - 10, 0)),
+                  0x201: 20_000_000 + 560 * tick, 0x301: 560 * tick}
+        jobs = {0x100: leaves[0x101] + leaves[0x102], 0x200: leaves[0x201],
+                0x300: leaves[0x301]}
         return {**leaves, **jobs, 0x1: sum(jobs.values())}
 
     usage = _sampler([(k / 200, sent(k / 200)) for k in range(400)]).band_usage(
