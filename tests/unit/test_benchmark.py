@@ -674,6 +674,24 @@ def test_the_parts_of_an_iteration_no_sample_covers_read_zero() -> None:
     assert usage["band0"] == pytest.approx([1e6] * half + [0.0] * half)  # not NaN: JSON
 
 
+def test_without_iterations_band_usage_is_a_window_from_the_run_s_middle() -> None:
+    from gradlane.demo import WINDOW_S
+
+    # 4 s of samples every 10 ms; band 0 at 1 Mbit/s throughout. Band 1's class is made at
+    # 1.5 s (absent before: counted from 0) and sends 2 Mbit/s from 2 s.
+    samples = []
+    for k in range(401):
+        t = k / 100
+        counts = {0x101: 1250 * k}
+        if t >= 1.5:
+            counts[0x102] = 2500 * max(0, k - 200)
+        samples.append((t, counts))
+    usage = _sampler(samples).band_usage(2)
+    assert usage["span_s"] == WINDOW_S and usage["iterations"] == 1
+    assert usage["band0"] == pytest.approx([1e6] * len(usage["band0"]))
+    assert usage["band1"] == pytest.approx([2e6] * len(usage["band1"]))  # 2 s .. 3 s
+
+
 def test_the_demo_s_band_profile_does_not_read_above_a_link_sent_in_whole_segments() -> None:
     # TCP hands the qdisc 64 KB segments: at 128 Mbit/s, one every 4.1 ms, so one 10 ms
     # counter sample holds two or three of them and reads 20% under or over the rate.
