@@ -59,3 +59,32 @@ def test_a_worker_that_hangs_is_killed_and_said() -> None:
                                            r"stuck in step 3$"):
         _finish(procs, "the training run", timeout=1)
     assert procs[0].poll() is not None
+
+
+class _Logged:
+    """A worker whose output goes to a file, as `gradlane.testbed.forked.Forked`'s: no pipes;
+    `communicate` reads it once the worker has ended."""
+
+    def __init__(self, code: int, output: str) -> None:
+        self.returncode, self._output = code, output
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+    def communicate(self, input: None = None, timeout: float | None = None) -> tuple[str, str]:
+        return "", self._output
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def test_a_failure_without_pipes_is_said_from_its_log() -> None:
+    procs = [_Logged(0, "rank 0: fine"), _Logged(1, "Traceback ...\nValueError: rank 1: boom")]
+    with pytest.raises(TestbedError) as failed:
+        _finish(procs, "measuring the demo model", timeout=10)
+    assert str(failed.value) == ("measuring the demo model failed (exit 1):\n"
+                                 "Traceback ...\nValueError: rank 1: boom")
