@@ -18,6 +18,17 @@ def test_goodput_whole_and_between() -> None:
     assert r.bytes_at(9.0) == 0 and r.bytes_at(99.0) == r.bytes
 
 
+def test_bytes_at_is_zero_before_the_first_byte_and_linear_between_samples() -> None:
+    # The receiver's first sample is (first byte, 0); these start at 100 to tell them apart.
+    r = FlowResult("a", 0, 300, 1.0, 3.0, ((1.0, 100), (2.0, 200), (3.0, 300)))
+    assert [r.bytes_at(t) for t in (0.5, 1.0, 1.25, 2.0, 2.5, 3.0, 9.0)] == pytest.approx(
+        [0, 100, 125, 200, 250, 300, 300])
+    assert r.seconds == 2.0
+    assert r.goodput_between(1.0, 3.0) == pytest.approx(200 * 8 / 2.0)
+    with pytest.raises(TestbedError, match=r"^empty measurement window \[2.0, 2.0\]$"):
+        r.goodput_between(2.0, 2.0)
+
+
 def test_window_is_the_overlap_of_all_flows() -> None:
     early = result("early", 0.0, 6.0, 100e6)
     late = result("late", 2.0, 3.0, 50e6)
@@ -26,7 +37,8 @@ def test_window_is_the_overlap_of_all_flows() -> None:
 
 
 def test_window_too_short_is_an_error() -> None:
-    with pytest.raises(TestbedError, match="overlapped"):
+    # a: 0..1 s, b: 0.8..1.8 s: 0.2 s together, less than the 0.5 s both skip and 0.5 s more.
+    with pytest.raises(TestbedError, match=r"^flows overlapped for only 0.20s: too short"):
         window_goodputs([result("a", 0, 1.0, 1e6), result("b", 0.8, 1.0, 1e6)])
 
 
@@ -35,8 +47,14 @@ def test_flow_needs_exactly_one_size() -> None:
         Flow("h1", "h2")
     with pytest.raises(TestbedError, match="exactly one"):
         Flow("h1", "h2", seconds=1, nbytes=10)
-    with pytest.raises(TestbedError, match="DSCP"):
-        Flow("h1", "h2", seconds=1, dscp=64)
+    for dscp in (-1, 64):
+        with pytest.raises(TestbedError, match=f"DSCP must be in 0..63, got {dscp}$"):
+            Flow("h1", "h2", seconds=1, dscp=dscp)
+    for delay in (-0.1, 60.5):
+        with pytest.raises(TestbedError, match=f"delay must be in 0..60 s, got {delay}$"):
+            Flow("h1", "h2", seconds=1, delay=delay)
+    assert Flow("h1", "h2", seconds=1, dscp=63, delay=60).dscp == 63  # the ranges' ends
+    assert Flow("h1", "h2", nbytes=1, dscp=0, delay=0).nbytes == 1
 
 
 def test_the_daemons_line_rate_is_the_nic_an_emulated_link_stands_for() -> None:
