@@ -20,11 +20,12 @@ def test_goodput_whole_and_between() -> None:
 
 def test_bytes_at_is_zero_before_the_first_byte_and_linear_between_samples() -> None:
     # The receiver's first sample is (first byte, 0); these start at 100 to tell them apart.
-    r = FlowResult("a", 0, 300, 1.0, 3.0, ((1.0, 100), (2.0, 200), (3.0, 300)))
+    # Twice as fast in the second second: each stretch interpolated on its own.
+    r = FlowResult("a", 0, 400, 1.0, 3.0, ((1.0, 100), (2.0, 200), (3.0, 400)))
     assert [r.bytes_at(t) for t in (0.5, 1.0, 1.25, 2.0, 2.5, 3.0, 9.0)] == pytest.approx(
-        [0, 100, 125, 200, 250, 300, 300])
+        [0, 100, 125, 200, 300, 400, 400])
     assert r.seconds == 2.0
-    assert r.goodput_between(1.0, 3.0) == pytest.approx(200 * 8 / 2.0)
+    assert r.goodput_between(1.0, 3.0) == pytest.approx(300 * 8 / 2.0)
     with pytest.raises(TestbedError, match=r"^empty measurement window \[2.0, 2.0\]$"):
         r.goodput_between(2.0, 2.0)
 
