@@ -128,3 +128,11 @@ def test_each_v_gives_more_log_output_down_to_debug(flags: list[str], level: str
     shown = CliRunner().invoke(cli.cli, [*flags, "testbed", "list"])
     assert shown.exit_code == 0, shown.output
     assert levels == [getattr(logging, level)]
+
+
+def test_tables_on_stdout_show_users_names_as_written() -> None:
+    # Job, host and scenario names are the users': "[/]" in one is text, not markup.
+    console = cli._stdout_console()
+    with console.capture() as captured:
+        console.print("job a[/]b on [bold]h1")
+    assert captured.get() == "job a[/]b on [bold]h1\n"
