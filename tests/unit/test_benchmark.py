@@ -534,6 +534,52 @@ def test_the_demo_s_table_shows_each_run_s_figures() -> None:
     assert "2 workers, loopback (no traffic control)" in console.export_text()
 
 
+def _plotted(result: Any, path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`gradlane.demo.plot`'s figure (kept open), after it wrote `path`."""
+    import matplotlib.pyplot as plt
+
+    from gradlane.demo import plot
+
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    plot(result, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return kept[0]
+
+
+def test_the_demo_s_figure_shows_the_bands_the_link_rate_and_both_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradlane.demo import DemoResult
+
+    ddp = SystemRun("ddp", [0.2] * 10, [2.0] * 10, 1.0)
+    ours = SystemRun("gradlane", [0.1] * 10, [2.0] * 10, 1.0)
+    t = [0.025, 0.05, 0.075, 0.1]
+    bands = {"t": t, "span_s": 0.1, "iterations": 12, "band0": [60e6, 0, 0, 0],
+             "band1": [0, 40e6, 0, 0], "band2": [0, 0, 0, 0], "band3": [0, 0, 0, 90e6]}
+    result = DemoResult(4, 100_000_000, 0.1, {"ddp": ddp, "gradlane": ours}, bands)
+    usage, times = _plotted(result, tmp_path / "demo.png", monkeypatch).axes
+    assert [c.get_label() for c in usage.collections] == [f"band {b}" for b in range(4)]
+    assert [line.get_label() for line in usage.lines] == ["link rate"]
+    assert list(usage.lines[0].get_ydata()) == [100, 100]  # Mbit/s
+    assert usage.get_xlim() == (0, 0.1)  # the median iteration
+    assert usage.get_ylim() == pytest.approx((0, 130))  # the rate, the largest, and room
+    assert "12 steady iterations" in usage.get_xlabel()
+    assert [line.get_label() for line in times.lines] == ["PyTorch DDP", "gradlane"]
+    assert list(times.lines[1].get_ydata()) == pytest.approx([100] * 10)  # ms
+    assert "2.00x" in times.get_title()
+
+
+def test_the_demo_s_figure_on_loopback_says_there_are_no_bands(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradlane.demo import DemoResult
+
+    runs = {s: SystemRun(s, [0.1] * 10, [2.0] * 10, 1.0) for s in ("ddp", "gradlane")}
+    usage, _ = _plotted(DemoResult(2, None, 0.1, runs), tmp_path / "demo.png",
+                        monkeypatch).axes
+    assert not usage.collections and not usage.axison
+    assert "no traffic control on loopback" in usage.texts[0].get_text()
+
+
 def test_summary_means_worker_and_machine_cpu_over_runs() -> None:
     from gradlane.demo import SystemRun
 
