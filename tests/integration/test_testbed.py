@@ -157,8 +157,13 @@ def test_a_forked_worker_runs_in_its_host_with_its_environment_and_goes_with_the
 
 
 def test_cli_up_run_down() -> None:
-    subprocess.run([*GRADLANE, "testbed", "up", "tcli", "--hosts", "2"], check=True, timeout=30)
+    up = subprocess.run([*GRADLANE, "testbed", "up", "tcli", "--hosts", "2", "--rate",
+                         "1gbit,500mbit"], capture_output=True, text=True, timeout=30, check=True)
     try:
+        rows = [line.replace("│", " ").split() for line in up.stdout.splitlines()
+                if line.startswith("│")]
+        assert rows == [["h1", "gl-tcli-h1", "0", "1Gbit", "10.200.0.1"],
+                        ["h2", "gl-tcli-h2", "0", "500Mbit", "10.200.0.2"]]
         listed = subprocess.run(
             [*GRADLANE, "testbed", "list"], capture_output=True, text=True, check=True
         ).stdout
@@ -177,6 +182,10 @@ def test_cli_up_run_down() -> None:
             out = subprocess.run([*GRADLANE, "testbed", "run", cluster, host, "--", "true"],
                                  capture_output=True, text=True, timeout=30)
             assert out.returncode == 1 and said in out.stderr, out.stderr
+        out = subprocess.run([*GRADLANE, "testbed", "run", "tcli", "h1", "--", "/nonexistent/x"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1
+        assert "cannot run '/nonexistent/x': No such file or directory" in out.stderr
     finally:
         subprocess.run([*GRADLANE, "testbed", "down", "tcli"], check=True, timeout=30)
     assert not {n for n in namespaces() if n.startswith("gl-tcli-")}
