@@ -352,8 +352,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None],
     with the cluster already removed, before its error goes on.
     """
     compute, size = compute_and_bytes(scenario)
-    traffic = 2 * (scenario.hosts - 1) / scenario.hosts * size
-    rate = int(traffic * 8 / (compute * scenario.comm_to_compute) / PAYLOAD_EFFICIENCY)
+    rate = int(exchange_bits(scenario.hosts, size) / (compute * scenario.comm_to_compute))
     nominal = lower_bound(scenario.hosts, compute, size, rate)
     say(
         f"{scenario.name}: {scenario.hosts} hosts at {rate / 1e6:.0f} Mbit/s, nominal compute "

@@ -488,14 +488,23 @@ def test_machine_cpu_shares_come_from_the_samples_inside_the_window(tmp_path: Pa
     assert measured["user"] + measured["system"] + measured["softirq"] <= measured["busy"] + 1e-3
 
 
+def _demo_runs(ddp: dict[str, Any] | None = None, ours: dict[str, Any] | None = None
+               ) -> tuple[SystemRun, SystemRun]:
+    """A demo's two runs of 10 steps, the first 2 (9 s each) warm-up: DDP's others 0.1 to
+    0.8 s, gradlane's half as long; gradlane's last loss 2.2, every other 2.0. `ddp` and
+    `ours`: more fields of each."""
+    steps = [0.1 * k for k in range(1, 9)]
+    return (SystemRun("ddp", [9.0, 9.0, *steps], [2.0] * 12, 1.0, **(ddp or {})),
+            SystemRun("gradlane", [9.0, 9.0, *(t / 2 for t in steps)], [2.0] * 11 + [2.2],
+                      1.0, **(ours or {})))
+
+
 def test_the_demo_s_figures_come_from_the_steady_steps() -> None:
     """Median, p90 and the speedup over the steps past the warm-up (the first fifth of
     10: 2 steps, here 9 s each); the final loss over the last 10 steps."""
     from gradlane.demo import DemoResult
 
-    steps = [0.1 * k for k in range(1, 9)]
-    ddp = SystemRun("ddp", [9.0, 9.0, *steps], [2.0] * 12, 1.0)
-    ours = SystemRun("gradlane", [9.0, 9.0, *(t / 2 for t in steps)], [2.0] * 11 + [2.2], 1.0)
+    ddp, ours = _demo_runs()
     assert ddp.p(0.0) == pytest.approx(0.1) and ddp.p(1.0) == pytest.approx(0.8)
     assert ddp.p(0.5) == pytest.approx(0.5) and ddp.p(0.9) == pytest.approx(0.8)
     result = DemoResult(2, 100_000_000, 0.1, {"ddp": ddp, "gradlane": ours})
@@ -512,11 +521,10 @@ def test_the_demo_s_table_shows_each_run_s_figures() -> None:
 
     from gradlane.demo import DemoResult, report
 
-    steps = [0.1 * k for k in range(1, 9)]
-    ddp = SystemRun("ddp", [9.0, 9.0, *steps], [2.0] * 12, 1.0, wire_bytes=12_345_678,
-                    utilization=0.456, cpu_cores=[0.8, 1.0], machine_cpu={"busy": 0.6})
-    ours = SystemRun("gradlane", [9.0, 9.0, *(t / 2 for t in steps)], [2.0] * 11 + [2.2], 1.0,
-                     exposed=[0.0] * 10, slowest=[0.0] * 10)
+    ddp, ours = _demo_runs(
+        ddp={"wire_bytes": 12_345_678, "utilization": 0.456, "cpu_cores": [0.8, 1.0],
+             "machine_cpu": {"busy": 0.6}},
+        ours={"exposed": [0.0] * 10, "slowest": [0.0] * 10})
     console = Console(record=True, width=250)
     report(DemoResult(2, 100_000_000, 0.1, {"ddp": ddp, "gradlane": ours}), console)
     text = console.export_text()
