@@ -1,8 +1,12 @@
-"""The workloads: the trace's emulated accelerator (late wake-ups do not add up), and
-how the demo measures its CNN's compute."""
+"""The workloads: the trace's emulated accelerator (late wake-ups do not add up), how the
+demo measures its CNN's compute, and the worker that trains them (`gradlane.worker`)."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -125,3 +129,41 @@ def test_only_steps_that_ran_while_every_process_did_count() -> None:
     # From 1.7 s to 3.0 s: two steps of each.
     assert steps_together([early, steps(1.2, 6, 0.5)]) == pytest.approx([0.5] * 4)
     assert steps_together([steps(0.0, 3, 1.0), steps(5.0, 3, 1.0)]) == []  # never at once
+
+
+def test_the_worker_trains_a_trace_alone_and_records_each_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gradlane.worker --system local` (the bound's compute reference: nothing sent) on a
+    trace at half speed, with a batch of its own and advice asked for that no control plane
+    gives (no shim to take it from): every step is recorded, and the steps took at least
+    the compute they replay."""
+    import torch
+
+    from gradlane import worker
+
+    steps, forward_ms = 4, 10
+    monkeypatch.setenv("RANK", "0")
+    threads, started = torch.get_num_threads(), time.perf_counter()
+    try:
+        worker.main(["--system", "local", "--out", str(tmp_path), "--steps", str(steps),
+                     "--workload", "trace", "--model", "vgg19", "--model-mb", "1",
+                     "--forward-ms", str(forward_ms), "--speed", "0.5", "--batch", "16",
+                     "--follow-advice"])
+        assert torch.get_num_threads() == 1  # a worker computes on one thread
+    finally:
+        torch.set_num_threads(threads)  # this process's other tests keep theirs
+    elapsed = time.perf_counter() - started
+    record = json.loads((tmp_path / "local-rank0.json").read_text())
+    assert record["batch"] == [16] * steps
+    assert record["waited"] == [0.0] * steps  # no exchange to wait for
+    assert all(len(record[k]) == steps for k in ("times", "ends", "losses", "backward_ends"))
+    assert all(b <= e for b, e in zip(record["backward_ends"], record["ends"], strict=True))
+    assert record["ends"] == sorted(record["ends"])
+    # Forward and backward (twice the forward) of half a batch at half speed: the sleeps
+    # end no sooner than asked, so the steps together take at least that.
+    compute_s = 3 * forward_ms / 1000 * (16 / workloads.BATCH) / 0.5
+    assert steps * compute_s * (1 - 1e-6) <= sum(record["times"]) <= elapsed
+    # The training loop's own Python and autograd work, over its wall time.
+    assert 1e-3 < record["cpu_cores"] <= (os.cpu_count() or 1)
+    assert record["cpu_sys_cores"] >= 0
+    assert record.get("run_queue_s_per_step", 0.0) >= 0
