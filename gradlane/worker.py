@@ -62,7 +62,34 @@ def run_queue_s() -> float | None:
         return None
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def shim_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The DDP hook's options (`gradlane.shim.HookState`) for `args`: the systems with
+    gradlaned take its socket and the exchange asked for; the others no daemon and their
+    own exchange."""
+    options: dict[str, Any] = {"job": args.job,
+                               "address": args.address and args.address.split(",")}
+    if args.chunk_bytes is not None:
+        options["chunk_bytes"] = args.chunk_bytes
+    if args.credit_bytes is not None:
+        options["credit_bytes"] = args.credit_bytes
+    if args.system in DAEMON_SYSTEMS:
+        options.update(daemon_socket=args.daemon_socket, exchange=args.exchange)
+    else:
+        options["daemon_socket"] = "/nonexistent/gradlaned.sock"
+    return options
+
+
+def attach_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`gradlane.shim.attach`'s options for `args`: `shim_options` and the grouping;
+    ``fifo`` sends everything on one band (DSCP 0) and starts no forward before every
+    average is in."""
+    options = {**shim_options(args), "layout": args.layout}
+    if args.system == "fifo":
+        options.update(dscp=(0,), overlap=False)
+    return options
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--system", choices=SYSTEMS, required=True)
     ap.add_argument("--steps", type=int, default=60)
@@ -92,7 +119,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="fifo, priority, gradlane, ddp-hook: the address this rank listens on "
                          "(default: the one that routes to the rendezvous); several, "
                          "comma-separated, one per NIC")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     if args.workload == "cnn":
@@ -153,21 +184,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         if queued is not None and queued0 is not None:
             record["run_queue_s_per_step"] = (queued - queued0) / args.steps
 
-    def shim_options() -> dict[str, Any]:
-        """`attach`'s or the DDP hook's options: the systems with gradlaned take its socket
-        and the exchange asked for; the others no daemon and their own exchange."""
-        options: dict[str, Any] = {"job": args.job,
-                                   "address": args.address and args.address.split(",")}
-        if args.chunk_bytes is not None:
-            options["chunk_bytes"] = args.chunk_bytes
-        if args.credit_bytes is not None:
-            options["credit_bytes"] = args.credit_bytes
-        if args.system in DAEMON_SYSTEMS:
-            options.update(daemon_socket=args.daemon_socket, exchange=args.exchange)
-        else:
-            options["daemon_socket"] = "/nonexistent/gradlaned.sock"
-        return options
-
     if args.system == REFERENCE:
         train(model)
     elif args.system in ("ddp", "ddp-hook"):
@@ -181,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if args.system == "ddp-hook":
                     import gradlane.shim as gl
 
-                    state = gl.HookState(ddp, **shim_options())
+                    state = gl.HookState(ddp, **shim_options(args))
                     ddp.register_comm_hook(state, gl.comm_hook)
                     record["exchange"] = state.engine.kind
                 train(ddp, hook=state)
@@ -202,10 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         import gradlane.shim as gl
 
-        options = {**shim_options(), "layout": args.layout}
-        if args.system == "fifo":
-            options.update(dscp=(0,), overlap=False)
-        with gl.attach(model, opt, **options) as sync:
+        with gl.attach(model, opt, **attach_options(args)) as sync:
             # Each rank's leaf switch and host when chunks are reduced within them first,
             # and how the ranks exchange (`gradlane.daemon.fields.EXCHANGES`).
             record["leaves"] = list(sync.leaves) if sync.leaves else None

@@ -80,5 +80,9 @@ def test_demo_without_root_runs_both_systems_on_loopback(tmp_path: Path) -> None
     assert all(0 <= s <= e for s, e in zip(waits["slowest_compute_s"], waits["exposed_s"],
                                             strict=True))
     assert [len(r["backward_ends"]) for r in waits["rank_steps"]] == [10] * 2  # --hosts 2
+    # Each system is what it is named: DDP's workers never wait in a forward for averages
+    # (its wait is inside backward), the shim's do.
+    assert all(w == 0.0 for r in result["systems"]["ddp"]["rank_steps"] for w in r["waited"])
+    assert any(w > 0.0 for r in waits["rank_steps"] for w in r["waited"])
     assert "waiting for averages:" in out.stdout
     assert png.stat().st_size > 10_000
