@@ -38,6 +38,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock(late=0.002)
     monkeypatch.setattr(workloads.time, "monotonic", fake.monotonic)
     monkeypatch.setattr(workloads.time, "sleep", fake.sleep)
+    # The process's accelerator, fresh: no lateness left by a real run before.
+    monkeypatch.setattr(workloads, "_ACCELERATOR", workloads._Accelerator())
     return fake
 
 
@@ -143,6 +145,8 @@ def test_the_worker_trains_a_trace_alone_and_records_each_step(
 
     steps, forward_ms = 4, 10
     monkeypatch.setenv("RANK", "0")
+    # An accelerator of its own: the real lateness it ends with stays with this test.
+    monkeypatch.setattr(workloads, "_ACCELERATOR", workloads._Accelerator())
     threads, started = torch.get_num_threads(), time.perf_counter()
     try:
         worker.main(["--system", "local", "--out", str(tmp_path), "--steps", str(steps),
