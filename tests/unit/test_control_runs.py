@@ -1,10 +1,19 @@
 """The control-plane runs' bookkeeping: which iterations (and which stretch of time) two
-jobs shared; a workload's options, compute and bytes."""
+jobs shared; a workload's options, compute and bytes; stopping the daemons."""
+
+import subprocess
+import sys
 
 import pytest
 
 from gradlane.benchmark import compute_and_bytes, load_scenario
-from gradlane.control_runs import _overlapping, _shared_window, trace_totals, worker_option
+from gradlane.control_runs import (
+    _overlapping,
+    _shared_window,
+    stop_daemons,
+    trace_totals,
+    worker_option,
+)
 from gradlane.errors import ConfigError, TestbedError
 from tests import REPO
 
@@ -26,6 +35,9 @@ def test_jobs_that_hardly_overlap_are_an_error() -> None:
     rank0 = {"a": _rank0(0.0, 10, 1.0), "b": _rank0(8.0, 10, 1.0)}
     with pytest.raises(TestbedError, match="fewer than 3"):
         _overlapping(rank0)
+    # b 5 s behind: from b's third step (7 s) to a's end (10 s), three of each: enough.
+    rank0 = {"a": _rank0(0.0, 10, 1.0), "b": _rank0(5.0, 10, 1.0)}
+    assert _overlapping(rank0) == {"a": [1.0] * 3, "b": [1.0] * 3}
 
 
 def _with_trial(start: float, steps: int) -> dict[str, list[float]]:
@@ -64,3 +76,40 @@ def test_a_trace_s_totals_are_the_bench_harness_s() -> None:
     argv = ["--model", w["model"], "--model-mb", str(w["model_mb"]),
             "--forward-ms", str(w["forward_ms"])]
     assert trace_totals(argv) == compute_and_bytes(scenario)
+
+
+# A daemon's stand-in: on SIGTERM it says its last words on stderr and exits with argv[1].
+# It sleeps in slices: CPython runs a handler between bytecodes, so a SIGTERM that came just
+# before a long sleep began would wait for its end.
+_DAEMON = """
+import signal, sys, time
+def stop(*_):
+    if sys.argv[1] != "0":
+        sys.stderr.write("could not restore the qdisc")
+    sys.exit(int(sys.argv[1]))
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+for _ in range(600):
+    time.sleep(0.05)
+"""
+
+
+def test_stopping_the_daemons_gives_their_codes_and_what_a_failed_one_said(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    daemons = {host: subprocess.Popen([sys.executable, "-c", _DAEMON, code], text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for host, code in (("h1", "0"), ("h2", "3"))}
+    try:
+        for proc in daemons.values():
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        assert stop_daemons(daemons) == [0, 3]
+    finally:
+        for proc in daemons.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+    said = capsys.readouterr().err
+    assert said == "gradlaned on h2 exited with 3:\ncould not restore the qdisc\n"
+    assert all(proc.stderr is not None and proc.stderr.closed for proc in daemons.values())
