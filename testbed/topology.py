@@ -55,8 +55,6 @@ class Topology:
             raise ConfigError(f"host rates must be at least {MIN_RATE_BPS} bit/s, got {self.rates}")
         if self.leaves not in (1, 2):
             raise ConfigError(f"leaves must be 1 or 2, got {self.leaves}")
-        if self.leaves == 2 and len(self.rates) < 2:
-            raise ConfigError("two leaves need at least two hosts")
         if self.leaves == 2 and self.uplink_bps is None:
             raise ConfigError("two leaves need the rate of the uplink between them (--uplink, "
                               "e.g. 1gbit)")

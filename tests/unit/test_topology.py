@@ -1,7 +1,8 @@
 import pytest
 
 from gradlane.errors import ConfigError
-from gradlane.testbed.topology import Topology
+from gradlane.testbed.topology import MAX_HOSTS, Topology
+from gradlane.units import MIN_RATE_BPS
 
 
 def test_build_one_rate_for_all_and_per_host_list() -> None:
@@ -38,3 +39,25 @@ def test_bad_topologies_are_refused(kwargs: dict, message: str) -> None:
     args = {"name": "c", "hosts": 3, "rate": "1gbit"} | kwargs
     with pytest.raises(ConfigError, match=message):
         Topology.build(**args)
+
+
+def test_each_bound_is_inclusive_and_the_next_value_is_refused() -> None:
+    """The limits as the messages state them: 2..64 hosts, 2..100000 packets of queue,
+    rates from 8 kbit/s (checked on the topology itself too, not only by the rate parser)."""
+    assert Topology.build("c", MAX_HOSTS, "1gbit").hosts == MAX_HOSTS
+    with pytest.raises(ConfigError, match="2..64 hosts, got 65"):
+        Topology.build("c", MAX_HOSTS + 1, "1gbit")
+    for packets in (2, 100_000):
+        assert Topology.build("c", 2, "1gbit", queue_packets=packets).queue_packets == packets
+    with pytest.raises(ConfigError, match="queue_packets must be in 2..100000, got 100001"):
+        Topology.build("c", 2, "1gbit", queue_packets=100_001)
+    slowest = Topology("c", (MIN_RATE_BPS, MIN_RATE_BPS), leaves=2, uplink_bps=MIN_RATE_BPS)
+    assert slowest.rates == (MIN_RATE_BPS,) * 2 and slowest.uplink_bps == MIN_RATE_BPS
+    with pytest.raises(ConfigError, match="host rates must be at least 8000 bit/s"):
+        Topology("c", (MIN_RATE_BPS, MIN_RATE_BPS - 1))
+    with pytest.raises(ConfigError, match="uplink rate of at least 8000 bit/s"):
+        Topology("c", (MIN_RATE_BPS,) * 2, leaves=2, uplink_bps=MIN_RATE_BPS - 1)
+
+
+def test_one_switch_holds_every_host() -> None:
+    assert {Topology.build("c", 5, "1gbit").leaf_of(h) for h in range(1, 6)} == {0}
