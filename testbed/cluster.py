@@ -143,8 +143,10 @@ class Cluster:
 
     def host_index(self, host: str | int) -> int:
         """1-based index of a host given as ``"h3"`` or ``3``."""
-        index = int(host[1:]) if isinstance(host, str) and host.startswith("h") else host
-        if not isinstance(index, int) or not 1 <= index <= self.topology.hosts:
+        index: object = host
+        if isinstance(host, str) and host.startswith("h") and host[1:].isdecimal():
+            index = int(host[1:])
+        if type(index) is not int or not 1 <= index <= self.topology.hosts:
             raise TestbedError(
                 f"no host {host!r} in cluster {self.topology.name!r} "
                 f"(hosts are h1..h{self.topology.hosts})"
