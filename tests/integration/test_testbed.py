@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from gradlane.testbed import netns as gl_netns
 from gradlane.testbed.forked import Forked
 from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
 from tests import REPO
-from tests.integration.helpers import max_goodput
+from tests.integration.helpers import max_goodput, tc
 from tests.terminal import on_a_terminal, read_until
 
 pytestmark = pytest.mark.netns
@@ -89,6 +90,50 @@ def test_switch_port_serves_dscp_high_first_under_incast() -> None:
         )[::-1]
     assert high >= 0.85 * 200 * M, (high, low)
     assert low < 0.1 * high
+
+
+_SEND_BY_CLASS = """
+import socket, sys, time
+counts = {counts!r}
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.sendto(b"x", (sys.argv[1], 9))  # the address resolved before anything is counted
+    time.sleep(0.5)
+    for selector, n in counts.items():
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, selector << 5)
+        for _ in range(n):
+            s.sendto(b"x", (sys.argv[1], 9))
+"""
+
+
+def htb_classes(namespace: str, dev: str) -> dict[str, tuple[int | None, int]]:
+    """Each HTB class of `dev`: its prio (None for an inner class) and packets sent."""
+    classes = {}
+    for block in tc(namespace, "-s", "class", "show", "dev", dev).split("class htb ")[1:]:
+        prio = re.search(r" prio (\d+) ", block)
+        sent = re.search(r"Sent \d+ bytes (\d+) pkt", block)
+        assert sent is not None, block
+        classes[block.split()[0]] = (prio and int(prio.group(1)), int(sent.group(1)))
+    return classes
+
+
+def test_a_switch_port_has_a_queue_per_class_selector_served_from_cs7_down() -> None:
+    """Packets of each DSCP class selector go to a queue of their own on the switch
+    port (CS0's also takes what is not IPv4, such as ARP), and HTB serves the queues
+    in strict order, CS7 first; the incast test above shows that order in action.
+
+    Each class's packets are told apart by their number, 4 apart. CS0's queue carries
+    whatever else the hosts send (ARP, IPv6); another may carry up to 3 more of the
+    hosts' own (CS6: IGMP reports)."""
+    counts = {selector: 4 * (selector + 1) for selector in range(8)}
+    with Cluster(Topology.build("tqueue", 2, "100mbit")) as c:
+        c.run("h1", [sys.executable, "-c", _SEND_BY_CLASS.format(counts=counts), c.addr("h2")])
+        classes = htb_classes(c.topology.switch_ns, "p0h2")
+    queues = [classes[f"1:{0x10 + selector:x}"] for selector in range(8)]
+    assert queues[0][1] >= counts[0], classes  # the default queue: anything else too
+    for selector, (_, sent) in enumerate(queues[1:], start=1):
+        assert counts[selector] <= sent <= counts[selector] + 3, (selector, classes)
+    prios = [prio for prio, _ in queues]
+    assert prios == sorted(prios, reverse=True) and len(set(prios)) == 8, classes
 
 
 def test_two_tier_cross_leaf_goodput_is_bounded_by_the_uplink() -> None:
