@@ -68,12 +68,15 @@ def test_the_bands_marks_cross_the_switch_both_ways() -> None:
 
 
 def test_host_rate_is_enforced_both_ways_with_heterogeneous_hosts() -> None:
-    # h1 at 100 Mbit/s, h2 at 200: h1's link is the bottleneck in both directions.
-    with Cluster(Topology.build("trate", 2, "100mbit,200mbit")) as c:
+    # h1 at 100 Mbit/s, h2 at 200, h3 at 300: h1's link is the bottleneck both ways,
+    # h2's from h2 to h3 (each host its own rate, not a neighbour's).
+    with Cluster(Topology.build("trate", 3, "100mbit,200mbit,300mbit")) as c:
         (up,) = window_goodputs(run_flows(c, [Flow("h1", "h2", seconds=3, label="up")]))
-        (down,) = window_goodputs(run_flows(c, [Flow("h2", "h1", seconds=3, label="down")]))
+        (down,) = window_goodputs(run_flows(c, [Flow("h3", "h1", seconds=3, label="down")]))
+        (mid,) = window_goodputs(run_flows(c, [Flow("h2", "h3", seconds=3, label="mid")]))
     assert 85 * M <= up <= 105 * M, up
     assert 85 * M <= down <= 105 * M, down
+    assert 170 * M <= mid <= 210 * M, mid
 
 
 def test_switch_port_serves_dscp_high_first_under_incast() -> None:
@@ -158,6 +161,36 @@ def test_second_nic_is_an_independent_path() -> None:
         )
     # each gets a whole 100 Mbit/s link: together more than one link could carry
     assert nic0 >= 85 * M and nic1 >= 85 * M, (nic0, nic1)
+
+
+_KNOCK = """
+import socket, sys
+with socket.socket() as s:
+    s.settimeout(1)
+    try:
+        s.connect((sys.argv[1], 9))
+    except ConnectionRefusedError:
+        sys.exit(0)  # the host answered (nothing listens there)
+    except OSError:
+        sys.exit(1)
+"""
+
+
+def answers(c: Cluster, host: str, nic: int) -> bool:
+    """Whether h1 hears back from NIC `nic` of `host` (a refused connection is an answer)."""
+    argv = [sys.executable, "-c", _KNOCK, c.addr(host, nic)]
+    return c.run("h1", argv, check=False).returncode == 0
+
+
+def test_a_cut_cable_parts_a_host_on_that_nic_until_its_port_is_back() -> None:
+    with Cluster(Topology.build("tport", 2, "100mbit", nics=2)) as c:
+        assert answers(c, "h2", 0) and answers(c, "h2", 1)
+        c.set_port("h2", up=False, nic=1)
+        assert answers(c, "h2", 0) and not answers(c, "h2", 1)
+        c.set_port(2, up=True, nic=1)
+        assert any(answers(c, "h2", 1) for _ in range(5))  # in a moment, or 5 s at most
+        c.set_port("h1", up=False)  # NIC 0 unless told
+        assert not answers(c, "h2", 0) and answers(c, "h2", 1)
 
 
 def forked_main(argv: list[str]) -> None:
