@@ -203,6 +203,7 @@ def forked_main(argv: list[str]) -> None:
         except OSError:
             bound = False
     Path(argv[0]).write_text(json.dumps({"bound": bound, "env": dict(os.environ)}))
+    print(f"asked to {argv[1]}", flush=True)  # to the log, as what goes to stderr
     if argv[1] == "raise":
         raise RuntimeError("asked to fail")
     if argv[1] == "sleep":
@@ -222,6 +223,7 @@ def test_a_forked_worker_runs_in_its_host_with_its_environment_and_goes_with_the
                          [str(tmp_path / "sleep.json"), "sleep", c.addr("h2")],
                          env={}, log=tmp_path / "sleep.log")
         assert there.wait(timeout=60) == 0, there.output()
+        assert there.output() == "asked to return\n"
         assert json.loads((tmp_path / "return.json").read_text()) == {
             "bound": True, "env": {"ONLY": "return"}}
         assert elsewhere.wait(timeout=60) == 1
