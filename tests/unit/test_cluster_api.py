@@ -255,3 +255,49 @@ def test_the_clusters_are_read_from_the_namespaces_and_removed_hosts_first(
     existing += ["gl-a-h2"]
     assert cluster_module.remove_cluster("a") == ["gl-a-h1", "gl-a-h2", "gl-a-sw"]
     assert gone == ["gl-a-h1", "gl-a-h2", "gl-a-sw"]
+
+
+@pytest.fixture
+def nsexec(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[str, Any]]]:
+    """`gradlane.testbed.nsexec.main` with what it would do to this process recorded."""
+    from gradlane.testbed import nsexec as module
+
+    done: list[tuple[str, Any]] = []
+    monkeypatch.setattr(module, "enter", lambda ns: done.append(("enter", ns)))
+    monkeypatch.setattr(module, "end_with_parent", lambda pid: done.append(("parent", pid)))
+
+    def execvp(file: str, args: list[str]) -> None:
+        done.append(("exec", (file, args)))
+        if file == "missing":
+            raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(module.os, "execvp", execvp)
+    return module.main, done
+
+
+def test_a_process_enters_its_host_then_becomes_the_command(nsexec: Any) -> None:
+    main, done = nsexec
+    main(["gl-c-h1", "--parent", "4321", "--", "python3", "-c", "pass"])
+    assert done == [("parent", 4321), ("enter", "gl-c-h1"),
+                    ("exec", ("python3", ["python3", "-c", "pass"]))]
+    done.clear()
+    main(["gl-c-h2", "--", "true"])  # no parent to end with
+    assert done == [("enter", "gl-c-h2"), ("exec", ("true", ["true"]))]
+    done.clear()
+    with pytest.raises(SystemExit, match="cannot run 'missing' in gl-c-h1: No such file"):
+        main(["gl-c-h1", "--", "missing", "arg"])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [[], ["gl-c-h1"], ["gl-c-h1", "--"], ["gl-c-h1", "true"], ["gl-c-h1", "-x", "true"],
+     ["gl-c-h1", "--parent", "12"], ["gl-c-h1", "--parent", "12", "--"],
+     ["gl-c-h1", "--parent", "me", "--", "true"], ["gl-c-h1", "--parent", "12", "true"]],
+)
+def test_a_malformed_command_line_gets_the_usage_and_enters_nothing(
+    nsexec: Any, args: list[str]
+) -> None:
+    main, done = nsexec
+    with pytest.raises(SystemExit, match="^usage: python -m gradlane.testbed.nsexec NAMESPACE"):
+        main(args)
+    assert not [what for what, _ in done if what != "parent"]
