@@ -410,6 +410,22 @@ def run_co_located(workdir: Path, steps: int = 60, say: Callable[[str], None] = 
     return run_planned_owners(CO_LOCATED, workdir, steps, say, reference)
 
 
+def owners_steady_step(taken_at: Sequence[int | None], steps: int) -> int:
+    """The first step measured once the ranks took the plan's owners (each rank's step in
+    `taken_at`, None: never): two past it, past the regrouping.
+
+    Raises:
+        TestbedError: the ranks took them at different steps, or never, or with fewer
+            than 10 of the `steps` left to measure.
+    """
+    taken = set(taken_at)
+    step = taken.pop() if len(taken) == 1 else None
+    if step is None or steps - (step + 2) < 10:
+        raise TestbedError(f"the ranks took the control plan's owners at steps {list(taken_at)}"
+                           f" of {steps} (None: never): nothing to measure")
+    return step + 2
+
+
 def run_planned_owners(
     scenario: OwnersScenario,
     workdir: Path,
@@ -478,11 +494,7 @@ def run_planned_owners(
                      for r in range(world)] for label in ("local", "control")}
     also = [json.loads((workdir / f"also{i}" / "gradlane-rank0.json").read_text())
             for i in range(len(scenario.also))]
-    taken = {r["owners_taken_at"] for r in ranks["control"]}
-    if len(taken) != 1 or None in taken or steps - (min(taken) + 2) < 10:
-        raise TestbedError(f"the ranks took the control plan's owners at steps {sorted(taken)}"
-                           f" of {steps} (None: never): nothing to measure")
-    steady = taken.pop() + 2
+    steady = owners_steady_step([r["owners_taken_at"] for r in ranks["control"]], steps)
     medians = {k: statistics.median(r.times[steady:]) for k, r in runs.items()}
     compute, size = trace_totals(scenario.workload)
     extra: dict[str, Any] = {}
@@ -548,6 +560,17 @@ TWO_JOB_UPLINK_BPS = "100mbit"
 TWO_JOBS = {"a": ["h1", "h2", "h6", "h7"], "b": ["h3", "h4", "h8", "h9"]}
 TWO_JOB_WORKLOAD = ["--workload", "trace", "--model", "vgg19", "--model-mb", "1",
                     "--forward-ms", "60"]
+
+
+def two_job_bound(compute_s: float, size: int) -> float:
+    """The two-job scenario's least iteration time, for a compute of `compute_s` and a
+    model of `size` bytes: each worker computes and sends 2 (W-1)/W models over its host
+    link; and each job moves at least one model each way across the uplink (each leaf
+    needs the other leaf's sum of every element), both jobs through the one uplink."""
+    host = lower_bound(len(next(iter(TWO_JOBS.values()))), compute_s, size,
+                       parse_rate(TWO_JOB_HOST_BPS))
+    uplink = parse_rate(TWO_JOB_UPLINK_BPS) * PAYLOAD_EFFICIENCY
+    return max(host, len(TWO_JOBS) * size * 8 / uplink)
 
 
 def _split(view: dict[str, Any], job: str) -> tuple[int, int]:
@@ -685,23 +708,14 @@ def run_two_jobs(
     medians = {label: {job: statistics.median(times) for job, times in jobs.items()}
                for label, jobs in shared.items()}
     average = {label: statistics.fmean(m.values()) for label, m in medians.items()}
-    # The bound: each worker computes and sends 2 (W-1)/W models over its link; and each
-    # job must move at least one model per direction across the uplink (each leaf needs
-    # the other leaf's sum of every element), both jobs through one uplink.
     # Both jobs' shared iterations pooled: their median is the table's "median iteration".
     pooled = {label: [t for times in jobs.values() for t in times]
               for label, jobs in shared.items()}
     compute, size = trace_totals(TWO_JOB_WORKLOAD)
-    uplink = parse_rate(TWO_JOB_UPLINK_BPS) * PAYLOAD_EFFICIENCY
-
-    def bound_with(compute_s: float) -> float:
-        return max(lower_bound(4, compute_s, size, parse_rate(TWO_JOB_HOST_BPS)),
-                   len(TWO_JOBS) * size * 8 / uplink)
-
-    extra: dict[str, Any] = {"nominal_lower_bound_s": bound_with(compute)}
+    extra: dict[str, Any] = {"nominal_lower_bound_s": two_job_bound(compute, size)}
     if reference:  # measured: what both jobs' compute takes on this machine at once
         extra["compute_s"] = statistics.median(pooled[REFERENCE])
-    bound = bound_with(extra.get("compute_s", compute))
+    bound = two_job_bound(extra.get("compute_s", compute), size)
     return {
         "scenario": {"name": "two-jobs-oversubscribed", "hosts": 9, "jobs": TWO_JOBS,
                      "host_link": TWO_JOB_HOST_BPS, "uplink": TWO_JOB_UPLINK_BPS,

@@ -1,17 +1,22 @@
 """The control-plane runs' bookkeeping: which iterations (and which stretch of time) two
-jobs shared; a workload's options, compute and bytes; stopping the daemons."""
+jobs shared; a workload's options, compute and bytes; stopping the daemons; from which
+step the planned owners are measured; the two-job bound."""
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-from gradlane.benchmark import compute_and_bytes, load_scenario
+from gradlane.benchmark import PAYLOAD_EFFICIENCY, compute_and_bytes, load_scenario
 from gradlane.control_runs import (
+    TWO_JOB_WORKLOAD,
     _overlapping,
     _shared_window,
+    owners_steady_step,
     stop_daemons,
     trace_totals,
+    two_job_bound,
     worker_option,
 )
 from gradlane.errors import ConfigError, TestbedError
@@ -113,3 +118,20 @@ def test_stopping_the_daemons_gives_their_codes_and_what_a_failed_one_said(
     said = capsys.readouterr().err
     assert said == "gradlaned on h2 exited with 3:\ncould not restore the qdisc\n"
     assert all(proc.stderr is not None and proc.stderr.closed for proc in daemons.values())
+
+
+def test_the_planned_owners_are_measured_from_two_steps_past_the_ranks_take() -> None:
+    assert owners_steady_step([40, 40, 40], 60) == 42
+    assert owners_steady_step([48], 60) == 50  # exactly 10 steps left to measure
+    for taken_at in ([49, 49], [55], [40, 50], [40, None], [None, None], []):
+        with pytest.raises(TestbedError, match=re.escape(f"at steps {taken_at} of 60 (None: ")):
+            owners_steady_step(taken_at, 60)
+
+
+def test_the_two_job_bound_is_the_compute_or_both_models_across_the_uplink() -> None:
+    _, size = trace_totals(TWO_JOB_WORKLOAD)
+    uplink_s = 2 * size * 8 / (100e6 * PAYLOAD_EFFICIENCY)  # two jobs, 100 Mbit/s uplink
+    assert two_job_bound(0.0, size) == pytest.approx(uplink_s)
+    # The host links (100 Mbit/s, 4 workers: 1.5 models each) carry less than the uplink.
+    assert two_job_bound(0.9 * uplink_s, size) == pytest.approx(uplink_s)
+    assert two_job_bound(10 * uplink_s, size) == 10 * uplink_s
