@@ -822,6 +822,20 @@ def test_table_and_plot_name_a_results_file_with_a_field_of_the_wrong_kind(
     assert "edited.json: not a results file gradlane can read" in str(shown.exception)
 
 
+def test_plot_draws_a_result_next_to_it_or_where_told(tmp_path: Path) -> None:
+    result = tmp_path / "cnn.json"
+    result.write_text((REPO / "bench" / "results" / "cnn.json").read_text())
+    shown = CliRunner().invoke(cli, ["bench", "plot", str(result)])
+    assert shown.exit_code == 0, shown.output
+    assert shown.output == f"{tmp_path / 'cnn.png'}\n"
+    told = tmp_path / "figures" / "iterations.png"
+    told.parent.mkdir()
+    shown = CliRunner().invoke(cli, ["bench", "plot", str(result), "--png", str(told)])
+    assert shown.exit_code == 0 and shown.output == f"{told}\n", shown.output
+    for png in (tmp_path / "cnn.png", told):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
 class _Cluster:
     """Stands in for the emulated cluster: `run_on_cluster` is faked too. Each one built is
     kept in `built`, with the hosts it started daemons on and its runs' (system, port,

@@ -37,11 +37,15 @@ def token(tmp_path: Path) -> str:
      "bad rate 'fast': expected a number with a unit such as '100mbit'"),
     (["probe"], "give a PEER to probe, or --serve to answer probes"),
     (["probe", "--serve", "10.0.0.1"], "give a PEER to probe, or --serve to answer probes"),
+    (["probe", "127.0.0.1", "--dscp", "46,64"],
+     "Invalid value for --dscp: '46,64': DSCP values 0-63, comma-separated"),
+    (["probe", "127.0.0.1", "--dscp", "ef"],
+     "Invalid value for --dscp: 'ef': DSCP values 0-63, comma-separated"),
     (["bench", "table", str(REPO / "bench" / "results" / "trace-vgg19.json"),
       "--readme", "{empty}"], "has no <!-- bench-table:begin --> ... <!-- bench-table:end -->"
                              " markers"),
 ], ids=["listen", "ttl-under-cadence", "cadence-zero", "uplink", "probe-nothing", "probe-both",
-        "readme-without-markers"])
+        "probe-dscp-over-63", "probe-dscp-by-name", "readme-without-markers"])
 def test_bad_input_is_refused_saying_what(args: list[str], says: str, token: str,
                                            tmp_path: Path) -> None:
     empty = tmp_path / "README.md"
