@@ -41,11 +41,16 @@ def token(tmp_path: Path) -> str:
      "Invalid value for --dscp: '46,64': DSCP values 0-63, comma-separated"),
     (["probe", "127.0.0.1", "--dscp", "ef"],
      "Invalid value for --dscp: 'ef': DSCP values 0-63, comma-separated"),
+    (["status", "--cluster", "--token-file", str(REPO / "no-such-token")],
+     f"cannot read the token file {REPO / 'no-such-token'}: No such file or directory"),
+    (["status", "--cluster", "--token-file", "{empty}"],
+     "README.md: the token must be at least 16 characters"),
     (["bench", "table", str(REPO / "bench" / "results" / "trace-vgg19.json"),
       "--readme", "{empty}"], "has no <!-- bench-table:begin --> ... <!-- bench-table:end -->"
                              " markers"),
 ], ids=["listen", "ttl-under-cadence", "cadence-zero", "uplink", "probe-nothing", "probe-both",
-        "probe-dscp-over-63", "probe-dscp-by-name", "readme-without-markers"])
+        "probe-dscp-over-63", "probe-dscp-by-name", "cluster-status-no-token",
+        "cluster-status-short-token", "readme-without-markers"])
 def test_bad_input_is_refused_saying_what(args: list[str], says: str, token: str,
                                            tmp_path: Path) -> None:
     empty = tmp_path / "README.md"
