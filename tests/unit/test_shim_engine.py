@@ -629,6 +629,42 @@ def test_a_rank_closing_delivers_what_it_queued_then_says_goodbye(
     assert _frames(_read_until_closed(mesh1.link(0, 1, 0).sock)) == [((BYE, 0, 0, 0, 0, 0), b"")]
 
 
+def test_a_rank_closing_waits_until_its_peer_has_every_byte_for_a_later_frame_resets(
+        two_meshes: tuple[Mesh, Mesh]) -> None:
+    """Rank 1 reads slowly and, once rank 0's close has returned, sends rank 0 a frame.
+    A socket closed for reading answers data with a reset, and the reset drops what that
+    socket still held to send. So the close must wait until rank 1's kernel has every
+    byte, not only until rank 0's kernel took them: then rank 1 reads both 16 MB chunks
+    and the goodbye whole."""
+    mesh0, mesh1 = two_meshes
+    engine = Engine(mesh0, timeout_s=30)
+    half = 4 << 20
+    grad = torch.randn(2 * half, generator=torch.Generator().manual_seed(3))
+    group = engine.add_group(0, "g", grad.clone(), [(0, half), (half, 2 * half)], [1, 1], 0, 0)
+    engine.begin(0, 1)
+    engine.ready(group)
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (engine.close(linger_s=20), closed.set()))
+    closer.start()
+    sock, parts = mesh1.link(0, 0, 0).sock, []
+    sock.settimeout(30)
+    try:
+        time.sleep(0.3)  # rank 0's sends fill the kernels' buffers and wait
+        while not closed.is_set():  # about 30 MB/s
+            parts.append(sock.recv(64 << 10))
+            time.sleep(0.002)
+        sock.sendall(_HDR.pack(BYE, 0, 0, 0, 0, 0))  # too late: rank 0 reads no more
+        with contextlib.suppress(ConnectionResetError):
+            while part := sock.recv(1 << 20):
+                parts.append(part)
+    finally:
+        closer.join(30)
+    frames = _frames(b"".join(parts))
+    assert [header for header, _ in frames] == [
+        (RS, 0, 0, 0, 4 * half, 1), (RS, 0, 0, 1, 4 * half, 1), (BYE, 0, 0, 0, 0, 0)]
+    assert frames[0][1] + frames[1][1] == grad.numpy().tobytes()
+
+
 def test_queued_sends_go_by_priority_and_a_group_s_results_before_its_contributions(
         two_meshes: tuple[Mesh, Mesh]) -> None:
     """Rank 1 reads nothing while rank 0's 56 MB of contributions to group a (priority 5)
