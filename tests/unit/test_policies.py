@@ -463,6 +463,14 @@ def test_assign_owners_equal_and_weighted_paths_agree_on_equal_weights() -> None
     assert abs(owned - sum(sizes) / 2) <= max(sizes)
 
 
+def test_assign_owners_gives_a_group_s_tie_to_the_rank_that_finishes_first_overall() -> None:
+    """Ranks of weights 1 and 2. Group 0 (two chunks of 10) leaves each owning 10. In
+    group 1 (two chunks of 4) rank 1 takes the first; for the second, both would end the
+    group at 4 (4 / 1 and 8 / 2), and rank 1 ends sooner overall with it (18 / 2 against
+    14 / 1), so it takes it."""
+    owners = assign_owners([10, 10, 4, 4], 2, [1.0, 2.0], [0, 0, 1, 1])
+    assert owners == [1, 0, 1, 1]
+
 def test_assign_owners_takes_weights_a_rounding_apart_as_equal() -> None:
     # What a solver hands back for equal shares: the lowest rank must not lose every tie.
     sizes = [5, 3, 8, 1, 1, 9, 2] * 10
