@@ -263,6 +263,8 @@ def test_a_job_keeps_its_slot_and_the_slots_of_jobs_gone_are_taken_again(
                                                  JobSpec(f"short{i}", M, 100 * M)), dscp_job=None))
         assert slots == {"long": 1, f"short{i}": 2}
         manager._state.slots = slots
+    full = spec(jobs=tuple(JobSpec(f"j{i}", M, 100 * M) for i in range(MAX_JOBS)), dscp_job=None)
+    assert manager._assign_slots(full) == {f"j{i}": i + 1 for i in range(MAX_JOBS)}  # all at once
 
 
 def test_the_state_file_s_directory_is_made(tmp_path: Path) -> None:
