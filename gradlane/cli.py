@@ -1102,10 +1102,12 @@ def probe(peer: str | None, serve: bool, port: int, listen: str, seconds: float 
     if serve == (peer is not None):
         raise click.UsageError("give a PEER to probe, or --serve to answer probes")
     if serve:
-        console.print(f"answering probes on {listen}:{port} (UDP)"
-                      + (f" for {seconds:g} s" if seconds else "; Ctrl-C stops"))
+        def bound() -> None:
+            console.print(f"answering probes on {listen}:{port} (UDP)"
+                          + (f" for {seconds:g} s" if seconds else "; Ctrl-C stops"))
+
         try:
-            answered = run_serve((listen, port), seconds)
+            answered = run_serve((listen, port), seconds, ready=bound)
         except KeyboardInterrupt:
             return
         except OSError as exc:

@@ -23,7 +23,7 @@ import statistics
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,14 +103,15 @@ def _receive(sock: socket.socket, shape: struct.Struct, wait_s: float
 
 
 def serve(address: tuple[str, int] = ("0.0.0.0", DEFAULT_PORT), seconds: float | None = None,
-          ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
+          ready: Callable[[], object] | None = None, stop: threading.Event | None = None
+          ) -> int:
     """Answer probes on `address` until `seconds` are over (None: until interrupted) or
-    `stop` is set; returns how many were answered. `ready` is set once bound."""
+    `stop` is set; returns how many were answered. `ready` is called once bound."""
     answered = 0
     deadline = None if seconds is None else time.monotonic() + seconds
     with _socket(address) as sock:
         if ready is not None:
-            ready.set()
+            ready()
         while ((deadline is None or time.monotonic() < deadline)
                and not (stop is not None and stop.is_set())):
             wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))

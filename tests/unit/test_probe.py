@@ -26,7 +26,7 @@ def _free_udp_port() -> int:
 @pytest.fixture
 def server() -> Iterator[int]:
     port, ready, stop = _free_udp_port(), threading.Event(), threading.Event()
-    thread = threading.Thread(target=serve, args=(("127.0.0.1", port), None, ready, stop))
+    thread = threading.Thread(target=serve, args=(("127.0.0.1", port), None, ready.set, stop))
     thread.start()
     assert ready.wait(5)
     yield port
@@ -59,7 +59,7 @@ def test_a_band_s_summary_and_verdict() -> None:
 def test_serve_ends_after_its_seconds_and_counts_what_it_answered() -> None:
     port, ready, answered = _free_udp_port(), threading.Event(), []
     thread = threading.Thread(target=lambda: answered.append(
-        serve(("127.0.0.1", port), seconds=2.0, ready=ready)))
+        serve(("127.0.0.1", port), seconds=2.0, ready=ready.set)))
     thread.start()
     assert ready.wait(5)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as junk:
@@ -148,3 +148,20 @@ def test_the_command_fails_on_a_silent_peer_and_says_why() -> None:
     bad = subprocess.run([sys.executable, "-m", "gradlane.cli", "probe", "127.0.0.1", "--dscp",
                           "46,99"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "DSCP values 0-63" in bad.stderr
+
+
+def test_the_server_says_it_answers_only_once_it_is_bound() -> None:
+    port = _free_udp_port()
+    done = subprocess.run([sys.executable, "-m", "gradlane.cli", "probe", "--serve", "--listen",
+                           "127.0.0.1", "--port", str(port), "--seconds", "0.3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"answering probes on 127.0.0.1:{port} (UDP) for 0.3 s" in done.stderr
+    assert "answered 0 probes" in done.stderr
+    # 192.0.2.1 (TEST-NET-1) is no address of this host: nothing was ever answered there.
+    taken = subprocess.run([sys.executable, "-m", "gradlane.cli", "probe", "--serve", "--listen",
+                            "192.0.2.1", "--seconds", "0.3"],
+                           capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 1
+    assert "cannot answer on 192.0.2.1:7801: [Errno 99]" in taken.stderr
+    assert "answering" not in taken.stderr + taken.stdout
