@@ -138,6 +138,11 @@ class Scenario:
 WORKLOAD_KEYS = {"cnn": {"kind"}, "trace": {"kind", "model", "model_mb", "forward_ms"}}
 
 
+# What a scenario key must be, in TOML's words.
+_TOML_KINDS: dict[Any, str] = {dict: "a table", list: "a list", str: "a string",
+                               int: "a whole number", int | float: "a number"}
+
+
 def load_scenario(path: Path) -> Scenario:
     """Read and check a scenario file.
 
@@ -152,7 +157,8 @@ def load_scenario(path: Path) -> Scenario:
     def get(key: str, kind: Any, default: Any = None) -> Any:
         value = raw.get(key, default)
         if value is None or not isinstance(value, kind) or isinstance(value, bool):
-            raise ConfigError(f"{path}: {key} must be a {getattr(kind, '__name__', 'number')}")
+            found = "missing" if value is None else f"got {value!r}"
+            raise ConfigError(f"{path}: {key} must be {_TOML_KINDS[kind]}, {found}")
         return value
 
     # A misspelt key would otherwise run the whole benchmark on its default.
