@@ -17,13 +17,15 @@ USAGE = "usage: python -m gradlane.testbed.nsexec NAMESPACE [--parent PID] -- AR
 
 
 def main(args: list[str]) -> None:
+    parent = None
     if len(args) >= 3 and args[1] == "--parent":
         if not args[2].isdigit():
             sys.exit(USAGE)
-        end_with_parent(int(args[2]))
-        args = [args[0], *args[3:]]
+        parent, args = int(args[2]), [args[0], *args[3:]]
     if len(args) < 3 or args[1] != "--":
         sys.exit(USAGE)
+    if parent is not None:
+        end_with_parent(parent)
     enter(args[0])
     try:
         os.execvp(args[2], args[2:])
