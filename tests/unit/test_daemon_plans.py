@@ -64,6 +64,23 @@ def test_each_interface_gets_the_plan_s_classes_scaled_to_its_rate(tmp_path: Pat
     assert fast.rate_bps == pytest.approx(4 * slow.rate_bps, rel=1e-6)
 
 
+
+def test_the_local_plan_splits_what_other_traffic_leaves_evenly_between_the_jobs(
+        tmp_path: Path) -> None:
+    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), other_share=0.1)
+    daemon = Daemon(config, backend_factory=FakeBackend)
+    me = Credentials(os.getpid(), os.getuid(), os.getgid())
+    daemon.registry.add(Hello(1, "j", 0, 2, ()), me)
+    daemon.registry.add(Hello(1, "k", 0, 2, ()), me)
+    backend = daemon._backends[0]
+    shaped = daemon._shaped(backend)
+    spec = daemon.spec_for(backend, daemon.policy.plan(daemon.state()))
+    assert spec.rate_bps == shaped and spec.other_rate_bps == int(shaped * 0.1)
+    jobs = {j.name: j for j in spec.jobs}
+    for name in ("j", "k"):  # each guaranteed half of the other 90%, borrowing up to it all
+        assert jobs[name].rate_bps == (shaped - int(shaped * 0.1)) // 2
+        assert jobs[name].ceil_bps == shaped
+
 class FailingBackend(FakeBackend):
     """Fails as pyroute2 does when a value does not fit its netlink field."""
 
