@@ -118,8 +118,13 @@ def test_metrics_parse_with_prometheus_parser(daemon: RunningDaemon) -> None:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     workers = {s.labels["job"]: s.value for s in families["gradlane_workers"].samples}
     assert workers == {"train": 1.0}
-    reconcile = families["gradlane_reconcile_seconds"].samples
-    assert any(s.name.endswith("_count") and s.value >= 1 for s in reconcile)
+    reconcile = {s.name: s.value for s in families["gradlane_reconcile_seconds"].samples
+                 if s.name.endswith(("_count", "_sum"))}
+    status = daemon.status()  # read after: it may have seen a reconcile more, never fewer
+    count, spent = reconcile["gradlane_reconcile_seconds_count"], reconcile[
+        "gradlane_reconcile_seconds_sum"]
+    assert 1 <= count <= status["reconcile"]["count"] <= count + 1, (count, status["reconcile"])
+    assert 0 < spent <= status["uptime_s"]  # one after another, all since the daemon started
     chunks = [s for s in families["gradlane_chunk_events"].samples if s.name.endswith("_total")]
     assert chunks[0].value == 5
     assert {"gradlane_class_bytes", "gradlane_class_drops", "gradlane_api_errors"} <= set(families)
