@@ -160,10 +160,11 @@ def _another_group() -> grp.struct_group:
 
 def test_the_socket_has_the_mode_and_group_configured_and_the_daemon_s_owner(
         tmp_path: Path) -> None:
-    # Who may register workers: socket_group's members with the default 0660, say.
+    # Who may register workers: socket_group's members with the default 0660, say. The
+    # socket's directories are made (a tmpfs /run is empty at boot).
     group = _another_group()
-    config = dataclasses.replace(fake_config(tmp_path / "run" / "gl.sock"), socket_mode=0o660,
-                                 socket_group=group.gr_name)
+    config = dataclasses.replace(fake_config(tmp_path / "run" / "gradlane" / "gl.sock"),
+                                 socket_mode=0o660, socket_group=group.gr_name)
     daemon = Daemon(config, backend_factory=FakeBackend)
 
     async def body() -> None:
