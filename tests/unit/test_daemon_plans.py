@@ -64,7 +64,6 @@ def test_each_interface_gets_the_plan_s_classes_scaled_to_its_rate(tmp_path: Pat
     assert fast.rate_bps == pytest.approx(4 * slow.rate_bps, rel=1e-6)
 
 
-
 def test_the_local_plan_splits_what_other_traffic_leaves_evenly_between_the_jobs(
         tmp_path: Path) -> None:
     config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), other_share=0.1)
@@ -80,6 +79,7 @@ def test_the_local_plan_splits_what_other_traffic_leaves_evenly_between_the_jobs
     for name in ("j", "k"):  # each guaranteed half of the other 90%, borrowing up to it all
         assert jobs[name].rate_bps == (shaped - int(shaped * 0.1)) // 2
         assert jobs[name].ceil_bps == shaped
+
 
 class FailingBackend(FakeBackend):
     """Fails as pyroute2 does when a value does not fit its netlink field."""

@@ -606,26 +606,39 @@ def _frames(data: bytes) -> list[tuple[tuple[int, ...], bytes]]:
     return frames
 
 
+HALF = 4 << 20  # float32 elements: a 16 MB chunk
+
+
+def _two_chunks_for_rank_1(mesh0: Mesh, samples: int) -> tuple[Engine, torch.Tensor]:
+    """Rank 0's engine with two 16 MB chunks, more than the sockets hold, queued for their
+    owner, rank 1, on band 0 at step 0; and the gradient they carry."""
+    engine = Engine(mesh0, timeout_s=30)
+    grad = torch.randn(2 * HALF, generator=torch.Generator().manual_seed(7))
+    group = engine.add_group(0, "g", grad.clone(), [(0, HALF), (HALF, 2 * HALF)], [1, 1], 0, 0)
+    engine.begin(0, samples)
+    engine.ready(group)
+    return engine, grad
+
+
+def _both_chunks_then_goodbye(data: bytes, grad: torch.Tensor, samples: int) -> None:
+    frames = _frames(data)
+    # (kind, group, step, chunk, bytes, samples); a goodbye's chunk: the rank lost + 1, 0
+    assert [header for header, _ in frames] == [
+        (RS, 0, 0, 0, 4 * HALF, samples), (RS, 0, 0, 1, 4 * HALF, samples), (BYE, 0, 0, 0, 0, 0)]
+    assert frames[0][1] + frames[1][1] == grad.numpy().tobytes()
+
+
 def test_a_rank_closing_delivers_what_it_queued_then_says_goodbye(
         two_meshes: tuple[Mesh, Mesh]) -> None:
-    """Two 16 MB chunks for rank 1, more than the sockets hold: every byte
-    arrives, then the goodbyes; the close ends once rank 1's kernel has them all."""
+    """Every byte of the two chunks arrives, then the goodbyes; the close ends once rank
+    1's kernel has them all."""
     mesh0, mesh1 = two_meshes
-    engine = Engine(mesh0, timeout_s=30)
-    half = 4 << 20
-    grad = torch.randn(2 * half, generator=torch.Generator().manual_seed(7))
-    group = engine.add_group(0, "g", grad.clone(), [(0, half), (half, 2 * half)], [1, 1], 0, 0)
-    engine.begin(0, 2)
-    engine.ready(group)  # both chunks go to their owner, rank 1, on band 0
+    engine, grad = _two_chunks_for_rank_1(mesh0, 2)
     with _reading(mesh1.link(0, 0, 0).sock) as got:
         started = time.monotonic()
         engine.close(linger_s=20)
         assert time.monotonic() - started < 10  # delivered: not the linger's end
-    frames = _frames(got[0])
-    # (kind, group, step, chunk, bytes, samples); a goodbye's chunk: the rank lost + 1, 0
-    assert [header for header, _ in frames] == [
-        (RS, 0, 0, 0, 4 * half, 2), (RS, 0, 0, 1, 4 * half, 2), (BYE, 0, 0, 0, 0, 0)]
-    assert frames[0][1] + frames[1][1] == grad.numpy().tobytes()
+    _both_chunks_then_goodbye(got[0], grad, 2)
     assert _frames(_read_until_closed(mesh1.link(0, 1, 0).sock)) == [((BYE, 0, 0, 0, 0, 0), b"")]
 
 
@@ -637,12 +650,7 @@ def test_a_rank_closing_waits_until_its_peer_has_every_byte_for_a_later_frame_re
     byte, not only until rank 0's kernel took them: then rank 1 reads both 16 MB chunks
     and the goodbye whole."""
     mesh0, mesh1 = two_meshes
-    engine = Engine(mesh0, timeout_s=30)
-    half = 4 << 20
-    grad = torch.randn(2 * half, generator=torch.Generator().manual_seed(3))
-    group = engine.add_group(0, "g", grad.clone(), [(0, half), (half, 2 * half)], [1, 1], 0, 0)
-    engine.begin(0, 1)
-    engine.ready(group)
+    engine, grad = _two_chunks_for_rank_1(mesh0, 1)
     closed = threading.Event()
     closer = threading.Thread(target=lambda: (engine.close(linger_s=20), closed.set()))
     closer.start()
@@ -659,10 +667,7 @@ def test_a_rank_closing_waits_until_its_peer_has_every_byte_for_a_later_frame_re
                 parts.append(part)
     finally:
         closer.join(30)
-    frames = _frames(b"".join(parts))
-    assert [header for header, _ in frames] == [
-        (RS, 0, 0, 0, 4 * half, 1), (RS, 0, 0, 1, 4 * half, 1), (BYE, 0, 0, 0, 0, 0)]
-    assert frames[0][1] + frames[1][1] == grad.numpy().tobytes()
+    _both_chunks_then_goodbye(b"".join(parts), grad, 1)
 
 
 def test_queued_sends_go_by_priority_and_a_group_s_results_before_its_contributions(
