@@ -32,10 +32,15 @@ from gradlane.policies import JobClassPlan, Plan, Policy, State
 from tests.fakes import FakeBackend, fake_config
 
 
-def _daemon(tmp_path: Path, backend: type[FakeBackend] = FakeBackend) -> Daemon:
-    daemon = Daemon(fake_config(tmp_path / "gl.sock"), backend_factory=backend)
+def _daemon(tmp_path: Path, backend: type[FakeBackend] = FakeBackend, jobs: str = "j",
+            **config: Any) -> Daemon:
+    """A daemon on a fake interface (its config changed as `config` says) with a worker of
+    each of `jobs` registered."""
+    daemon = Daemon(dataclasses.replace(fake_config(tmp_path / "gl.sock"), **config),
+                    backend_factory=backend)
     me = Credentials(os.getpid(), os.getuid(), os.getgid())
-    daemon.registry.add(Hello(1, "j", 0, 2, ()), me)
+    for job in jobs:
+        daemon.registry.add(Hello(1, job, 0, 2, ()), me)
     return daemon
 
 
@@ -51,11 +56,8 @@ def test_a_control_plane_rate_of_a_few_bits_is_raised_to_the_trickle(tmp_path: P
 def test_each_interface_gets_the_plan_s_classes_scaled_to_its_rate(tmp_path: Path) -> None:
     # A plan is for the slowest NIC (here 1 Gbit/s, the host's link for a control plane
     # too); on a 4 Gbit/s one the job's class must not stay at 1 Gbit/s.
-    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), interfaces=(
-        InterfaceConfig("fake0", 1_000_000_000), InterfaceConfig("fake1", 4_000_000_000)))
-    daemon = Daemon(config, backend_factory=FakeBackend)
-    me = Credentials(os.getpid(), os.getuid(), os.getgid())
-    daemon.registry.add(Hello(1, "j", 0, 2, ()), me)
+    daemon = _daemon(tmp_path, interfaces=(InterfaceConfig("fake0", 1_000_000_000),
+                                           InterfaceConfig("fake1", 4_000_000_000)))
     plan = daemon.policy.plan(daemon.state())  # the local policy's, for 1 Gbit/s
     slow, fast = (next(j for j in daemon.spec_for(b, plan).jobs if j.name == "j")
                   for b in daemon._backends)
@@ -66,11 +68,7 @@ def test_each_interface_gets_the_plan_s_classes_scaled_to_its_rate(tmp_path: Pat
 
 def test_the_local_plan_splits_what_other_traffic_leaves_evenly_between_the_jobs(
         tmp_path: Path) -> None:
-    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), other_share=0.1)
-    daemon = Daemon(config, backend_factory=FakeBackend)
-    me = Credentials(os.getpid(), os.getuid(), os.getgid())
-    daemon.registry.add(Hello(1, "j", 0, 2, ()), me)
-    daemon.registry.add(Hello(1, "k", 0, 2, ()), me)
+    daemon = _daemon(tmp_path, jobs="jk", other_share=0.1)
     backend = daemon._backends[0]
     shaped = daemon._shaped(backend)
     spec = daemon.spec_for(backend, daemon.policy.plan(daemon.state()))

@@ -471,6 +471,7 @@ def test_assign_owners_gives_a_group_s_tie_to_the_rank_that_finishes_first_overa
     owners = assign_owners([10, 10, 4, 4], 2, [1.0, 2.0], [0, 0, 1, 1])
     assert owners == [1, 0, 1, 1]
 
+
 def test_assign_owners_takes_weights_a_rounding_apart_as_equal() -> None:
     # What a solver hands back for equal shares: the lowest rank must not lose every tie.
     sizes = [5, 3, 8, 1, 1, 9, 2] * 10

@@ -138,30 +138,30 @@ def test_tos_of_reads_ip_recvtos_ancillary_data() -> None:
     assert tos_of([(socket.SOL_SOCKET, 1, b"x")]) is None
 
 
-def test_the_command_fails_on_a_silent_peer_and_says_why() -> None:
-    done = subprocess.run([sys.executable, "-m", "gradlane.cli", "probe", "127.0.0.1", "--port",
-                           str(_free_udp_port()), "--count", "1"],
+def _probe_command(*args: str) -> subprocess.CompletedProcess[str]:
+    """`gradlane probe ARGS` run as a user would, its output captured."""
+    return subprocess.run([sys.executable, "-m", "gradlane.cli", "probe", *args],
                           capture_output=True, text=True, timeout=60)
+
+
+def test_the_command_fails_on_a_silent_peer_and_says_why() -> None:
+    done = _probe_command("127.0.0.1", "--port", str(_free_udp_port()), "--count", "1")
     assert done.returncode == 1
     assert "FAIL  band 0 (DSCP 46): no answer to 1 datagrams" in done.stdout
     assert "is `gradlane probe --serve` running there" in done.stderr
-    bad = subprocess.run([sys.executable, "-m", "gradlane.cli", "probe", "127.0.0.1", "--dscp",
-                          "46,99"], capture_output=True, text=True, timeout=60)
+    bad = _probe_command("127.0.0.1", "--dscp", "46,99")
     assert bad.returncode == 2 and "DSCP values 0-63" in bad.stderr
 
 
 def test_the_server_says_it_answers_only_once_it_is_bound() -> None:
     port = _free_udp_port()
-    done = subprocess.run([sys.executable, "-m", "gradlane.cli", "probe", "--serve", "--listen",
-                           "127.0.0.1", "--port", str(port), "--seconds", "0.3"],
-                          capture_output=True, text=True, timeout=60)
+    done = _probe_command("--serve", "--listen", "127.0.0.1", "--port", str(port),
+                          "--seconds", "0.3")
     assert done.returncode == 0, done.stderr
     assert f"answering probes on 127.0.0.1:{port} (UDP) for 0.3 s" in done.stderr
     assert "answered 0 probes" in done.stderr
     # 192.0.2.1 (TEST-NET-1) is no address of this host: nothing was ever answered there.
-    taken = subprocess.run([sys.executable, "-m", "gradlane.cli", "probe", "--serve", "--listen",
-                            "192.0.2.1", "--seconds", "0.3"],
-                           capture_output=True, text=True, timeout=60)
+    taken = _probe_command("--serve", "--listen", "192.0.2.1", "--seconds", "0.3")
     assert taken.returncode == 1
     assert "cannot answer on 192.0.2.1:7801: [Errno 99]" in taken.stderr
     assert "answering" not in taken.stderr + taken.stdout
