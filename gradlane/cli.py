@@ -522,8 +522,9 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
         suffix += "-store-forward" if store_forward else ""
     path = json_path or _default_result(f"sim-{experiment}{suffix}.json", "--json")
     out = _stdout_console()
+    # A bar only on a terminal: rich has nothing to draw in a pipe, yet writes an empty line.
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=out, transient=True) as bar:
+                  console=out, transient=True, disable=not out.is_terminal) as bar:
         tasks: dict[str, Any] = {}
 
         def progress(policy: str, fraction: float) -> None:
