@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import os
 import socket
 import struct
 import tomllib
@@ -45,6 +46,7 @@ __all__ = [
 DEFAULT_SOCKET = Path("/run/gradlane/gradlaned.sock")
 DEFAULT_STATE_DIR = Path("/run/gradlane")
 DEFAULT_HTTP = "127.0.0.1:9464"
+MAX_SOCKET_PATH = 107  # bytes: sun_path's 108, less the NUL that ends it
 # gradlane shapes this far under the line rate, so the queue (and the scheduling) sits in
 # its tree instead of the NIC (systemd/gradlaned.toml says what the margin covers).
 DEFAULT_SHAPE_FRACTION = 0.95
@@ -243,6 +245,11 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
     for key in ("socket", "state_dir", "policy", "socket_group"):
         if key in daemon and (not isinstance(daemon[key], str) or not daemon[key]):
             raise fail(f"daemon.{key}", "must be non-empty text")
+    socket_path = str(daemon.get("socket", DEFAULT_SOCKET))
+    if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+        raise fail("daemon.socket", f"must be at most {MAX_SOCKET_PATH} bytes long (the "
+                                    f"kernel's limit for a Unix socket), got "
+                                    f"{len(os.fsencode(socket_path))}: {socket_path!r}")
     url = control.get("url")
     token = control.get("token_file")
     if url is not None and (not isinstance(url, str) or not url.startswith(("http://",
@@ -261,7 +268,7 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
         bands=tuple(bands),
         other_share=other,
         shape_fraction=fraction,
-        socket_path=Path(daemon.get("socket", DEFAULT_SOCKET)),
+        socket_path=Path(socket_path),
         socket_group=daemon.get("socket_group"),
         socket_mode=mode,
         http=http,

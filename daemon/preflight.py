@@ -6,7 +6,8 @@ if any would stop gradlaned or leave it without effect. Nothing on the host
 changes: the interfaces' qdiscs are read, not touched; the kernel's HTB and
 u32 are tried on a scratch veth pair that is never up (``gl-chk<pid>``,
 removed on success, failure and Ctrl-C; `gradlane testbed clean` removes
-one a killed check left); the HTTP port is bound and released at once.
+one a killed check left); the HTTP port is bound and released at once, and
+where the socket and the state go, a scratch directory is made and removed.
 """
 
 from __future__ import annotations
@@ -184,26 +185,38 @@ def _socket(config: DaemonConfig) -> Finding:
                 return Finding(check, OK, "a stale socket: gradlaned replaces it")
         return Finding(check, WARN, "a gradlaned serves it now: a second one would refuse "
                                     "to start")
-    parent = _existing_parent(path.parent)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return Finding(check, FAIL, f"cannot create it: {parent} is not writable")
+    why = _uncreatable(path.parent)
+    if why:
+        return Finding(check, FAIL, f"cannot create it: {why}")
     return Finding(check, OK, "can be created" + (
         f", for group {config.socket_group}" if config.socket_group else ""))
 
 
 def _state_dir(path: Path) -> Finding:
     check = f"state dir {path}"
-    parent = _existing_parent(path)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return Finding(check, FAIL, f"{parent} is not writable: the original qdiscs could "
-                                    "not be recorded")
-    return Finding(check, OK, "writable" if parent == path else "can be created")
+    why = _uncreatable(path)
+    if why:
+        return Finding(check, FAIL, f"{why}: the original qdiscs could not be recorded")
+    return Finding(check, OK, "writable" if path.is_dir() else "can be created")
 
 
-def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+def _uncreatable(directory: Path) -> str | None:
+    """Why gradlaned could not make DIRECTORY (and its parents) and write in it, or None.
+
+    Tried rather than judged from modes, which root passes by (a read-only mount, /proc or
+    a file on the way says no only when tried): a scratch directory, made in the deepest
+    one that exists and removed at once.
+    """
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gradlaned-check-", dir=existing))
+    except OSError as exc:
+        return f"{existing} is not writable ({exc.strerror})"
+    return None
 
 
 def _policy(name: str) -> Finding:

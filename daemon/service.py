@@ -242,6 +242,10 @@ class Daemon:
                 _sd_notify(notify_socket, "STOPPING=1")
                 if server is not None:
                     server.close()
+                    # Ours only once bound: a gradlaned that refused a served socket
+                    # leaves it to the one serving it.
+                    with contextlib.suppress(FileNotFoundError):
+                        self.config.socket_path.unlink()
                     for writer in list(self._clients):
                         writer.close()
                     with contextlib.suppress(TimeoutError):
@@ -254,8 +258,6 @@ class Daemon:
                 asyncio.get_running_loop().remove_reader(watch.fileno())
                 watch.close()
             await self._restore_tc()
-            with contextlib.suppress(FileNotFoundError):
-                self.config.socket_path.unlink()
             logger.info("gradlaned stopped; original qdiscs restored")
 
     async def reload(self, config: DaemonConfig) -> None:
@@ -550,12 +552,17 @@ class Daemon:
 
     async def _start_socket(self) -> asyncio.Server:
         path = self.config.socket_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            if await _someone_listens(path):
-                raise GradlaneError(f"another gradlaned is serving {path}; stop it first")
-            path.unlink()
-        server = await asyncio.start_unix_server(self._client, path=str(path))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                if await _someone_listens(path):
+                    raise GradlaneError(f"another gradlaned is serving {path}; stop it first")
+                path.unlink()
+            server = await asyncio.start_unix_server(self._client, path=str(path))
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename and exc.filename != str(path) else ""
+            raise GradlaneError(f"cannot serve shims on {path}: {where}{exc.strerror or exc} "
+                                "(`gradlaned --check` checks the socket's place)") from None
         os.chmod(path, self.config.socket_mode)
         if self.config.socket_group:
             os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)

@@ -435,7 +435,7 @@ def bench_table(results: tuple[Path, ...], readme: Path | None) -> None:
     """The results table (Markdown) from RESULTS files; never typed by hand.
 
     Files of other benchmarks (the simulator's, the daemon's) are left out, so
-    ``bench/results/*.json`` can be given as it is."""
+    bench/results/*.json can be given as it is."""
     from gradlane.benchmark import is_bench_result, markdown_table, read_result, reading
 
     data = [read_result(p) for p in results]

@@ -190,7 +190,11 @@ def test_second_daemon_on_the_same_socket_refuses_to_start(daemon: RunningDaemon
     finally:
         end(proc)  # not left serving if it did not refuse
     assert proc.returncode != 0 and b"another gradlaned is serving" in err
-    assert daemon.status()["clients"] == 0  # the first one still serves
+    assert daemon.status()["clients"] == 0  # the first one still serves, on its socket too:
+    client = Client(daemon.socket)  # the second, failing, left it where it was
+    client.send(hello("after"))
+    assert client.recv()["type"] == "welcome"
+    client.close()
 
 
 # -- fuzzing -----------------------------------------------------------------

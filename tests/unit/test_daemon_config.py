@@ -60,6 +60,16 @@ def test_values_at_their_limits_and_defaults(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, mode("0777"))).socket_mode == 0o777
     with pytest.raises(ConfigError, match="daemon.socket_mode: must be octal"):
         load_config(write(tmp_path, mode("1000")))
+    # A Unix socket's path: 107 bytes at most (bind says only "AF_UNIX path too long").
+    longest = "/tmp/" + "s" * 97 + ".sock"
+    assert len(longest) == 107
+    socket = GOOD.replace('socket = "/tmp/x.sock"', f'socket = "{longest}"')
+    assert str(load_config(write(tmp_path, socket)).socket_path) == longest
+    with pytest.raises(ConfigError, match=r"daemon.socket: must be at most 107 bytes long "
+                                          r"\(the kernel's limit for a Unix socket\), got 108"):
+        load_config(write(tmp_path, socket.replace(".sock", "s.sock")))
+    with pytest.raises(ConfigError, match=r"and the command line: daemon.socket: .* got 108"):
+        load_config(write(tmp_path, GOOD), {"daemon.socket": "/" + "s" * 107})
     config = load_config(write(tmp_path, GOOD.replace("[daemon]", "[daemon]\ncoalesce_ms = 5")))
     assert config.coalesce_s == 0.005
     assert config.control_leaf == 0 and config.control_url is None

@@ -20,7 +20,7 @@ from gradlane.daemon.protocol import Hello
 from gradlane.daemon.qdisc import ClassStats, QdiscSpec
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import Daemon
-from gradlane.errors import TcError
+from gradlane.errors import GradlaneError, TcError
 from tests.fakes import FakeBackend, fake_config, until
 
 
@@ -174,6 +174,19 @@ def test_the_socket_has_the_mode_and_group_configured_and_the_daemon_s_owner(
 
     asyncio.run(_serving(daemon, body))
     assert not config.socket_path.exists()
+
+
+def test_a_socket_that_cannot_be_made_is_an_error_naming_it_and_the_tree_is_restored(
+        tmp_path: Path) -> None:
+    # /etc/hostname/gl.sock, say: a file where the socket's directory would be.
+    (tmp_path / "file").write_text("")
+    config = fake_config(tmp_path / "file" / "gl.sock")
+    daemon = Daemon(config, backend_factory=FakeBackend)
+    with pytest.raises(GradlaneError, match=rf"cannot serve shims on {tmp_path}/file/gl.sock: "
+                                            rf"{tmp_path}/file: File exists"):
+        asyncio.run(daemon.serve())
+    [backend] = daemon._backends
+    assert isinstance(backend, FakeBackend) and backend.restored
 
 
 def test_an_interface_that_cannot_be_restored_is_logged_and_the_others_still_are(

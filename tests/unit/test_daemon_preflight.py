@@ -94,6 +94,23 @@ def test_without_cap_net_admin_the_check_fails_and_tries_no_kernel(tmp_path: Pat
 def test_the_state_dir_check_tells_a_writable_dir_from_one_to_create(tmp_path: Path) -> None:
     assert _state_dir(tmp_path).detail == "writable"
     assert _state_dir(tmp_path / "state" / "gradlane").detail == "can be created"
+    assert list(tmp_path.iterdir()) == []  # tried with a scratch directory, and removed
+
+
+def test_the_socket_and_state_dir_checks_try_their_place_rather_than_read_its_mode(
+        tmp_path: Path) -> None:
+    """Root passes by modes: a file on the way, or /proc, says no only when tried."""
+    (tmp_path / "file").write_text("")
+    found = _socket(_config(tmp_path, socket_path=tmp_path / "file" / "gl.sock"))
+    assert (found.level, found.detail) == ("fail", f"cannot create it: {tmp_path}/file is "
+                                                   "not a directory")
+    found = _state_dir(tmp_path / "file")
+    assert (found.level, found.detail) == ("fail", f"{tmp_path}/file is not a directory: the "
+                                                   "original qdiscs could not be recorded")
+    found = _state_dir(Path("/proc/gl-no-such-dir/state"))
+    assert found.level == "fail" and found.detail.startswith("/proc is not writable (")
+    found = _socket(_config(tmp_path, socket_path=Path("/proc/gl.sock")))
+    assert found.level == "fail" and found.detail.startswith("cannot create it: /proc is not ")
 
 
 def test_every_capability_but_cap_net_admin_is_not_enough(tmp_path: Path) -> None:
