@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from numbers import Integral, Real
+from typing import TYPE_CHECKING, Any
 
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.errors import ConfigError
@@ -45,6 +47,24 @@ def default_job() -> str:
     """
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     return f"{addr}:{port}" if addr and port else "default"
+
+
+# What each option must be, in its error's words, and the plain Python value it is kept as
+# (numpy's integers are integers, a list of DSCP values a tuple; a bool is no number here).
+_KINDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], object], str]] = {
+    "chunk_bytes": (Integral, int, "a whole number of bytes"),
+    "dscp": ((tuple, list), tuple, "a tuple (or list) of DSCP values"),
+    "credit_bytes": (Integral, int, "a whole number of bytes"),
+    "timeout_s": (Real, float, "a number of seconds"),
+    "overlap": (bool, bool, "True or False"),
+    "daemon_socket": ((str, os.PathLike), os.fspath, "a path"),
+    "job": (str, str, "text"),
+    "sndbuf_bytes": (Integral, int, "a whole number of bytes"),
+    "leaf": ((Integral, type(None)), lambda v: v if v is None else int(v),
+             "an integer 0..65535 or None"),
+    "layout": (str, str, "text"),
+    "exchange": (str, str, "text"),
+}
 
 
 @dataclass(frozen=True)
@@ -133,6 +153,11 @@ class ShimConfig:
     exchange: str = "auto"
 
     def __post_init__(self) -> None:
+        for name, (kind, plain, words) in _KINDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (isinstance(value, bool) and plain is not bool):
+                raise ConfigError(f"{name} must be {words}, got {value!r}")
+            object.__setattr__(self, name, plain(value))
         if not 4096 <= self.chunk_bytes <= 1 << 30:
             raise ConfigError(f"chunk_bytes must be 4 KiB..1 GiB, got {self.chunk_bytes}")
         if not 1 <= len(self.dscp) <= 8:
@@ -147,7 +172,7 @@ class ShimConfig:
             raise ConfigError(f"job must be 1..128 characters, not starting with '_': {self.job!r}")
         if self.sndbuf_bytes < 0:
             raise ConfigError(f"sndbuf_bytes must be >= 0, got {self.sndbuf_bytes}")
-        if self.leaf is not None and not (isinstance(self.leaf, int) and 0 <= self.leaf < 1 << 16):
+        if self.leaf is not None and not 0 <= self.leaf < 1 << 16:
             raise ConfigError(f"leaf must be an integer 0..65535 or None, got {self.leaf!r}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")

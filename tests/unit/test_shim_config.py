@@ -3,6 +3,10 @@ and the edges of each range taken."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import msgpack
+import numpy as np
 import pytest
 
 from gradlane.errors import ConfigError
@@ -11,6 +15,20 @@ from gradlane.shim.config import ShimConfig
 EDGES: dict[str, object] = {"chunk_bytes": 4096, "dscp": tuple(range(56, 64)), "credit_bytes": 1024,
                             "timeout_s": 0.001, "job": "j" * 128, "sndbuf_bytes": 0,
                             "leaf": 65535, "layout": "coarse", "exchange": "ring"}
+
+
+def test_numpy_numbers_a_list_and_a_path_are_kept_as_plain_python_values() -> None:
+    """What a training script computes or writes naturally; kept as the int, float, tuple
+    and str the wire format (msgpack) and the comparisons between ranks expect."""
+    config = ShimConfig.of({"chunk_bytes": np.int64(1 << 20), "timeout_s": np.float32(2.5),
+                            "leaf": np.uint16(3), "dscp": [46, 26],
+                            "daemon_socket": Path("/run/gl.sock")})
+    assert (config.chunk_bytes, config.timeout_s, config.leaf) == (1 << 20, 2.5, 3)
+    assert (type(config.chunk_bytes), type(config.timeout_s), type(config.leaf)) == (
+        int, float, int)
+    assert config.dscp == (46, 26) and config.bands == 2
+    assert config.daemon_socket == "/run/gl.sock"
+    assert msgpack.unpackb(msgpack.packb(config.signature())) == config.signature()
 
 
 def test_the_edges_of_every_range_are_taken() -> None:
@@ -41,6 +59,20 @@ def test_the_edges_of_every_range_are_taken() -> None:
     ({"layout": "huge"}, "layout must be one of auto, fine, coarse, got 'huge'"),
     ({"exchange": "tree"}, "exchange must be one of auto, flat, ring, got 'tree'"),
     ({"credit": 4096}, "unknown option 'credit': did you mean 'credit_bytes'"),
+    # Of the wrong kind: what it must be, not a TypeError from a comparison (or, for
+    # overlap, any text taken as True).
+    ({"chunk_bytes": "1mb"}, "chunk_bytes must be a whole number of bytes, got '1mb'"),
+    ({"chunk_bytes": 65536.5}, "chunk_bytes must be a whole number of bytes, got 65536.5"),
+    ({"credit_bytes": True}, "credit_bytes must be a whole number of bytes, got True"),
+    ({"timeout_s": "5"}, "timeout_s must be a number of seconds, got '5'"),
+    ({"overlap": "no"}, "overlap must be True or False, got 'no'"),
+    ({"dscp": 46}, r"dscp must be a tuple \(or list\) of DSCP values, got 46"),
+    ({"job": 5}, "job must be text, got 5"),
+    ({"daemon_socket": None}, "daemon_socket must be a path, got None"),
+    ({"sndbuf_bytes": None}, "sndbuf_bytes must be a whole number of bytes, got None"),
+    ({"leaf": True}, "leaf must be an integer 0..65535 or None, got True"),
+    ({"layout": None}, "layout must be text, got None"),
+    ({"exchange": 2}, "exchange must be text, got 2"),
 ])
 def test_a_bad_option_is_refused_saying_what_it_must_be(options: dict[str, object],
                                                         says: str) -> None:
