@@ -630,12 +630,16 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
         raise click.BadParameter(f"{ttl:g} s is not more than --cadence ({cadence:g} s): plans "
                                  "would expire between pushes", param_hint="--ttl")
     try:
+        uplink_bps = None if uplink is None else parse_rate(uplink)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--uplink") from None
+    try:
         config = ControlConfig(token=read_token(token_file), host=host, port=port,
                                policy=policy, cadence_s=cadence, ttl_s=ttl,
                                # Plans follow a change this soon, at the earliest: never
                                # later than the cadence (a --cadence under 0.05 s).
                                react_s=min(ControlConfig.react_s, cadence),
-                               uplink_bps=None if uplink is None else parse_rate(uplink))
+                               uplink_bps=uplink_bps)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     _log_as_a_service()

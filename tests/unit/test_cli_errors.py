@@ -34,7 +34,8 @@ def token(tmp_path: Path) -> str:
     (["control", "--token-file", "{token}", "--cadence", "0"],
      "Invalid value for '--cadence': 0.0 is not in the range 0<x<=3600."),
     (["control", "--token-file", "{token}", "--uplink", "fast"],
-     "bad rate 'fast': expected a number with a unit such as '100mbit'"),
+     "Invalid value for --uplink: bad rate 'fast': expected a number with a unit such as "
+     "'100mbit'"),
     (["probe"], "give a PEER to probe, or --serve to answer probes"),
     (["probe", "--serve", "10.0.0.1"], "give a PEER to probe, or --serve to answer probes"),
     (["probe", "127.0.0.1", "--dscp", "46,64"],
