@@ -88,8 +88,9 @@ class Cluster:
         taken = [n for n in self.topology.namespaces() if gl_netns.exists(n)]
         if taken:
             raise TestbedError(
-                f"cluster {self.topology.name!r} exists already ({', '.join(taken)}); "
-                f"remove it with: gradlane testbed down {self.topology.name}"
+                f"cluster {self.topology.name!r} exists already ({', '.join(taken)}): "
+                "another run's, or left by one that was killed; if none is running, remove "
+                f"it with: gradlane testbed down {self.topology.name}"
             )
         try:
             self._build()

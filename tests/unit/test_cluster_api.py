@@ -136,8 +136,10 @@ def test_a_cluster_that_exists_is_not_built_again(
 ) -> None:
     monkeypatch.setattr(cluster_module.gl_netns, "exists", lambda name: name.endswith("-h2"))
     monkeypatch.setattr(Cluster, "_build", lambda self: pytest.fail("built over it"))
-    with pytest.raises(TestbedError, match="exists already .gl-tapi-h2.; remove it with: "
-                       "gradlane testbed down tapi"):
+    # A run of the same name may be using it: removing it is advised only if none is.
+    with pytest.raises(TestbedError, match=r"exists already \(gl-tapi-h2\): another run's, or "
+                       "left by one that was killed; if none is running, remove it with: "
+                       "gradlane testbed down tapi$"):
         Cluster(Topology.build("tapi", 2, "1gbit")).up()
     assert removed == []
 
