@@ -3,8 +3,8 @@
 Command line (run inside a host, e.g. via ``gradlane testbed run``)::
 
     python -m gradlane.testbed.traffic recv --port 5201 --flows 2 [--timeout 60]
-    python -m gradlane.testbed.traffic send --to 10.200.0.2 --port 5201 --dscp 46 \
-        --label high (--seconds 4 | --bytes 100000000)
+    python -m gradlane.testbed.traffic send --to 10.200.0.2 --port 5201 \\
+        --dscp 46 --label high (--seconds 4 | --bytes 100000000)
 
 The receiver prints ``READY`` once listening, then one JSON document when all
 expected flows have closed: per flow its label, DSCP, byte count, first and
@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["Flow", "FlowResult", "run_flows", "window_goodputs"]
 
 DEFAULT_PORT = 5201
+MAX_SECONDS = 3600  # of any wait or flow: every run of the tool is bounded
+MAX_BYTES = 1 << 40
 SAMPLE_EVERY = 0.02
 _CHUNK = 256 * 1024
 
@@ -62,6 +64,12 @@ class Flow:
             raise TestbedError(f"flow {self.label!r}: give exactly one of seconds and nbytes")
         if not 0 <= self.dscp < 64:
             raise TestbedError(f"flow {self.label!r}: DSCP must be in 0..63, got {self.dscp}")
+        if self.seconds is not None and not 0 < self.seconds <= MAX_SECONDS:
+            raise TestbedError(f"flow {self.label!r}: seconds must be in (0, {MAX_SECONDS}], "
+                               f"got {self.seconds}")
+        if self.nbytes is not None and not 1 <= self.nbytes <= MAX_BYTES:
+            raise TestbedError(f"flow {self.label!r}: nbytes must be in 1..{MAX_BYTES}, "
+                               f"got {self.nbytes}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,8 @@ def run_flows(
     One receiver per destination host; all senders start together once every
     receiver listens. Bounded by `timeout` seconds overall.
     """
+    if not 0 < timeout <= MAX_SECONDS:
+        raise TestbedError(f"timeout must be in (0, {MAX_SECONDS}] s, got {timeout}")
     labels = [f.label or f"flow{i}" for i, f in enumerate(flows)]
     if len(set(labels)) != len(labels):
         raise TestbedError(f"flow labels must be unique, got {labels}")
@@ -300,24 +310,45 @@ def _recv(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _within(kind: type[int] | type[float], low: float, high: float) -> Callable[[str], Any]:
+    """An argparse type: a `kind` in low..high (finite: every run of this tool is bounded)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= value <= high:  # also refuses nan, and inf beyond a finite high
+            raise argparse.ArgumentTypeError(f"must be in {kind(low)}..{kind(high)}, got {text}")
+        return value
+    return parse
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gradlane.testbed.traffic", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gradlane.testbed.traffic", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
+    port = _within(int, 1, 65535)
+    seconds = _within(float, 0, MAX_SECONDS)
     send = sub.add_parser("send", help="send one bulk flow")
-    send.add_argument("--to", required=True)
-    send.add_argument("--port", type=int, default=DEFAULT_PORT)
-    send.add_argument("--dscp", type=int, default=0)
-    send.add_argument("--label", default="")
+    send.add_argument("--to", required=True, help="the receiver's address")
+    send.add_argument("--port", type=port, default=DEFAULT_PORT, help="the receiver's port")
+    send.add_argument("--dscp", type=_within(int, 0, 63), default=0,
+                      help="the DSCP code point to mark the flow with")
+    send.add_argument("--label", default="", help="the flow's name in the receiver's report")
     size = send.add_mutually_exclusive_group(required=True)
-    size.add_argument("--seconds", type=float)
-    size.add_argument("--bytes", type=int)
-    send.add_argument("--delay", type=float, default=0.0, help="wait this long before connecting")
-    send.add_argument("--connect-timeout", type=float, default=10)
+    size.add_argument("--seconds", type=seconds, help="send for this long")
+    size.add_argument("--bytes", type=_within(int, 1, MAX_BYTES), help="send this many bytes")
+    send.add_argument("--delay", type=seconds, default=0.0,
+                      help="wait this long before connecting")
+    send.add_argument("--connect-timeout", type=seconds, default=10,
+                      help="give up connecting after this long")
     recv = sub.add_parser("recv", help="receive flows and report them")
-    recv.add_argument("--bind", default="0.0.0.0")
-    recv.add_argument("--port", type=int, default=DEFAULT_PORT)
-    recv.add_argument("--flows", type=int, default=1)
-    recv.add_argument("--timeout", type=float, default=60)
+    recv.add_argument("--bind", default="0.0.0.0", help="the address to listen on")
+    recv.add_argument("--port", type=port, default=DEFAULT_PORT, help="the port to listen on")
+    recv.add_argument("--flows", type=_within(int, 1, 1024), default=1,
+                      help="report once this many flows have ended")
+    recv.add_argument("--timeout", type=seconds, default=60,
+                      help="give up (exit 1) after this long")
     args = parser.parse_args(argv)
     result = _send(args) if args.cmd == "send" else _recv(args)
     print(json.dumps(result), flush=True)

@@ -1,7 +1,10 @@
+from typing import cast
+
 import pytest
 
 from gradlane.errors import TestbedError
-from gradlane.testbed.traffic import Flow, FlowResult, window_goodputs
+from gradlane.testbed.cluster import Cluster
+from gradlane.testbed.traffic import Flow, FlowResult, run_flows, window_goodputs
 
 
 def result(label: str, start: float, seconds: float, bps: float) -> FlowResult:
@@ -54,8 +57,16 @@ def test_flow_needs_exactly_one_size() -> None:
     for delay in (-0.1, 60.5):
         with pytest.raises(TestbedError, match=f"delay must be in 0..60 s, got {delay}$"):
             Flow("h1", "h2", seconds=1, delay=delay)
+    for seconds in (0, -1, 3600.5, float("inf"), float("nan")):
+        with pytest.raises(TestbedError, match=rf"seconds must be in \(0, 3600\], got {seconds}$"):
+            Flow("h1", "h2", seconds=seconds)
+    for nbytes in (0, (1 << 40) + 1):
+        with pytest.raises(TestbedError, match=rf"nbytes must be in 1..{1 << 40}, got {nbytes}$"):
+            Flow("h1", "h2", nbytes=nbytes)
     assert Flow("h1", "h2", seconds=1, dscp=63, delay=60).dscp == 63  # the ranges' ends
     assert Flow("h1", "h2", nbytes=1, dscp=0, delay=0).nbytes == 1
+    assert Flow("h1", "h2", seconds=3600).seconds == 3600
+    assert Flow("h1", "h2", nbytes=1 << 40).nbytes == 1 << 40
 
 
 def test_the_daemons_line_rate_is_the_nic_an_emulated_link_stands_for() -> None:
@@ -67,3 +78,10 @@ def test_the_daemons_line_rate_is_the_nic_an_emulated_link_stands_for() -> None:
     rate = 877_543_843
     assert line_rate(rate) == round(rate * 1538 / 1514)
     assert line_rate(rate) * 1448 / 1538 == pytest.approx(rate * PAYLOAD_EFFICIENCY)
+
+
+def test_run_flows_refuses_an_unbounded_or_empty_timeout_before_touching_the_cluster() -> None:
+    for timeout in (0, float("inf")):
+        with pytest.raises(TestbedError,
+                           match=rf"timeout must be in \(0, 3600\] s, got {timeout}$"):
+            run_flows(cast("Cluster", None), [Flow("h1", "h2", seconds=1)], timeout=timeout)

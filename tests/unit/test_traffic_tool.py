@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from gradlane.testbed.traffic import SAMPLE_EVERY
 from tests.integration.helpers import port_below_ephemeral
 
@@ -84,3 +86,23 @@ def test_a_sender_started_before_its_receiver_waits_for_it() -> None:
     assert recv.returncode == 0, recv.stderr
     flow = json.loads(recv.stdout.splitlines()[1])["flows"][0]
     assert (flow["bytes"], flow["dscp"]) == (100_000, 0)  # DSCP 0 unless given
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["send", "--to", "127.0.0.1", "--dscp", "64", "--bytes", "1"],
+     "argument --dscp: must be in 0..63, got 64"),
+    (["send", "--to", "127.0.0.1", "--seconds", "inf"],
+     "argument --seconds: must be in 0.0..3600.0, got inf"),
+    (["send", "--to", "127.0.0.1", "--bytes", "0"], "argument --bytes: must be in 1.."),
+    (["send", "--to", "127.0.0.1", "--port", "0", "--bytes", "1"],
+     "argument --port: must be in 1..65535, got 0"),
+    (["recv", "--timeout", "soon"], "argument --timeout: not a number: 'soon'"),
+    (["recv", "--flows", "0"], "argument --flows: must be in 1..1024, got 0"),
+])
+def test_a_bad_argument_is_refused_before_anything_is_sent_or_bound(
+        args: list[str], says: str) -> None:
+    """Every run of the tool is bounded: no endless flow or wait, no DSCP the socket
+    option would refuse with a traceback."""
+    done = subprocess.run([*TOOL, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert done.stdout == ""  # no READY: nothing bound
