@@ -279,10 +279,14 @@ def demo(hosts: int, rate: str | None, steps: int, png: Path, json_path: Path | 
     from gradlane.demo import run_demo
     from gradlane.provenance import start
 
+    try:
+        rate_bps = parse_rate(rate) if rate else None
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--rate") from None
     start()  # the checkout the run's results come from
     run_demo(
         hosts=hosts,
-        rate=parse_rate(rate) if rate else None,
+        rate=rate_bps,
         steps=steps,
         png=png,
         json_path=json_path,

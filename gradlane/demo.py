@@ -50,6 +50,7 @@ __all__ = ["DemoResult", "MachineCpu", "SystemRun", "nic_tx_bytes", "past_warm_u
 WINDOW_S = 1.0  # the band-usage plot's window when no iteration can be picked
 SAMPLE_S = 0.01
 MIN_RATE, MAX_RATE = 10e6, 1e9  # bit/s: the demo's link rates, whatever its model measures
+RUN_TIMEOUT = 300.0  # s: a system's run is hung after this long, or `run_timeout`'s, if longer
 PHASE_BINS = 20  # parts of an iteration in the band-usage profile
 
 
@@ -311,6 +312,13 @@ def pick_rate(hosts: int, compute_s: float, size: int) -> int:
     return int(min(MAX_RATE, max(MIN_RATE, rate)) // 1e6 * 1e6)
 
 
+def run_timeout(steps: int, step_s: float) -> float:
+    """How long a system's run of `steps` may take before it is called hung: `RUN_TIMEOUT`
+    (start-up and the default steps, with room), or four times the steps at `step_s` each
+    (compute and communication back to back) on a shared machine, if that is longer."""
+    return max(RUN_TIMEOUT, 4 * steps * step_s)
+
+
 def _worker_options(system: str, out: Path, extra: list[str]) -> list[str]:
     """`gradlane.worker`'s options."""
     return ["--system", system, "--out", str(out), *extra]
@@ -446,6 +454,7 @@ def run_loopback(hosts: int, steps: int, out: Path, say: Callable[[str], None]) 
     """No root: both systems with `hosts` local processes, no traffic control."""
     compute, _ = calibrate(hosts)
     result = DemoResult(hosts, None, compute)
+    timeout = run_timeout(steps, compute)
     torchrun = [
         sys.executable,
         "-m",
@@ -474,7 +483,7 @@ def run_loopback(hosts: int, steps: int, out: Path, say: Callable[[str], None]) 
         )
         cpu = MachineCpu()
         try:
-            _finish([proc], system, timeout=300)
+            _finish([proc], system, timeout=timeout)
         finally:
             cpu.stop()
         result.runs[system] = _collect(system, out, time.monotonic() - start, cpu)
@@ -676,7 +685,7 @@ def launch(
     return Launched(system, out, names, procs, before, time.monotonic(), MachineCpu())
 
 
-def collect(c: Any, job: Launched, timeout: float = 300) -> SystemRun:
+def collect(c: Any, job: Launched, timeout: float = RUN_TIMEOUT) -> SystemRun:
     """Wait for `job` (bounded by `timeout`); rank 0's run, with bytes sent by all its
     hosts and the utilization of their links.
 
@@ -707,12 +716,13 @@ def run_on_cluster(
     speeds: list[float] | None = None,
     workers: int | None = None,
     torchrun: bool = False,
+    timeout: float = RUN_TIMEOUT,
 ) -> tuple[SystemRun, dict[str, Any]]:
     """Run `system` with one worker per host of cluster `c` (see `launch`; `torchrun`: under it).
 
     `workers` uses only the first hosts (default: all). With `bands`, host
     1's band leaves are sampled (see `_BandSampler`). Returns rank 0's run
-    and the band usage.
+    and the band usage. A run longer than `timeout` seconds is stopped as hung.
     """
     hosts = [f"h{i}" for i in range(1, (workers or c.topology.hosts) + 1)]
     job = launch(c, system, worker_args, port=port, out=out, sockets=sockets, speeds=speeds,
@@ -721,13 +731,13 @@ def run_on_cluster(
     if bands:
         sampler = _BandSampler(c.ns("h1"))
         try:
-            deadline = time.monotonic() + 300
+            deadline = job.started + timeout
             while any(p.poll() is None for p in job.procs) and time.monotonic() < deadline:
                 sampler.sample()
                 time.sleep(SAMPLE_S)
         finally:
             sampler.close()
-    run = collect(c, job)
+    run = collect(c, job, timeout)
     if bands:
         usage = sampler.band_usage(4, steady_iterations(run.ends))
     return run, usage
@@ -744,28 +754,34 @@ def steady_iterations(ends: list[float]) -> list[tuple[float, float]]:
 def run_cluster(
     hosts: int, rate: int | None, steps: int, out: Path, say: Callable[[str], None]
 ) -> DemoResult:
+    from gradlane.benchmark import exchange_bits  # not at the top: it imports this module
     from gradlane.testbed import Cluster, Topology
 
     compute, size = calibrate(hosts)
     rate = rate or pick_rate(hosts, compute, size)
     result = DemoResult(hosts, rate, compute)
+    # DDP's step: its compute, then what of the exchange its buckets could not overlap.
+    step = compute + exchange_bits(hosts, size) / rate
+    timeout = run_timeout(steps, step)
+    long = f"; about {steps * step / 60:.0f} min per system" if steps * step >= 120 else ""
     say(
-        f"building a {hosts}-host cluster at {rate / 1e6:.0f} Mbit/s "
-        f"(compute {compute * 1000:.0f} ms per iteration per worker)"
+        f"building a {hosts}-host cluster at {rate / 1e6:g} Mbit/s "
+        f"(compute {compute * 1000:.0f} ms per iteration per worker{long})"
     )
     with Cluster(Topology.build("demo", hosts, rate)) as c:
         say(f"ddp: {hosts} workers under torchrun, {steps} steps")
         # Sampled too, though DDP has no bands to show: the sampler's own CPU (a netlink
         # dump every SAMPLE_S) then weighs on both runs alike.
         result.runs["ddp"], _ = run_on_cluster(
-            c, "ddp", ["--steps", str(steps)], port=29500, out=out, bands=True, torchrun=True
+            c, "ddp", ["--steps", str(steps)], port=29500, out=out, bands=True, torchrun=True,
+            timeout=timeout,
         )
         say("starting gradlaned on every host")
         sockets = [sock for _, sock in c.start_daemons(range(1, hosts + 1), out).values()]
         say(f"gradlane: {hosts} workers under torchrun, {steps} steps")
         result.runs["gradlane"], result.bands = run_on_cluster(
             c, "gradlane", ["--steps", str(steps)], port=29501, out=out, sockets=sockets,
-            bands=True, torchrun=True,
+            bands=True, torchrun=True, timeout=timeout,
         )
     return result
 
@@ -776,7 +792,7 @@ def report(result: DemoResult, console: Console) -> None:
     table = Table(
         title=f"gradlane demo: {result.hosts} workers"
         + (
-            f", {result.rate_bps / 1e6:.0f} Mbit/s links"
+            f", {result.rate_bps / 1e6:g} Mbit/s links"
             if result.rate_bps
             else ", loopback (no traffic control)"
         )

@@ -34,7 +34,15 @@ from gradlane.benchmark import (
     worker_args,
 )
 from gradlane.cli import cli
-from gradlane.demo import MAX_RATE, MIN_RATE, SystemRun, pick_rate, steady_start
+from gradlane.demo import (
+    MAX_RATE,
+    MIN_RATE,
+    RUN_TIMEOUT,
+    SystemRun,
+    pick_rate,
+    run_timeout,
+    steady_start,
+)
 from gradlane.errors import ConfigError, TestbedError
 from gradlane.policies.chunks import trial_schedule
 from gradlane.systems import DAEMON_SYSTEMS, REFERENCE, SYSTEMS
@@ -266,6 +274,15 @@ def test_the_demo_s_rate_makes_the_exchange_as_long_as_the_compute() -> None:
     assert pick_rate(2, 0.5, 8_000_000) == 133e6  # 1 model size each way over 2 workers
     # Whole Mbit/s, never outside the demo's range.
     assert pick_rate(4, 0.5, 1) == MIN_RATE and pick_rate(4, 1e-6, 8_000_000) == MAX_RATE
+
+
+def test_a_demo_run_is_called_hung_only_well_past_what_its_steps_take() -> None:
+    # The default 60 steps of about 0.25 s: the fixed limit, start-up included.
+    assert run_timeout(60, 0.25) == RUN_TIMEOUT
+    # --steps 10000 (the option's top) ran past the fixed 300 s, hung or not.
+    assert run_timeout(10_000, 0.25) == 10_000.0
+    # A slow --rate: a step of 2 s (the exchange alone), 100 steps.
+    assert run_timeout(100, 2.0) == 800.0
 
 
 def test_dependency_bound_is_the_simple_bound_when_the_bytes_come_last() -> None:

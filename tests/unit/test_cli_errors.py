@@ -36,6 +36,7 @@ def token(tmp_path: Path) -> str:
     (["control", "--token-file", "{token}", "--uplink", "fast"],
      "Invalid value for --uplink: bad rate 'fast': expected a number with a unit such as "
      "'100mbit'"),
+    (["demo", "--rate", "fast"], "Invalid value for --rate: bad rate 'fast'"),
     (["probe"], "give a PEER to probe, or --serve to answer probes"),
     (["probe", "--serve", "10.0.0.1"], "give a PEER to probe, or --serve to answer probes"),
     (["probe", "127.0.0.1", "--dscp", "46,64"],
@@ -49,8 +50,8 @@ def token(tmp_path: Path) -> str:
     (["bench", "table", str(REPO / "bench" / "results" / "trace-vgg19.json"),
       "--readme", "{empty}"], "has no <!-- bench-table:begin --> ... <!-- bench-table:end -->"
                              " markers"),
-], ids=["listen", "ttl-under-cadence", "cadence-zero", "uplink", "probe-nothing", "probe-both",
-        "probe-dscp-over-63", "probe-dscp-by-name", "cluster-status-no-token",
+], ids=["listen", "ttl-under-cadence", "cadence-zero", "uplink", "demo-rate", "probe-nothing",
+        "probe-both", "probe-dscp-over-63", "probe-dscp-by-name", "cluster-status-no-token",
         "cluster-status-short-token", "readme-without-markers"])
 def test_bad_input_is_refused_saying_what(args: list[str], says: str, token: str,
                                            tmp_path: Path) -> None:
