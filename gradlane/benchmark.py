@@ -95,7 +95,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gradlane.demo import past_warm_up, steady_start
+from gradlane.demo import past_warm_up, run_timeout, steady_start
 from gradlane.errors import ConfigError, GradlaneError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
 from gradlane.policies.chunks import LAYOUTS
@@ -367,8 +367,10 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None],
     systems = (REFERENCE, *scenario.systems)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     done: dict[str, list[SystemRun]] = {s: [] for s in systems}
+    # A system's step at worst: the compute, then the whole exchange.
+    timeout = run_timeout(scenario.steps, compute * (1 + scenario.comm_to_compute))
     try:
-        _run_rounds(scenario, rate, say, runs, done)
+        _run_rounds(scenario, rate, timeout, say, runs, done)
     except BaseException as exc:
         if keep_partial is not None and any(runs.values()):
             try:
@@ -405,11 +407,11 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None],
     }
 
 
-def _run_rounds(scenario: Scenario, rate: int, say: Callable[[str], None],
+def _run_rounds(scenario: Scenario, rate: int, timeout: float, say: Callable[[str], None],
                 runs: dict[str, list[dict[str, Any]]], done: dict[str, list[SystemRun]]
                 ) -> None:
     """Every system `rounds` times in one cluster, at `rate`; each run, once complete,
-    added to `done` and its raw data to `runs`."""
+    added to `done` and its raw data to `runs`; one longer than `timeout` s is hung."""
     from gradlane.demo import run_on_cluster
     from gradlane.testbed import Cluster, Topology
 
@@ -435,6 +437,7 @@ def _run_rounds(scenario: Scenario, rate: int, say: Callable[[str], None],
                     port=port,
                     out=out,
                     sockets=sockets if system in DAEMON_SYSTEMS else None,
+                    timeout=timeout,
                 )
                 median = statistics.median(run.steady)
                 say(

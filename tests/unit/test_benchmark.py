@@ -871,6 +871,7 @@ class _Cluster:
 
     gone: list[bool] = []
     built: list[_Cluster] = []
+    timeouts: list[float] = []  # each run's, in order
 
     def __init__(self, topology: Any) -> None:
         self.topology = topology
@@ -896,15 +897,16 @@ def _runs_until(monkeypatch: pytest.MonkeyPatch, stop: BaseException | None, aft
     started: list[str] = []
 
     def run_on_cluster(c: _Cluster, system: str, args: list[str], *, port: int, out: Path,
-                       sockets: list[Path] | None) -> tuple[SystemRun, Any]:
+                       sockets: list[Path] | None, timeout: float) -> tuple[SystemRun, Any]:
         started.append(system)
+        _Cluster.timeouts.append(timeout)
         c.runs.append((system, port, sockets and [p.name for p in sockets]))
         if stop is not None and len(started) > after:
             assert not _Cluster.gone
             raise stop
         return SystemRun(system, [0.1] * steps, [1.0] * steps, wall_s=0.1 * steps), {}
 
-    _Cluster.gone, _Cluster.built = [], []
+    _Cluster.gone, _Cluster.built, _Cluster.timeouts = [], [], []
     monkeypatch.setattr("gradlane.testbed.Cluster", _Cluster)
     monkeypatch.setattr("gradlane.demo.run_on_cluster", run_on_cluster)
     return started
@@ -956,6 +958,21 @@ def test_the_link_rate_makes_an_iteration_s_bytes_take_the_scenario_s_share_of_c
     assert result["nominal_lower_bound_s"] == pytest.approx(max(compute, seconds))
     (cluster,) = _Cluster.built
     assert list(cluster.topology.rates) == [rate] * hosts
+    # A run is hung past RUN_TIMEOUT, or four times its steps of compute then exchange.
+    step = compute * (1 + ratio)
+    assert _Cluster.timeouts == [max(RUN_TIMEOUT, 4 * scenario.steps * step)] * 6
+
+
+def test_a_long_scenario_s_runs_may_take_longer_than_the_fixed_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(f'name = "x"\nhosts = 2\nsteps = 5000\nrounds = 1\nsystems = ["ddp"]\n'
+                    f'[workload]\n{_TRACE}')
+    scenario = load_scenario(path)
+    _runs_until(monkeypatch, None, after=0, steps=5000)
+    run_scenario(scenario, say=lambda _: None)
+    compute, _ = compute_and_bytes(scenario)
+    assert _Cluster.timeouts == [4 * 5000 * 2 * compute] * 2 and 4 * 5000 * 2 * compute > 300
 
 
 def test_every_round_runs_every_system_and_only_the_daemon_systems_get_the_daemons(
