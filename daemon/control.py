@@ -108,8 +108,9 @@ async def start_site(runner: web.AppRunner, host: str, port: int, what: str) -> 
                             f"{exc.strerror or exc}") from None
 
 
-def read_token(path: Path) -> str:
-    """The bearer token in `path` (surrounding whitespace ignored).
+def read_token(path: Path, *, warn: bool = True) -> str:
+    """The bearer token in `path` (surrounding whitespace ignored); with `warn`, a warning
+    logged if others may read it too (`token_exposed`).
 
     Raises:
         ConfigError: unreadable, or shorter than 16 characters.
@@ -122,7 +123,20 @@ def read_token(path: Path) -> str:
         raise ConfigError(f"cannot read the token file {path}: not UTF-8 text") from None
     if len(token) < 16:
         raise ConfigError(f"{path}: the token must be at least 16 characters")
+    exposed = warn and token_exposed(path)
+    if exposed:
+        logger.warning("%s", exposed)
     return token
+
+
+def token_exposed(path: Path) -> str | None:
+    """What is wrong when the token file at `path` can be read by more than its owner
+    (as ssh says of a key), or None."""
+    mode = path.stat().st_mode & 0o777
+    if not mode & 0o077:
+        return None
+    return (f"the token file {path} is open to its group or others (mode {mode:04o}): whoever "
+            f"reads it can command the control plane; chmod 600 {path}")
 
 
 @dataclass(frozen=True)

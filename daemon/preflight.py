@@ -247,14 +247,14 @@ def _http(address: tuple[str, int] | None) -> Finding:
 def _control(config: DaemonConfig,
              opener: Callable[..., AbstractContextManager[Any]] = urllib.request.urlopen
              ) -> Finding:
-    from gradlane.daemon.control import read_token
+    from gradlane.daemon.control import read_token, token_exposed
 
     url = str(config.control_url).rstrip("/")
     check = f"control plane {url}"
     headers = {}
     if config.control_token_file is not None:
         try:
-            headers["Authorization"] = f"Bearer {read_token(config.control_token_file)}"
+            headers["Authorization"] = f"Bearer {read_token(config.control_token_file, warn=False)}"
         except GradlaneError as exc:
             return Finding(check, FAIL, str(exc))
     try:
@@ -267,4 +267,7 @@ def _control(config: DaemonConfig,
     except (urllib.error.URLError, OSError) as exc:
         return Finding(check, WARN, f"no answer ({exc}): gradlaned runs on its local policy "
                                     "until the control plane is up")
+    exposed = config.control_token_file and token_exposed(config.control_token_file)
+    if exposed:
+        return Finding(check, WARN, f"answers and takes the token; but {exposed}")
     return Finding(check, OK, "answers and takes the token")

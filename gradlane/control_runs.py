@@ -207,6 +207,7 @@ def controlled(c: Any, workdir: Path, hosts: Sequence[str], control_host: str) -
     workdir.chmod(0o755)
     token = secrets.token_hex(16)
     token_file = workdir / "control.token"
+    token_file.touch(0o600)  # the owner's alone, as the README has it
     token_file.write_text(token)
     url = f"http://{c.addr(control_host)}:{CONTROL_PORT}"
     started = c.start_daemons(hosts, workdir, args=lambda host: [

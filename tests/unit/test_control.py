@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from gradlane import cli
 from gradlane.daemon import control
 from gradlane.daemon import control_protocol as cp
-from gradlane.daemon.control import ControlConfig, ControlPlane, read_token
+from gradlane.daemon.control import ControlConfig, ControlPlane, read_token, token_exposed
 from gradlane.daemon.fields import EXCHANGES, MAX_LEAF
 from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import check_plan
@@ -491,6 +491,26 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
     assert read_token(path) == TOKEN
     path.write_text("x" * 16)
     assert read_token(path) == "x" * 16
+
+
+def test_a_token_file_others_may_read_is_warned_of_and_still_taken(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # As ssh says of a key: a token readable by others lets them command the cluster.
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    for mode in (0o600, 0o400, 0o700):
+        path.chmod(mode)
+        assert read_token(path) == TOKEN and token_exposed(path) is None
+    assert caplog.records == []
+    for mode in (0o640, 0o604):
+        path.chmod(mode)
+        assert read_token(path) == TOKEN
+        assert caplog.records[-1].levelname == "WARNING"
+        assert caplog.records[-1].getMessage() == (
+            f"the token file {path} is open to its group or others (mode {mode:04o}): whoever "
+            f"reads it can command the control plane; chmod 600 {path}")
+    count = len(caplog.records)
+    assert read_token(path, warn=False) == TOKEN and len(caplog.records) == count
 
 
 def _reported(plane: ControlPlane, host: str, leaf: int, jobs: list[dict[str, Any]],

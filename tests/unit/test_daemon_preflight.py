@@ -23,6 +23,7 @@ from gradlane.daemon.preflight import (
 def _config(tmp_path: Path, **kw: Any) -> DaemonConfig:
     token = tmp_path / "token"
     token.write_text("a" * 32)
+    token.chmod(0o600)
     base: dict[str, Any] = {"interfaces": (), "socket_path": tmp_path / "run" / "gl.sock",
                             "state_dir": tmp_path / "state", "http": "",
                             "control_url": "http://control:7800/", "control_token_file": token}
@@ -46,6 +47,13 @@ def test_the_control_plane_check_sends_the_token_and_reads_the_answer(tmp_path: 
 
     found = _control(_config(tmp_path), opener=answers)
     assert (found.level, found.check) == ("ok", "control plane http://control:7800")
+    config = _config(tmp_path)
+    (tmp_path / "token").chmod(0o644)  # others may read it: said, but it works
+    found = _control(config, opener=answers)
+    assert found.level == "warn" and found.detail.startswith(
+        f"answers and takes the token; but the token file {tmp_path}/token is open to its "
+        "group or others (mode 0644)")
+    (tmp_path / "token").chmod(0o600)
     assert asked[0].full_url == "http://control:7800/api/v1/cluster"
     assert asked[0].get_header("Authorization") == "Bearer " + "a" * 32
 
