@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from click.testing import CliRunner
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from gradlane import cli
 from gradlane.daemon import control
@@ -370,6 +371,37 @@ def test_a_bad_message_closes_only_that_connection(caplog: pytest.LogCaptureFixt
     _run(test)
     # The refused connection ended as the plane meant it to, not in an error of its own.
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+def test_a_websocket_that_never_registers_is_closed_and_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that says nothing (a port scanner, a stuck client) holds no slot past
+    HELLO_TIMEOUT; one that closes before its register is a bad message: each counted by
+    its reason, and no daemon is registered."""
+    monkeypatch.setattr(control, "HELLO_TIMEOUT", 0.2)
+
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        silent = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        async with asyncio.timeout(10):
+            assert (await silent.receive()).type in (aiohttp.WSMsgType.CLOSE,
+                                                     aiohttp.WSMsgType.CLOSED)
+        closing = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await closing.close()
+
+        async def rejected() -> dict[str, float]:
+            text = await (await client.get("/metrics", headers=AUTH)).text()
+            return {sample.labels["reason"]: sample.value
+                    for family in text_string_to_metric_families(text)
+                    for sample in family.samples
+                    if sample.name == "gradlane_control_rejected_total"}
+
+        async with asyncio.timeout(10):
+            while "bad_message" not in await rejected():  # the close reaches it
+                await asyncio.sleep(0.05)
+        assert await rejected() == {"no_register": 1, "bad_message": 1}
+        assert plane.daemons == {}
+
+    _run(test)
 
 
 def test_a_daemon_past_the_most_the_plane_takes_is_refused_and_one_registered_comes_back(
