@@ -210,6 +210,7 @@ class Daemon:
 
     async def serve(self, notify_socket: str | None = None) -> None:
         """Run until `stop()`; restore every interface on the way out, whatever happens."""
+        gid = self._socket_gid()  # before anything is touched
         await self._open_tc()  # raises, nothing touched, if another gradlaned holds one
         watch: RootWatch | None = None
         try:
@@ -218,7 +219,7 @@ class Daemon:
             runner: web.AppRunner | None = None
             try:
                 watch = self._watch_roots()
-                server = await self._start_socket()
+                server = await self._start_socket(gid)
                 runner = await self._start_http()
                 self.ready.set()
                 _sd_notify(notify_socket, "READY=1")
@@ -550,8 +551,19 @@ class Daemon:
 
     # -- the local API ---------------------------------------------------
 
-    async def _start_socket(self) -> asyncio.Server:
+    def _socket_gid(self) -> int:
+        """The group to own the socket (-1: the daemon's own)."""
+        group = self.config.socket_group
+        try:
+            return grp.getgrnam(group).gr_gid if group else -1
+        except KeyError:
+            raise GradlaneError(f"no group {group!r} to own {self.config.socket_path} "
+                                f"(daemon.socket_group): create it (groupadd {group}) or name "
+                                "another") from None
+
+    async def _start_socket(self, gid: int) -> asyncio.Server:
         path = self.config.socket_path
+        server: asyncio.Server | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists():
@@ -559,13 +571,15 @@ class Daemon:
                     raise GradlaneError(f"another gradlaned is serving {path}; stop it first")
                 path.unlink()
             server = await asyncio.start_unix_server(self._client, path=str(path))
+            os.chmod(path, self.config.socket_mode)  # before any shim may connect
+            os.chown(path, -1, gid)
         except OSError as exc:
+            if server is not None:  # bound, but not as configured: not left half-made
+                server.close()
+                path.unlink(missing_ok=True)
             where = f"{exc.filename}: " if exc.filename and exc.filename != str(path) else ""
             raise GradlaneError(f"cannot serve shims on {path}: {where}{exc.strerror or exc} "
                                 "(`gradlaned --check` checks the socket's place)") from None
-        os.chmod(path, self.config.socket_mode)
-        if self.config.socket_group:
-            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
         return server
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -189,6 +189,38 @@ def test_a_socket_that_cannot_be_made_is_an_error_naming_it_and_the_tree_is_rest
     assert isinstance(backend, FakeBackend) and backend.restored
 
 
+def test_a_socket_group_that_does_not_exist_stops_gradlaned_before_it_touches_anything(
+        tmp_path: Path) -> None:
+    config = dataclasses.replace(fake_config(tmp_path / "run" / "gl.sock"),
+                                 socket_group="no-such-group-gl")
+    daemon = Daemon(config, backend_factory=FakeBackend)
+    with pytest.raises(GradlaneError, match=r"^no group 'no-such-group-gl' to own .*/gl.sock "
+                                            r"\(daemon.socket_group\): create it \(groupadd "
+                                            r"no-such-group-gl\) or name another$"):
+        asyncio.run(daemon.serve())
+    [backend] = daemon._backends
+    assert isinstance(backend, FakeBackend) and backend.applied == 0
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_socket_that_cannot_be_given_its_group_is_not_left_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bound, but chown fails (a filesystem without owners, say): no half-made socket
+    # stays for shims to find, and the tree is restored.
+    def refuse(*args: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(service.os, "chown", refuse)
+    config = fake_config(tmp_path / "gl.sock")
+    daemon = Daemon(config, backend_factory=FakeBackend)
+    with pytest.raises(GradlaneError, match=r"cannot serve shims on .*/gl.sock: Operation not "
+                                            r"permitted"):
+        asyncio.run(daemon.serve())
+    assert not config.socket_path.exists()
+    [backend] = daemon._backends
+    assert isinstance(backend, FakeBackend) and backend.restored
+
+
 def test_an_interface_that_cannot_be_restored_is_logged_and_the_others_still_are(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # One interface's failure (here EBUSY; anything but "gone") must not leave the next
