@@ -88,7 +88,8 @@ def testbed() -> None:
 
 @testbed.command()
 @click.argument("name")
-@click.option("--hosts", "-n", type=click.IntRange(2, 64), default=2, show_default=True)
+@click.option("--hosts", "-n", type=click.IntRange(2, 64), default=2, show_default=True,
+              help="Hosts, each a network namespace with its own link.")
 @click.option(
     "--rate",
     default="1gbit",
