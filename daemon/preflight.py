@@ -34,7 +34,7 @@ from gradlane.daemon.qdisc import FlowMatch, JobSpec, QdiscManager, QdiscSpec, c
 from gradlane.errors import GradlaneError
 from gradlane.units import format_rate
 
-__all__ = ["CAP_NET_ADMIN", "Finding", "preflight", "scratch_veth"]
+__all__ = ["CAP_NET_ADMIN", "Finding", "preflight", "scratch_veth", "why_unwritable"]
 
 CAP_NET_ADMIN = 12  # linux/capability.h
 SCRATCH_PREFIX = "gl-chk"  # `gradlane testbed clean` removes root-namespace links named gl-*
@@ -185,7 +185,7 @@ def _socket(config: DaemonConfig) -> Finding:
                 return Finding(check, OK, "a stale socket: gradlaned replaces it")
         return Finding(check, WARN, "a gradlaned serves it now: a second one would refuse "
                                     "to start")
-    why = _uncreatable(path.parent)
+    why = why_unwritable(path.parent)
     if why:
         return Finding(check, FAIL, f"cannot create it: {why}")
     return Finding(check, OK, "can be created" + (
@@ -194,14 +194,14 @@ def _socket(config: DaemonConfig) -> Finding:
 
 def _state_dir(path: Path) -> Finding:
     check = f"state dir {path}"
-    why = _uncreatable(path)
+    why = why_unwritable(path)
     if why:
         return Finding(check, FAIL, f"{why}: the original qdiscs could not be recorded")
     return Finding(check, OK, "writable" if path.is_dir() else "can be created")
 
 
-def _uncreatable(directory: Path) -> str | None:
-    """Why gradlaned could not make DIRECTORY (and its parents) and write in it, or None.
+def why_unwritable(directory: Path) -> str | None:
+    """Why `directory` could not be made (with its parents) and written in, or None.
 
     Tried rather than judged from modes, which root passes by (a read-only mount, /proc or
     a file on the way says no only when tried): a scratch directory, made in the deepest

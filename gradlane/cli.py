@@ -42,11 +42,14 @@ def _require_root(what: str) -> None:
 def _writable(path: Path, option: str) -> Path:
     """`path`, once it is known a file can be written there: checked before a long
     run, not after it, when the results would be lost."""
+    from gradlane.daemon.preflight import why_unwritable
+
     where = path.parent
     if not where.is_dir():
         raise click.BadParameter(f"{where} is not a directory", param_hint=option)
-    if not os.access(where, os.W_OK):
-        raise click.BadParameter(f"cannot write in {where}", param_hint=option)
+    why = why_unwritable(where)  # tried: root passes by modes, not by /proc or a read-only mount
+    if why:
+        raise click.BadParameter(why, param_hint=option)
     return path
 
 

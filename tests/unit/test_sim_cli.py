@@ -237,6 +237,10 @@ def test_a_file_that_could_not_be_written_is_refused_before_the_run(argv: list[s
     # Not after a run of minutes, its results lost.
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 2 and "/nonexistent is not a directory" in result.output
+    # A directory there that takes no file: tried, since root passes by its mode.
+    result = CliRunner().invoke(cli, [a.replace("/nonexistent", "/proc") for a in argv])
+    assert result.exit_code == 2, result.output
+    assert "/proc is not writable (No such file or directory)" in result.output
 
 
 def test_a_fraction_of_slow_servers_outside_0_1_is_refused_by_its_flag() -> None:
