@@ -33,9 +33,17 @@ console = Console(stderr=True)
 
 
 def _require_root(what: str) -> None:
-    if os.geteuid() != 0:
+    from gradlane.testbed.netns import missing_privileges
+
+    missing = missing_privileges()
+    if missing == "root":
         raise click.ClickException(
             f"{what} needs root (it creates network namespaces and qdiscs); run it with sudo"
+        )
+    if missing:
+        raise click.ClickException(
+            f"{what} needs {missing} (it creates network namespaces and qdiscs), which this "
+            "root lacks: in a container, run it privileged"
         )
 
 

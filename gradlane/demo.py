@@ -906,14 +906,17 @@ def run_demo(
         def say(text: str) -> None:
             console.log(text, markup=False)
 
-        if os.geteuid() == 0:
+        from gradlane.testbed.netns import missing_privileges
+
+        missing = missing_privileges()
+        if missing is None:
             result = run_cluster(hosts, rate, steps, out, say)
         else:
             console.print(
-                "[yellow]not root:[/] the emulated cluster needs root "
-                "(network namespaces, qdiscs). Running both systems on loopback "
-                "instead, without traffic control: the numbers show the shim's "
-                "overlap only.",
+                f"[yellow]{'not root' if missing == 'root' else 'no ' + missing}:[/] the "
+                f"emulated cluster needs {missing} (network namespaces, qdiscs). Running both "
+                "systems on loopback instead, without traffic control: the numbers show the "
+                "shim's overlap only.",
                 markup=True,  # the caller's console may take none (names are the users')
             )
             result = run_loopback(hosts, steps, out, say)

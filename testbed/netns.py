@@ -16,12 +16,27 @@ from pyroute2 import IPRoute, netns
 from gradlane.errors import TestbedError
 from gradlane.testbed.topology import NS_PREFIX
 
-__all__ = ["clean", "enter", "exists", "list_namespaces", "remove"]
+__all__ = ["clean", "enter", "exists", "list_namespaces", "missing_privileges", "remove"]
 
 logger = logging.getLogger(__name__)
 
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
+CAP_SYS_ADMIN = 21  # linux/capability.h
+
+
+def missing_privileges() -> str | None:
+    """What this process lacks to build an emulated cluster, or None: "root", or the
+    capabilities a root without them (a container's, say) lacks to make network
+    namespaces (CAP_SYS_ADMIN) and their links and qdiscs (CAP_NET_ADMIN)."""
+    from gradlane.daemon.preflight import CAP_NET_ADMIN, effective_capabilities
+
+    if os.geteuid() != 0:
+        return "root"
+    caps = effective_capabilities()
+    lacked = [name for name, bit in (("CAP_SYS_ADMIN", CAP_SYS_ADMIN),
+                                     ("CAP_NET_ADMIN", CAP_NET_ADMIN)) if not caps >> bit & 1]
+    return " and ".join(lacked) or None
 
 
 def list_namespaces(prefix: str = NS_PREFIX) -> list[str]:

@@ -101,9 +101,10 @@ def test_a_cadence_under_the_reaction_time_is_taken(token: str,
     ["testbed", "run", "glnoroot", "h1", "true"], ["testbed", "smoke", "--name", "glnoroot"],
     ["bench", "run", "trace-vgg19"],
 ], ids=["up", "down", "clean", "run", "smoke", "bench-run"])
-def test_the_commands_that_need_root_tell_a_user_without_it_to_use_sudo(
+def test_the_commands_that_need_root_say_what_is_missing_before_anything(
         args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import gradlane.benchmark
+    import gradlane.daemon.preflight
     import gradlane.testbed
     import gradlane.testbed.smoke
 
@@ -124,7 +125,19 @@ def test_the_commands_that_need_root_tell_a_user_without_it_to_use_sudo(
     assert shown.exit_code == 1, shown.output
     command = "gradlane " + " ".join(args[:2])
     assert f"{command} needs root" in shown.output and "run it with sudo" in shown.output
-    monkeypatch.setattr(cli.os, "geteuid", lambda: 0)  # root goes on
+    monkeypatch.setattr(cli.os, "geteuid", lambda: 0)
+    # A container's root, without the capabilities to make namespaces and qdiscs: said
+    # before anything (was "mount rundir failed", from deep in the build).
+    monkeypatch.setattr(gradlane.daemon.preflight, "effective_capabilities",
+                        lambda: ((1 << 64) - 1) & ~(1 << 21))  # all but CAP_SYS_ADMIN
+    shown = CliRunner().invoke(cli.cli, args)
+    assert shown.exit_code == 1, shown.output
+    assert (f"{command} needs CAP_SYS_ADMIN (it creates network namespaces and qdiscs), "
+            "which this root lacks: in a container, run it privileged") in shown.output
+    monkeypatch.setattr(gradlane.daemon.preflight, "effective_capabilities", lambda: 0)
+    assert "needs CAP_SYS_ADMIN and CAP_NET_ADMIN (" in CliRunner().invoke(cli.cli, args).output
+    monkeypatch.setattr(gradlane.daemon.preflight, "effective_capabilities",
+                        lambda: (1 << 64) - 1)  # root with its capabilities goes on
     assert isinstance(CliRunner().invoke(cli.cli, args).exception, WentOn)
 
 
