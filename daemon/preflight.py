@@ -213,7 +213,7 @@ def why_unwritable(directory: Path) -> str | None:
     if not existing.is_dir():
         return f"{existing} is not a directory"
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".gradlaned-check-", dir=existing))
+        os.rmdir(tempfile.mkdtemp(prefix=".gradlane-check-", dir=existing))
     except OSError as exc:
         return f"{existing} is not writable ({exc.strerror})"
     return None

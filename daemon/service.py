@@ -571,7 +571,7 @@ class Daemon:
                     raise GradlaneError(f"another gradlaned is serving {path}; stop it first")
                 path.unlink()
             server = await asyncio.start_unix_server(self._client, path=str(path))
-            os.chmod(path, self.config.socket_mode)  # before any shim may connect
+            os.chmod(path, self.config.socket_mode)
             os.chown(path, -1, gid)
         except OSError as exc:
             if server is not None:  # bound, but not as configured: not left half-made
