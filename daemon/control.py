@@ -26,6 +26,7 @@ import contextlib
 import hmac
 import logging
 import math
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -131,12 +132,25 @@ def read_token(path: Path, *, warn: bool = True) -> str:
 
 def token_exposed(path: Path) -> str | None:
     """What is wrong when the token file at `path` can be read by more than its owner
-    (as ssh says of a key), or None."""
+    (as ssh says of a key), or None.
+
+    With a POSIX ACL the group bits are the ACL's mask, not a group's right: systemd's
+    credentials (`LoadCredential=`, 0440 so) give the service's user alone read access
+    that way. Then only what others may do is judged.
+    """
     mode = path.stat().st_mode & 0o777
-    if not mode & 0o077:
+    if not mode & (0o007 if _has_acl(path) else 0o077):
         return None
     return (f"the token file {path} is open to its group or others (mode {mode:04o}): whoever "
             f"reads it can command the control plane; chmod 600 {path}")
+
+
+def _has_acl(path: Path) -> bool:
+    try:
+        os.getxattr(path, "system.posix_acl_access")
+    except OSError:  # none (ENODATA), or a file system without ACLs
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ import contextlib
 import http.server
 import io
 import json
+import os
 import socket
+import struct
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
@@ -543,6 +545,31 @@ def test_a_token_file_others_may_read_is_warned_of_and_still_taken(
             f"reads it can command the control plane; chmod 600 {path}")
     count = len(caplog.records)
     assert read_token(path, warn=False) == TOKEN and len(caplog.records) == count
+
+
+def test_a_systemd_credential_readable_by_the_service_s_user_alone_is_not_warned_of(
+        tmp_path: Any) -> None:
+    """systemd writes a credential 0400 and gives the service's (dynamic) user read access
+    through a POSIX ACL, whose mask shows as the group bits: 0440, and nobody else reads it."""
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    path.chmod(0o400)
+    everyone = 0xFFFFFFFF  # the id field of entries that name no one
+    acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in [
+        (0x01, 4, everyone),  # the owner: r
+        (0x02, 4, 65534),     # the service's user: r
+        (0x04, 0, everyone),  # the owning group: nothing
+        (0x10, 4, everyone),  # the mask: r (shown as the group bits)
+        (0x20, 0, everyone),  # others: nothing
+    ])
+    try:
+        os.setxattr(path, "system.posix_acl_access", acl)
+    except OSError as exc:
+        pytest.skip(f"{tmp_path} takes no POSIX ACL ({exc.strerror})")
+    assert path.stat().st_mode & 0o777 == 0o440
+    assert token_exposed(path) is None
+    path.chmod(0o444)  # others too, ACL or not
+    assert token_exposed(path) is not None
 
 
 def _reported(plane: ControlPlane, host: str, leaf: int, jobs: list[dict[str, Any]],
