@@ -19,6 +19,7 @@ per-flow parts of a plan are arrays aligned with it. `check_plan`
 from __future__ import annotations
 
 import importlib
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -353,6 +354,9 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")  # package.module, nothing relative
+
+
 def get_policy(name: str) -> Policy:
     """A policy by registered name, or ``"package.module:Class"`` for a third-party one.
 
@@ -361,13 +365,23 @@ def get_policy(name: str) -> Policy:
     """
     if ":" in name:
         module_name, _, attr = name.partition(":")
+        if not (_DOTTED.fullmatch(module_name) and attr.isidentifier()):
+            raise ConfigError(f"policy {name!r}: a third-party one is named "
+                              "'package.module:Class'")
         try:
             cls = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"policy {name!r} cannot be loaded: {exc}") from None
+        except Exception as exc:  # the module's own code failed as it was imported
+            raise ConfigError(f"policy {name!r} cannot be loaded: importing {module_name} "
+                              f"raised {type(exc).__name__}: {exc}") from exc
         if not (isinstance(cls, type) and issubclass(cls, Policy)):
             raise ConfigError(f"policy {name!r} is not a gradlane.policies.Policy subclass")
-        return cls()
+        try:
+            return cls()
+        except Exception as exc:
+            raise ConfigError(f"policy {name!r} cannot be made without arguments: "
+                              f"{type(exc).__name__}: {exc}") from exc
     try:
         return _REGISTRY[name]()
     except KeyError:

@@ -1,7 +1,9 @@
 """Table-driven tests of each policy's algorithm, on small hand-made states."""
 
 import itertools
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,6 +72,31 @@ def test_unknown_policy_is_an_error_not_a_default() -> None:
         get_policy("no.such.module:Policy")
     with pytest.raises(ConfigError, match="not a gradlane.policies.Policy"):
         get_policy("gradlane.policies.base:State")
+
+
+def test_a_third_party_policy_that_cannot_be_had_is_a_config_error_saying_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon or control plane given a bad --policy says what is wrong with it, never a
+    traceback: a malformed name, a module whose own code fails as it is imported, a class
+    that needs arguments."""
+    (tmp_path / "gl_broken_policy.py").write_text("raise RuntimeError('no licence server')\n")
+    (tmp_path / "gl_needy_policy.py").write_text(
+        "from gradlane.policies.fifo import FairPolicy\n"
+        "class Needy(FairPolicy):\n"
+        "    def __init__(self, weights):\n"
+        "        super().__init__()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in (":", ".relative:Policy", "gradlane.policies.fifo:", "a b:C"):
+        with pytest.raises(ConfigError, match=f"^policy '{re.escape(name)}': a third-party "
+                                              "one is named 'package.module:Class'$"):
+            get_policy(name)
+    with pytest.raises(ConfigError, match=r"^policy 'gl_broken_policy:P' cannot be loaded: "
+                                          r"importing gl_broken_policy raised RuntimeError: "
+                                          r"no licence server$"):
+        get_policy("gl_broken_policy:P")
+    with pytest.raises(ConfigError, match=r"^policy 'gl_needy_policy:Needy' cannot be made "
+                                          r"without arguments: TypeError: "):
+        get_policy("gl_needy_policy:Needy")
 
 
 def test_third_party_policy_by_module_path() -> None:
