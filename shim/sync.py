@@ -53,6 +53,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -218,6 +219,17 @@ def attach(
         ModelMismatch: workers built different models or passed different options.
         TransportError: rendezvous or connections failed.
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"attach's model must be a torch.nn.Module, got "
+                          f"{type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"attach's optimizer must be a torch.optim.Optimizer (gl.chain "
+                          f"makes one of several), got {type(optimizer).__name__}: build one "
+                          "over the model's parameters, e.g. "
+                          "torch.optim.AdamW(model.parameters())")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
     config = ShimConfig.of(options)
     _refuse_wrapped(model)
     for thing in (model, optimizer):
@@ -227,13 +239,15 @@ def attach(
     _refuse_attached_parameters(model, optimizer)
     env = os.environ
     try:
-        rank = int(env["RANK"]) if rank is None else rank
-        world_size = int(env["WORLD_SIZE"]) if world_size is None else world_size
+        rank = int(env["RANK"] if rank is None else rank)
+        world_size = int(env["WORLD_SIZE"] if world_size is None else world_size)
     except KeyError as exc:
         raise ConfigError(f"{exc.args[0]} is not set: run under torchrun, or pass rank= and "
                           "world_size=") from None
     except ValueError as exc:
         raise ConfigError(f"RANK and WORLD_SIZE must be integers: {exc}") from None
+    if world_size < 1:
+        raise ConfigError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is not in 0..{world_size - 1}")
     # Open here as this rank (ranks may be threads of one process, as in the tests).

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -781,6 +782,24 @@ def test_a_step_or_clipping_out_of_place_and_what_attach_cannot_take_get_clear_e
         plain_step(m, opt, None, 0)  # and it trains on
     with pytest.raises(ConfigError, match="^rank 1 is not in 0..0"):
         gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), rank=1, world_size=1)
+    # What is not a model, an optimizer or a number: said so, not an AttributeError from
+    # deep inside (the parameters given where the optimizer goes, say).
+    m = model()
+    with pytest.raises(ConfigError, match=r"^attach's optimizer must be a torch.optim.Optimizer "
+                                          r"\(gl.chain makes one of several\), got generator"):
+        gl.attach(m, m.parameters(), rank=0, world_size=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="^attach's model must be a torch.nn.Module, got "
+                                          "function"):
+        gl.attach(lambda x: x, opt, rank=0, world_size=1)  # type: ignore[arg-type]
+    for bad in ({"rank": "0"}, {"rank": True}, {"world_size": 1.0}):
+        with pytest.raises(ConfigError, match=f"^{next(iter(bad))} must be an integer, got "):
+            gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1),
+                      **{"rank": 0, "world_size": 1, **bad})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="^world_size must be at least 1, got 0"):
+        gl.attach(model(), torch.optim.SGD(model().parameters(), lr=0.1), rank=0, world_size=0)
+    alone = model()  # numpy's integers are integers
+    gl.attach(alone, torch.optim.SGD(alone.parameters(), lr=0.1), rank=np.int64(0),
+              world_size=np.int64(1)).close()
     with pytest.raises(ConfigError, match="^SparseAdam needs sparse gradients; gradlane averages "
                                           "dense ones"):
         attach(model(), torch.optim.SparseAdam(model().parameters()))
