@@ -148,6 +148,9 @@ class HookState:
 
     def __init__(self, model: nn.Module, *, address: str | Sequence[str] | None = None,
                  **options: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"HookState's model must be the DistributedDataParallel (a "
+                              f"torch.nn.Module), got {type(model).__name__}")
         refuse_sparse_gradients(model)
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("HookState needs torch.distributed.init_process_group() first")

@@ -1642,6 +1642,10 @@ def test_a_ddp_hook_state_before_init_process_group_is_refused_saying_so() -> No
     with pytest.raises(ConfigError, match=r"^HookState needs "
                                           r"torch.distributed.init_process_group\(\) first$"):
         gl.HookState(model())
+    with pytest.raises(ConfigError, match=r"^HookState's model must be the "
+                                          r"DistributedDataParallel \(a torch.nn.Module\), got "
+                                          r"generator$"):
+        gl.HookState(model().parameters())  # type: ignore[arg-type]
 
 
 def test_an_attach_that_fails_to_connect_leaves_nothing_running_and_can_be_retried(
