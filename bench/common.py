@@ -15,8 +15,8 @@ from gradlane.signals import unwind_on_signals
 
 start()  # a benchmark imports this first: the checkout its results come from
 
-__all__ = ["REPO", "cluster_args", "owners_bench", "record_cluster_run", "run_ranks",
-           "unwind_on_signals", "write_result"]
+__all__ = ["REPO", "cluster_args", "owners_bench", "record_cluster_run",
+           "require_cluster_privileges", "run_ranks", "unwind_on_signals", "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,10 +51,22 @@ def run_ranks(argv: list[str], hosts: Sequence[tuple[str, Popen]], timeout_s: fl
     return outs
 
 
+def require_cluster_privileges(what: str) -> None:
+    """Exit, saying what is missing, if this process cannot build an emulated cluster
+    (`gradlane.testbed.netns.missing_privileges`): before a run, not from inside it."""
+    from gradlane.testbed.netns import missing_privileges
+
+    missing = missing_privileges()
+    if missing:
+        fix = "run it with sudo" if missing == "root" else "in a container, run it privileged"
+        raise SystemExit(f"{what} needs {missing} (it builds an emulated cluster): {fix}")
+
+
 def record_cluster_run(name: str, path: Path, run: Callable[[Path], dict[str, Any]]
                        ) -> dict[str, Any]:
     """``run(workdir)`` in a scratch directory removed after it; its result written to
     `path` as benchmark `name` (`write_result`) and returned."""
+    require_cluster_privileges(f"bench/{name}.py")
     with tempfile.TemporaryDirectory(prefix=f"gradlane-{name}-") as tmp:
         result = run(Path(tmp))
     write_result(path, {"benchmark": name, **result})

@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import unwind_on_signals, write_result  # noqa: E402
+from common import require_cluster_privileges, unwind_on_signals, write_result  # noqa: E402
 
 
 def measure(sock_path: str, daemon_pid: int, samples: int) -> dict[str, Any]:
@@ -180,8 +180,7 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.measure[0], int(args.measure[1]), args.samples)))
         return
-    if os.geteuid() != 0:
-        sys.exit("bench/daemon.py needs root (it builds an emulated cluster)")
+    require_cluster_privileges("bench/daemon.py")
 
     from gradlane.testbed import Cluster, Topology
 

@@ -20,7 +20,6 @@ up; the kernel refuses the 2,048th priority, so N stays below 2,040).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import unwind_on_signals, write_result  # noqa: E402
+from common import require_cluster_privileges, unwind_on_signals, write_result  # noqa: E402
 
 LINK = "40gbit"
 OLD_FLOW_PREFS = 0x100  # where the manager used to put the first flow's priority
@@ -51,8 +50,7 @@ def main() -> None:
     if any(not 0 <= n <= 2000 for n in counts) or args.rounds < 1 or args.seconds < 2:
         sys.exit("--flows in 0..2000 (the per-priority layout's limit), --rounds >= 1, "
                  "--seconds >= 2")  # fmt: skip
-    if os.geteuid() != 0:
-        sys.exit("bench/flow_filters.py needs root (it builds an emulated cluster)")
+    require_cluster_privileges("bench/flow_filters.py")
 
     from pyroute2 import IPRoute
 

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import unwind_on_signals, write_result  # noqa: E402
+from common import require_cluster_privileges, unwind_on_signals, write_result  # noqa: E402
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
 from gradlane.daemon.config import DEFAULT_SHAPE_FRACTION  # noqa: E402
@@ -109,8 +109,7 @@ def main() -> None:
     ap.add_argument("--chunk-kb", type=int, default=None, help="chunk size (default: shim's)")
     ap.add_argument("--rate", type=int, help="link rate in bit/s (default: comm = compute)")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("bench/shim_overlap.py needs root (it builds an emulated cluster)")
+    require_cluster_privileges("bench/shim_overlap.py")
     from gradlane.testbed import Cluster, Topology
 
     layers = trace(args)

@@ -46,7 +46,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import run_ranks, unwind_on_signals, write_result  # noqa: E402
+from common import (  # noqa: E402
+    require_cluster_privileges,
+    run_ranks,
+    unwind_on_signals,
+    write_result,
+)
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
 
@@ -187,8 +192,7 @@ def main() -> None:
         flush=True,
     )
     if args.testbed:
-        if os.geteuid() != 0:
-            raise SystemExit("--testbed needs root (it builds an emulated cluster)")
+        require_cluster_privileges("bench/shim_transport.py --testbed")
         from gradlane.testbed import Cluster, Topology
 
         rate = 1e9

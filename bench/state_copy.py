@@ -41,7 +41,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, run_ranks, unwind_on_signals, write_result  # noqa: E402
+from common import (  # noqa: E402
+    REPO,
+    require_cluster_privileges,
+    run_ranks,
+    unwind_on_signals,
+    write_result,
+)
 
 from gradlane.benchmark import PAYLOAD_EFFICIENCY  # noqa: E402
 
@@ -133,8 +139,7 @@ def main() -> None:
         return
     if not 3 <= args.hosts <= 16 or args.model_mb <= 0 or args.reps < 1:
         raise SystemExit("need 3-16 hosts, a positive model size and at least 1 rep")
-    if os.geteuid() != 0:
-        raise SystemExit("state_copy.py needs root: it builds an emulated cluster")
+    require_cluster_privileges("bench/state_copy.py")
     if args.json is None:
         suffix = "-2nics" if args.nics == 2 else ""
         args.json = REPO / f"bench/results/state_copy{suffix}.json"
