@@ -1033,3 +1033,22 @@ def test_bench_run_keeps_a_stopped_run_beside_the_result_until_a_complete_one(
     assert shown.exit_code == 0, shown.output
     assert set(json.loads(result.read_text())["summary"]) == {"local", "ddp"}
     assert not partial.exists()  # superseded
+
+
+@pytest.mark.parametrize("script", ["two_jobs", "co_located", "daemon"])
+def test_a_cluster_benchmark_without_root_says_so_before_it_runs(
+        script: str, tmp_path: Path) -> None:
+    # Every script that builds an emulated cluster checks through bench/common.py: through
+    # `record_cluster_run` (two_jobs), `owners_bench` (co_located) or itself (daemon).
+    out = tmp_path / "result.json"
+    as_a_user = ("import os, runpy, sys\nos.geteuid = lambda: 1000\n"
+                 f"sys.argv = [{script!r}, '--json', {str(out)!r}]\n"
+                 f"sys.path.insert(0, {str(REPO / 'bench')!r})\n"
+                 f"runpy.run_path({str(REPO / 'bench' / (script + '.py'))!r}, "
+                 "run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", as_a_user], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"bench/{script}.py needs root (it builds an emulated cluster): run it with sudo")
+    assert not out.exists()
