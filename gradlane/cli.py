@@ -678,9 +678,9 @@ MAX_STATUS_BYTES = 64 << 20
 
 
 def _get_json(url: str, who: str, headers: dict[str, str] | None = None,
-              unanswered: str = "") -> Any:
-    """GET `url` as JSON; a refusal or no answer becomes a clear error naming `who` (and,
-    for no answer, what to check: `unanswered`)."""
+              unanswered: str = "", unauthorized: str = "") -> Any:
+    """GET `url` as JSON; a refusal or no answer becomes a clear error naming `who` (and
+    what to check: for no answer `unanswered`, for a 401 `unauthorized`)."""
     import json
     import urllib.error
     import urllib.request
@@ -690,8 +690,10 @@ def _get_json(url: str, who: str, headers: dict[str, str] | None = None,
         with urllib.request.urlopen(request, timeout=5) as resp:
             body = resp.read(MAX_STATUS_BYTES + 1)
     except urllib.error.HTTPError as exc:
+        hint = f"\n{unauthorized}" if exc.code == 401 and unauthorized else ""
         raise click.ClickException(f"the {who} at {url} said {exc.code}: "
-                                   f"{exc.read().decode(errors='replace').strip()}") from None
+                                   f"{exc.read().decode(errors='replace').strip()}{hint}"
+                                   ) from None
     except (urllib.error.URLError, OSError) as exc:
         raise click.ClickException(f"no {who} answers at {url}: {exc}"
                                    + (f"\n{unanswered}" if unanswered else "")) from None
@@ -792,7 +794,11 @@ def _print_cluster(data: Any, every: bool) -> None:
                                                  if len(lost) > 5 else "") or "-",
                           ", ".join(sorted({h["gradlane"] for h in members})),
                           ", ".join(format_rate(r) for r in links) or "-")
-    out.print(hosts)
+    if data["hosts"]:
+        out.print(hosts)
+    else:
+        out.print("hosts: none has registered yet (each gradlaned does with its [control] url "
+                  "and this token)")
     jobs = Table(title="jobs")
     for column in ("job", "workers", "hosts", "state", "exchange", "sending",
                    "demand / iteration", "coflow order", "batch shares", "owned bytes"):
@@ -816,7 +822,7 @@ def _print_cluster(data: Any, every: bool) -> None:
                      if shares else "-",
                      _spread(percent, "/".join(map(str, percent)) + "%", every, "%")
                      if owned else "-")
-    out.print(jobs)
+    out.print(jobs if data["jobs"] else "jobs: none (no host has reported a training job)")
 
 
 DEFAULT_CONFIG = Path("/etc/gradlane/gradlaned.toml")
@@ -1018,7 +1024,9 @@ def status(url: str | None, as_json: bool, cluster: bool, every: bool, token_fil
     data = _get_json(f"{url.rstrip('/')}/status", "gradlaned", unanswered=(
         "Is gradlaned running on this host (systemctl status gradlaned)? It serves /status on "
         "its [daemon] http address (default 127.0.0.1:9464; \"\" turns it off): give another "
-        "as --url."))
+        "as --url."), unauthorized=(
+        "gradlaned asks for no token: what answers there may be the control plane, whose "
+        "view is `gradlane status --cluster`."))
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
@@ -1055,7 +1063,7 @@ def _print_daemon(data: Any) -> None:
                 str(w["chunk_events"]),
                 str(w["chunk_bytes"]),
             )
-    out.print(jobs)
+    out.print(jobs if data["jobs"] else "jobs: none (no training process has registered)")
     for iface in data["interfaces"]:
         if iface.get("not_shaped"):  # an operator's own root qdisc, left alone
             out.print(Text(f"{iface['name']}: not shaped: {iface['not_shaped']}", "bold yellow"))

@@ -107,6 +107,15 @@ def test_hello_gets_welcome_and_plan_and_shows_in_status(daemon: RunningDaemon) 
     client.close()
 
 
+def test_status_of_a_daemon_without_workers_says_so(daemon: RunningDaemon) -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "gradlane.cli", "status", "--url", daemon.url],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert "jobs: none (no training process has registered)" in shown
+    assert "┏" in shown  # the classes' table, there all the same
+
+
 def test_metrics_parse_with_prometheus_parser(daemon: RunningDaemon) -> None:
     client = Client(daemon.socket)
     client.send(hello("train"))

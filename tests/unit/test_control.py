@@ -677,12 +677,13 @@ def _status_unanswered(tmp_path: Path, port: int) -> None:
 
 
 @contextlib.contextmanager
-def _answering(body: bytes) -> Iterator[str]:
-    """An HTTP server on loopback answering every GET with `body`; yields its URL."""
+def _answering(body: bytes, code: int = 200) -> Iterator[str]:
+    """An HTTP server on loopback answering every GET with `body` (and `code`); yields its
+    URL."""
 
     class Answer(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            self.send_response(200)
+            self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -707,6 +708,26 @@ def _both_statuses(tmp_path: Path) -> list[tuple[list[str], str]]:
     token.write_text(TOKEN)
     return [(["status"], "gradlaned"),
             (["status", "--cluster", "--token-file", str(token)], "control plane")]
+
+
+def test_gradlane_status_asking_a_control_plane_without_cluster_says_to_add_it() -> None:
+    # The control plane asks for its token on every path, /status too; gradlaned never does.
+    with _answering(b"missing or wrong bearer token", code=401) as url:
+        shown = CliRunner().invoke(cli.cli, ["status", "--url", url])
+    assert shown.exit_code == 1, shown.output
+    assert shown.output.splitlines()[-2:] == [
+        f"Error: the gradlaned at {url}/status said 401: missing or wrong bearer token",
+        "gradlaned asks for no token: what answers there may be the control plane, whose "
+        "view is `gradlane status --cluster`."]
+
+
+def test_gradlane_status_of_an_empty_cluster_says_none_rather_than_empty_tables(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    view = json.loads(json.dumps(ControlPlane(_config()).view()))
+    shown = _status_of(tmp_path, monkeypatch, view).splitlines()
+    assert shown[1:] == [
+        "hosts: none has registered yet (each gradlaned does with its [control] url and "
+        "this token)", "jobs: none (no host has reported a training job)"]
 
 
 @pytest.mark.parametrize("status", [{"version": "0.0.1"}, [1, 2], {"plan": 5, "version": "x"}])
