@@ -49,6 +49,8 @@ def default_job() -> str:
     return f"{addr}:{port}" if addr and port else "default"
 
 
+MAX_TIMEOUT_S = 86400.0
+
 # What each option must be, in its error's words, and the plain Python value it is kept as
 # (numpy's integers are integers, a list of DSCP values a tuple; a bool is no number here).
 _KINDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], object], str]] = {
@@ -88,7 +90,7 @@ class ShimConfig:
         timeout_s: a peer that delivers nothing for this long while we wait
             on it is declared lost (`PeerLost`), unless it answers a PING
             (alive, waiting on a peer of its own): then after as long again,
-            or as soon as its goodbye names the rank it lost.
+            or as soon as its goodbye names the rank it lost. At most a day.
         overlap: step each layer's optimizer as soon as its averaged gradient
             is in and let the next forward start layer by layer. False: one
             whole-model step at ``optimizer.step()`` (still priority-ordered).
@@ -166,8 +168,9 @@ class ShimConfig:
             raise ConfigError(f"dscp values must be integers 0..63, got {self.dscp}")
         if self.credit_bytes < 1024:
             raise ConfigError(f"credit_bytes must be >= 1024, got {self.credit_bytes}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf overflows the sockets' timeouts
+            raise ConfigError(f"timeout_s must be positive, at most {MAX_TIMEOUT_S:g} (a "
+                              f"day), got {self.timeout_s}")
         if not self.job or len(self.job) > 128 or self.job.startswith("_"):
             raise ConfigError(f"job must be 1..128 characters, not starting with '_': {self.job!r}")
         if self.sndbuf_bytes < 0:

@@ -36,6 +36,7 @@ def test_the_edges_of_every_range_are_taken() -> None:
     for name, value in EDGES.items():
         assert getattr(ShimConfig.of({name: value}), name) == value
     assert ShimConfig.of({"chunk_bytes": 1 << 30, "dscp": (0,), "leaf": 0}).bands == 1
+    assert ShimConfig.of({"timeout_s": 86400}).timeout_s == 86400
 
 
 @pytest.mark.parametrize("options, says", [
@@ -47,8 +48,10 @@ def test_the_edges_of_every_range_are_taken() -> None:
     ({"dscp": (46, -1)}, "dscp values must be integers 0..63"),
     ({"dscp": (46.0,)}, "dscp values must be integers 0..63"),
     ({"credit_bytes": 1023}, "credit_bytes must be >= 1024, got 1023"),
-    ({"timeout_s": 0}, "timeout_s must be positive, got 0"),
-    ({"timeout_s": float("nan")}, "timeout_s must be positive, got nan"),
+    ({"timeout_s": 0}, r"timeout_s must be positive, at most 86400 \(a day\), got 0"),
+    ({"timeout_s": float("nan")}, "timeout_s must be positive, at most 86400 .*, got nan"),
+    ({"timeout_s": float("inf")}, "timeout_s must be positive, at most 86400 .*, got inf"),
+    ({"timeout_s": 86400.5}, "timeout_s must be positive, at most 86400 .*, got 86400.5"),
     ({"job": ""}, "job must be 1..128 characters, not starting with '_': ''"),
     ({"job": "j" * 129}, "job must be 1..128 characters"),
     ({"job": "_hidden"}, "job must be 1..128 characters, not starting with '_': '_hidden'"),
