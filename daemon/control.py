@@ -91,6 +91,9 @@ class ControlConfig:
             raise ConfigError("cadence_s must be in (0, 3600] and react_s in [0, cadence_s]")
         if not self.ttl_s > self.cadence_s:
             raise ConfigError("ttl_s must exceed cadence_s, or plans expire between pushes")
+        if not self.ttl_s < cp.MAX_TTL_S:
+            raise ConfigError(f"ttl_s must be under {cp.MAX_TTL_S:g} s (daemons refuse a plan "
+                              f"that lives longer), got {self.ttl_s:g}")
         if self.uplink_bps is not None and self.uplink_bps <= 0:
             raise ConfigError("the uplink rate must be positive")
 

@@ -101,6 +101,7 @@ MAX_WORKERS = 4096
 MAX_CHUNKS = 65536
 MAX_BANDS = 16
 MAX_INTERFACES = 16
+MAX_TTL_S = 1e6  # a plan's time to live, exclusive: daemons refuse a plan that claims more
 
 
 @dataclass(frozen=True)

@@ -275,7 +275,8 @@ def _check_plan(message: dict[str, Any]) -> None:
     if not _integer(message["version"]):
         raise ValueError(f"bad plan version {message['version']!r:.80}")
     ttl = message.get("ttl_s")
-    if not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 < ttl < 1e6):
+    if not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool)
+            and 0 < ttl < cp.MAX_TTL_S):
         raise ValueError(f"bad plan ttl_s {ttl!r:.80}")
     classes = message.get("job_classes")
     if not isinstance(classes, dict):

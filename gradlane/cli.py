@@ -26,6 +26,7 @@ from gradlane.units import format_rate, parse_rate
 # The registered policies (`gradlane.policies.policy_names()`, which a test holds this to),
 # named here so that --help does not import the policies (numpy).
 POLICIES = "coflow, fair, fifo, gradlane, loadbalance, priority, straggler"
+MAX_TTL_S = 1e6  # `control_protocol.MAX_TTL_S`, likewise (a test holds it to it)
 
 __all__ = ["main"]
 
@@ -615,7 +616,8 @@ DEFAULT_TOKEN = Path("/etc/gradlane/control.token")
                    "package.module:Class.")
 @click.option("--cadence", default=1.0, show_default=True,
               type=click.FloatRange(0, 3600, min_open=True), help="Seconds between plans.")
-@click.option("--ttl", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
+@click.option("--ttl", default=10.0, show_default=True,
+              type=click.FloatRange(0, MAX_TTL_S, min_open=True, max_open=True),
               help="Seconds a daemon may keep a plan without hearing from the control plane "
                    "(more than --cadence).")
 @click.option("--uplink", default=None,

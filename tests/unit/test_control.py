@@ -511,6 +511,13 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
             ControlConfig(token=TOKEN, **timing)
     with pytest.raises(ConfigError, match="^the uplink rate must be positive"):
         ControlConfig(token=TOKEN, uplink_bps=0)
+    # Daemons refuse a plan that claims to live 1e6 s or more: the plane never sends one.
+    for ttl in (1e6, float("inf")):
+        with pytest.raises(ConfigError, match=r"^ttl_s must be under 1e\+06 s \(daemons "
+                                              r"refuse a plan that lives longer\), got "):
+            ControlConfig(token=TOKEN, ttl_s=ttl)
+    assert ControlConfig(token=TOKEN, ttl_s=999_999).ttl_s == 999_999
+    assert cli.MAX_TTL_S == cp.MAX_TTL_S  # the CLI's bound, named without the import
     assert ControlConfig(token=TOKEN, cadence_s=3600, react_s=3600, ttl_s=3601).react_s == 3600
     path = tmp_path / "token"
     with pytest.raises(ConfigError, match="cannot read"):
