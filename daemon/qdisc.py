@@ -104,6 +104,7 @@ ROOT = handle(MARKER, 0)
 ROOT_CLASS = handle(MARKER, 1)
 OTHER_CLASS = handle(MARKER, 2)
 MAX_BANDS = 15
+LOGGED_CHANGES = 12  # a reconcile's changes listed at INFO, the rest counted
 MAX_JOBS = 254
 FLOW_PREF = 0x100  # the registered flows, tried first
 FLOW_TABLE = 0x474 << 20  # their hash table "474:" (a u32 table id: the top 12 bits)
@@ -469,12 +470,17 @@ class QdiscManager:
             self._view, self._ifindex = None, None
             raise
         if changes:
+            # The first few at INFO (a journal line stays short when hundreds of flows move),
+            # every one at DEBUG.
+            listed = logger.isEnabledFor(logging.DEBUG) or len(changes) <= LOGGED_CHANGES
             logger.info(
-                "%s: %d change(s) in %.2f ms: %s",
+                "%s: %d change(s) in %.2f ms: %s%s",
                 self.ifname,
                 len(changes),
                 (time.perf_counter() - started) * 1000,
-                changes,
+                ", ".join(changes if listed else changes[:LOGGED_CHANGES]),
+                "" if listed else f" and {len(changes) - LOGGED_CHANGES} more (the debug log "
+                "lists them all)",
             )
         return changes
 

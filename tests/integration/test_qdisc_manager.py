@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gradlane.daemon import FlowMatch, JobSpec, QdiscManager, QdiscSpec
+from gradlane.daemon.qdisc import LOGGED_CHANGES
 from gradlane.errors import ForeignQdiscError, TcError
 from gradlane.testbed import Cluster, Topology
 from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
@@ -102,7 +104,8 @@ def test_the_kept_view_follows_what_was_deleted(cluster: Cluster, manager: Qdisc
         [1, 1, 1, 1, 1, 1], shown
 
 
-def test_thousands_of_flows_hash_and_classify(cluster: Cluster, manager: QdiscManager) -> None:
+def test_thousands_of_flows_hash_and_classify(cluster: Cluster, manager: QdiscManager,
+                                              caplog: pytest.LogCaptureFixture) -> None:
     # More flows than the kernel has u32 filter priorities (2,047 a qdisc), as a
     # priority per flow needed; among them the registered one, and neighbours
     # in its hash bucket (same bits 1-8 of the destination port).
@@ -112,8 +115,14 @@ def test_thousands_of_flows_hash_and_classify(cluster: Cluster, manager: QdiscMa
         for i in range(3000)
     )
     ours = FlowMatch(band=1, dst=h2, dport=5301)
+    caplog.set_level(logging.INFO, logger="gradlane.daemon.qdisc")
     changes = manager.apply(job_spec(flows=(*others[:1500], ours, *others[1500:])))
     assert sum(c.startswith("add flow 474:") for c in changes) == 3001
+    # Logged as the first few and a count, not a line of thousands.
+    [said] = [r.getMessage() for r in caplog.records if "change(s) in" in r.getMessage()]
+    assert said.startswith(f"eth0: {len(changes)} change(s) in ")
+    assert said.endswith(f", {changes[LOGGED_CHANGES - 1]} and {len(changes) - LOGGED_CHANGES} "
+                         "more (the debug log lists them all)") and len(said) < 2000
     assert manager.apply(job_spec(flows=(*others, ours)), verify=True) == []
     before = {s.classid: s.bytes for s in manager.class_stats()}
     run_flows(cluster, [Flow("h1", "h2", dscp=0, nbytes=4_000_000, label="reg")], port=5301)
