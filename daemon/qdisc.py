@@ -469,7 +469,7 @@ class QdiscManager:
         except TcError:
             self._view, self._ifindex = None, None
             raise
-        if changes:
+        if changes and logger.isEnabledFor(logging.INFO):  # not joined for nobody
             # The first few at INFO (a journal line stays short when hundreds of flows move),
             # every one at DEBUG.
             listed = logger.isEnabledFor(logging.DEBUG) or len(changes) <= LOGGED_CHANGES
