@@ -191,15 +191,21 @@ def test_a_socket_that_cannot_be_made_is_an_error_naming_it_and_the_tree_is_rest
 
 def test_a_socket_group_that_does_not_exist_stops_gradlaned_before_it_touches_anything(
         tmp_path: Path) -> None:
+    opened: list[str] = []
+
+    class Counted(FakeBackend):
+        def open(self) -> None:  # claims the interface, on a real one
+            opened.append(self.ifname)
+
     config = dataclasses.replace(fake_config(tmp_path / "run" / "gl.sock"),
                                  socket_group="no-such-group-gl")
-    daemon = Daemon(config, backend_factory=FakeBackend)
+    daemon = Daemon(config, backend_factory=Counted)
     with pytest.raises(GradlaneError, match=r"^no group 'no-such-group-gl' to own .*/gl.sock "
                                             r"\(daemon.socket_group\): create it \(groupadd "
                                             r"no-such-group-gl\) or name another$"):
         asyncio.run(daemon.serve())
     [backend] = daemon._backends
-    assert isinstance(backend, FakeBackend) and backend.applied == 0
+    assert isinstance(backend, FakeBackend) and backend.applied == 0 and opened == []
     assert not (tmp_path / "run").exists()
 
 
