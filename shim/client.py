@@ -5,7 +5,10 @@ to an in-memory batch (`chunk_event`, `begin`, `timing`), so a slow or
 dead daemon never slows training. When the socket is missing or the daemon
 goes away, one log line says so; training goes on with the local order and
 the thread reconnects every `RETRY_S` seconds, replaying hello with the
-current flows.
+current flows. A daemon that refuses the worker (its error reply: a rank claimed
+twice, more flows than it takes, a version it lacks) is asked again ever less
+often, up to every `MAX_RETRY_S` seconds: it would most often refuse again, and
+log each refusal.
 """
 
 from __future__ import annotations
@@ -30,14 +33,26 @@ if TYPE_CHECKING:
     from gradlane.shim.engine import Chunk, Group
     from gradlane.shim.transport import Mesh
 
-__all__ = ["DaemonClient"]
+__all__ = ["DaemonClient", "Refused", "next_retry"]
 
 logger = logging.getLogger(__name__)
 
 RETRY_S = 2.0
+MAX_RETRY_S = 32.0  # the longest wait after refusals in a row
 WELCOME_WAIT_S = 2.0  # how long `leaf` and `host` wait for a daemon's welcome
 MAX_NICS = 64  # addresses a welcome's nics may list
 _MAX_QUEUED = 256  # messages; older batches are dropped past this (the daemon is behind)
+
+
+class Refused(ProtocolError):
+    """gradlaned answered with an error: it will not serve this worker as it is."""
+
+
+def next_retry(wait: float, refused: bool) -> float:
+    """The wait before the next session, after one that waited `wait` before it and
+    ended `refused` by the daemon (doubled, up to `MAX_RETRY_S`) or otherwise
+    (`RETRY_S`: the daemon was absent, or went away)."""
+    return min(2 * wait, MAX_RETRY_S) if refused else RETRY_S
 
 
 class ComputeClock:
@@ -239,13 +254,19 @@ class DaemonClient:
         return min(band, len(self.daemon_bands) - 1)
 
     def _run(self) -> None:
+        wait = RETRY_S
         while not self._stop.is_set():
             path = self.config.daemon_socket
+            refused = False
             if not os.path.exists(path):
                 self._absent(f"no gradlaned socket at {path}")
             else:
                 try:
                     self._session(path)
+                except Refused as exc:
+                    refused = True
+                    self._absent(f"gradlaned at {path}: {exc}",
+                                 f"asking again ever less often, up to every {MAX_RETRY_S:g} s")
                 except PermissionError as exc:
                     self._absent(f"gradlaned at {path}: {exc} (the socket is for root and the "
                                  "group its daemon.socket_group names: add this user to it)")
@@ -255,16 +276,13 @@ class DaemonClient:
                     logger.debug("gradlane: session with gradlaned failed", exc_info=True)
                     self._absent(f"gradlaned at {path}: {type(exc).__name__}: {exc}")
             self.connected = False
-            self._stop.wait(RETRY_S)
+            wait = next_retry(wait, refused)
+            self._stop.wait(wait)
 
-    def _absent(self, why: str) -> None:
+    def _absent(self, why: str, retry: str | None = None) -> None:
         if not self._said_absent:
-            logger.warning(
-                "gradlane: %s; training goes on with the local priority order "
-                "(retrying every %.0f s)",
-                why,
-                RETRY_S,
-            )
+            logger.warning("gradlane: %s; training goes on with the local priority order (%s)",
+                           why, retry or f"retrying every {RETRY_S:g} s")
             self._said_absent = True
 
     def _session(self, path: str) -> None:
@@ -356,7 +374,7 @@ class DaemonClient:
             self.advised_batch_share = float(share) if isinstance(share, int | float) else None
             self.advised_owners = _owners(message.get("ownership"), self.world)
         elif kind == "error":
-            raise ProtocolError(str(message.get("code")), str(message.get("message")))
+            raise Refused(str(message.get("code")), str(message.get("message")))
 
     def _adopt_bands(self, bands: object) -> bool:
         """Mark the connections with the daemon's DSCP table; True if it changed."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -22,7 +23,7 @@ import pytest
 
 from gradlane.daemon import protocol
 from gradlane.daemon.service import Daemon
-from gradlane.shim.client import ComputeClock, DaemonClient
+from gradlane.shim.client import RETRY_S, ComputeClock, DaemonClient, next_retry
 from gradlane.shim.config import ShimConfig
 from tests.fakes import FakeBackend, fake_config, until
 
@@ -652,6 +653,59 @@ def test_a_shim_the_daemon_refuses_says_the_daemon_s_reason_and_trains_on(
     asyncio.run(main())
     assert (f"gradlane: gradlaned at {config.socket_path}: job 'twice' rank 0 is registered "
             f"already by pid {os.getpid()}; training goes on") in caplog.text
+
+
+def test_a_daemon_that_refuses_the_worker_is_asked_ever_less_often(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # More flows than gradlaned takes (a flat job of thousands of ranks): every hello is
+    # refused, and logged by the daemon. Asked at the pace of an absent daemon's, it would
+    # be refused and log from each such worker for as long as the job runs. Once the
+    # daemon takes the worker (an upgraded one, here a larger limit), it registers.
+    monkeypatch.setattr("gradlane.shim.client.RETRY_S", 0.05)
+    monkeypatch.setattr("gradlane.shim.client.MAX_RETRY_S", 0.4)
+    monkeypatch.setattr(protocol, "MAX_FLOWS", 3)  # the mesh has four
+    caplog.set_level(logging.INFO)
+    config = fake_config(tmp_path / "gl.sock")
+
+    def refusals() -> list[float]:
+        return [r.created for r in caplog.records
+                if r.name == "gradlane.daemon.service" and "bad_message error" in r.getMessage()]
+
+    async def main() -> None:
+        daemon = Daemon(config, backend_factory=FakeBackend)
+        serving = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(daemon.ready.wait(), 10)
+        client = DaemonClient(ShimConfig(daemon_socket=str(config.socket_path)), 0, 2,
+                              _FourBands())
+        try:
+            await until(lambda: len(refusals()) >= 6)
+            assert not client.connected
+            monkeypatch.setattr(protocol, "MAX_FLOWS", 8)
+            await until(lambda: client.connected)
+        finally:
+            await asyncio.to_thread(client.close)
+            daemon.stop()
+            await asyncio.wait_for(serving, 10)
+
+    asyncio.run(main())
+    times = refusals()[:6]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    for i, gap in enumerate(gaps):  # at least the wait (a clock's grain below it)
+        assert gap >= 0.9 * min(0.05 * 2 ** (i + 1), 0.4), gaps
+    assert (f"gradlane: gradlaned at {config.socket_path}: hello: flows must be a list of <= 3; "
+            "training goes on with the local priority order (asking again ever less often, "
+            "up to every 0.4 s)") in caplog.text
+    assert caplog.text.count("training goes on") == 1
+
+
+def test_a_session_that_was_not_refused_is_followed_by_the_shortest_wait() -> None:
+    assert next_retry(RETRY_S, refused=True) == 2 * RETRY_S
+    assert next_retry(8 * RETRY_S, refused=False) == RETRY_S  # the daemon went away
+    waits = [RETRY_S]
+    for _ in range(12):
+        waits.append(next_retry(waits[-1], refused=True))
+    assert waits[-1] == max(waits) == 32.0
 
 
 def test_a_step_s_compute_starts_at_its_first_forward_in_training_mode() -> None:
