@@ -55,6 +55,7 @@ from gradlane.policies import (
 from gradlane.policies.chunks import assign_owners, exchange_kind, host_groups
 from gradlane.policies.demand import Exchange, bucket_starts
 from gradlane.policies.loadbalance import load_solver
+from gradlane.units import first_of
 
 __all__ = ["ControlConfig", "ControlPlane", "read_token", "serve"]
 
@@ -173,6 +174,7 @@ class _Daemon:
     seen: float = field(default_factory=time.monotonic)
     plan_version: int = 0
     remote: str | None = None  # the peer's address, as the control plane sees it
+    left_out: list[str] = field(default_factory=list)  # jobs its plans leave owners out of
 
 
 # A job's ranks' hosts, their leaves, whether leaves have uplinks, how the ranks exchange.
@@ -275,10 +277,10 @@ class ControlPlane:
             raise web.HTTPBadRequest(text=f"{exc.code}: {exc}\n") from None
         self._accept(register, None, binary, request.remote).report = report
         self._changed.set()
-        message = self.message_for(register.host)
-        if binary:
-            return web.Response(body=cp.encode(message, True), content_type="application/msgpack")
-        return web.json_response(message)
+        data, _ = cp.fit(self.message_for(register.host), binary)
+        if isinstance(data, bytes):
+            return web.Response(body=data, content_type="application/msgpack")
+        return web.Response(text=data, content_type="application/json")
 
     # -- WebSocket -------------------------------------------------------------
 
@@ -360,7 +362,14 @@ class ControlPlane:
         ws = daemon.ws
         if ws is None or ws.closed:
             return
-        data = cp.encode(message, daemon.binary)
+        data, left_out = cp.fit(message, daemon.binary)
+        if left_out != daemon.left_out:
+            daemon.left_out = left_out
+            if left_out:
+                logger.warning("daemon %s: its plan would be over %d bytes: it leaves out the "
+                               "chunk owners of the largest jobs (%s), whose shims there keep "
+                               "their own", daemon.register.host, cp.MAX_MESSAGE,
+                               first_of(left_out, 3))
         async with asyncio.timeout(SEND_TIMEOUT):
             if isinstance(data, bytes):
                 await ws.send_bytes(data)

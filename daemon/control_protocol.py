@@ -52,7 +52,11 @@ optional field (``exchange``, ``world_size``, ``link_bps``) only when the welcom
 Every message is validated (`parse_register`, `parse_report`); anything
 else gets ``error {code, message}`` and, on a WebSocket, the connection is
 closed. Sizes are capped (`MAX_MESSAGE`, `MAX_JOBS`, `MAX_WORKERS`,
-`MAX_CHUNKS`).
+`MAX_CHUNKS`). A sender keeps within `MAX_MESSAGE` (`fit`): what gives way,
+largest first, is a job's chunk list in a report (the control plane keeps what
+another host reported of it) or a job's chunk owners in a plan (its shims keep
+their own), so that a host with much demand is planned with less of it rather
+than refused at every message.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ __all__ = [
     "WorkerReport",
     "decode",
     "encode",
+    "fit",
     "host_link",
     "parse_register",
     "parse_report",
@@ -186,11 +191,51 @@ def decode(data: str | bytes) -> dict[str, Any]:
     return value
 
 
-def encode(message: dict[str, Any], binary: bool) -> str | bytes:
+def encode(message: object, binary: bool) -> str | bytes:
     if binary:
         packed: bytes = msgpack.packb(message, use_bin_type=True)
         return packed
     return json.dumps(message, separators=(",", ":"))
+
+
+def fit(message: dict[str, Any], binary: bool) -> tuple[str | bytes, list[str]]:
+    """`message` (a report or a plan) encoded (`encode`) within `MAX_MESSAGE`, and the
+    jobs whose chunk lists (a report's ``chunk_bytes`` and ``chunk_layers``) or chunk
+    owners (a plan's ``ownership``) were left out for it, largest first. Still over
+    `MAX_MESSAGE` if the rest is (the receiver refuses it)."""
+    data = encode(message, binary)
+    if len(data) <= MAX_MESSAGE:
+        return data, []
+    if message["type"] == "report":
+        jobs = {job["name"]: dict(job) for job in message["jobs"]}
+        sizes = {name: len(encode(job["chunk_bytes"], binary))
+                 + len(encode(job.get("chunk_layers", []), binary))
+                 for name, job in jobs.items() if job["chunk_bytes"]}
+
+        def drop(name: str) -> None:
+            jobs[name]["chunk_bytes"] = []
+            if "chunk_layers" in jobs[name]:
+                jobs[name]["chunk_layers"] = []
+
+        def rest() -> dict[str, Any]:
+            return {**message, "jobs": list(jobs.values())}
+    else:
+        owners = dict(message["ownership"])
+        sizes = {name: len(encode(of, binary)) for name, of in owners.items()}
+
+        def drop(name: str) -> None:
+            del owners[name]
+
+        def rest() -> dict[str, Any]:
+            return {**message, "ownership": owners}
+    over, left_out = len(data) - MAX_MESSAGE, []
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        if over <= 0:
+            break
+        drop(name)
+        left_out.append(name)
+        over -= sizes[name] - 4  # two empty lists stay (a plan's key goes with its owners)
+    return encode(rest(), binary), left_out
 
 
 def _typed(raw: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -83,7 +83,7 @@ from gradlane.daemon.tc import (
     u32_message,
 )
 from gradlane.errors import ConfigError, ForeignQdiscError, TcError
-from gradlane.units import MIN_RATE_BPS
+from gradlane.units import MIN_RATE_BPS, first_of
 
 __all__ = [
     "DEFAULT_BAND_DSCP",
@@ -478,9 +478,8 @@ class QdiscManager:
                 self.ifname,
                 len(changes),
                 (time.perf_counter() - started) * 1000,
-                ", ".join(changes if listed else changes[:LOGGED_CHANGES]),
-                "" if listed else f" and {len(changes) - LOGGED_CHANGES} more (the debug log "
-                "lists them all)",
+                first_of(changes, len(changes) if listed else LOGGED_CHANGES),
+                "" if listed else " (the debug log lists them all)",
             )
         return changes
 

@@ -41,6 +41,7 @@ from gradlane.daemon.fields import (
 from gradlane.daemon.registry import Registry
 from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
+from gradlane.units import first_of
 
 __all__ = ["ControlLink"]
 
@@ -77,6 +78,7 @@ class ControlLink:
         self.plan: dict[str, Any] | None = None
         self.plan_at = 0.0
         self.last_error: str | None = None
+        self.left_out: list[str] = []  # jobs whose chunk lists the reports leave out
         self.sessions = 0
         # Optional report fields the control plane accepts (its welcome's "features"):
         # an older one refuses fields it does not know.
@@ -224,9 +226,25 @@ class ControlLink:
                         for key, thr in now.items())
             if self.registry.version != seen or self._clock() >= next_at or moved:
                 seen, seq, sent = self.registry.version, seq + 1, now
-                await ws.send_json(self.report(seq))
+                data, left_out = cp.fit(self.report(seq), binary=False)
+                self._say_left_out(left_out, len(data))
+                await ws.send_str(str(data))
                 next_at = self._clock() + REPORT_EVERY
             await asyncio.sleep(0.1)
+
+    def _say_left_out(self, left_out: list[str], size: int) -> None:
+        """Log which jobs' chunk lists a report leaves out (`cp.fit`), when that changes."""
+        if left_out == self.left_out:
+            return
+        self.left_out = left_out
+        if left_out:
+            logger.warning(
+                "control plane %s: this host's report would be over %d bytes: it leaves out "
+                "the chunk lists of the largest jobs (%s), which are planned without them%s",
+                self.url, cp.MAX_MESSAGE, first_of(left_out, 3),
+                "" if size <= cp.MAX_MESSAGE else f"; at {size} bytes it is still over")
+        else:
+            logger.info("control plane %s: every job's chunk list is reported again", self.url)
 
     def report(self, seq: int) -> dict[str, Any]:
         """This host's jobs and workers, with their measured throughput and the jobs' demand."""

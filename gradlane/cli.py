@@ -21,7 +21,7 @@ from rich.text import Text
 from gradlane import __version__
 from gradlane.errors import ConfigError, GradlaneError
 from gradlane.signals import ending_signals, unwind_on_signals
-from gradlane.units import format_rate, parse_rate
+from gradlane.units import first_of, format_rate, parse_rate
 
 # The registered policies (`gradlane.policies.policy_names()`, which a test holds this to),
 # named here so that --help does not import the policies (numpy).
@@ -792,8 +792,7 @@ def _print_cluster(data: Any, every: bool) -> None:
             lost = [h["host"] for h in members if not h["connected"]]
             links = sorted({h["link_bps"] for h in members if h.get("link_bps")})
             hosts.add_row(str(leaf), str(len(members)), str(len(members) - len(lost)),
-                          ", ".join(lost[:5]) + (f" and {len(lost) - 5} more"
-                                                 if len(lost) > 5 else "") or "-",
+                          first_of(lost, 5) or "-",
                           ", ".join(sorted({h["gradlane"] for h in members})),
                           ", ".join(format_rate(r) for r in links) or "-")
     if data["hosts"]:

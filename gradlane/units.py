@@ -1,12 +1,14 @@
-"""Parsing and printing of link rates ("200mbit", "1gbit") as tc writes them."""
+"""Parsing and printing of link rates ("200mbit", "1gbit") as tc writes them; lists
+shortened for a line of text."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from gradlane.errors import ConfigError
 
-__all__ = ["MIN_RATE_BPS", "format_rate", "parse_rate"]
+__all__ = ["MIN_RATE_BPS", "first_of", "format_rate", "parse_rate"]
 
 _SUFFIXES = {
     "": 1,
@@ -60,3 +62,10 @@ def format_rate(bps: float) -> str:
         if abs(bps) >= scale:
             return f"{bps / scale:.4g}{unit}"
     return f"{bps:.4g}bit"
+
+
+def first_of(items: Sequence[str], most: int) -> str:
+    """`items` for a line of text: the first `most`, comma-separated, and how many more
+    ("a, b, c and 4 more")."""
+    more = len(items) - most
+    return ", ".join(items[:most]) + (f" and {more} more" if more > 0 else "")

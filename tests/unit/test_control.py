@@ -32,6 +32,7 @@ from gradlane.daemon.control import ControlConfig, ControlPlane, read_token, tok
 from gradlane.daemon.fields import EXCHANGES, MAX_LEAF
 from gradlane.errors import ConfigError, ProtocolError
 from gradlane.policies import check_plan
+from gradlane.units import first_of
 from tests import examples, metric_samples
 from tests.fakes import until
 from tests.strategies import json_like
@@ -1083,6 +1084,91 @@ def test_a_message_over_the_size_cap_is_refused_before_it_is_read() -> None:
                        ) as refused:
         cp.decode(b"x" * (cp.MAX_MESSAGE + 1))
     assert refused.value.code == "too_big"
+
+
+def _fits_leaving_out_the_largest_fewest(message: dict[str, Any], binary: bool,
+                                         sizes: dict[str, int],
+                                         without: Callable[[dict[str, Any], list[str]],
+                                                           dict[str, Any]]) -> list[str]:
+    """`cp.fit(message, binary)`'s jobs left out, once checked: the encoding is `message`
+    without them (`without`), within the cap; they are the largest (`sizes`) first, and
+    one fewer would not fit."""
+    data, left_out = cp.fit(message, binary)
+    assert len(data) <= cp.MAX_MESSAGE
+    assert cp.decode(data) == cp.decode(cp.encode(without(message, left_out), binary))
+    assert left_out == sorted(sizes, key=lambda n: -sizes[n])[:len(left_out)]
+    if left_out:
+        assert len(cp.encode(without(message, left_out[:-1]), binary)) > cp.MAX_MESSAGE
+    else:
+        assert data == cp.encode(message, binary)
+    return left_out
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_a_report_over_the_size_cap_leaves_out_the_largest_jobs_chunk_lists(
+        binary: bool) -> None:
+    # A host whose jobs were cut into many small chunks (4 KiB, 65,536 a job at most):
+    # refused whole, the report would be refused at every try and the host never planned.
+    chunks = {"a": 65536, "b": 60000, "c": 50000, "d": 100}
+    report = {"type": "report", "seq": 7, "jobs": [
+        {**_job(name, [0, 1], [4096] * n), "layers": n} for name, n in chunks.items()]}
+
+    def without(report: dict[str, Any], names: list[str]) -> dict[str, Any]:
+        return {**report, "jobs": [{**job, "chunk_bytes": [], "chunk_layers": []}
+                                   if job["name"] in names else job for job in report["jobs"]]}
+
+    left_out = _fits_leaving_out_the_largest_fewest(report, binary, chunks, without)
+    assert left_out == (["a"] if binary else ["a", "b"])
+    parsed = cp.parse_report(cp.decode(cp.fit(report, binary)[0]))
+    assert [len(j.chunk_bytes) for j in parsed.jobs] == [0 if j in left_out else n
+                                                       for j, n in chunks.items()]
+    assert all(len(j.workers) == 2 for j in parsed.jobs)  # only the chunk lists go
+    small = {**report, "jobs": report["jobs"][2:]}
+    assert _fits_leaving_out_the_largest_fewest(small, binary, chunks, without) == []
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_a_plan_over_the_size_cap_leaves_out_the_largest_jobs_chunk_owners(
+        binary: bool, caplog: pytest.LogCaptureFixture) -> None:
+    ranks = {f"j{k}": 4096 - 500 * k for k in range(8)}  # more ranks: longer numbers
+    plan = control.ControlPlane(_config()).message_for("h1")
+    plan.update(version=3, job_classes={j: [1, 2, 3] for j in ranks},
+                batch_shares={j: [16] * n for j, n in ranks.items()},
+                ownership={j: [i % n for i in range(65536)] for j, n in ranks.items()})
+    sizes = {j: len(cp.encode(owners, binary)) for j, owners in plan["ownership"].items()}
+
+    def without(plan: dict[str, Any], names: list[str]) -> dict[str, Any]:
+        return {**plan, "ownership": {j: o for j, o in plan["ownership"].items()
+                                      if j not in names}}
+
+    left_out = _fits_leaving_out_the_largest_fewest(plan, binary, sizes, without)
+    assert left_out[:1] == ["j0"]
+    kept = cp.decode(cp.fit(plan, binary)[0])
+    assert kept["batch_shares"] == plan["batch_shares"]  # only owners go
+    assert kept["job_classes"] == plan["job_classes"]
+    # The control plane sends the plan so fitted, in the daemon's encoding, and says so
+    # once for as long as the same jobs are left out.
+    sent: list[str | bytes] = []
+
+    class Socket:
+        closed = False
+
+        async def send_str(self, text: str) -> None:
+            sent.append(text)
+
+        async def send_bytes(self, data: bytes) -> None:
+            sent.append(data)
+
+    daemon = control._Daemon(cp.parse_register(_register("h1")), ws=Socket(),  # type: ignore[arg-type]
+                             binary=binary)
+    sender = control.ControlPlane(_config())
+    for _ in range(2):
+        asyncio.run(sender._send(daemon, plan))
+    assert sent == [cp.fit(plan, binary)[0]] * 2
+    said = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    assert said == [f"daemon h1: its plan would be over {cp.MAX_MESSAGE} bytes: it leaves out "
+                    f"the chunk owners of the largest jobs ({first_of(left_out, 3)}), whose "
+                    "shims there keep their own"]
 
 
 def test_the_control_protocol_s_limits_take_their_last_value_and_refuse_the_next() -> None:

@@ -355,7 +355,8 @@ def test_reports_go_when_the_workers_or_their_speed_change_and_every_period_else
     batches: list[list[int]] = []
 
     class Socket:
-        async def send_json(self, data: dict[str, Any]) -> None:
+        async def send_str(self, text: str) -> None:
+            data = json.loads(text)
             sent.append(data["seq"])
             batches.append([w["batch"] for j in data["jobs"] for w in j["workers"]])
 
@@ -562,3 +563,56 @@ def test_a_report_cannot_claim_more_link_than_its_interfaces() -> None:
     for wrong in (3 * 10**9, 10**8):
         with pytest.raises(ProtocolError, match="link_bps"):
             cp.host_link(register, cp.Report(1, (), link_bps=wrong))
+
+
+def test_a_host_whose_demand_is_over_a_message_is_planned_with_what_fits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two jobs cut into 4 KiB chunks (65,536 and 50,000 of them): their chunk lists alone
+    # are over the control plane's message cap. Sent whole, the report was refused, the
+    # link dropped and tried again, and the host never planned. The largest job's list is
+    # left out (said once in the log); the link holds and the other job's demand is planned.
+    monkeypatch.setattr(uplink, "REPORT_EVERY", 0.2)
+    chunks = {"big": cp.MAX_CHUNKS, "bigger-named-smaller": 50_000}
+
+    async def main() -> None:
+        port = port_below_ephemeral()
+        config = _daemon_config(tmp_path, port)
+        daemon = Daemon(config, backend_factory=FakeBackend)
+        control, plane = await _start_control(port)
+        serving = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(daemon.ready.wait(), 10)
+        shims = []
+        try:
+            for job, n in chunks.items():
+                shim = Shim(*await asyncio.open_unix_connection(str(config.socket_path)))
+                await shim.send({"type": "hello", "version": 1, "job": job, "rank": 0,
+                                 "world_size": 1, "flows": []})
+                events = [[i // 8, 4096, 0, 0.1] for i in range(n)]
+                for at in range(0, n, protocol.MAX_EVENTS):
+                    await shim.send({"type": "chunks", "iteration": 0,
+                                     "events": events[at:at + protocol.MAX_EVENTS]})
+                shims.append(shim)
+
+            def planned() -> dict[str, int]:
+                state = plane.state
+                return {} if state is None else {j.name: len(j.chunk_bytes) for j in state.jobs}
+
+            await until(lambda: planned() == {"big": 0, "bigger-named-smaller": 50_000})
+            assert daemon.link is not None
+            sessions = daemon.link.sessions
+            await asyncio.sleep(1.0)  # five reports more, each left as it was
+            assert daemon.link.sessions == sessions == 1 and daemon.link.connected
+            assert daemon.link.left_out == ["big"]
+        finally:
+            for shim in shims:
+                shim.writer.close()
+            daemon.stop()
+            await asyncio.wait_for(serving, 10)
+            await control.cleanup()
+
+    asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        f": this host's report would be over {cp.MAX_MESSAGE} bytes: it leaves out the chunk "
+        "lists of the largest jobs (big), which are planned without them"), said

@@ -1,7 +1,7 @@
 import pytest
 
 from gradlane.errors import ConfigError
-from gradlane.units import format_rate, parse_rate
+from gradlane.units import first_of, format_rate, parse_rate
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,14 @@ def test_format_rate() -> None:
     assert format_rate(192_500_000) == "192.5Mbit"
     assert format_rate(1e9) == "1Gbit"
     assert format_rate(500) == "500bit"
+
+
+@pytest.mark.parametrize(("items", "most", "said"), [
+    ([], 3, ""),
+    (["a", "b"], 3, "a, b"),
+    (["a", "b", "c"], 3, "a, b, c"),
+    (["a", "b", "c", "d", "e"], 3, "a, b, c and 2 more"),
+])
+def test_a_list_for_a_line_names_the_first_and_counts_the_rest(
+        items: list[str], most: int, said: str) -> None:
+    assert first_of(items, most) == said
