@@ -78,7 +78,8 @@ class ControlLink:
         self.plan: dict[str, Any] | None = None
         self.plan_at = 0.0
         self.last_error: str | None = None
-        self.left_out: list[str] = []  # jobs whose chunk lists the reports leave out
+        self.left_out: dict[str, str] = {}  # job -> what of it the reports leave out
+        self._unreported: dict[str, str] = {}  # the same, beyond the protocol's counts
         self.sessions = 0
         # Optional report fields the control plane accepts (its welcome's "features"):
         # an older one refuses fields it does not know.
@@ -226,31 +227,43 @@ class ControlLink:
                         for key, thr in now.items())
             if self.registry.version != seen or self._clock() >= next_at or moved:
                 seen, seq, sent = self.registry.version, seq + 1, now
-                data, left_out = cp.fit(self.report(seq), binary=False)
-                self._say_left_out(left_out, len(data))
+                report = self.report(seq)
+                data, cut = cp.fit(report, binary=False)
+                self._say_left_out({**self._unreported, **{
+                    job: f"the chunk list of job {job!r} (the report would be over "
+                         f"{cp.MAX_MESSAGE} bytes)" for job in cut}}, len(data))
                 await ws.send_str(str(data))
                 next_at = self._clock() + REPORT_EVERY
             await asyncio.sleep(0.1)
 
-    def _say_left_out(self, left_out: list[str], size: int) -> None:
-        """Log which jobs' chunk lists a report leaves out (`cp.fit`), when that changes."""
+    def _say_left_out(self, left_out: dict[str, str], size: int) -> None:
+        """Log what of which jobs a report leaves out (beyond the protocol's caps), when
+        that changes."""
         if left_out == self.left_out:
             return
         self.left_out = left_out
         if left_out:
             logger.warning(
-                "control plane %s: this host's report would be over %d bytes: it leaves out "
-                "the chunk lists of the largest jobs (%s), which are planned without them%s",
-                self.url, cp.MAX_MESSAGE, first_of(left_out, 3),
-                "" if size <= cp.MAX_MESSAGE else f"; at {size} bytes it is still over")
+                "control plane %s: this host's report leaves out %s, and the control plane "
+                "plans without it%s", self.url, first_of(list(left_out.values()), 3),
+                "" if size <= cp.MAX_MESSAGE else f"; at {size} bytes it is still over the cap")
         else:
-            logger.info("control plane %s: every job's chunk list is reported again", self.url)
+            logger.info("control plane %s: this host's report leaves nothing out again", self.url)
 
     def report(self, seq: int) -> dict[str, Any]:
-        """This host's jobs and workers, with their measured throughput and the jobs' demand."""
-        jobs = []
+        """This host's jobs and workers, with their measured throughput and the jobs' demand,
+        within the protocol's counts (what is left out: `_unreported`)."""
+        jobs: list[dict[str, Any]] = []
         measured = self.band_throughput()
+        self._unreported = {}
         for name, workers in sorted(self.registry.jobs().items()):
+            if len(jobs) == cp.MAX_JOBS:
+                self._unreported[name] = f"job {name!r} (a report holds {cp.MAX_JOBS} jobs)"
+                continue
+            if len(workers) > cp.MAX_WORKERS:
+                self._unreported[name] = (f"the ranks of job {name!r} past the first "
+                                          f"{cp.MAX_WORKERS} on this host")
+                workers = sorted(workers, key=lambda w: w.rank)[:cp.MAX_WORKERS]
             entries = []
             for w in workers:
                 entries.append({"rank": w.rank, "throughput": round(w.throughput(), 3),
@@ -275,6 +288,13 @@ class ControlLink:
                                        self.features))
             if "world_size" in self.features:
                 job["world_size"] = max(w.world_size for w in workers)
+            # What the shims may say and what a control plane takes differ (a world of
+            # more ranks than it plans, a batch too large): such a job, not the report.
+            try:
+                cp.parse_report({"type": "report", "seq": seq, "jobs": [job]})
+            except ProtocolError as exc:
+                self._unreported[name] = f"job {name!r} ({exc})"
+                continue
             jobs.append(job)
         report: dict[str, Any] = {"type": "report", "seq": seq, "jobs": jobs}
         if self.link_bps is not None and "link_bps" in self.features:

@@ -603,7 +603,7 @@ def test_a_host_whose_demand_is_over_a_message_is_planned_with_what_fits(
             sessions = daemon.link.sessions
             await asyncio.sleep(1.0)  # five reports more, each left as it was
             assert daemon.link.sessions == sessions == 1 and daemon.link.connected
-            assert daemon.link.left_out == ["big"]
+            assert list(daemon.link.left_out) == ["big"]
         finally:
             for shim in shims:
                 shim.writer.close()
@@ -614,5 +614,50 @@ def test_a_host_whose_demand_is_over_a_message_is_planned_with_what_fits(
     asyncio.run(main())
     said = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
     assert len(said) == 1 and said[0].endswith(
-        f": this host's report would be over {cp.MAX_MESSAGE} bytes: it leaves out the chunk "
-        "lists of the largest jobs (big), which are planned without them"), said
+        ": this host's report leaves out the chunk list of job 'big' (the report would be "
+        f"over {cp.MAX_MESSAGE} bytes), and the control plane plans without it"), said
+
+
+def test_a_report_leaves_out_what_a_control_plane_would_refuse_not_the_whole_host() -> None:
+    # What shims may tell gradlaned and what a control plane takes differ: a job of more
+    # ranks than it plans, a step of more samples than a report's batch. One such job made
+    # the whole report refused, at every try: the host's other jobs were never planned.
+    registry = Registry(bands=4)
+    huge = protocol.Hello(version=1, job="huge", rank=69_999, world_size=70_000, flows=())
+    registry.add(huge, Credentials(1, 0, 0))
+    registry.add(protocol.Hello(1, "tokens", 0, 2, ()), Credentials(2, 0, 0))
+    ok = registry.add(protocol.Hello(1, "ok", 0, 2, ()), Credentials(3, 0, 0))
+    registry.record_timing(ok.id, protocol.Timing(1, 0.1, 0.0, 64))
+    [tokens] = registry.jobs()["tokens"]
+    registry.record_timing(tokens.id, protocol.Timing(1, 0.5, 0.0, 1 << 25))
+    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                              registry, on_change=lambda: None)
+    link.features = frozenset(cp.FEATURES)
+    report = link.report(1)
+    assert [j.name for j in cp.parse_report(report).jobs] == ["ok"]
+    assert link._unreported == {
+        "huge": "job 'huge' (report: jobs[0].workers[0]: rank must be an integer in 0..65536)",
+        "tokens": "job 'tokens' (report: jobs[0].workers[0]: batch must be an integer in "
+                  "0..16777216)"}
+
+
+def test_a_report_holds_the_jobs_and_ranks_the_protocol_counts() -> None:
+    registry = Registry(bands=4)
+    pid = iter(range(1, 1 << 20))
+    for k in range(cp.MAX_JOBS):
+        registry.add(protocol.Hello(1, f"j{k:03}", 0, 1, ()), Credentials(next(pid), 0, 0))
+    for rank in range(cp.MAX_WORKERS + 1):
+        registry.add(protocol.Hello(1, "wide", rank, cp.MAX_WORKERS + 1, ()),
+                     Credentials(next(pid), 0, 0))
+    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                              registry, on_change=lambda: None)
+    link.features = frozenset(cp.FEATURES)
+    jobs = cp.parse_report(link.report(1)).jobs
+    assert [j.name for j in jobs] == [f"j{k:03}" for k in range(cp.MAX_JOBS)]
+    assert link._unreported == {"wide": f"job 'wide' (a report holds {cp.MAX_JOBS} jobs)"}
+    for k in range(1, cp.MAX_JOBS):  # the jobs go; the wide one is reported, in part
+        registry.remove(registry.jobs()[f"j{k:03}"][0].id)
+    jobs = cp.parse_report(link.report(2)).jobs
+    assert [w.rank for w in jobs[-1].workers] == list(range(cp.MAX_WORKERS))
+    assert link._unreported == {
+        "wide": f"the ranks of job 'wide' past the first {cp.MAX_WORKERS} on this host"}
