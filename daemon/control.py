@@ -45,6 +45,7 @@ from gradlane.policies import (
     Coflow,
     FlowTable,
     Host,
+    JobClassPlan,
     JobState,
     Plan,
     State,
@@ -401,11 +402,13 @@ class ControlPlane:
             try:
                 state, plan = await loop.run_in_executor(None, self._state_and_plan, snapshot)
             except Exception as exc:  # a policy (or state) bug must not stop the control plane
-                logger.exception("policy %s failed; no new plan: the daemons keep the last one "
-                                 "until its TTL runs out", self.policy.name)
+                error = f"{type(exc).__name__}: {exc}"[:300]
+                if self.failing is None or self.failing[2] != error:  # once while it recurs
+                    logger.exception("policy %s failed; no new plan: the daemons keep the last "
+                                     "one until its TTL runs out", self.policy.name)
                 self._failed.inc()
                 count = self.failing[0] if self.failing else 0
-                self.failing = (count + 1, time.time(), f"{type(exc).__name__}: {exc}"[:300])
+                self.failing = (count + 1, time.time(), error)
                 continue
             self.failing = None
             self._plan_s.observe(time.perf_counter() - started)
@@ -509,7 +512,29 @@ class ControlPlane:
 
     def _state_and_plan(self, snapshot: _Snapshot) -> tuple[State, Plan]:
         state = self.build_state(snapshot)
-        return state, self.policy.plan(state)
+        plan = self.policy.plan(state)
+        self._refused_by_daemons(plan, state)
+        return state, plan
+
+    def _refused_by_daemons(self, plan: Plan, state: State) -> None:
+        """Raise ValueError if daemons would refuse their parts of `plan`
+        (`cp.check_plan`): a policy's bug (a class of rate 0, a priority past 7), said
+        here as a failed plan rather than by every daemon at every plan, each one dropping
+        its link."""
+        parts = [("every host", {"job_classes": {},
+                                 "batch_shares": {j: list(v) for j, v in plan.batch_shares.items()},
+                                 "ownership": {j: list(v) for j, v in plan.ownership.items()}})]
+        assert state.topology is not None
+        hosts = state.topology.hosts
+        parts += [(f"host {hosts[i].name}", {"job_classes": _class_fields(classes),
+                                             "batch_shares": {}, "ownership": {}})
+                  for i, classes in sorted(plan.host_classes.items())]
+        for where, part in parts:
+            try:
+                cp.check_plan({"version": 1, "ttl_s": self.config.ttl_s, **part})
+            except ValueError as exc:
+                raise ValueError(f"policy {self.policy.name} planned what daemons refuse "
+                                 f"({where}): {exc}") from None
 
     def _demand(
         self, jobs: tuple[JobState, ...], workers: tuple[Worker, ...], topology: Topology,
@@ -594,7 +619,7 @@ class ControlPlane:
             "version": plan.version,
             "ttl_s": self.config.ttl_s,
             "source": plan.source,
-            "job_classes": {j: [c.rate_bps, c.ceil_bps, c.prio] for j, c in classes.items()},
+            "job_classes": _class_fields(classes),
             "batch_shares": {j: list(plan.batch_shares[j]) for j in sorted(jobs)
                              if j in plan.batch_shares},
             # Owners only for jobs whose every rank is reported (those with demand): the
@@ -771,3 +796,8 @@ async def serve(config: ControlConfig) -> None:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+
+
+def _class_fields(classes: dict[str, JobClassPlan]) -> dict[str, list[int]]:
+    """A plan message's ``job_classes``: per job ``[rate_bps, ceil_bps, prio]``."""
+    return {j: [c.rate_bps, c.ceil_bps, c.prio] for j, c in classes.items()}

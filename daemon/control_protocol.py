@@ -90,6 +90,7 @@ __all__ = [
     "Report",
     "WorkerReport",
     "decode",
+    "check_plan",
     "encode",
     "fit",
     "host_link",
@@ -196,6 +197,42 @@ def encode(message: object, binary: bool) -> str | bytes:
         packed: bytes = msgpack.packb(message, use_bin_type=True)
         return packed
     return json.dumps(message, separators=(",", ":"))
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_plan(message: dict[str, Any]) -> None:
+    """Raise ValueError unless `message` is a plan a daemon can act on: every field it
+    reads, of the type it reads (a control plane of another version, or a broken one,
+    gets its plan refused and the connection retried, never a daemon that fails later).
+    The control plane checks its plans with it before it sends them (a policy's bug)."""
+    if not _integer(message["version"]):
+        raise ValueError(f"bad plan version {message['version']!r:.80}")
+    ttl = message.get("ttl_s")
+    if not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool)
+            and 0 < ttl < MAX_TTL_S):
+        raise ValueError(f"bad plan ttl_s {ttl!r:.80}")
+    classes = message.get("job_classes")
+    if not isinstance(classes, dict):
+        raise ValueError(f"bad plan job_classes {classes!r:.80}")
+    for job, c in classes.items():
+        if not (isinstance(job, str) and isinstance(c, list) and len(c) == 3
+                and integers(c, 0, 1 << 62) and 0 < c[0] <= c[1] and c[2] <= 7):
+            raise ValueError(f"bad job class {job!r}: {c!r:.80}")
+    for key in ("batch_shares", "ownership"):
+        per_job = message.get(key)
+        if not (isinstance(per_job, dict) and all(
+                isinstance(job, str) and isinstance(v, list) and integers(v, 0, 1 << 62)
+                for job, v in per_job.items())):
+            raise ValueError(f"bad plan {key} {per_job!r:.80}")
+    link = message.get("link_bps")
+    if link is not None and not (_integer(link) and link > 0):
+        raise ValueError(f"bad link_bps {link!r:.80}")
+    leaf = message.get("leaf")  # told to every shim in a welcome: msgpack, 64 bits at most
+    if leaf is not None and not (_integer(leaf) and 0 <= leaf < MAX_LEAF):
+        raise ValueError(f"bad plan leaf {leaf!r:.80}")
 
 
 def fit(message: dict[str, Any], binary: bool) -> tuple[str | bytes, list[str]]:

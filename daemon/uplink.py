@@ -32,11 +32,9 @@ import aiohttp
 from gradlane import __version__
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.fields import (
-    MAX_LEAF,
     agreed_exchange,
     exchange_fields,
     features,
-    integers,
 )
 from gradlane.daemon.registry import Registry
 from gradlane.errors import ProtocolError
@@ -201,7 +199,7 @@ class ControlLink:
             raise ValueError(f"control plane error: {message.get('message')!r:.300}")
         if message.get("type") != "plan" or not message.get("version"):
             return
-        _check_plan(message)
+        cp.check_plan(message)
         before = self.plan if self.fresh() else None
         self.plan, self.plan_at = message, self._clock()
         # The control plane re-plans every second or so; most plans change nothing
@@ -300,41 +298,6 @@ class ControlLink:
         if self.link_bps is not None and "link_bps" in self.features:
             report["link_bps"] = self.link_bps()
         return report
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_plan(message: dict[str, Any]) -> None:
-    """Raise ValueError unless `message` is a plan this daemon can act on: every field it
-    reads, of the type it reads (a control plane of another version, or a broken one,
-    gets its plan refused and the connection retried, never a daemon that fails later)."""
-    if not _integer(message["version"]):
-        raise ValueError(f"bad plan version {message['version']!r:.80}")
-    ttl = message.get("ttl_s")
-    if not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool)
-            and 0 < ttl < cp.MAX_TTL_S):
-        raise ValueError(f"bad plan ttl_s {ttl!r:.80}")
-    classes = message.get("job_classes")
-    if not isinstance(classes, dict):
-        raise ValueError(f"bad plan job_classes {classes!r:.80}")
-    for job, c in classes.items():
-        if not (isinstance(job, str) and isinstance(c, list) and len(c) == 3
-                and integers(c, 0, 1 << 62) and 0 < c[0] <= c[1] and c[2] <= 7):
-            raise ValueError(f"bad job class {job!r}: {c!r:.80}")
-    for key in ("batch_shares", "ownership"):
-        per_job = message.get(key)
-        if not (isinstance(per_job, dict) and all(
-                isinstance(job, str) and isinstance(v, list) and integers(v, 0, 1 << 62)
-                for job, v in per_job.items())):
-            raise ValueError(f"bad plan {key} {per_job!r:.80}")
-    link = message.get("link_bps")
-    if link is not None and not (_integer(link) and link > 0):
-        raise ValueError(f"bad link_bps {link!r:.80}")
-    leaf = message.get("leaf")  # told to every shim in a welcome: msgpack, 64 bits at most
-    if leaf is not None and not (_integer(leaf) and 0 <= leaf < MAX_LEAF):
-        raise ValueError(f"bad plan leaf {leaf!r:.80}")
 
 
 def _host_part(plan: dict[str, Any]) -> dict[str, Any]:

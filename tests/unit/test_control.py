@@ -31,7 +31,7 @@ from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token, token_exposed
 from gradlane.daemon.fields import EXCHANGES, MAX_LEAF
 from gradlane.errors import ConfigError, ProtocolError
-from gradlane.policies import check_plan
+from gradlane.policies import JobClassPlan, check_plan
 from gradlane.units import first_of
 from tests import examples, metric_samples
 from tests.fakes import until
@@ -343,6 +343,42 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
         _run(test)
     assert threading.main_thread().name not in builds
     assert "a state bug" in caplog.text
+
+
+@pytest.mark.parametrize(("broken", "says"), [
+    ({"host_classes": {0: {"j": JobClassPlan(0, 10**9, 3)}}},
+     "(host h): bad job class 'j': [0, 1000000000, 3]"),
+    ({"ownership": {"j": (-1,)}}, "(every host): bad plan ownership {'j': [-1]}"),
+])
+def test_a_plan_daemons_would_refuse_is_a_failed_plan_not_sent(
+    broken: dict[str, Any], says: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A policy's bug (a third party's, by `--policy module:Class`) planning a class of rate
+    # 0: every daemon refused every such plan and dropped its link, over and over. Now the
+    # control plane finds it, keeps the plan it had, and says so as a failed plan.
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        good = plane.policy
+        monkeypatch.setattr(plane, "policy", SimpleNamespace(
+            name="broken", plan=lambda state: replace(good.plan(state), **broken)))
+        ws = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await ws.send_json(_register("h"))
+        assert (await ws.receive_json())["type"] == "welcome"
+        await ws.send_json(_report([0], 5.0, batch=8))
+        await until(lambda: plane.failing is not None and plane.failing[0] >= 2)
+        assert plane.plan is None and not ws.closed
+        assert plane.failing[2] == f"ValueError: policy broken planned what daemons refuse {says}"
+        monkeypatch.setattr(plane, "policy", good)
+        first = await _next_plan(ws)  # the first plan sent: the good policy's
+        assert first["batch_shares"] == {"j": [8]} and first["job_classes"]["j"][0] > 0
+        assert first["ownership"] == {}  # one rank: none to plan
+        assert plane.failing is None
+        await ws.close()
+        # Said once while it failed alike, not at every try.
+        said = [r for r in caplog.records if r.getMessage().startswith("policy broken failed")]
+        assert len(said) == 1 and said[0].exc_info is not None
+
+    _run(test)
 
 
 def _status_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view: dict[str, Any],
