@@ -9,7 +9,9 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
+from gradlane.daemon.fields import MAX_LEAF, MAX_NAME
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
+from gradlane.daemon.registry import RESERVED_PREFIX
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, EXCHANGE_OPTIONS, LAYOUTS
 
@@ -171,12 +173,15 @@ class ShimConfig:
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf overflows the sockets' timeouts
             raise ConfigError(f"timeout_s must be positive, at most {MAX_TIMEOUT_S:g} (a "
                               f"day), got {self.timeout_s}")
-        if not self.job or len(self.job) > 128 or self.job.startswith("_"):
-            raise ConfigError(f"job must be 1..128 characters, not starting with '_': {self.job!r}")
+        if (not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable()
+                or self.job.startswith(RESERVED_PREFIX)):  # as gradlaned takes it
+            raise ConfigError(f"job must be 1..{MAX_NAME} printable characters, not starting "
+                              f"with {RESERVED_PREFIX!r}: {self.job!r}")
         if self.sndbuf_bytes < 0:
             raise ConfigError(f"sndbuf_bytes must be >= 0, got {self.sndbuf_bytes}")
-        if self.leaf is not None and not 0 <= self.leaf < 1 << 16:
-            raise ConfigError(f"leaf must be an integer 0..65535 or None, got {self.leaf!r}")
+        if self.leaf is not None and not 0 <= self.leaf < MAX_LEAF:
+            raise ConfigError(f"leaf must be an integer 0..{MAX_LEAF - 1} or None, "
+                              f"got {self.leaf!r}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.exchange not in EXCHANGES:

@@ -8,8 +8,11 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gradlane.errors import ConfigError
+from gradlane.daemon import protocol, registry
+from gradlane.errors import ConfigError, ProtocolError
 from gradlane.shim.config import ShimConfig
 
 EDGES: dict[str, object] = {"chunk_bytes": 4096, "dscp": tuple(range(56, 64)), "credit_bytes": 1024,
@@ -52,9 +55,12 @@ def test_the_edges_of_every_range_are_taken() -> None:
     ({"timeout_s": float("nan")}, "timeout_s must be positive, at most 86400 .*, got nan"),
     ({"timeout_s": float("inf")}, "timeout_s must be positive, at most 86400 .*, got inf"),
     ({"timeout_s": 86400.5}, "timeout_s must be positive, at most 86400 .*, got 86400.5"),
-    ({"job": ""}, "job must be 1..128 characters, not starting with '_': ''"),
-    ({"job": "j" * 129}, "job must be 1..128 characters"),
-    ({"job": "_hidden"}, "job must be 1..128 characters, not starting with '_': '_hidden'"),
+    ({"job": ""}, "job must be 1..128 printable characters, not starting with '_': ''"),
+    ({"job": "j" * 129}, "job must be 1..128 printable characters"),
+    ({"job": "_hidden"}, "job must be 1..128 printable characters, not starting with '_': "
+                         "'_hidden'"),
+    ({"job": "train\n"}, "job must be 1..128 printable characters, not starting with '_': "
+                         "'train"),
     ({"sndbuf_bytes": -1}, "sndbuf_bytes must be >= 0, got -1"),
     ({"leaf": -1}, "leaf must be an integer 0..65535 or None, got -1"),
     ({"leaf": 65536}, "leaf must be an integer 0..65535 or None, got 65536"),
@@ -81,3 +87,26 @@ def test_a_bad_option_is_refused_saying_what_it_must_be(options: dict[str, objec
                                                         says: str) -> None:
     with pytest.raises(ConfigError, match=f"^{says}"):
         ShimConfig.of(options)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=140)
+       | st.sampled_from(["j" * 128, "j" * 129, "_x", "a\tb", "\u00e9t\u00e9"]))
+def test_the_shim_takes_the_job_names_gradlaned_takes(job: str) -> None:
+    # A name the shim took and gradlaned refused (a tab in it, say) left every rank
+    # unregistered, asking again for as long as the job ran.
+    hello = {"type": "hello", "version": protocol.VERSION, "job": job, "rank": 0,
+             "world_size": 1, "flows": []}
+    try:
+        protocol.parse(hello, bands=4)
+        registry.Registry(bands=4).add(protocol.parse(hello, bands=4),  # type: ignore[arg-type]
+                                       registry.Credentials(1, 0, 0))
+        taken = True
+    except ProtocolError:
+        taken = False
+    try:
+        ShimConfig(job=job)
+    except ConfigError:
+        assert not taken
+    else:
+        assert taken
