@@ -74,6 +74,16 @@ class Shim:
                 self.inbox += self.decoder.feed(await self.reader.read(65536))
 
 
+async def _shut(shims: list[Shim], daemon: Daemon, serving: asyncio.Task[None],
+               control: web.AppRunner) -> None:
+    """Close the played shims, stop the daemon and the control plane."""
+    for shim in shims:
+        shim.writer.close()
+    daemon.stop()
+    await asyncio.wait_for(serving, 10)
+    await control.cleanup()
+
+
 def _control_gauges(daemon: Daemon) -> dict[str, float]:
     """gradlaned's /metrics on its link to the control plane."""
     return metric_samples(generate_latest(daemon.metrics).decode(), "gradlane_control_")
@@ -546,11 +556,7 @@ def test_a_host_whose_shims_use_both_nics_is_planned_with_their_sum(
                 await shim.send({"type": "flows", "flows": flows("10.0.0.1")})
             await until(lambda: host_link() == 2 * 10**9)
         finally:
-            for shim in shims:
-                shim.writer.close()
-            daemon.stop()
-            await asyncio.wait_for(serving, 10)
-            await control.cleanup()
+            await _shut(shims, daemon, serving, control)
 
     asyncio.run(main())
 
@@ -605,11 +611,7 @@ def test_a_host_whose_demand_is_over_a_message_is_planned_with_what_fits(
             assert daemon.link.sessions == sessions == 1 and daemon.link.connected
             assert list(daemon.link.left_out) == ["big"]
         finally:
-            for shim in shims:
-                shim.writer.close()
-            daemon.stop()
-            await asyncio.wait_for(serving, 10)
-            await control.cleanup()
+            await _shut(shims, daemon, serving, control)
 
     asyncio.run(main())
     said = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
