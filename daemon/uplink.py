@@ -137,6 +137,7 @@ class ControlLink:
             "plan_age_s": round(self._clock() - self.plan_at, 3) if self.plan else None,
             "last_error": self.last_error,
             "sessions": self.sessions,
+            "left_out": list(self.left_out.values()),  # of the reports, beyond the caps
         }
 
     # -- the connection ------------------------------------------------------

@@ -1045,6 +1045,10 @@ def _print_daemon(data: Any) -> None:
         f"{data['reconcile']['count']} reconciles, {data['reconcile']['errors']} errors, "
         f"{data['clients']} clients, API errors {data['api_errors'] or 'none'}"
     )
+    left_out = (data.get("control") or {}).get("left_out")  # an older gradlaned: not said
+    if left_out:
+        out.print(Text(f"the report to the control plane leaves out {first_of(left_out, 3)}: "
+                       "planned without it (the log says why)", "bold yellow"))
     jobs = Table(title="jobs")
     for column in ("job", "rank", "pid", "flows", "exchange", "batch", "iteration",
                    "chunk events", "bytes by band"):

@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from click.testing import CliRunner
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
+from gradlane import cli
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon import protocol, uplink
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
@@ -610,6 +612,13 @@ def test_a_host_whose_demand_is_over_a_message_is_planned_with_what_fits(
             await asyncio.sleep(1.0)  # five reports more, each left as it was
             assert daemon.link.sessions == sessions == 1 and daemon.link.connected
             assert list(daemon.link.left_out) == ["big"]
+            status = daemon.status()  # and what `gradlane status` shows of it
+            monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: status)
+            shown = CliRunner().invoke(cli.cli, ["status"], terminal_width=200)
+            assert shown.exit_code == 0, shown.output
+            assert ("the report to the control plane leaves out the chunk list of job 'big' "
+                    f"(the report would be over {cp.MAX_MESSAGE} bytes): planned without it"
+                    ) in " ".join(shown.output.split()), shown.output
         finally:
             await _shut(shims, daemon, serving, control)
 
