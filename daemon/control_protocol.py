@@ -81,6 +81,7 @@ from gradlane.daemon.fields import (
 from gradlane.errors import ProtocolError
 
 __all__ = [
+    "MAX_BATCH",
     "FEATURES",
     "MAX_MESSAGE",
     "VERSION",
@@ -104,6 +105,7 @@ FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "world_size", HOST_EXCHANGE,
 MAX_MESSAGE = 1 << 20
 MAX_JOBS = 256
 MAX_WORKERS = 4096
+MAX_BATCH = 1 << 24  # a worker's samples in a step
 MAX_CHUNKS = 65536
 MAX_BANDS = 16
 MAX_INTERFACES = 16
@@ -343,7 +345,7 @@ def parse_report(raw: dict[str, Any]) -> Report:
                 raise ProtocolError("bad_message", f"report: job {name!r} rank {rank} twice")
             ranks.add(rank)
             workers.append(WorkerReport(rank, number(wmap, "throughput"),
-                                        integer(wmap, "batch", 0, 1 << 24)))
+                                        integer(wmap, "batch", 0, MAX_BATCH)))
         jobs.append(JobReport(name, integer(where, "global_batch", 0, 1 << 30), layers,
                               tuple(chunks), tuple(workers),
                               tuple(of), tuple(float(v) for v in bps),

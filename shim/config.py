@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
+from gradlane.daemon.control_protocol import MAX_BATCH
 from gradlane.daemon.fields import MAX_LEAF, MAX_NAME
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.daemon.registry import RESERVED_PREFIX
@@ -18,8 +19,8 @@ from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, EXCHANGE_OPTIONS, LAYO
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "ShimConfig", "default_job",
-           "refuse_sparse_gradients"]
+__all__ = ["DEFAULT_DSCP", "EXCHANGES", "LAYOUTS", "SampleCount", "ShimConfig",
+           "checked_samples", "default_job", "refuse_sparse_gradients"]
 
 # Band 0 first: gradlaned's default table. The daemon's welcome overrides it.
 DEFAULT_DSCP = DEFAULT_BAND_DSCP
@@ -52,6 +53,35 @@ def default_job() -> str:
 
 
 MAX_TIMEOUT_S = 86400.0
+
+
+def checked_samples(value: object) -> int | None:
+    """`Sync.samples` or `HookState.samples` as set by hand: None, or a whole number of
+    samples up to what a control plane plans by (`control_protocol.MAX_BATCH`).
+
+    Raises:
+        ConfigError: anything else (a float, a tensor, a negative count), at the line that
+            set it rather than in a backward hook.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral) or not \
+            0 <= int(value) <= MAX_BATCH:
+        raise ConfigError(f"samples must be a whole number 0..{MAX_BATCH} or None, "
+                          f"got {value!r:.80}")
+    return int(value)
+
+
+class SampleCount:
+    """The ``samples`` attribute of `Sync` and `HookState`: kept as ``_samples``, checked
+    as it is set (`checked_samples`)."""
+
+    def __get__(self, obj: object, owner: type | None = None) -> int | None:
+        return None if obj is None else obj.__dict__.get("_samples")
+
+    def __set__(self, obj: object, value: object) -> None:
+        obj.__dict__["_samples"] = checked_samples(value)
+
 
 # What each option must be, in its error's words, and the plain Python value it is kept as
 # (numpy's integers are integers, a list of DSCP values a tuple; a bool is no number here).

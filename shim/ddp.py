@@ -57,7 +57,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import Routes, group_consecutive, layout_sizes
 from gradlane.shim.client import ComputeClock, DaemonClient
-from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
+from gradlane.shim.config import SampleCount, ShimConfig, refuse_sparse_gradients
 from gradlane.shim.engine import OPEN, Engine, Group, close_at_exit, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
@@ -146,6 +146,8 @@ class HookState:
             bucket (sent from their parameters' gradient hooks), all steps.
     """
 
+    samples = SampleCount()  # checked as set (the docstring above says what it is)
+
     def __init__(self, model: nn.Module, *, address: str | Sequence[str] | None = None,
                  **options: Any) -> None:
         if not isinstance(model, nn.Module):
@@ -200,7 +202,7 @@ class HookState:
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="gl-ddp-watchdog", daemon=True)
         self._watchdog.start()
-        self.samples: int | None = None
+        self._samples: int | None = None
         # The job's samples per step, all ranks, as agreed at the first step (None: a rank
         # did not set `samples`).
         self.global_batch: int | None = None

@@ -71,7 +71,7 @@ from gradlane.policies.chunks import (
 )
 from gradlane.shim.chain import Chain
 from gradlane.shim.client import ComputeClock, DaemonClient
-from gradlane.shim.config import ShimConfig, refuse_sparse_gradients
+from gradlane.shim.config import SampleCount, ShimConfig, refuse_sparse_gradients
 from gradlane.shim.engine import OPEN, Engine, Group, close_at_exit, owned_bytes
 from gradlane.shim.layout import OWNERS_EVERY, assign_owners, band_of, split
 from gradlane.shim.transport import (
@@ -417,6 +417,10 @@ class _Slot:
 class Sync:
     """The handle `attach` returns. Use as a context manager or call `close`."""
 
+    # This worker's sample count for the coming step, set by hand to override the one
+    # counted from the forward's input (None: counted); a whole number, checked as set.
+    samples = SampleCount()
+
     def __init__(
         self,
         model: nn.Module,
@@ -433,7 +437,7 @@ class Sync:
         self.model, self.optimizer, self.config = model, optimizer, config
         self.rank, self.world = rank, world
         self.step = 0
-        self.samples: int | None = None  # set by hand to override the counted samples
+        self._samples: int | None = None  # `samples`
         # The job's samples per step, all ranks, as agreed at the first backward (None: a
         # rank could not count its samples).
         self.global_batch: int | None = None
@@ -1209,7 +1213,7 @@ class Sync:
             self._try_layouts(samples)
         elif self.world > 1 and self.step and self.step % OWNERS_EVERY == 0:
             self._follow_plan_owners()
-        self._counted, self.samples = {}, None
+        self._counted, self._samples = {}, None
         self.engine.begin(self.step, samples)
         self.client.begin(self.step, known)  # 0: gradlaned is told the count is not known
         self._seen = set()

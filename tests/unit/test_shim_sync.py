@@ -1688,3 +1688,26 @@ def test_an_attach_that_fails_to_connect_leaves_nothing_running_and_can_be_retri
     assert len(os.listdir("/proc/self/fd")) == fds
     m, opt = kept[0]
     attach(m, opt).close()
+
+
+@pytest.mark.parametrize("bad", [32.5, -1, True, "32", torch.tensor(32), 1 << 25])
+def test_samples_set_by_hand_are_a_whole_count_checked_where_they_are_set(bad: object) -> None:
+    """`samples` weighs this rank's gradients and goes in each chunk's header and to
+    gradlaned: a float reached the header only in the backward (struct.error from a hook),
+    a negative count the engine, a count past what a control plane plans by every
+    report. Refused at the line that sets it; numpy's integers are kept as int."""
+    m = model()
+    with attach(m, torch.optim.SGD(m.parameters(), lr=0.1)) as sync, \
+            _one_rank_hook(model(), job="samples") as (_, state):
+        for handle in (sync, state):
+            with pytest.raises(ConfigError, match="^samples must be a whole number "
+                                                  "0..16777216 or None, got "):
+                handle.samples = bad
+            assert handle.samples is None  # left as it was
+            handle.samples = np.int64(24)
+            assert handle.samples == 24 and type(handle.samples) is int
+            handle.samples = None
+        sync.samples = 4
+        x, y = data(0)
+        nn.functional.cross_entropy(m(x[:4]), y[:4]).backward()
+        assert sync.global_batch == 4 and sync.samples is None  # taken for the step
