@@ -110,7 +110,8 @@ if TYPE_CHECKING:
     from gradlane.demo import SystemRun
 
 __all__ = [
-    "CELL_NAMES", "Scenario", "cells", "dependency_bound", "exchange_bits", "is_bench_result",
+    "CELL_NAMES", "Scenario", "available_memory", "cells", "check_memory", "dependency_bound",
+    "exchange_bits", "is_bench_result",
     "load_scenario", "lower_bound", "narrowed", "read_result", "reading", "run_scenario",
     "summarize", "trace_layers", "waits_cell", "worker_args",
 ]
@@ -262,6 +263,41 @@ def compute_and_bytes(scenario: Scenario) -> tuple[float, int]:
     return trace_totals(w["model"], w["model_mb"], w["forward_ms"])
 
 
+# A worker's memory (peak RSS of `gradlane.worker` on VGG-19 traces): 343 MB with a 10 MB
+# model and no exchange; 1.9 GB with a 200 MB model under gradlane (the parameters, their
+# gradients, the momentum, the exchange's buffers and partial sums): about 8 copies.
+WORKER_BASE_BYTES = 350 << 20
+MODEL_COPIES = 8
+
+
+def available_memory() -> int | None:
+    """Bytes this machine has available (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(scenario: Scenario, model_bytes: int, available: int | None) -> None:
+    """Refuse a scenario whose workers would not fit in `available` bytes: the kernel's
+    out-of-memory killer would end a worker (or another process of the machine) instead.
+
+    Raises:
+        ConfigError: saying what it needs against what there is.
+    """
+    needed = scenario.hosts * (MODEL_COPIES * model_bytes + WORKER_BASE_BYTES)
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"{scenario.name}: its {scenario.hosts} workers need about {needed / 2**30:.1f} "
+            f"GiB (a {model_bytes / 1e6:.0f} MB model about {MODEL_COPIES} times over, each), "
+            f"more than the {available / 2**30:.1f} GiB this machine has available: lower "
+            "workload.model_mb or hosts")
+
+
 def exchange_bits(hosts: int, model_bytes: float) -> float:
     """The bits a worker's link carries each way per iteration at the all-reduce minimum
     (``2 (W-1)/W`` model sizes), in full TCP frames."""
@@ -358,6 +394,7 @@ def run_scenario(scenario: Scenario, say: Callable[[str], None],
     with the cluster already removed, before its error goes on.
     """
     compute, size = compute_and_bytes(scenario)
+    check_memory(scenario, size, available_memory())
     rate = int(exchange_bits(scenario.hosts, size) / (compute * scenario.comm_to_compute))
     nominal = lower_bound(scenario.hosts, compute, size, rate)
     say(

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradlane import benchmark
 from gradlane.benchmark import (
     PAYLOAD_EFFICIENCY,
     cells,
@@ -1052,3 +1053,36 @@ def test_a_cluster_benchmark_without_root_says_so_before_it_runs(
     assert done.stderr.strip().splitlines()[-1] == (
         f"bench/{script}.py needs root (it builds an emulated cluster): run it with sudo")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model_mb, hosts, fits", [(10, 4, True), (600, 4, True),
+                                                    (1000, 4, False), (1000, 2, True)])
+def test_a_scenario_whose_workers_would_not_fit_in_memory_is_refused_before_it_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_mb: int, hosts: int,
+        fits: bool) -> None:
+    # A model_mb of 100,000 (a typo for 100) ran until the kernel's out-of-memory killer
+    # ended a worker, or some other process of the machine.
+    path = tmp_path / "x.toml"
+    path.write_text(f'name = "x"\nhosts = {hosts}\nsystems = ["ddp"]\n[workload]\n'
+                    f'{_trace(model_mb=str(model_mb))}')
+    scenario = load_scenario(path)
+    started = _runs_until(monkeypatch, None, after=0, steps=30)
+    monkeypatch.setattr(benchmark, "available_memory", lambda: 24 << 30)  # this machine's
+    if fits:
+        run_scenario(scenario, say=lambda _: None)
+        assert started and _Cluster.built
+        return
+    _, size = compute_and_bytes(scenario)
+    needed = hosts * (8 * size + (350 << 20))
+    with pytest.raises(ConfigError, match=(
+            f"^x: its {hosts} workers need about {needed / 2**30:.1f} GiB \\(a {size / 1e6:.0f} "
+            r"MB model about 8 times over, each\), more than the 24.0 GiB this machine has "
+            "available: lower workload.model_mb or hosts$")):
+        run_scenario(scenario, say=lambda _: None)
+    assert not started and not _Cluster.built  # nothing was built
+
+
+def test_the_memory_this_machine_has_available_is_read() -> None:
+    available = benchmark.available_memory()
+    assert available is not None and 0 < available <= os.sysconf("SC_PAGE_SIZE") * \
+        os.sysconf("SC_PHYS_PAGES")
