@@ -63,6 +63,7 @@ from gradlane.errors import (
     ProtocolError,
     TcError,
 )
+from gradlane.openfiles import NoRoom, make_room
 from gradlane.policies import JobClassPlan, JobState, Plan, State, get_policy
 from gradlane.units import MIN_RATE_BPS
 
@@ -81,6 +82,25 @@ STATS_EVERY = 1.0
 VERIFY_EVERY = 30.0  # re-read the kernel's tree to repair changes made behind our back
 EXPIRE_EVERY = 1.0
 SEND_TIMEOUT = 5.0
+
+
+def _room_for_clients(clients: int) -> None:
+    """Let `clients` shims connect (a file each): raise the soft open-file limit
+    (`gradlane.openfiles.make_room`; the usual 1,024 is below a large max_clients).
+
+    Raises:
+        ConfigError: the hard limit leaves no room.
+    """
+    try:
+        raised = make_room(clients)
+    except NoRoom as no:
+        raise ConfigError(
+            f"daemon.max_clients = {clients} needs {no.needed} open files with the "
+            f"{no.in_use} open now, over this process's limit of {no.hard}: raise "
+            "LimitNOFILE= in gradlaned's unit (or ulimit -n), or lower daemon.max_clients"
+        ) from None
+    if raised is not None:
+        logger.info("open-file limit raised from %d to %d for %d clients", *raised, clients)
 
 
 def host_id() -> str:
@@ -211,6 +231,7 @@ class Daemon:
     async def serve(self, notify_socket: str | None = None) -> None:
         """Run until `stop()`; restore every interface on the way out, whatever happens."""
         gid = self._socket_gid()  # before anything is touched
+        _room_for_clients(self.config.max_clients)
         await self._open_tc()  # raises, nothing touched, if another gradlaned holds one
         watch: RootWatch | None = None
         try:
@@ -271,6 +292,7 @@ class Daemon:
             return
         try:
             policy = get_policy(config.policy)
+            _room_for_clients(config.max_clients)
         except ConfigError as exc:  # the file names a policy not here: keep the one running
             logger.error("reload refused: %s (nothing reloaded)", exc)
             return

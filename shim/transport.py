@@ -23,7 +23,6 @@ import ipaddress
 import json
 import logging
 import os
-import resource
 import select
 import socket
 import struct
@@ -36,6 +35,7 @@ from typing import Protocol
 import torch
 
 from gradlane.errors import TransportError
+from gradlane.openfiles import NoRoom, make_room
 from gradlane.policies.chunks import host_groups
 
 __all__ = [
@@ -286,29 +286,24 @@ def _tune(sock: socket.socket, dscp: int, credit: int, sndbuf: int) -> None:
 
 
 def _room_for(sockets: int, rank: int) -> None:
-    """Make room for `sockets` more open files: raise the soft limit towards the hard one
-    (a flat exchange of 300 ranks needs 1,196 connections a rank; the usual soft limit
-    is 1,024), or say what to raise.
+    """Make room for `sockets` more open files (`gradlane.openfiles.make_room`: a flat
+    exchange of 300 ranks needs 1,196 connections a rank; the usual soft limit is
+    1,024), or say what to raise.
 
     Raises:
         TransportError: the hard limit leaves no room.
     """
     try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:  # no procfs: leave the limits as they are
-        return
-    needed = in_use + sockets + 64  # and some for the files training opens meanwhile
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or needed <= soft:
-        return
-    if hard != resource.RLIM_INFINITY and needed > hard:
+        raised = make_room(sockets)
+    except NoRoom as no:
         raise TransportError(
-            f"rank {rank} needs {sockets} connections and has {in_use} files open, over "
-            f"the open-file limit of {hard}: raise it (ulimit -n, or LimitNOFILE= in a "
-            "systemd unit), or reduce within hosts or leaves (fewer connections a rank)")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-    logger.info("rank %d: open-file limit raised from %d to %d for %d connections",
-                rank, soft, needed, sockets)
+            f"rank {rank} needs {sockets} connections and has {no.in_use} files open, over "
+            f"the open-file limit of {no.hard}: raise it (ulimit -n, or LimitNOFILE= in a "
+            "systemd unit), or reduce within hosts or leaves (fewer connections a rank)"
+        ) from None
+    if raised is not None:
+        logger.info("rank %d: open-file limit raised from %d to %d for %d connections",
+                    rank, *raised, sockets)
 
 
 def tree_neighbours(parents: Sequence[int], rank: int) -> tuple[int, list[int]]:

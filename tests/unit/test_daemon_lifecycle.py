@@ -6,9 +6,11 @@ import dataclasses
 import errno
 import grp
 import os
+import re
 import socket
 import stat
 import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from gradlane.daemon.qdisc import ClassStats, QdiscSpec
 from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import Daemon
 from gradlane.errors import GradlaneError, TcError
+from tests import REPO
 from tests.fakes import FakeBackend, fake_config, until
 
 
@@ -252,3 +255,84 @@ def test_an_interface_that_cannot_be_restored_is_logged_and_the_others_still_are
     [record] = [r for r in caplog.records if r.levelname == "ERROR"]
     assert record.getMessage() == "fake0: could not restore the original qdisc"
     assert record.exc_info is not None and record.exc_info[0] is TcError
+
+
+def test_a_max_clients_past_the_soft_open_file_limit_raises_it_and_the_clients_connect(
+        tmp_path: Path) -> None:
+    # systemd gives services a soft limit of 1,024 files: with daemon.max_clients set
+    # above it, accept() failed (EMFILE) past that many shims, each left waiting. Here
+    # the soft limit is this process's files and 50, for 150 shims.
+    import resource
+
+    from gradlane.daemon import protocol
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    if hard != resource.RLIM_INFINITY and hard < in_use + 1000:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room to raise the soft one")
+    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), max_clients=400)
+    daemon = Daemon(config, backend_factory=FakeBackend)
+    shims: list[socket.socket] = []
+
+    def connect() -> None:  # off the loop, which accepts meanwhile
+        for rank in range(150):
+            sock = socket.socket(socket.AF_UNIX)
+            shims.append(sock)
+            sock.settimeout(10)
+            sock.connect(str(config.socket_path))
+            sock.sendall(protocol.encode({"type": "hello", "version": 1, "job": "many",
+                                          "rank": rank, "world_size": 150, "flows": []}))
+
+    async def body() -> None:
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= in_use + 400
+        await asyncio.to_thread(connect)
+        await until(lambda: len(daemon.registry.workers()) == 150)
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 50, hard))
+    try:
+        asyncio.run(_serving(daemon, body))
+    finally:
+        for sock in shims:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_max_clients_past_the_hard_open_file_limit_is_refused_naming_it(
+        tmp_path: Path) -> None:
+    # At start: nothing touched. At a reload (SIGHUP): nothing reloaded. The hard limit
+    # cannot be raised again without privileges: in a process of its own.
+    script = (
+        "import asyncio, dataclasses, logging, os, resource, sys\n"
+        "from pathlib import Path\n"
+        "from gradlane.daemon.service import Daemon\n"
+        "from gradlane.errors import ConfigError\n"
+        "from tests.fakes import FakeBackend, fake_config\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "config = dataclasses.replace(fake_config(Path(sys.argv[1])), max_clients=10)\n"
+        "n = len(os.listdir('/proc/self/fd')) + 100\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))\n"
+        "async def main():\n"
+        "    daemon = Daemon(config, backend_factory=FakeBackend)\n"
+        "    serving = asyncio.create_task(daemon.serve())\n"
+        "    await asyncio.wait_for(daemon.ready.wait(), 10)\n"
+        "    await daemon.reload(dataclasses.replace(config, max_clients=1000))\n"
+        "    print('kept', daemon.config.max_clients)\n"
+        "    daemon.stop()\n"
+        "    await serving\n"
+        "    big = Daemon(dataclasses.replace(config, max_clients=1000),\n"
+        "                 backend_factory=FakeBackend)\n"
+        "    try:\n"
+        "        await big.serve()\n"
+        "    except ConfigError as exc:\n"
+        "        print(exc)\n"
+        "    print('untouched', big._backends[0].applied == 0, config.socket_path.exists())\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "gl.sock")],
+                          capture_output=True, text=True, timeout=120, check=True, cwd=REPO)
+    said = (r"daemon.max_clients = 1000 needs \d+ open files with the \d+ open now, over this "
+            r"process's limit of \d+: raise LimitNOFILE= in gradlaned's unit \(or ulimit -n\), "
+            r"or lower daemon.max_clients")
+    assert re.search(f"^{said}$", done.stdout, re.M), done.stdout
+    assert re.search(f"reload refused: {said} \\(nothing reloaded\\)", done.stderr), done.stderr
+    assert "kept 10" in done.stdout and "untouched True False" in done.stdout, done.stdout
