@@ -92,15 +92,13 @@ def _room_for_clients(clients: int) -> None:
         ConfigError: the hard limit leaves no room.
     """
     try:
-        raised = make_room(clients)
+        make_room(clients, f"{clients} clients")
     except NoRoom as no:
         raise ConfigError(
             f"daemon.max_clients = {clients} needs {no.needed} open files with the "
             f"{no.in_use} open now, over this process's limit of {no.hard}: raise "
             "LimitNOFILE= in gradlaned's unit (or ulimit -n), or lower daemon.max_clients"
         ) from None
-    if raised is not None:
-        logger.info("open-file limit raised from %d to %d for %d clients", *raised, clients)
 
 
 def host_id() -> str:

@@ -7,11 +7,14 @@ band connections and gradlaned for its clients.
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 from dataclasses import dataclass
 
 __all__ = ["MARGIN", "NoRoom", "make_room"]
+
+logger = logging.getLogger(__name__)
 
 MARGIN = 64  # files for whatever else the process opens meanwhile
 
@@ -25,26 +28,23 @@ class NoRoom(Exception):
     in_use: int
 
 
-def make_room(more: int) -> tuple[int, int] | None:
+def make_room(more: int, what: str) -> None:
     """Let `more` files open beyond those open now (and `MARGIN`): raise the soft limit
-    if it is lower.
-
-    Returns:
-        The soft limit before and after, if it was raised; None if there was room, or
-        no procfs to count the open files by.
+    if it is lower, logging it for `what`. Without procfs to count the open files by,
+    the limits are left as they are.
 
     Raises:
         NoRoom: the hard limit is lower than that.
     """
     try:
         in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:  # no procfs: leave the limits as they are
-        return None
+    except OSError:
+        return
     needed = in_use + more + MARGIN
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or needed <= soft:
-        return None
+        return
     if hard != resource.RLIM_INFINITY and needed > hard:
         raise NoRoom(needed, hard, in_use)
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-    return soft, needed
+    logger.info("open-file limit raised from %d to %d for %s", soft, needed, what)

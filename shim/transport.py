@@ -294,16 +294,13 @@ def _room_for(sockets: int, rank: int) -> None:
         TransportError: the hard limit leaves no room.
     """
     try:
-        raised = make_room(sockets)
+        make_room(sockets, f"rank {rank}'s {sockets} connections")
     except NoRoom as no:
         raise TransportError(
             f"rank {rank} needs {sockets} connections and has {no.in_use} files open, over "
             f"the open-file limit of {no.hard}: raise it (ulimit -n, or LimitNOFILE= in a "
             "systemd unit), or reduce within hosts or leaves (fewer connections a rank)"
         ) from None
-    if raised is not None:
-        logger.info("rank %d: open-file limit raised from %d to %d for %d connections",
-                    rank, *raised, sockets)
 
 
 def tree_neighbours(parents: Sequence[int], rank: int) -> tuple[int, list[int]]:
