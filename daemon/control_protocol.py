@@ -243,7 +243,7 @@ def fit(message: dict[str, Any], binary: bool) -> tuple[str | bytes, list[str]]:
     owners (a plan's ``ownership``) were left out for it, largest first. Still over
     `MAX_MESSAGE` if the rest is (the receiver refuses it)."""
     data = encode(message, binary)
-    if len(data) <= MAX_MESSAGE:
+    if len(data) <= MAX_MESSAGE or message.get("type") not in ("report", "plan"):
         return data, []
     if message["type"] == "report":
         jobs = {job["name"]: dict(job) for job in message["jobs"]}

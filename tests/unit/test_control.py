@@ -1161,6 +1161,8 @@ def test_a_report_over_the_size_cap_leaves_out_the_largest_jobs_chunk_lists(
     assert all(len(j.workers) == 2 for j in parsed.jobs)  # only the chunk lists go
     small = {**report, "jobs": report["jobs"][2:]}
     assert _fits_leaving_out_the_largest_fewest(small, binary, chunks, without) == []
+    other = {"type": "welcome", "pad": "x" * cp.MAX_MESSAGE}  # nothing in it can give way
+    assert cp.fit(other, binary) == (cp.encode(other, binary), [])
 
 
 @pytest.mark.parametrize("binary", [False, True])
