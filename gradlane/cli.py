@@ -554,6 +554,11 @@ def sim(experiment: str, policies: tuple[str, ...], seed: int, hosts: int, mixed
                                     mixed, progress, load, buckets, store_forward)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
+        except MemoryError as exc:  # numpy's says how much it asked for
+            raise click.ClickException(
+                f"not enough memory for the {experiment} experiment at {hosts} hosts ({exc}): "
+                "fewer --hosts (a job's reduction trees take memory by the square of its "
+                "ranks)") from None
     write_result(path, result)
     figure = png or path.with_suffix(".png")
     plot(result, figure)

@@ -246,3 +246,24 @@ def test_a_file_that_could_not_be_written_is_refused_before_the_run(argv: list[s
 def test_a_fraction_of_slow_servers_outside_0_1_is_refused_by_its_flag() -> None:
     result = CliRunner().invoke(cli, ["sim", "cluster", "--hosts", "64", "--mixed", "2"])
     assert result.exit_code == 2 and "--mixed" in result.output
+
+
+def test_a_simulation_too_large_for_the_memory_says_so_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --hosts 1048576: a job's reduction trees (a square of its ranks) asked numpy for
+    # 39.5 GiB, and the user got its traceback.
+    import gradlane.simulation
+
+    def too_big(*_args: object) -> None:
+        raise MemoryError("Unable to allocate 39.5 GiB for an array with shape (72848, 72848)")
+
+    monkeypatch.setattr(gradlane.simulation, "run_experiment", too_big)
+    out = tmp_path / "sim.json"
+    shown = CliRunner().invoke(cli, ["sim", "cluster", "--hosts", "1048576", "--json", str(out)])
+    assert shown.exit_code == 1 and shown.exception is not None and \
+        isinstance(shown.exception, SystemExit), shown.output
+    assert shown.output == (
+        "Error: not enough memory for the cluster experiment at 1048576 hosts (Unable to "
+        "allocate 39.5 GiB for an array with shape (72848, 72848)): fewer --hosts (a job's "
+        "reduction trees take memory by the square of its ranks)\n"), shown.output
+    assert not out.exists()
