@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import select
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradlane.daemon import protocol
+from gradlane.daemon.control_protocol import MAX_BATCH
 from gradlane.daemon.fields import exchange_fields, features
 from gradlane.errors import ProtocolError
 
@@ -202,10 +204,13 @@ class DaemonClient:
         at any step (``batch = sync.advised_batch_size or batch``); no agreement
         between workers is needed, because averages are weighted by each
         worker's actual sample count, so any mix of batch sizes gives the exact
-        average of that step's samples.
+        average of that step's samples. At most what `Sync.samples` takes
+        (`control_protocol.MAX_BATCH`).
         """
         share = self.advised_batch_share
-        return int(share) if share is not None and share >= 1 else None
+        if share is None or not 1 <= share < math.inf:
+            return None
+        return min(int(share), MAX_BATCH)
 
     def flows_changed(self) -> None:
         """The mesh's connections changed (`Mesh.connect`): register them anew."""

@@ -195,7 +195,11 @@ def test_the_job_s_global_batch_alone_is_said_once_agreed(tmp_path: Path) -> Non
     assert _said(daemon)[-1] == {"global_batch": 64}
 
 
-@pytest.mark.parametrize("share, size", [(24, 24), (24.7, 24), (1, 1), (0.5, None), (None, None)])
+@pytest.mark.parametrize("share, size", [
+    (24, 24), (24.7, 24), (1, 1), (0.5, None), (None, None), (float("nan"), None),
+    # What `samples` takes at most (a share past it, or a daemon's inf, set as the
+    # samples would be refused, or overflow int()).
+    (1 << 30, 1 << 24), (float("inf"), None)])
 def test_the_advised_batch_size_is_a_whole_share_of_at_least_one_sample(
         tmp_path: Path, share: float | None, size: int | None) -> None:
     client = DaemonClient(ShimConfig(daemon_socket=str(tmp_path / "none.sock"), dscp=(46,)),
