@@ -98,7 +98,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from gradlane.demo import past_warm_up, run_timeout, steady_start
 from gradlane.errors import ConfigError, GradlaneError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
-from gradlane.policies.chunks import LAYOUTS
+from gradlane.policies.chunks import LAYOUTS, OPTION_BYTES
 from gradlane.policies.profiles import trace_layers as profile_layers
 from gradlane.policies.profiles import trace_totals
 from gradlane.systems import DAEMON_SYSTEMS, REFERENCE, SYSTEMS
@@ -207,10 +207,11 @@ def load_scenario(path: Path) -> Scenario:
         raise ConfigError(f"{path}: need hosts 2..8, steps >= 10, rounds >= 1")
     if not scenario.comm_to_compute > 0:
         raise ConfigError(f"{path}: comm_to_compute must be positive")
-    if scenario.chunk_bytes is not None and not 4096 <= scenario.chunk_bytes <= 1 << 30:
-        raise ConfigError(f"{path}: chunk_bytes must be 4096..{1 << 30}")
-    if scenario.credit_bytes is not None and not 1024 <= scenario.credit_bytes <= 1 << 30:
-        raise ConfigError(f"{path}: credit_bytes must be 1024..{1 << 30}")
+    for key in ("chunk_bytes", "credit_bytes"):  # the shim's ranges, before any cluster
+        least, most = OPTION_BYTES[key]
+        value = getattr(scenario, key)
+        if value is not None and not least <= value <= most:
+            raise ConfigError(f"{path}: {key} must be {least}..{most}")
     return scenario
 
 

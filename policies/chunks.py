@@ -20,13 +20,19 @@ from gradlane.errors import ConfigError
 
 __all__ = [
     "COARSE_GROUP_BYTES", "DEFAULT_CHUNK_BYTES", "EXCHANGE_OPTIONS", "LAYOUTS", "MIN_CHUNK_BYTES",
-    "MIN_GROUP_BYTES", "RING_AUTO_MAX_WORLD", "TRIAL_BLOCK", "TRIAL_START", "Owning", "Routes",
+    "MIN_GROUP_BYTES", "OPTION_BYTES", "RING_AUTO_MAX_WORLD", "TRIAL_BLOCK", "TRIAL_START",
+    "Owning", "Routes",
     "all_reduction_parents", "assign_owners", "assign_owners_of", "band_of", "exchange_kind",
     "group_consecutive", "host_groups", "layout_sizes", "reduction_parents", "ring_routes",
     "trial_schedule", "uses_ring",
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # `gradlane.shim.ShimConfig.chunk_bytes`
+# The ranges of `gradlane.shim.ShimConfig`'s sizes in bytes (here, where the bench's
+# scenarios check them too, without torch). Credit and SO_SNDBUF are socket options, C
+# ints: 2 GiB or more failed at the first connect.
+OPTION_BYTES = {"chunk_bytes": (4096, 1 << 30), "credit_bytes": (1024, 1 << 30),
+                "sndbuf_bytes": (0, 1 << 30)}
 LAYOUTS = ("auto", "fine", "coarse")  # `gradlane.shim.ShimConfig.layout`
 EXCHANGE_OPTIONS = ("auto", "flat", "ring")  # `gradlane.shim.ShimConfig.exchange` (`uses_ring`)
 MIN_CHUNK_BYTES = 64 << 10
@@ -229,7 +235,8 @@ def layout_sizes(
     measured 1.12x and 1.08-1.09x (README, "Around the ring").
     """
     hops = max(1, world - 1) if ring else 1
-    fine = max(4096, min(chunk_bytes, max(MIN_CHUNK_BYTES, model_bytes // (4 * world * hops))))
+    least = OPTION_BYTES["chunk_bytes"][0]
+    fine = max(least, min(chunk_bytes, max(MIN_CHUNK_BYTES, model_bytes // (4 * world * hops))))
     if layout == "coarse":
         return COARSE_GROUP_BYTES, max(fine, min(COARSE_GROUP_BYTES, model_bytes // (2 * world)))
     return MIN_GROUP_BYTES, fine

@@ -14,7 +14,7 @@ from gradlane.daemon.fields import MAX_LEAF, MAX_NAME
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.daemon.registry import RESERVED_PREFIX
 from gradlane.errors import ConfigError
-from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, EXCHANGE_OPTIONS, LAYOUTS
+from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, EXCHANGE_OPTIONS, LAYOUTS, OPTION_BYTES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -192,14 +192,14 @@ class ShimConfig:
             if not isinstance(value, kind) or (isinstance(value, bool) and plain is not bool):
                 raise ConfigError(f"{name} must be {words}, got {value!r}")
             object.__setattr__(self, name, plain(value))
-        if not 4096 <= self.chunk_bytes <= 1 << 30:
-            raise ConfigError(f"chunk_bytes must be 4 KiB..1 GiB, got {self.chunk_bytes}")
+        for name, (least, most) in OPTION_BYTES.items():
+            if not least <= getattr(self, name) <= most:
+                raise ConfigError(f"{name} must be {_size(least)}..{_size(most)}, got "
+                                  f"{getattr(self, name)}")
         if not 1 <= len(self.dscp) <= 8:
             raise ConfigError(f"dscp must list 1..8 bands, got {len(self.dscp)}")
         if not all(isinstance(d, int) and 0 <= d < 64 for d in self.dscp):
             raise ConfigError(f"dscp values must be integers 0..63, got {self.dscp}")
-        if self.credit_bytes < 1024:
-            raise ConfigError(f"credit_bytes must be >= 1024, got {self.credit_bytes}")
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf overflows the sockets' timeouts
             raise ConfigError(f"timeout_s must be positive, at most {MAX_TIMEOUT_S:g} (a "
                               f"day), got {self.timeout_s}")
@@ -207,8 +207,6 @@ class ShimConfig:
                 or self.job.startswith(RESERVED_PREFIX)):  # as gradlaned takes it
             raise ConfigError(f"job must be 1..{MAX_NAME} printable characters, not starting "
                               f"with {RESERVED_PREFIX!r}: {self.job!r}")
-        if self.sndbuf_bytes < 0:
-            raise ConfigError(f"sndbuf_bytes must be >= 0, got {self.sndbuf_bytes}")
         if self.leaf is not None and not 0 <= self.leaf < MAX_LEAF:
             raise ConfigError(f"leaf must be an integer 0..{MAX_LEAF - 1} or None, "
                               f"got {self.leaf!r}")
@@ -242,3 +240,11 @@ class ShimConfig:
         """The options every worker of a job must share (checked at attach)."""
         return {"chunk_bytes": self.chunk_bytes, "bands": self.bands, "overlap": self.overlap,
                 "layout": self.layout, "exchange": self.exchange}
+
+
+def _size(n: int) -> str:
+    """A byte size as the bounds are said: 4 KiB, 1 GiB, 0."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return str(n)

@@ -40,6 +40,7 @@ def test_the_edges_of_every_range_are_taken() -> None:
         assert getattr(ShimConfig.of({name: value}), name) == value
     assert ShimConfig.of({"chunk_bytes": 1 << 30, "dscp": (0,), "leaf": 0}).bands == 1
     assert ShimConfig.of({"timeout_s": 86400}).timeout_s == 86400
+    assert ShimConfig.of({"credit_bytes": 1 << 30, "sndbuf_bytes": 1 << 30}).credit_bytes == 1 << 30
 
 
 @pytest.mark.parametrize("options, says", [
@@ -50,7 +51,9 @@ def test_the_edges_of_every_range_are_taken() -> None:
     ({"dscp": (46, 64)}, r"dscp values must be integers 0..63, got \(46, 64\)"),
     ({"dscp": (46, -1)}, "dscp values must be integers 0..63"),
     ({"dscp": (46.0,)}, "dscp values must be integers 0..63"),
-    ({"credit_bytes": 1023}, "credit_bytes must be >= 1024, got 1023"),
+    ({"credit_bytes": 1023}, "credit_bytes must be 1 KiB..1 GiB, got 1023"),
+    # A socket option, a C int: 2 GiB failed at the first connect (TypeError).
+    ({"credit_bytes": 1 << 31}, "credit_bytes must be 1 KiB..1 GiB, got 2147483648"),
     ({"timeout_s": 0}, r"timeout_s must be positive, at most 86400 \(a day\), got 0"),
     ({"timeout_s": float("nan")}, "timeout_s must be positive, at most 86400 .*, got nan"),
     ({"timeout_s": float("inf")}, "timeout_s must be positive, at most 86400 .*, got inf"),
@@ -61,7 +64,8 @@ def test_the_edges_of_every_range_are_taken() -> None:
                          "'_hidden'"),
     ({"job": "train\n"}, "job must be 1..128 printable characters, not starting with '_': "
                          "'train"),
-    ({"sndbuf_bytes": -1}, "sndbuf_bytes must be >= 0, got -1"),
+    ({"sndbuf_bytes": -1}, "sndbuf_bytes must be 0..1 GiB, got -1"),
+    ({"sndbuf_bytes": 1 << 31}, "sndbuf_bytes must be 0..1 GiB, got 2147483648"),
     ({"leaf": -1}, "leaf must be an integer 0..65535 or None, got -1"),
     ({"leaf": 65536}, "leaf must be an integer 0..65535 or None, got 65536"),
     ({"leaf": "1"}, "leaf must be an integer 0..65535 or None, got '1'"),
