@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradlane.daemon.fields import MAX_LEAF
+from gradlane.daemon.fields import MAX_LEAF, MAX_SOCKET_PATH
 from gradlane.daemon.qdisc import DEFAULT_BAND_DSCP, MAX_BANDS
 from gradlane.errors import ConfigError
 from gradlane.units import parse_rate
@@ -46,7 +46,6 @@ __all__ = [
 DEFAULT_SOCKET = Path("/run/gradlane/gradlaned.sock")
 DEFAULT_STATE_DIR = Path("/run/gradlane")
 DEFAULT_HTTP = "127.0.0.1:9464"
-MAX_SOCKET_PATH = 107  # bytes: sun_path's 108, less the NUL that ends it
 # gradlane shapes this far under the line rate, so the queue (and the scheduling) sits in
 # its tree instead of the NIC (systemd/gradlaned.toml says what the margin covers).
 DEFAULT_SHAPE_FRACTION = 0.95

@@ -17,6 +17,7 @@ __all__ = [
     "HOST_EXCHANGE",
     "MAX_LEAF",
     "MAX_NAME",
+    "MAX_SOCKET_PATH",
     "agreed_exchange",
     "exchange",
     "exchange_fields",
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 MAX_NAME = 128
+MAX_SOCKET_PATH = 107  # bytes of gradlaned's socket path: sun_path's 108, less the ending NUL
 # Leaf switches are numbered below this (a host's, in its config, register and plans).
 MAX_LEAF = 1 << 16
 # How a job's ranks agreed to exchange gradients (`gradlane.policies.demand.Exchange`):

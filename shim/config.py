@@ -10,7 +10,7 @@ from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
 from gradlane.daemon.control_protocol import MAX_BATCH
-from gradlane.daemon.fields import MAX_LEAF, MAX_NAME
+from gradlane.daemon.fields import MAX_LEAF, MAX_NAME, MAX_SOCKET_PATH
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
 from gradlane.daemon.registry import RESERVED_PREFIX
 from gradlane.errors import ConfigError
@@ -196,6 +196,9 @@ class ShimConfig:
             if not least <= getattr(self, name) <= most:
                 raise ConfigError(f"{name} must be {_size(least)}..{_size(most)}, got "
                                   f"{getattr(self, name)}")
+        if not 0 < len(os.fsencode(self.daemon_socket)) <= MAX_SOCKET_PATH:  # as gradlaned's
+            raise ConfigError(f"daemon_socket must be a path of 1..{MAX_SOCKET_PATH} bytes (the "
+                              f"kernel's limit for a Unix socket), got {self.daemon_socket!r}")
         if not 1 <= len(self.dscp) <= 8:
             raise ConfigError(f"dscp must list 1..8 bands, got {len(self.dscp)}")
         if not all(isinstance(d, int) and 0 <= d < 64 for d in self.dscp):

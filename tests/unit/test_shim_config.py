@@ -41,6 +41,7 @@ def test_the_edges_of_every_range_are_taken() -> None:
     assert ShimConfig.of({"chunk_bytes": 1 << 30, "dscp": (0,), "leaf": 0}).bands == 1
     assert ShimConfig.of({"timeout_s": 86400}).timeout_s == 86400
     assert ShimConfig.of({"credit_bytes": 1 << 30, "sndbuf_bytes": 1 << 30}).credit_bytes == 1 << 30
+    assert len(ShimConfig.of({"daemon_socket": "/run/" + "g" * 102}).daemon_socket) == 107
 
 
 @pytest.mark.parametrize("options, says", [
@@ -65,6 +66,10 @@ def test_the_edges_of_every_range_are_taken() -> None:
     ({"job": "train\n"}, "job must be 1..128 printable characters, not starting with '_': "
                          "'train"),
     ({"sndbuf_bytes": -1}, "sndbuf_bytes must be 0..1 GiB, got -1"),
+    # Past the kernel's limit, connect() failed every 2 s for as long as the job ran.
+    ({"daemon_socket": "/run/" + "g" * 103}, "daemon_socket must be a path of 1..107 bytes "
+                                            r"\(the kernel's limit for a Unix socket\), got"),
+    ({"daemon_socket": ""}, "daemon_socket must be a path of 1..107 bytes"),
     ({"sndbuf_bytes": 1 << 31}, "sndbuf_bytes must be 0..1 GiB, got 2147483648"),
     ({"leaf": -1}, "leaf must be an integer 0..65535 or None, got -1"),
     ({"leaf": 65536}, "leaf must be an integer 0..65535 or None, got 65536"),
