@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradlane.daemon.fields import MAX_LEAF, MAX_SOCKET_PATH
+from gradlane.daemon.control_protocol import MAX_INTERFACES
+from gradlane.daemon.fields import MAX_LEAF, MAX_NAME, MAX_SOCKET_PATH
 from gradlane.daemon.qdisc import DEFAULT_BAND_DSCP, MAX_BANDS
 from gradlane.errors import ConfigError
 from gradlane.units import parse_rate
@@ -259,9 +260,15 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
     leaf = control.get("leaf", 0)
     if isinstance(leaf, bool) or not isinstance(leaf, int) or not 0 <= leaf < MAX_LEAF:
         raise fail("control.leaf", f"must be an integer in 0..{MAX_LEAF - 1}, got {leaf!r}")
+    # What a control plane registers (`control_protocol.parse_register`): refused there,
+    # the daemon would register again every second and never be planned.
     host = control.get("host")
-    if host is not None and (not isinstance(host, str) or not host):
-        raise fail("control.host", "must be non-empty text")
+    if host is not None and (not isinstance(host, str) or not 0 < len(host) <= MAX_NAME
+                             or not host.isprintable()):
+        raise fail("control.host", f"must be 1..{MAX_NAME} printable characters, got {host!r}")
+    if url is not None and len(ifaces) > MAX_INTERFACES:
+        raise fail("interface", f"at most {MAX_INTERFACES} with a control plane (what it "
+                                f"registers of a host), got {len(ifaces)}")
     return DaemonConfig(
         interfaces=tuple(ifaces),
         bands=tuple(bands),

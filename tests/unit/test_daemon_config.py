@@ -96,7 +96,15 @@ def test_values_at_their_limits_and_defaults(tmp_path: Path) -> None:
         (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nleaf = -1\n',
          r"control.leaf: must be an integer in 0..65535, got -1"),
         (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nhost = ""\n',
-         "control.host: must be non-empty text"),
+         "control.host: must be 1..128 printable characters, got ''"),
+        # What a control plane would refuse at every registration, the host never planned.
+        (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nhost = "h\\t1"\n',
+         r"control.host: must be 1..128 printable characters, got 'h\\t1'"),
+        (GOOD + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nhost = "' + "h" * 129
+         + '"\n', "control.host: must be 1..128 printable characters"),
+        (GOOD + "".join(f'\n[[interface]]\nname = "e{i}"\nrate = "1gbit"\n' for i in range(16))
+         + '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\n',
+         "interface: at most 16 with a control plane \\(what it registers of a host\\), got 17"),
         ('daemon = 1\n[[interface]]\nname = "eth0"\nrate = "1gbit"\n',
          "daemon: must be a table"),
         ('[[interface]]\nrate = "1gbit"\n', r'interface\[0\]: needs a name, e.g. name = "eth0"'),
@@ -157,3 +165,11 @@ def test_an_address_not_of_this_host_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(GradlaneError, match="cannot listen on 192.0.2.1:9464 for /status"):
         asyncio.run(daemon.serve())
     assert backend.restored and not config.socket_path.exists()
+
+
+def test_what_a_control_plane_registers_is_taken_to_its_edges(tmp_path: Path) -> None:
+    nics = "".join(f'\n[[interface]]\nname = "e{i}"\nrate = "1gbit"\n' for i in range(16))
+    control = '\n[control]\nurl = "http://a:1"\ntoken_file = "/t"\nhost = "' + "h" * 128 + '"\n'
+    config = load_config(write(tmp_path, GOOD + nics[:nics.rindex("[[")] + control))
+    assert len(config.interfaces) == 16 and config.control_host == "h" * 128
+    assert len(load_config(write(tmp_path, GOOD + nics)).interfaces) == 17  # no control plane
