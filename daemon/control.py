@@ -119,7 +119,9 @@ def read_token(path: Path, *, warn: bool = True) -> str:
     logged if others may read it too (`token_exposed`).
 
     Raises:
-        ConfigError: unreadable, or shorter than 16 characters.
+        ConfigError: unreadable, shorter than 16 characters, or not one word of printable
+            ASCII (it goes in an HTTP header: a second line there failed every daemon's
+            connection, as a "header injection").
     """
     try:
         token = path.read_text().strip()
@@ -129,6 +131,9 @@ def read_token(path: Path, *, warn: bool = True) -> str:
         raise ConfigError(f"cannot read the token file {path}: not UTF-8 text") from None
     if len(token) < 16:
         raise ConfigError(f"{path}: the token must be at least 16 characters")
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        raise ConfigError(f"{path}: the token must be one word of printable ASCII (no spaces, "
+                          "one line), as `head -c 32 /dev/urandom | base64` writes")
     exposed = warn and token_exposed(path)
     if exposed:
         logger.warning("%s", exposed)

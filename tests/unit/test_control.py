@@ -569,6 +569,15 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
     assert read_token(path) == TOKEN
     path.write_text("x" * 16)
     assert read_token(path) == "x" * 16
+    # It goes in an HTTP header: a second line there failed every daemon's connection
+    # ("Forbidden control character"), and the control plane took the file as it was.
+    for bad in (f"{TOKEN}\n{TOKEN}\n", f"{TOKEN} {TOKEN}", f"{TOKEN}\u00e9", f"{TOKEN}\x07"):
+        path.write_text(bad)
+        with pytest.raises(ConfigError, match=f"^{path}: the token must be one word of "
+                                              r"printable ASCII \(no spaces, one line\)"):
+            read_token(path)
+    path.write_text("Zm9vYmFyYmF6cXV4Zm9vYmFy+/==\n")  # base64's alphabet
+    assert read_token(path) == "Zm9vYmFyYmF6cXV4Zm9vYmFy+/=="
 
 
 def test_a_token_file_others_may_read_is_warned_of_and_still_taken(
