@@ -1706,6 +1706,9 @@ def test_samples_set_by_hand_are_a_whole_count_checked_where_they_are_set(bad: o
             assert handle.samples is None  # left as it was
             handle.samples = np.int64(24)
             assert handle.samples == 24 and type(handle.samples) is int
+            for edge in (0, 1 << 24):  # a rank with no samples this step; the most
+                handle.samples = edge
+                assert handle.samples == edge
             handle.samples = None
         sync.samples = 4
         x, y = data(0)
