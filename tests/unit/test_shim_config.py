@@ -42,6 +42,7 @@ def test_the_edges_of_every_range_are_taken() -> None:
     assert ShimConfig.of({"timeout_s": 86400}).timeout_s == 86400
     assert ShimConfig.of({"credit_bytes": 1 << 30, "sndbuf_bytes": 1 << 30}).credit_bytes == 1 << 30
     assert len(ShimConfig.of({"daemon_socket": "/run/" + "g" * 102}).daemon_socket) == 107
+    assert ShimConfig.of({"daemon_socket": "s"}).daemon_socket == "s"  # relative, one byte
 
 
 @pytest.mark.parametrize("options, says", [
