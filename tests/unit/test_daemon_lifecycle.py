@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -275,11 +276,18 @@ def test_a_max_clients_past_the_soft_open_file_limit_raises_it_and_the_clients_c
     shims: list[socket.socket] = []
 
     def connect() -> None:  # off the loop, which accepts meanwhile
+        deadline = time.monotonic() + 60
         for rank in range(150):
             sock = socket.socket(socket.AF_UNIX)
             shims.append(sock)
             sock.settimeout(10)
-            sock.connect(str(config.socket_path))
+            while True:  # a full backlog (a loop slow to accept, on a busy machine): again
+                try:
+                    sock.connect(str(config.socket_path))
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, "the daemon stopped accepting"
+                    time.sleep(0.01)
             sock.sendall(protocol.encode({"type": "hello", "version": 1, "job": "many",
                                           "rank": rank, "world_size": 150, "flows": []}))
 
