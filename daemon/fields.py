@@ -18,6 +18,7 @@ __all__ = [
     "MAX_LEAF",
     "MAX_NAME",
     "MAX_SOCKET_PATH",
+    "RESERVED_PREFIX",
     "agreed_exchange",
     "exchange",
     "exchange_fields",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 MAX_NAME = 128
+RESERVED_PREFIX = "_"  # job names the daemon uses itself (its registry refuses them)
 MAX_SOCKET_PATH = 107  # bytes of gradlaned's socket path: sun_path's 108, less the ending NUL
 # Leaf switches are numbered below this (a host's, in its config, register and plans).
 MAX_LEAF = 1 << 16

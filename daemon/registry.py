@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gradlane.daemon.control_protocol import MAX_CHUNKS
+from gradlane.daemon.fields import RESERVED_PREFIX
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello, Timing
 from gradlane.errors import ProtocolError
 
 __all__ = ["Credentials", "Registry", "Worker"]
 
-RESERVED_PREFIX = "_"  # job names the daemon uses itself
 TIMINGS_KEPT = 64
 # Throughput is the median rate of this many latest steps: one step slowed by a busy
 # host (a page fault storm, a neighbour's burst) must not move the batch shares.

@@ -10,9 +10,8 @@ from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
 from gradlane.daemon.control_protocol import MAX_BATCH
-from gradlane.daemon.fields import MAX_LEAF, MAX_NAME, MAX_SOCKET_PATH
+from gradlane.daemon.fields import MAX_LEAF, MAX_NAME, MAX_SOCKET_PATH, RESERVED_PREFIX
 from gradlane.daemon.protocol import DEFAULT_BAND_DSCP
-from gradlane.daemon.registry import RESERVED_PREFIX
 from gradlane.errors import ConfigError
 from gradlane.policies.chunks import DEFAULT_CHUNK_BYTES, EXCHANGE_OPTIONS, LAYOUTS, OPTION_BYTES
 
