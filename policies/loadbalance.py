@@ -144,6 +144,14 @@ def owner_shares(loads: FloatArray, rates: FloatArray) -> list[float]:
     slowest link, ``max_l (shares @ loads)_l / rate_l``, over shares summing to
     1; then, of the shares that reach ``T``, those whose largest share is
     least, so equally good owners share the bytes instead of one taking all.
+
+    Ranks whose loads are the same (ranks of one host, when the exchange
+    reduces within hosts first) are one variable of the programmes, their
+    summed share, split evenly among them after. That is exact: averaging the
+    shares of such ranks loads no link more and makes no share larger, so
+    among the best shares some split each class evenly. It makes the
+    programmes as large as the hosts are many, not the ranks: 1,024 hosts of 8
+    ranks solve 1,024 variables, not 8,192.
     """
     loads = np.asarray(loads, dtype=np.float64)
     rates = np.asarray(rates, dtype=np.float64)
@@ -154,22 +162,29 @@ def owner_shares(loads: FloatArray, rates: FloatArray) -> list[float]:
     used = loads.any(axis=0)
     if w == 1 or not used.any():
         return [1 / w] * w
-    per_share = (loads[:, used] / (rates[used] / rates[used].max())).T  # links x ranks
+    # Classes of ranks with the same loads: one variable each, its members' summed share.
+    rows, of_class, members = np.unique(loads[:, used], axis=0, return_inverse=True,
+                                        return_counts=True)
+    of_class = of_class.reshape(-1)
+    n = len(members)
+    if n == 1:
+        return [1 / w] * w
+    per_share = (rows / (rates[used] / rates[used].max())).T  # links x classes
     n_links = per_share.shape[0]
     linprog = _linprog()
-    minimise_last = np.append(np.zeros(w), 1.0)
-    one = (np.append(np.ones(w), 0.0)[None, :], [1.0])  # the shares sum to 1
+    minimise_last = np.append(np.zeros(n), 1.0)
+    one = (np.append(np.ones(n), 0.0)[None, :], [1.0])  # the shares sum to 1
     slowest = linprog(minimise_last, A_ub=np.hstack([per_share, -np.ones((n_links, 1))]),
                       b_ub=np.zeros(n_links), A_eq=one[0], b_eq=one[1], method="highs")
     if not slowest.success:
         raise ConfigError(f"owner shares: {slowest.message}")
-    spread = linprog(
+    spread = linprog(  # a class's share over its members: each member's, at most the last
         minimise_last,
         A_ub=np.vstack([np.hstack([per_share, np.zeros((n_links, 1))]),
-                        np.hstack([np.eye(w), -np.ones((w, 1))])]),
-        b_ub=np.concatenate([np.full(n_links, slowest.fun * (1 + 1e-8) + 1e-9), np.zeros(w)]),
+                        np.hstack([np.diag(1.0 / members), -np.ones((n, 1))])]),
+        b_ub=np.concatenate([np.full(n_links, slowest.fun * (1 + 1e-8) + 1e-9), np.zeros(n)]),
         A_eq=one[0], b_eq=one[1], method="highs")
-    x = spread.x[:w] if spread.success else slowest.x[:w]
+    x = (spread.x[:n] if spread.success else slowest.x[:n])[of_class] / members[of_class]
     shares = np.where(x < MIN_SHARE, 0.0, x)
     return [float(v) for v in shares / shares.sum()]
 

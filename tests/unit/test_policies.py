@@ -413,6 +413,18 @@ def test_owner_shares_finish_no_later_than_any_shares_on_a_grid(
                      if sum(parts) <= steps]) / steps
     best_on_grid = (grid @ loads / rates).max(axis=1).min()
     assert exchange_time(loads, rates, shares) <= best_on_grid * (1 + 1e-5)
+    # Ranks loading the links alike (ranks of one host here) are one class: one share each.
+    for a, b in itertools.combinations(range(world), 2):
+        if np.array_equal(loads[a], loads[b]):
+            assert shares[a] == pytest.approx(shares[b])
+
+
+def test_owner_shares_spread_ties_over_ranks_not_over_classes_of_ranks() -> None:
+    # Ranks 0-2 load both links, rank 3 the first only: any shares take the first link
+    # a whole model's time. The most even shares are a quarter each, whichever class a
+    # rank is of (a half to each class would give rank 3 half of the bytes).
+    loads = np.array([[1.0, 1.0]] * 3 + [[1.0, 0.0]])
+    assert owner_shares(loads, np.ones(2)) == pytest.approx([0.25] * 4)
 
 
 @st.composite
