@@ -36,6 +36,10 @@ from gradlane.policies.chunks import all_reduction_parents
 
 __all__ = ["Exchange", "bucket_starts"]
 
+# `Exchange.trees` takes owners in blocks of about this many tree edges: its temporaries
+# (some ten integers an edge) stay near 100 MB at any world size, not ~40 W^2 bytes.
+BLOCK_FLOWS = 1 << 20
+
 
 def bucket_starts(chunk_layers: Sequence[int] | IntArray) -> IntArray:
     """Where each bucket starts in a job's chunks, and the end: ``len(buckets) + 1`` indices.
@@ -91,23 +95,31 @@ class Exchange:
         """
         if in_leaf in self._trees:
             return self._trees[in_leaf]
-        w = self.w
-        if self.ring:
-            owner, rank = np.nonzero(~np.eye(w, dtype=bool))  # every rank but the owner
-            edges = [(owner, rank, (rank + 1) % w), (owner, (rank - 1) % w, rank)]
-        else:
-            owner, child, parent, _, _ = self._tree_edges(in_leaf)
-            edges = [(owner, child, parent), (owner, parent, child)]  # up, then down
-        cols = self.columns
-        cells: list[IntArray] = []  # flat (owner, column) of each flow on a link
-        crossing: list[IntArray] = []  # flat (owner, rank) of each flow leaving its leaf
-        for of, a, b in edges:
-            at, col, leaving = self._flow_columns(a, b)
-            cells.append(of[at] * cols + col)
-            crossing.append(of[leaving] * w + a[leaving])
-        per_owner = np.bincount(np.concatenate(cells), minlength=w * cols).astype(np.float64)
-        crossed = np.bincount(np.concatenate(crossing), minlength=w * w).astype(np.float64)
-        self._trees[in_leaf] = per_owner.reshape(w, cols), crossed.reshape(w, w)
+        w, cols = self.w, self.columns
+        parents = None if self.ring else self._parents(in_leaf)
+        per_owner = np.zeros((w, cols))
+        crossed = np.zeros((w, w))
+        step = max(1, BLOCK_FLOWS // w)
+        for first in range(0, w, step):  # owners a block at a time: W^2 flows, in pieces
+            last = min(first + step, w)
+            if parents is None:  # the ring: every rank but the owner
+                owner, rank = np.nonzero(np.arange(first, last)[:, None] != np.arange(w))
+                edges = [(owner, rank, (rank + 1) % w), (owner, (rank - 1) % w, rank)]
+            else:
+                owner, child, parent = _edges(parents[first:last])
+                edges = [(owner, child, parent), (owner, parent, child)]  # up, then down
+            cells: list[IntArray] = []  # flat (owner, column) of each flow on a link
+            crossing: list[IntArray] = []  # flat (owner, rank) of each flow leaving its leaf
+            for of, a, b in edges:  # `of`: the owner, from `first`
+                at, col, leaving = self._flow_columns(a, b)
+                cells.append(of[at] * cols + col)
+                crossing.append(of[leaving] * w + a[leaving])
+            n = last - first
+            per_owner[first:last] = np.bincount(np.concatenate(cells),
+                                                minlength=n * cols).reshape(n, cols)
+            crossed[first:last] = np.bincount(np.concatenate(crossing),
+                                              minlength=n * w).reshape(n, w)
+        self._trees[in_leaf] = per_owner, crossed
         return self._trees[in_leaf]
 
     @property
@@ -133,10 +145,20 @@ class Exchange:
             col += [2 * w + slot[a[cross]], 2 * w + n_leaves + slot[b[cross]]]  # up, down
         return np.concatenate(at), np.concatenate(col), leaving
 
-    def _tree_edges(self, in_leaf: bool
-                    ) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
-        """Every reduction tree's edges (not the ring's): (owner, child, parent, up stage,
-        down stage), each edge once.
+    def _parents(self, in_leaf: bool) -> IntArray:
+        """Every owner's reduction tree (not the ring's), `all_reduction_parents`."""
+        w = self.w
+        if in_leaf and self.by_host:
+            return all_reduction_parents(self.host)
+        if in_leaf and self.uplinks:  # within hosts too, when ranks share some
+            shared = len(self.hosts) < w
+            return all_reduction_parents(self.leaf, self.host if shared else None)
+        return all_reduction_parents(np.zeros(w, dtype=np.int64))
+
+    @staticmethod
+    def _edge_stages(parents: IntArray, owner: IntArray, child: IntArray, parent: IntArray
+                     ) -> tuple[IntArray, IntArray]:
+        """Each tree edge's up and down stage (`stages`).
 
         A chunk's stages, as the shim stores and forwards it whole: a rank sends its
         (partial) sum up once all of its subtree's have reached it, so an edge goes
@@ -144,37 +166,32 @@ class Exchange:
         result goes down each level once it has come down the one above, after the
         owner's height in stages: at that plus the parent's depth.
         """
-        w = self.w
-        if in_leaf and self.by_host:
-            parents = all_reduction_parents(self.host)
-        elif in_leaf and self.uplinks:  # within hosts too, when ranks share some
-            shared = len(self.hosts) < w
-            parents = all_reduction_parents(self.leaf, self.host if shared else None)
-        else:
-            parents = all_reduction_parents(np.zeros(w, dtype=np.int64))
-        owner, child = np.nonzero(parents >= 0)  # every tree edge: (owner, child)
-        parent = parents[owner, child]
+        w = len(parents)
         depth = np.zeros((w, w), dtype=np.int64)
         height = np.zeros((w, w), dtype=np.int64)
-        for _ in range(w):  # a tree is at most a few levels deep; bounded anyway
-            deeper = depth[owner, parent] + 1
-            taller = np.zeros_like(height)
-            np.maximum.at(taller, (owner, parent), height[owner, child] + 1)
-            if np.array_equal(deeper, depth[owner, child]) and np.array_equal(taller, height):
+        rows = np.arange(w)[:, None]
+        above = parents  # each rank's ancestor `level` levels up, -1 past its root
+        for level in range(1, w + 1):  # bounded: a tree of w ranks is less than w deep
+            on = above >= 0
+            if not on.any():
                 break
-            depth[owner, child], height = deeper, taller
-        up = height[owner, child]
-        down = height[owner, owner] + depth[owner, parent]
-        return owner, child, parent, up, down
+            depth += on
+            # The ancestor's subtree is at least `level` high; levels only grow, so the
+            # last write is the largest (writes of one level are all the same).
+            height[np.nonzero(on)[0], above[on]] = level
+            above = np.where(on, parents[rows, np.maximum(above, 0)], -1)
+        return height[owner, child], height[owner, owner] + depth[owner, parent]
 
     def stages(self, in_leaf: bool) -> tuple[IntArray, FloatArray]:
         """Per owner, the flows one chunk puts on each link at each of its stages
-        (`_tree_edges`; not the ring's): ``(n_stages, counts)``, counts shaped
+        (`_edge_stages`; not the ring's): ``(n_stages, counts)``, counts shaped
         ``(owners, max stages, columns)`` (`trees`' columns); a chunk's stages sum
         to its row of `trees`."""
         if self.ring:
             raise ValueError("the ring's hops are not tree stages")
-        owner, child, parent, up, down = self._tree_edges(in_leaf)
+        parents = self._parents(in_leaf)
+        owner, child, parent = _edges(parents)
+        up, down = self._edge_stages(parents, owner, child, parent)
         n_stages = np.zeros(self.w, dtype=np.int64)
         np.maximum.at(n_stages, owner, down + 1)
         depth = int(n_stages.max(initial=0))
@@ -288,3 +305,10 @@ class Exchange:
         nxt = (leaf_of + 1) % len(start)
         next_leaf = by_leaf[start[nxt] + pos % count[nxt]]
         return in_leaf, next_leaf
+
+
+def _edges(parents: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """The tree edges of `parents` rows (`all_reduction_parents`), each once: (the row,
+    the child, its parent)."""
+    row, child = np.nonzero(parents >= 0)
+    return row, child, parents[row, child]

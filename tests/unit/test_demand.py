@@ -1,10 +1,11 @@
 """`gradlane.policies.demand`: the load-equivalent flows carry what the reduction trees carry."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradlane.policies import FlowTable
+from gradlane.policies import FlowTable, demand
 from gradlane.policies.chunks import all_reduction_parents, assign_owners, reduction_parents
 from gradlane.policies.demand import Exchange, bucket_starts
 from tests import examples
@@ -161,6 +162,27 @@ def test_rows_take_the_buckets_priority_fraction_left_and_readiness() -> None:
                             ready_s=np.array([0.0, 0.25]), priority=[4, 9])
     # Bucket 0 is done; bucket 1 (chunk 1, owned by rank 1): rank 0 sends its 20, rank 1 the result.
     assert flows.equals(FlowTable.build([(5, 7, 10.0, 0.25, 9, 3, 1), (7, 5, 10.0, 0.25, 9, 3, 1)]))
+
+
+@settings(max_examples=examples(100))
+@given(placements(), st.sampled_from(["trees", "ring", "by host"]), st.integers(1, 3))
+def test_trees_built_a_few_owners_at_a_time_are_those_built_at_once(  # type: ignore[no-untyped-def]
+    case, kind: str, per_block: int,
+) -> None:
+    """`Exchange.trees` takes owners in blocks (of `BLOCK_FLOWS` flows): the same
+    counts as one block of every owner, the last block short or not."""
+    rank_host, host_leaf, _, _, in_leaf = case
+    leaf = [host_leaf[h] for h in rank_host]
+
+    def built(block_flows: int) -> tuple[np.ndarray, np.ndarray]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(demand, "BLOCK_FLOWS", block_flows)
+            return Exchange(leaf, uplinks=True, host=rank_host, ring=kind == "ring",
+                            by_host=kind == "by host").trees(in_leaf)
+
+    at_once, in_blocks = built(1 << 40), built(per_block * len(rank_host))
+    for whole, pieces in zip(at_once, in_blocks, strict=True):
+        np.testing.assert_array_equal(pieces, whole)
 
 
 @settings(max_examples=examples(150))
