@@ -26,7 +26,7 @@ control plane (`gradlane control`) build their states with it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 
 import numpy as np
@@ -95,12 +95,22 @@ class Exchange:
         """
         if in_leaf in self._trees:
             return self._trees[in_leaf]
+        w = self.w
+        per_owner = np.zeros((w, self.columns))
+        crossed = np.zeros((w, w))
+        for first, last, on_links, leaving in self._tree_blocks(in_leaf):
+            per_owner[first:last], crossed[first:last] = on_links, leaving
+        self._trees[in_leaf] = per_owner, crossed
+        return self._trees[in_leaf]
+
+    def _tree_blocks(self, in_leaf: bool
+                     ) -> Iterator[tuple[int, int, FloatArray, FloatArray]]:
+        """`trees`, a block of owners at a time: (first owner, last + 1, their rows of
+        both). All owners' flows at once are W^2 (some ten integers each)."""
         w, cols = self.w, self.columns
         parents = None if self.ring else self._parents(in_leaf)
-        per_owner = np.zeros((w, cols))
-        crossed = np.zeros((w, w))
         step = max(1, BLOCK_FLOWS // w)
-        for first in range(0, w, step):  # owners a block at a time: W^2 flows, in pieces
+        for first in range(0, w, step):
             last = min(first + step, w)
             if parents is None:  # the ring: every rank but the owner
                 owner, rank = np.nonzero(np.arange(first, last)[:, None] != np.arange(w))
@@ -115,12 +125,10 @@ class Exchange:
                 cells.append(of[at] * cols + col)
                 crossing.append(of[leaving] * w + a[leaving])
             n = last - first
-            per_owner[first:last] = np.bincount(np.concatenate(cells),
-                                                minlength=n * cols).reshape(n, cols)
-            crossed[first:last] = np.bincount(np.concatenate(crossing),
-                                              minlength=n * w).reshape(n, w)
-        self._trees[in_leaf] = per_owner, crossed
-        return self._trees[in_leaf]
+            on_links = np.bincount(np.concatenate(cells), minlength=n * cols)
+            leaving = np.bincount(np.concatenate(crossing), minlength=n * w)
+            yield (first, last, on_links.reshape(n, cols).astype(np.float64),
+                   leaving.reshape(n, w).astype(np.float64))
 
     @property
     def columns(self) -> int:
@@ -212,10 +220,18 @@ class Exchange:
         Columns: each of `hosts`' egress, then each one's ingress. Ranks of one
         host share its links; what they send each other is loopback and on none.
         """
-        per_owner, _ = self.trees(in_leaf)
         w = self.w
         on = (self.host[:, None] == self.hosts[None, :]).astype(np.float64)  # rank -> host
-        return np.concatenate([per_owner[:, :w] @ on, per_owner[:, w : 2 * w] @ on], axis=1)
+        if in_leaf in self._trees:
+            blocks: Iterable[tuple[int, int, FloatArray, FloatArray]] = [
+                (0, w, *self._trees[in_leaf])]
+        else:  # not kept: a planner asks once per placement, and they are W^2
+            blocks = self._tree_blocks(in_leaf)
+        loads = np.zeros((w, 2 * len(self.hosts)))
+        for first, last, per_owner, _ in blocks:
+            loads[first:last] = np.concatenate(
+                [per_owner[:, :w] @ on, per_owner[:, w : 2 * w] @ on], axis=1)
+        return loads
 
     def owned(self, owners: Sequence[int], starts: IntArray,
               weights: Sequence[float] | None = None) -> FloatArray:

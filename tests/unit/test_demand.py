@@ -170,19 +170,23 @@ def test_trees_built_a_few_owners_at_a_time_are_those_built_at_once(  # type: ig
     case, kind: str, per_block: int,
 ) -> None:
     """`Exchange.trees` takes owners in blocks (of `BLOCK_FLOWS` flows): the same
-    counts as one block of every owner, the last block short or not."""
+    counts as one block of every owner, the last block short or not; and `link_loads`,
+    from blocks it does not keep, the same as from the trees kept."""
     rank_host, host_leaf, _, _, in_leaf = case
     leaf = [host_leaf[h] for h in rank_host]
 
-    def built(block_flows: int) -> tuple[np.ndarray, np.ndarray]:
+    def built(block_flows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(demand, "BLOCK_FLOWS", block_flows)
-            return Exchange(leaf, uplinks=True, host=rank_host, ring=kind == "ring",
-                            by_host=kind == "by host").trees(in_leaf)
+            ex = Exchange(leaf, uplinks=True, host=rank_host, ring=kind == "ring",
+                          by_host=kind == "by host")
+            unkept = ex.link_loads(in_leaf)
+            return (*ex.trees(in_leaf), unkept, ex.link_loads(in_leaf))
 
     at_once, in_blocks = built(1 << 40), built(per_block * len(rank_host))
     for whole, pieces in zip(at_once, in_blocks, strict=True):
         np.testing.assert_array_equal(pieces, whole)
+    np.testing.assert_array_equal(in_blocks[2], at_once[3])
 
 
 @settings(max_examples=examples(150))
