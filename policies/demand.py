@@ -220,17 +220,21 @@ class Exchange:
         Columns: each of `hosts`' egress, then each one's ingress. Ranks of one
         host share its links; what they send each other is loopback and on none.
         """
-        w = self.w
-        on = (self.host[:, None] == self.hosts[None, :]).astype(np.float64)  # rank -> host
+        w, n_hosts = self.w, len(self.hosts)
         if in_leaf in self._trees:
             blocks: Iterable[tuple[int, int, FloatArray, FloatArray]] = [
                 (0, w, *self._trees[in_leaf])]
         else:  # not kept: a planner asks once per placement, and they are W^2
             blocks = self._tree_blocks(in_leaf)
-        loads = np.zeros((w, 2 * len(self.hosts)))
+        # Each rank's egress and ingress column is its host's: summed by host.
+        column = np.concatenate([np.searchsorted(self.hosts, self.host)] * 2)
+        column[w:] += n_hosts
+        loads = np.zeros((w, 2 * n_hosts))
         for first, last, per_owner, _ in blocks:
-            loads[first:last] = np.concatenate(
-                [per_owner[:, :w] @ on, per_owner[:, w : 2 * w] @ on], axis=1)
+            n = last - first
+            cell = (np.arange(n)[:, None] * 2 * n_hosts + column[None, :]).ravel()
+            loads[first:last] = np.bincount(cell, weights=per_owner[:, : 2 * w].ravel(),
+                                            minlength=n * 2 * n_hosts).reshape(n, -1)
         return loads
 
     def owned(self, owners: Sequence[int], starts: IntArray,

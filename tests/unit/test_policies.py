@@ -24,6 +24,7 @@ from gradlane.policies import (
     Worker,
     check_plan,
     get_policy,
+    loadbalance,
 )
 from gradlane.policies.chunks import assign_owners
 from gradlane.policies.coflow import bssi_order, levels
@@ -417,6 +418,31 @@ def test_owner_shares_finish_no_later_than_any_shares_on_a_grid(
     for a, b in itertools.combinations(range(world), 2):
         if np.array_equal(loads[a], loads[b]):
             assert shares[a] == pytest.approx(shares[b])
+
+
+@pytest.mark.parametrize("kind", ["flat", "host", "ring"])
+def test_owner_shares_of_equal_links_and_hosts_alike_are_even_without_solving(
+    kind: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Four hosts of two ranks at one rate: every owner's chunk puts as much on the links
+    # in all, and even shares load every link for as long: nothing can do better.
+    hosts = [0, 0, 1, 1, 2, 2, 3, 3]
+    loads = Exchange(np.zeros(8), uplinks=False, host=hosts, ring=kind == "ring",
+                     by_host=kind == "host").link_loads(in_leaf=kind == "host")
+    solved, solver = owner_shares(loads, np.ones(8)), loadbalance._linprog()
+    monkeypatch.setattr(loadbalance, "_linprog", lambda: pytest.fail("solved"))
+    assert owner_shares(loads, np.ones(8)) == [1 / 8] * 8 == pytest.approx(solved)
+    # One host's links faster: the programme is solved, and (but on the ring, whose
+    # slow links carry as much whoever owns) its shares beat even ones.
+    rates = np.array([2.0, 1, 1, 1] * 2)
+    calls: list[int] = []
+    monkeypatch.setattr(loadbalance, "_linprog", lambda: calls.append(1) or solver)
+    shares = owner_shares(loads, rates)
+    assert calls
+    even = exchange_time(loads, rates, [1 / 8] * 8)
+    assert exchange_time(loads, rates, shares) <= even * (1 + 1e-9)
+    if kind != "ring":
+        assert exchange_time(loads, rates, shares) < even
 
 
 def test_owner_shares_spread_ties_over_ranks_not_over_classes_of_ranks() -> None:
