@@ -1,0 +1,159 @@
+"""The control plane's first plan of one large job: time and memory by the job's ranks.
+
+    .venv/bin/python bench/control_big_job.py [--ranks 1024 2048 4096 8192] [--per-host 8]
+                                              [--json PATH]
+
+For each size, a fresh process builds a control plane (the default policy)
+and hands it what the daemons of one job would report: ``--per-host`` ranks
+on each host, 32 hosts a leaf, 10 Gbit/s links, 64 chunks of 1 MiB. It then
+makes the state and the plan twice, as the planner does: the first plan
+builds the job's reduction trees and solves its owner shares, which later
+plans take from caches while the placement holds, so the first is what a
+control plane's restart, or a job's start, costs. Recorded per size: both
+plans' seconds (state, then policy), the process's peak resident memory
+and what it keeps after the plans, the state's flows, and per doubling of
+the ranks how much the first plan's time and the peak memory grew.
+
+The demand model is per owner rank and per rank (`gradlane.policies.demand`),
+so time and memory grow with the square of the ranks at least; a size
+whose estimated peak (a little over 40 bytes per rank squared) would not fit
+in MemAvailable is skipped, said so in its result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, write_result  # noqa: E402
+
+from gradlane.benchmark import available_memory  # noqa: E402
+
+RANKS = (1024, 2048, 4096, 8192)
+PER_HOST = 8
+HOSTS_PER_LEAF = 32
+CHUNKS = 64
+# Peak bytes per rank squared, from this benchmark's own results (8,192 ranks: 2.8 GB).
+PEAK_BYTES_PER_RANK2 = 48
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _plane(ranks: int, per_host: int) -> Any:
+    """A control plane holding the reports of one job of `ranks`, `per_host` a host."""
+    from gradlane.daemon import control
+    from gradlane.daemon import control_protocol as cp
+
+    plane = control.ControlPlane(control.ControlConfig(token="bench-token-0123456789abcdef"))
+    for h in range(ranks // per_host):
+        register = cp.parse_register({
+            "type": "register", "version": 1, "host": f"h{h:05d}",
+            "leaf": h // HOSTS_PER_LEAF, "gradlane": "bench",
+            "interfaces": [{"name": "eth0", "rate_bps": 10**10}]})
+        job = {"name": "big", "global_batch": 16 * ranks, "layers": CHUNKS,
+               "chunk_bytes": [1 << 20] * CHUNKS, "chunk_layers": list(range(CHUNKS)),
+               "world_size": ranks,
+               "workers": [{"rank": h * per_host + k, "throughput": 100.0, "batch": 16}
+                           for k in range(per_host)]}
+        report = cp.parse_report({"type": "report", "seq": 1, "jobs": [job]})
+        plane.daemons[register.host] = control._Daemon(register, report, ws=None)
+    return plane
+
+
+def one(ranks: int, per_host: int) -> dict[str, Any]:
+    """Plan one job of `ranks` in this process: what `main` records for its size."""
+    from gradlane.policies.loadbalance import load_solver
+
+    load_solver()  # as `gradlane control` does once listening: not a plan's cost
+    warm = _plane(2 * per_host, per_host)  # nor the planner's imports; a job of another
+    warm.policy.plan(warm.build_state())   # shape leaves nothing the measured one can use
+    plane = _plane(ranks, per_host)
+    before_mb = _rss_mb()
+    plans = []
+    for _ in range(2):
+        started = time.perf_counter()
+        state = plane.build_state()
+        built = time.perf_counter()
+        plan = plane.policy.plan(state)
+        done = time.perf_counter()
+        plane.state, plane.plan = state, plan
+        plans.append({"state_s": built - started, "policy_s": done - built,
+                      "total_s": done - started})
+    return {"ranks": ranks, "hosts": ranks // per_host, "flows": len(state.flows),
+            "owners_planned": len(plan.ownership.get("big", ())) == CHUNKS,
+            "first_plan": plans[0], "next_plan": plans[1],
+            "rss_before_plans_mb": before_mb, "peak_rss_mb": _peak_mb(),
+            "rss_after_mb": _rss_mb()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=list(RANKS),
+                    help="job sizes, each a multiple of --per-host (default: %(default)s)")
+    ap.add_argument("--per-host", type=int, default=PER_HOST, help="ranks a host")
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/control_big_job.json",
+                    help="result file (default: %(default)s)")
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one size
+    args = ap.parse_args()
+    if args.per_host < 1:
+        ap.error("--per-host must be at least 1")
+    bad = [r for r in args.ranks if r < 2 * args.per_host or r % args.per_host]
+    if bad:
+        ap.error(f"--ranks {bad}: each must be a multiple of --per-host "
+                 f"({args.per_host}) and span two hosts at least")
+    if args.one is not None:
+        print(json.dumps(one(args.one, args.per_host)))
+        return
+    sizes: list[dict[str, Any]] = []
+    for ranks in sorted(set(args.ranks)):
+        need = PEAK_BYTES_PER_RANK2 * ranks**2
+        available = available_memory()
+        if available is not None and need > available:
+            print(f"{ranks:6d} ranks: skipped, needs about {need / 2**30:.1f} GiB",
+                  flush=True)
+            sizes.append({"ranks": ranks, "skipped": f"needs about {need / 2**30:.1f} GiB"})
+            continue
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", str(ranks), "--per-host", str(args.per_host),
+             "--ranks", str(ranks)],
+            capture_output=True, text=True, check=False, timeout=1800)
+        if out.returncode:
+            raise SystemExit(f"{ranks} ranks failed (exit {out.returncode}):\n{out.stderr}")
+        size = json.loads(out.stdout)
+        if not size["owners_planned"]:
+            raise SystemExit(f"{ranks} ranks: the plan has no chunk owners for the job")
+        sizes.append(size)
+        print(f"{ranks:6d} ranks: first plan {size['first_plan']['total_s']:6.2f} s, "
+              f"next {size['next_plan']['total_s']:5.2f} s, "
+              f"peak {size['peak_rss_mb']:6.0f} MB", flush=True)
+    measured = [s for s in sizes if "skipped" not in s]
+    for small, large in zip(measured, measured[1:], strict=False):
+        if large["ranks"] == 2 * small["ranks"]:
+            large["doubling"] = {
+                "first_plan_x": large["first_plan"]["total_s"] / small["first_plan"]["total_s"],
+                "peak_rss_x": large["peak_rss_mb"] / small["peak_rss_mb"]}
+    write_result(args.json, {"benchmark": "control_big_job", "per_host": args.per_host,
+                             "hosts_per_leaf": HOSTS_PER_LEAF, "chunks": CHUNKS,
+                             "policy": "gradlane", "sizes": sizes})
+    print(f"-> {args.json}")
+
+
+if __name__ == "__main__":
+    main()
