@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -45,15 +44,19 @@ CHUNKS = 64
 PEAK_BYTES_PER_RANK2 = 48
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
-    return 0.0
+    raise SystemExit(f"/proc/self/status has no {field}")
+
+
+def _rss_mb() -> float:
+    return _status_mb("VmRSS")
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _status_mb("VmHWM")  # the resident high-water mark, kept with VmRSS
 
 
 def _plane(ranks: int, per_host: int) -> Any:
