@@ -525,9 +525,10 @@ def host_groups(hosts: Sequence[str], exchange: str) -> tuple[int, ...] | None:
 def all_reduction_parents(
     leaves: Sequence[int] | npt.NDArray[np.int64],
     hosts: Sequence[int] | npt.NDArray[np.int64] | None = None,
+    owners: Sequence[int] | npt.NDArray[np.int64] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """`reduction_parents` for every owner at once: row ``o`` is
-    ``reduction_parents(o, leaves, hosts)``.
+    """`reduction_parents` for every owner at once: row ``i`` is
+    ``reduction_parents(owners[i], leaves, hosts)`` (`owners`: every rank by default).
 
     Vectorized (a planner builds the trees of every rank of every job), two
     levels (`hosts`) too: 0.06 s for 1,024 ranks, 8 a host, 64 a leaf, where
@@ -537,13 +538,16 @@ def all_reduction_parents(
     leaf = np.asarray(leaves, dtype=np.int64)
     world = len(leaf)
     ranks = np.arange(world)
-    owners = ranks[:, None]
+    of = ranks if owners is None else np.asarray(owners, dtype=np.int64).reshape(-1)
+    rows = np.arange(len(of))
+    if len(of) and not (of.min() >= 0 and of.max() < world):
+        raise ConfigError(f"owners {of.tolist()[:8]} are not all ranks of {world}")
     if hosts is None:
         _, index = np.unique(leaf, return_inverse=True)  # each rank's leaf, 0..L-1
-        lead = _lead_matrix(index)
+        lead = _lead_matrix(index, of)
         parents = lead[:, index]  # (owner, rank): the lead of the rank's leaf
-        parents = np.where(parents == ranks[None, :], owners, parents)  # leads send to the owner
-        parents[ranks, ranks] = -1
+        parents = np.where(parents == ranks[None, :], of[:, None], parents)  # leads: to the owner
+        parents[rows, of] = -1
         return np.asarray(parents, dtype=np.int64)
     host = np.asarray(hosts, dtype=np.int64)
     _, host_index = np.unique(host, return_inverse=True)
@@ -552,9 +556,9 @@ def all_reduction_parents(
     host_leaf[host_index] = leaf
     if np.any(host_leaf[host_index] != leaf):  # a host under several leaves
         leaf_list, host_list = leaf.tolist(), host.tolist()
-        return np.array([reduction_parents(o, leaf_list, host_list) for o in range(world)],
-                        dtype=np.int64).reshape(world, world)
-    host_lead = _lead_matrix(host_index)  # (owner, host): the host's leader
+        return np.array([reduction_parents(o, leaf_list, host_list) for o in of.tolist()],
+                        dtype=np.int64).reshape(len(of), world)
+    host_lead = _lead_matrix(host_index, of)  # (owner, host): the host's leader
     # The leaders' level: each host's leader in its leaf, as `reduction_parents` over the
     # leaders in rank order. Every host has one leader, so a leaf has as many leaders as
     # hosts whatever the owner; sorted by (leaf, rank), each row groups them by leaf.
@@ -565,18 +569,20 @@ def all_reduction_parents(
         host_lead, np.argsort(leaf_of_host[None, :] * world + host_lead, axis=1), axis=1)
     own_leaf = leaf_of_host[host_index]  # each rank's leaf, 0..L-1
     # The owner's position among its leaf's leaders: leaders of its leaf below it.
-    position = ((leaf_of_host[None, :] == own_leaf[:, None]) & (host_lead < owners)).sum(axis=1)
-    leaf_lead = grouped[owners, first[None, :] + position[:, None] % sizes[None, :]]
+    position = ((leaf_of_host[None, :] == own_leaf[of][:, None])
+                & (host_lead < of[:, None])).sum(axis=1)
+    leaf_lead = grouped[rows[:, None], first[None, :] + position[:, None] % sizes[None, :]]
     up = host_lead[:, host_index]  # (owner, rank): the leader of the rank's host
     above = leaf_lead[:, own_leaf]  # (owner, rank): the lead of the rank's leaf
-    above = np.where(above == ranks[None, :], owners, above)
+    above = np.where(above == ranks[None, :], of[:, None], above)
     parents = np.where(up == ranks[None, :], above, up)
-    parents[ranks, ranks] = -1
+    parents[rows, of] = -1
     return np.asarray(parents, dtype=np.int64)
 
 
-def _lead_matrix(index: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """``lead[o, g]``: the member of group ``g`` at owner ``o``'s position in its own
+def _lead_matrix(index: npt.NDArray[np.int64],
+                 owners: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``lead[i, g]``: the member of group ``g`` at ``owners[i]``'s position in its own
     group, modulo g's size (members in rank order); `index`: each rank's group, 0..G-1."""
     world = len(index)
     order = np.argsort(index, kind="stable")  # ranks grouped, rank order within
@@ -584,4 +590,4 @@ def _lead_matrix(index: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     position = np.empty(world, dtype=np.int64)
     position[order] = np.arange(world) - first[index[order]]
-    return np.asarray(order[first[None, :] + position[:, None] % sizes[None, :]])
+    return np.asarray(order[first[None, :] + position[owners][:, None] % sizes[None, :]])

@@ -79,6 +79,9 @@ class Exchange:
         self.leaves = np.unique(self.leaf) if uplinks else np.zeros(0, dtype=np.int64)
         self.peer_in_leaf, self.peer_next_leaf = self._peers()
         self._trees: dict[bool, tuple[FloatArray, FloatArray]] = {}
+        # `loads`' rows of `trees` for the owners it met: each owner's slot (-1: none yet),
+        # and per slot its flows out of each rank and out of each rank's leaf.
+        self._rows: dict[bool, tuple[IntArray, FloatArray, FloatArray]] = {}
 
     def trees(self, in_leaf: bool) -> tuple[FloatArray, FloatArray]:
         """Per owner rank, the flows one chunk puts on each link, and per rank its flows
@@ -98,25 +101,25 @@ class Exchange:
         w = self.w
         per_owner = np.zeros((w, self.columns))
         crossed = np.zeros((w, w))
-        for first, last, on_links, leaving in self._tree_blocks(in_leaf):
+        for first, last, on_links, leaving in self._tree_blocks(in_leaf, np.arange(w)):
             per_owner[first:last], crossed[first:last] = on_links, leaving
         self._trees[in_leaf] = per_owner, crossed
         return self._trees[in_leaf]
 
-    def _tree_blocks(self, in_leaf: bool
+    def _tree_blocks(self, in_leaf: bool, owners: IntArray
                      ) -> Iterator[tuple[int, int, FloatArray, FloatArray]]:
-        """`trees`, a block of owners at a time: (first owner, last + 1, their rows of
-        both). All owners' flows at once are W^2 (some ten integers each)."""
+        """`trees`' rows of `owners`, a block of them at a time: (where the block starts
+        in `owners`, where it ends, its rows of both). All owners' flows at once are W^2
+        (some ten integers each)."""
         w, cols = self.w, self.columns
-        parents = None if self.ring else self._parents(in_leaf)
         step = max(1, BLOCK_FLOWS // w)
-        for first in range(0, w, step):
-            last = min(first + step, w)
-            if parents is None:  # the ring: every rank but the owner
-                owner, rank = np.nonzero(np.arange(first, last)[:, None] != np.arange(w))
+        for first in range(0, len(owners), step):
+            last = min(first + step, len(owners))
+            if self.ring:  # every rank but the owner
+                owner, rank = np.nonzero(owners[first:last, None] != np.arange(w))
                 edges = [(owner, rank, (rank + 1) % w), (owner, (rank - 1) % w, rank)]
             else:
-                owner, child, parent = _edges(parents[first:last])
+                owner, child, parent = _edges(self._parents(in_leaf, owners[first:last]))
                 edges = [(owner, child, parent), (owner, parent, child)]  # up, then down
             cells: list[IntArray] = []  # flat (owner, column) of each flow on a link
             crossing: list[IntArray] = []  # flat (owner, rank) of each flow leaving its leaf
@@ -153,15 +156,16 @@ class Exchange:
             col += [2 * w + slot[a[cross]], 2 * w + n_leaves + slot[b[cross]]]  # up, down
         return np.concatenate(at), np.concatenate(col), leaving
 
-    def _parents(self, in_leaf: bool) -> IntArray:
-        """Every owner's reduction tree (not the ring's), `all_reduction_parents`."""
+    def _parents(self, in_leaf: bool, owners: IntArray | None = None) -> IntArray:
+        """The reduction trees (not the ring's) of `owners` (default: every rank),
+        `all_reduction_parents`."""
         w = self.w
         if in_leaf and self.by_host:
-            return all_reduction_parents(self.host)
+            return all_reduction_parents(self.host, owners=owners)
         if in_leaf and self.uplinks:  # within hosts too, when ranks share some
             shared = len(self.hosts) < w
-            return all_reduction_parents(self.leaf, self.host if shared else None)
-        return all_reduction_parents(np.zeros(w, dtype=np.int64))
+            return all_reduction_parents(self.leaf, self.host if shared else None, owners)
+        return all_reduction_parents(np.zeros(w, dtype=np.int64), owners=owners)
 
     @staticmethod
     def _edge_stages(parents: IntArray, owner: IntArray, child: IntArray, parent: IntArray
@@ -225,7 +229,7 @@ class Exchange:
             blocks: Iterable[tuple[int, int, FloatArray, FloatArray]] = [
                 (0, w, *self._trees[in_leaf])]
         else:  # not kept: a planner asks once per placement, and they are W^2
-            blocks = self._tree_blocks(in_leaf)
+            blocks = self._tree_blocks(in_leaf, np.arange(w))
         # Each rank's egress and ingress column is its host's: summed by host.
         column = np.concatenate([np.searchsorted(self.hosts, self.host)] * 2)
         column[w:] += n_hosts
@@ -252,12 +256,40 @@ class Exchange:
 
         `owned`: per bucket and rank, the bytes of the bucket's chunks it owns;
         or the count of them, with `chunk_size` the bytes of each bucket's chunks.
+
+        Only the trees of ranks that own something are built (and kept, for the
+        next call): a job's chunks have far fewer owners than a large job has
+        ranks (64 chunks, 8,192 ranks), and all of the trees are W^2.
         """
-        per_owner, crossing = self.trees(in_leaf)
         size = 1.0 if chunk_size is None else np.asarray(chunk_size, dtype=np.float64)[:, None]
-        egress = (owned @ per_owner[:, : self.w]) * size
-        remote = (owned @ crossing) * size
+        if in_leaf in self._trees:
+            per_owner, crossing = self._trees[in_leaf]
+            egress, remote = owned @ per_owner[:, : self.w], owned @ crossing
+        else:
+            slot, out, leaving = self._owner_rows(in_leaf, np.flatnonzero(owned.any(axis=0)))
+            known = slot >= 0
+            by_slot = np.zeros((len(owned), len(out)))
+            by_slot[:, slot[known]] = owned[:, known]
+            egress, remote = by_slot @ out, by_slot @ leaving
+        egress, remote = egress * size, remote * size
         return egress - remote, remote
+
+    def _owner_rows(self, in_leaf: bool, owners: IntArray
+                    ) -> tuple[IntArray, FloatArray, FloatArray]:
+        """`_rows`, with those of `owners` built if they were not."""
+        w = self.w
+        slot, out, leaving = self._rows.get(
+            in_leaf, (np.full(w, -1, dtype=np.int64), np.zeros((0, w)), np.zeros((0, w))))
+        new = owners[slot[owners] < 0]
+        if len(new):
+            slot = slot.copy()
+            slot[new] = len(out) + np.arange(len(new))
+            out_new, leaving_new = np.zeros((len(new), w)), np.zeros((len(new), w))
+            for first, last, on_links, crossed in self._tree_blocks(in_leaf, new):
+                out_new[first:last], leaving_new[first:last] = on_links[:, :w], crossed
+            out, leaving = np.concatenate([out, out_new]), np.concatenate([leaving, leaving_new])
+            self._rows[in_leaf] = slot, out, leaving
+        return slot, out, leaving
 
     def demand_flows(
         self,

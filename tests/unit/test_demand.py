@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradlane.errors import ConfigError
 from gradlane.policies import FlowTable, demand
 from gradlane.policies.chunks import all_reduction_parents, assign_owners, reduction_parents
 from gradlane.policies.demand import Exchange, bucket_starts
@@ -17,6 +18,10 @@ def test_all_reduction_parents_are_each_owners_tree(leaves: list[int]) -> None:
     every = all_reduction_parents(leaves)
     assert [row.tolist() for row in every] == [
         reduction_parents(owner, leaves) for owner in range(len(leaves))]
+    some = list(range(len(leaves)))[::-2]  # some owners, any order: their rows
+    np.testing.assert_array_equal(all_reduction_parents(leaves, owners=some), every[some])
+    with pytest.raises(ConfigError, match="not all ranks"):
+        all_reduction_parents(leaves, owners=[len(leaves)])
 
 
 @settings(max_examples=examples(200))
@@ -33,6 +38,8 @@ def test_two_level_trees_for_every_owner_at_once_are_each_owners_tree(
     every = all_reduction_parents(leaves, hosts)
     assert [row.tolist() for row in every] == [
         reduction_parents(owner, leaves, hosts) for owner in range(len(leaves))]
+    some = list(range(len(leaves)))[::-2]
+    np.testing.assert_array_equal(all_reduction_parents(leaves, hosts, some), every[some])
 
 
 def _peers_by_loop(leaf: list[int], host: list[int]) -> tuple[list[int], list[int]]:
@@ -187,6 +194,31 @@ def test_trees_built_a_few_owners_at_a_time_are_those_built_at_once(  # type: ig
     for whole, pieces in zip(at_once, in_blocks, strict=True):
         np.testing.assert_array_equal(pieces, whole)
     np.testing.assert_array_equal(in_blocks[2], at_once[3])
+
+
+@settings(max_examples=examples(100))
+@given(placements(), st.sampled_from(["trees", "ring", "by host"]))
+def test_loads_from_the_owners_trees_alone_are_those_from_every_tree(  # type: ignore[no-untyped-def]
+    case, kind: str,
+) -> None:
+    """`Exchange.loads` builds only its owners' trees, and more as other ranks come to
+    own chunks: the loads every owner's trees (`trees`, kept) give."""
+    rank_host, host_leaf, sizes, owners, in_leaf = case
+    leaf = [host_leaf[h] for h in rank_host]
+
+    def exchange() -> Exchange:
+        return Exchange(leaf, uplinks=True, host=rank_host, ring=kind == "ring",
+                        by_host=kind == "by host")
+
+    every, lazy = exchange(), exchange()
+    every.trees(in_leaf)
+    starts = bucket_starts(range(len(sizes)))
+    for some in (owners[: len(owners) // 2], owners[::-1], owners):  # new owners each time
+        owned = every.owned(some, starts[: len(some) + 1], sizes[: len(some)])
+        for want, got in zip(every.loads(owned, in_leaf), lazy.loads(owned, in_leaf),
+                             strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert len(lazy._rows[in_leaf][1]) == len(set(owners))  # each owner's rows built once
 
 
 @settings(max_examples=examples(150))
