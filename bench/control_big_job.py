@@ -1,6 +1,6 @@
 """The control plane's first plan of one large job: time and memory by the job's ranks.
 
-    .venv/bin/python bench/control_big_job.py [--ranks 1024 2048 4096 8192] [--per-host 8]
+    .venv/bin/python bench/control_big_job.py [--ranks 1024 ... 16384] [--per-host 8]
                                               [--json PATH]
 
 For each size, a fresh process builds a control plane (the default policy)
@@ -14,10 +14,11 @@ plans' seconds (state, then policy), the process's peak resident memory
 and what it keeps after the plans, the state's flows, and per doubling of
 the ranks how much the first plan's time and the peak memory grew.
 
-The demand model is per owner rank and per rank (`gradlane.policies.demand`),
-so time and memory grow with the square of the ranks at least; a size
-whose estimated peak (a little over 40 bytes per rank squared) would not fit
-in MemAvailable is skipped, said so in its result.
+Owner shares weigh every rank as an owner, with the load its chunks put on
+every host's links (`gradlane.policies.demand.Exchange.link_loads`), so time
+and memory grow with the square of the ranks; a size whose estimated peak
+(8 bytes per rank squared, twice what 32,768 ranks took) would not fit in
+MemAvailable is skipped, said so in its result.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from common import REPO, write_result  # noqa: E402
 
 from gradlane.benchmark import available_memory  # noqa: E402
 
-RANKS = (1024, 2048, 4096, 8192)
+RANKS = (1024, 2048, 4096, 8192, 16384)
 PER_HOST = 8
 HOSTS_PER_LEAF = 32
 CHUNKS = 64
-# Peak bytes per rank squared, from this benchmark's own results (8,192 ranks: 2.8 GB).
-PEAK_BYTES_PER_RANK2 = 48
+# Peak bytes per rank squared, from this benchmark's own results (32,768 ranks: 4.3 GB).
+PEAK_BYTES_PER_RANK2 = 8
 
 
 def _status_mb(field: str) -> float:
