@@ -16,6 +16,7 @@ import contextlib
 import errno
 import grp
 import os
+import resource
 import socket
 import tempfile
 import urllib.error
@@ -32,6 +33,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from gradlane.daemon.config import DaemonConfig
 from gradlane.daemon.qdisc import FlowMatch, JobSpec, QdiscManager, QdiscSpec, claim_holder
 from gradlane.errors import GradlaneError
+from gradlane.openfiles import Room, room_for
 from gradlane.units import format_rate
 
 __all__ = ["CAP_NET_ADMIN", "Finding", "preflight", "scratch_veth", "why_unwritable"]
@@ -63,7 +65,8 @@ def preflight(config: DaemonConfig, *, capabilities: int | None = None) -> list[
     findings += [_interface(config, i.name, i.rate_bps) for i in config.interfaces]
     findings.append(_kernel() if admin else Finding(
         "kernel: HTB and u32", WARN, "not tried without CAP_NET_ADMIN"))
-    findings += [_socket(config), _state_dir(config.state_dir), _policy(config.policy)]
+    findings += [_socket(config), _open_files(config.max_clients), _state_dir(config.state_dir),
+                 _policy(config.policy)]
     if config.http:
         findings.append(_http(config.http_address))
     if config.control_url:
@@ -190,6 +193,33 @@ def _socket(config: DaemonConfig) -> Finding:
         return Finding(check, FAIL, f"cannot create it: {why}")
     return Finding(check, OK, "can be created" + (
         f", for group {config.socket_group}" if config.socket_group else ""))
+
+
+def _open_files(clients: int, room: Room | None = None,
+                under_systemd: bool | None = None) -> Finding:
+    """Whether gradlaned could raise its soft open-file limit to take `clients` shims, a
+    file each (`gradlane.daemon.service`): by this process's limits, which are gradlaned's
+    when systemd runs the check (``ExecStartPre=``), else this shell's (a service has its
+    unit's ``LimitNOFILE=``, systemd's default hard limit 524,288)."""
+    check = "open files"
+    room = room_for(clients) if room is None else room
+    if room is None:
+        return Finding(check, WARN, "no /proc/self/fd to count open files by: not checked")
+    ours = (os.environ.get("INVOCATION_ID") is not None if under_systemd is None
+            else under_systemd)  # systemd sets it for a unit's processes
+    whose = "this unit's" if ours else "this shell's"
+    hard = "unlimited" if room.hard == resource.RLIM_INFINITY else f"{room.hard:,}"
+    said = (f"daemon.max_clients = {clients:,} needs about {room.needed:,} open files; "
+            f"{whose} hard limit is {hard}")
+    if room.fits_hard:
+        return Finding(check, OK, said + ("" if ours else
+                                          " (a service: its unit's LimitNOFILE= counts)"))
+    if ours:
+        return Finding(check, FAIL, f"{said}: gradlaned would refuse to start; raise "
+                                    "LimitNOFILE= or lower daemon.max_clients")
+    return Finding(check, WARN, f"{said}: gradlaned started from it would refuse; as a "
+                                "service its unit's LimitNOFILE= counts (systemd's default "
+                                "hard limit is 524,288)")
 
 
 def _state_dir(path: Path) -> Finding:

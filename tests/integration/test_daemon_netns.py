@@ -249,6 +249,7 @@ def test_check_passes_on_a_host_and_changes_nothing(cluster: Cluster, tmp_path: 
     assert _found(done.stdout, "interface eth0").endswith(
         f"; root qdisc {root}: gradlaned replaces it and puts it back when it stops")
     assert _found(done.stdout, "kernel: HTB and u32").startswith("ok built 7 HTB classes")
+    assert _found(done.stdout, "open files").startswith("ok daemon.max_clients = ")
     # Read, not touched: the host's qdiscs as they were, the scratch veth gone, no files.
     assert tc(cluster.ns("h1"), "qdisc", "show", "dev", "eth0") == before
     links = subprocess.run(["ip", "-n", cluster.ns("h1"), "-o", "link"], capture_output=True,

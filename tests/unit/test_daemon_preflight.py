@@ -14,10 +14,12 @@ from gradlane.daemon.preflight import (
     CAP_NET_ADMIN,
     Finding,
     _control,
+    _open_files,
     _socket,
     _state_dir,
     preflight,
 )
+from gradlane.openfiles import MARGIN, Room, room_for
 
 
 def _config(tmp_path: Path, **kw: Any) -> DaemonConfig:
@@ -128,3 +130,28 @@ def test_every_capability_but_cap_net_admin_is_not_enough(tmp_path: Path) -> Non
                          capabilities=((1 << 64) - 1) & ~(1 << CAP_NET_ADMIN))
     assert findings[0] == Finding("privileges", "fail",
                                   "no CAP_NET_ADMIN: run as root (the systemd unit grants it)")
+
+
+@pytest.mark.parametrize("under_systemd", [False, True])
+def test_the_open_file_check_weighs_max_clients_against_the_hard_limit(
+    under_systemd: bool,
+) -> None:
+    whose = "this unit's" if under_systemd else "this shell's"
+    found = _open_files(4096, Room(4180, 20, 1024, 8192), under_systemd)
+    assert (found.check, found.level) == ("open files", "ok")  # gradlaned raises its soft one
+    assert found.detail.startswith(f"daemon.max_clients = 4,096 needs about 4,180 open "
+                                   f"files; {whose} hard limit is 8,192")
+    assert _open_files(4096, Room(4180, 20, 1024, -1), under_systemd).level == "ok"  # no limit
+    short = _open_files(4096, Room(4180, 20, 1024, 4096), under_systemd)
+    # Run by systemd, the limit is gradlaned's own: it would refuse. From a shell it is
+    # only the shell's: the service gets its unit's.
+    assert short.level == ("fail" if under_systemd else "warn")
+    assert "LimitNOFILE=" in short.detail
+
+
+def test_the_open_file_check_counts_this_process_s_open_files(tmp_path: Path) -> None:
+    room = room_for(100)
+    assert room is not None and room.needed == room.in_use + 100 + MARGIN
+    found = next(f for f in preflight(_config(tmp_path, control_url=None, max_clients=100),
+                                      capabilities=0) if f.check == "open files")
+    assert found.level == "ok" and "max_clients = 100 needs about" in found.detail
