@@ -393,6 +393,11 @@ def exchange_kind(exchange: str, world: int, leaves: int, by_host: bool = False)
     return "flat"
 
 
+# `Routes` builds its ranks' links from the trees of this many (owner, rank) pairs at a
+# time: some 40 MB of temporaries at any world size.
+TREE_BLOCK = 1 << 20
+
+
 @dataclass(frozen=True)
 class Routes:
     """How a job's chunks travel between its ranks, the same on every rank (the ranks
@@ -496,10 +501,14 @@ class Routes:
         """``links[a, b]``: ranks a and b exchange chunks in the reduction trees (some owner's
         chunk goes between them, either way). Once per routes: attach asks `peers` and
         `copy_parents`."""
-        parents = all_reduction_parents(self.top, self.hosts)  # (owner, rank)
-        owners, ranks = np.nonzero(parents >= 0)
-        links = np.zeros((self.world, self.world), dtype=bool)
-        links[ranks, parents[owners, ranks]] = True
+        w = self.world
+        links = np.zeros((w, w), dtype=bool)
+        step = max(1, TREE_BLOCK // w)  # owners a block at a time: W^2 int64 parents at
+        for first in range(0, w, step):  # once took 2.2 GB (8,192 ranks) on every rank
+            parents = all_reduction_parents(self.top, self.hosts,
+                                            np.arange(first, min(first + step, w)))
+            block, ranks = np.nonzero(parents >= 0)
+            links[ranks, parents[block, ranks]] = True
         return links | links.T
 
 
@@ -527,10 +536,10 @@ def all_reduction_parents(
     hosts: Sequence[int] | npt.NDArray[np.int64] | None = None,
     owners: Sequence[int] | npt.NDArray[np.int64] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """`reduction_parents` for every owner at once: row ``i`` is
+    """`reduction_parents` for many owners at once: row ``i`` is
     ``reduction_parents(owners[i], leaves, hosts)`` (`owners`: every rank by default).
 
-    Vectorized (a planner builds the trees of every rank of every job), two
+    Vectorized (a planner builds the trees of many ranks of every job), two
     levels (`hosts`) too: 0.06 s for 1,024 ranks, 8 a host, 64 a leaf, where
     owner by owner took 0.23 s. Owner by owner still where ranks of one host
     name different leaves (then each host leader's own leaf counts).

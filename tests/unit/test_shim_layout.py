@@ -11,6 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
+from gradlane.policies import chunks
 from gradlane.policies.chunks import (
     COARSE_GROUP_BYTES,
     MIN_GROUP_BYTES,
@@ -280,14 +281,19 @@ def test_ring_route_examples() -> None:
         ring_routes(3, 3)
 
 
-@given(st.integers(1, 20), st.sampled_from(["auto", "flat", "ring"]), st.data())
+@given(st.integers(1, 20), st.sampled_from(["auto", "flat", "ring"]), st.data(),
+       st.sampled_from([1, 7, 1 << 20]))
 def test_routes_connect_exactly_the_ranks_chunks_travel_between(
-        world: int, exchange: str, data: st.DataObject) -> None:
+        world: int, exchange: str, data: st.DataObject, block: int) -> None:
     """`Routes.peers` is what a rank's mesh connects: every hop of every owner's chunks
-    (both ways) is between peers, every peer carries one, and each pair agrees."""
+    (both ways) is between peers, every peer carries one, and each pair agrees. (The
+    trees are taken a few owners at a time, `TREE_BLOCK` pairs: one owner, some, all.)"""
     groups = st.none() | st.lists(st.integers(0, 3), min_size=world, max_size=world)
     leaves, hosts = data.draw(groups), data.draw(groups)
     routes = Routes.agreed(exchange, world, leaves, hosts)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chunks, "TREE_BLOCK", block)
+        routes.peers(0)  # builds the links, once for `routes`
     hops: set[tuple[int, int]] = set()
     for owner in range(world):
         for parents in routes.of(owner):
