@@ -246,35 +246,36 @@ def fit(message: dict[str, Any], binary: bool) -> tuple[str | bytes, list[str]]:
     if len(data) <= MAX_MESSAGE or message.get("type") not in ("report", "plan"):
         return data, []
     if message["type"] == "report":
-        jobs = {job["name"]: dict(job) for job in message["jobs"]}
-        sizes = {name: len(encode(job["chunk_bytes"], binary))
+        sizes = {job["name"]: len(encode(job["chunk_bytes"], binary))
                  + len(encode(job.get("chunk_layers", []), binary))
-                 for name, job in jobs.items() if job["chunk_bytes"]}
+                 for job in message["jobs"] if job["chunk_bytes"]}
 
-        def drop(name: str) -> None:
-            jobs[name]["chunk_bytes"] = []
-            if "chunk_layers" in jobs[name]:
-                jobs[name]["chunk_layers"] = []
-
-        def rest() -> dict[str, Any]:
-            return {**message, "jobs": list(jobs.values())}
+        def without(names: list[str]) -> dict[str, Any]:
+            return {**message, "jobs": [
+                {**job, "chunk_bytes": [], **({"chunk_layers": []} if "chunk_layers" in job
+                                              else {})}
+                if job["name"] in names else job for job in message["jobs"]]}
     else:
-        owners = dict(message["ownership"])
-        sizes = {name: len(encode(of, binary)) for name, of in owners.items()}
+        sizes = {name: len(encode(of, binary)) for name, of in message["ownership"].items()}
 
-        def drop(name: str) -> None:
-            del owners[name]
-
-        def rest() -> dict[str, Any]:
-            return {**message, "ownership": owners}
+        def without(names: list[str]) -> dict[str, Any]:
+            return {**message, "ownership": {name: of for name, of in message["ownership"].items()
+                                             if name not in names}}
     over, left_out = len(data) - MAX_MESSAGE, []
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
         if over <= 0:
             break
-        drop(name)
         left_out.append(name)
         over -= sizes[name] - 4  # two empty lists stay (a plan's key goes with its owners)
-    return encode(rest(), binary), left_out
+    data = encode(without(left_out), binary)
+    # Each job's saving was counted a few bytes short (a key, a list's header): the last
+    # ones left out may not have been needed.
+    while left_out:  # bounded: one fewer each round
+        fewer = encode(without(left_out[:-1]), binary)
+        if len(fewer) > MAX_MESSAGE:
+            break
+        data, left_out = fewer, left_out[:-1]
+    return data, left_out
 
 
 def _typed(raw: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -1175,6 +1175,34 @@ def test_a_report_over_the_size_cap_leaves_out_the_largest_jobs_chunk_lists(
 
 
 @pytest.mark.parametrize("binary", [False, True])
+def test_a_plan_just_over_the_size_cap_leaves_out_no_more_than_it_must(binary: bool) -> None:
+    # A plan that fits once its largest job's owners are left out, to the byte and a few
+    # bytes either side: what leaving a job out saves is first counted without its key,
+    # a few bytes short, which would leave out the next job too.
+    plan = control.ControlPlane(_config()).message_for("h1")
+    plan.update(version=3, ownership={"big": [1] * 300_000, "small": [2] * 50})
+    sizes = {j: len(cp.encode(owners, binary)) for j, owners in plan["ownership"].items()}
+
+    def without(plan: dict[str, Any], names: list[str]) -> dict[str, Any]:
+        return {**plan, "ownership": {j: o for j, o in plan["ownership"].items()
+                                      if j not in names}}
+
+    def padded(n: int) -> dict[str, Any]:
+        return {**plan, "source": "p" * n}
+
+    def rest(n: int) -> int:  # bytes of the plan padded by n, "big" left out
+        return len(cp.encode(without(padded(n), ["big"]), binary))
+
+    n = cp.MAX_MESSAGE - rest(0)
+    n -= rest(n) - cp.MAX_MESSAGE  # the rest exactly at the cap (the pad's header counted)
+    assert rest(n) == cp.MAX_MESSAGE
+    for slack in range(-20, 21):  # the rest that many bytes under the cap
+        left_out = _fits_leaving_out_the_largest_fewest(padded(n - slack), binary, sizes,
+                                                        without)
+        assert left_out == (["big"] if slack >= 0 else ["big", "small"]), slack
+
+
+@pytest.mark.parametrize("binary", [False, True])
 def test_a_plan_over_the_size_cap_leaves_out_the_largest_jobs_chunk_owners(
         binary: bool, caplog: pytest.LogCaptureFixture) -> None:
     ranks = {f"j{k}": 4096 - 500 * k for k in range(8)}  # more ranks: longer numbers
