@@ -78,6 +78,7 @@ from gradlane.errors import ConfigError
 from gradlane.policies import fabric
 from gradlane.policies.base import (
     FloatArray,
+    IntArray,
     JobState,
     Plan,
     Policy,
@@ -136,7 +137,8 @@ def exchange_time(loads: FloatArray, rates: FloatArray, shares: Sequence[float])
     return float(np.max(np.asarray(shares, dtype=np.float64) @ loads / rates))
 
 
-def owner_shares(loads: FloatArray, rates: FloatArray) -> list[float]:
+def owner_shares(loads: FloatArray, rates: FloatArray,
+                 members: Sequence[int] | IntArray | None = None) -> list[float]:
     """Each rank's share of the owned bytes (summing to 1), ranks' loads per owned byte on
     each link `loads` (`Exchange.link_loads`), links at `rates`.
 
@@ -151,26 +153,30 @@ def owner_shares(loads: FloatArray, rates: FloatArray) -> list[float]:
     shares of such ranks loads no link more and makes no share larger, so
     among the best shares some split each class evenly. It makes the
     programmes as large as the hosts are many, not the ranks: 1,024 hosts of 8
-    ranks solve 1,024 variables, not 8,192.
+    ranks solve 1,024 variables, not 8,192. With `members`, each row of
+    `loads` stands for that many ranks loading alike, and the share returned
+    for it is each one's.
     """
     loads = np.asarray(loads, dtype=np.float64)
     rates = np.asarray(rates, dtype=np.float64)
     if loads.ndim != 2 or loads.shape[1] != rates.size or not np.all(rates > 0):
         raise ConfigError(f"need positive rates, one per link: {loads.shape} loads, "
                           f"{rates.size} rates")
-    w = loads.shape[0]
+    each = (np.ones(len(loads)) if members is None
+            else np.asarray(members, dtype=np.float64).reshape(-1))
+    if each.shape != (len(loads),) or not np.all(each >= 1):
+        raise ConfigError(f"need a count of at least 1 ranks per row of loads, got {members}")
+    w = each.sum()
     used = loads.any(axis=0)
-    if w == 1 or not used.any():
-        return [1 / w] * w
-    if _even_is_best(loads[:, used], rates[used]):
-        return [1 / w] * w
+    if len(loads) == 1 or not used.any() or _even_is_best(loads[:, used], each, rates[used]):
+        return [float(1 / w)] * len(loads)
     # Classes of ranks with the same loads: one variable each, its members' summed share.
-    rows, of_class, members = np.unique(loads[:, used], axis=0, return_inverse=True,
-                                        return_counts=True)
+    rows, of_class = np.unique(loads[:, used], axis=0, return_inverse=True)
     of_class = of_class.reshape(-1)
-    n = len(members)
+    n = len(rows)
     if n == 1:
-        return [1 / w] * w
+        return [float(1 / w)] * len(loads)
+    in_class = np.bincount(of_class, weights=each, minlength=n)
     per_share = (rows / (rates[used] / rates[used].max())).T  # links x classes
     n_links = per_share.shape[0]
     linprog = _linprog()
@@ -183,16 +189,17 @@ def owner_shares(loads: FloatArray, rates: FloatArray) -> list[float]:
     spread = linprog(  # a class's share over its members: each member's, at most the last
         minimise_last,
         A_ub=np.vstack([np.hstack([per_share, np.zeros((n_links, 1))]),
-                        np.hstack([np.diag(1.0 / members), -np.ones((n, 1))])]),
+                        np.hstack([np.diag(1.0 / in_class), -np.ones((n, 1))])]),
         b_ub=np.concatenate([np.full(n_links, slowest.fun * (1 + 1e-8) + 1e-9), np.zeros(n)]),
         A_eq=one[0], b_eq=one[1], method="highs")
-    x = (spread.x[:n] if spread.success else slowest.x[:n])[of_class] / members[of_class]
+    x = (spread.x[:n] if spread.success else slowest.x[:n])[of_class] / in_class[of_class]
     shares = np.where(x < MIN_SHARE, 0.0, x)
-    return [float(v) for v in shares / shares.sum()]
+    return [float(v) for v in shares / (shares @ each)]
 
 
-def _even_is_best(loads: FloatArray, rates: FloatArray) -> bool:
-    """Whether even shares are `owner_shares`' answer, seen without solving.
+def _even_is_best(loads: FloatArray, members: FloatArray, rates: FloatArray) -> bool:
+    """Whether even shares are `owner_shares`' answer, seen without solving (rows of
+    `loads` standing for `members` ranks each).
 
     Whatever the shares, the links' loads sum to the shares' mix of the rows'
     sums, and the slowest link takes at least that over the links' summed
@@ -205,7 +212,7 @@ def _even_is_best(loads: FloatArray, rates: FloatArray) -> bool:
     sums = loads.sum(axis=1)
     if not np.allclose(sums, sums[0], rtol=1e-9, atol=0):
         return False
-    times = loads.mean(axis=0) / rates  # each link's, with even shares
+    times = members @ loads / members.sum() / rates  # each link's, with even shares
     return bool(np.allclose(times, times[0], rtol=1e-9, atol=0))
 
 
@@ -264,8 +271,17 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
             return tuple(flat_shares(rates.tolist()))
     exchange = Exchange(leaves, uplinks=uplinks, host=hosts, ring=kind == "ring",
                         by_host=kind == "host")
-    loads = exchange.link_loads(in_leaf=kind in ("leaf", "host"))
-    return tuple(owner_shares(loads, np.array(host_bps + host_bps, dtype=np.float64)))
+    link_bps = np.array(host_bps + host_bps, dtype=np.float64)
+    if kind not in ("flat", "host"):
+        return tuple(owner_shares(exchange.link_loads(in_leaf=kind == "leaf"), link_bps))
+    # Flat, or within hosts first: each host's ranks send one copy of a chunk and take one
+    # back whichever of them owns it, so ranks of one host load the links alike, and the
+    # host's first rank stands for all of them (a host's rows, not a rank's: W / H fewer).
+    _, first, of_host, count = np.unique(hosts, return_index=True, return_inverse=True,
+                                         return_counts=True)
+    loads = exchange.link_loads(in_leaf=kind == "host", owners=first)
+    shares = owner_shares(loads, link_bps, count)
+    return tuple(shares[h] for h in of_host.reshape(-1))
 
 
 def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from gradlane.errors import ConfigError
@@ -476,6 +476,34 @@ def test_owner_shares_depend_on_the_placement_s_shape_not_its_numbers(
     as_numbered = solve(tuple(hosts), tuple(leaves), uplinks, kind, tuple(rates))
     shaped = solve(placement_shape(hosts), placement_shape(leaves), uplinks, kind, tuple(rates))
     assert shaped == as_numbered
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(numbered_placements(), st.booleans(), st.sampled_from(["flat", "host"]))
+def test_owner_shares_of_a_host_s_first_rank_are_every_rank_s(
+    placement: tuple[list[int], list[int], list[float]], uplinks: bool, kind: str,
+) -> None:
+    """Flat or within hosts first, `job_shares` weighs one rank a host, its rows standing
+    for the host's ranks: the shares every rank's own rows give. (One rank a host has
+    closed forms of its own.)"""
+    hosts, leaves, rates = placement
+    assume(len(set(hosts)) < len(hosts))
+    solve = _shares.__wrapped__  # not the cache
+    exchange = Exchange(leaves, uplinks=uplinks, host=hosts, by_host=kind == "host")
+    every = owner_shares(exchange.link_loads(in_leaf=kind == "host"), np.array(rates * 2))
+    assert solve(tuple(hosts), tuple(leaves), uplinks, kind, tuple(rates)) == pytest.approx(
+        every, abs=1e-9)
+
+
+def test_owner_shares_of_rows_standing_for_several_ranks() -> None:
+    # Two ranks loading the first link, one the second: as the three rows, each rank's.
+    loads, rates = np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([1.0, 2.0])
+    three = owner_shares(loads[[0, 0, 1]], rates)
+    assert owner_shares(loads, rates, [2, 1]) == pytest.approx([three[0], three[2]])
+    assert sum(three) == pytest.approx(1) and three[0] == pytest.approx(three[1])
+    for members in ([2], [0, 1], [1, 2, 3]):
+        with pytest.raises(ConfigError, match="a count of at least 1 ranks per row"):
+            owner_shares(loads, rates, members)
 
 
 @settings(max_examples=examples(40), deadline=None)
