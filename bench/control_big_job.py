@@ -1,24 +1,27 @@
 """The control plane's first plan of one large job: time and memory by the job's ranks.
 
-    .venv/bin/python bench/control_big_job.py [--ranks 1024 ... 16384] [--per-host 8]
+    .venv/bin/python bench/control_big_job.py [--ranks 1024 ... 65536] [--per-host 8]
                                               [--json PATH]
 
 For each size, a fresh process builds a control plane (the default policy)
 and hands it what the daemons of one job would report: ``--per-host`` ranks
 on each host, 32 hosts a leaf, 10 Gbit/s links, 64 chunks of 1 MiB. It then
 makes the state and the plan twice, as the planner does: the first plan
-builds the job's reduction trees and solves its owner shares, which later
+builds its chunk owners' reduction trees and solves its owner shares, which later
 plans take from caches while the placement holds, so the first is what a
 control plane's restart, or a job's start, costs. Recorded per size: both
 plans' seconds (state, then policy), the process's peak resident memory
 and what it keeps after the plans, the state's flows, and per doubling of
 the ranks how much the first plan's time and the peak memory grew.
 
-Owner shares weigh every rank as an owner, with the load its chunks put on
-every host's links (`gradlane.policies.demand.Exchange.link_loads`), so time
-and memory grow with the square of the ranks; a size whose estimated peak
-(8 bytes per rank squared, twice what 32,768 ranks took) would not fit in
-MemAvailable is skipped, said so in its result.
+Owner shares weigh every host as an owner (ranks of one host load the links
+alike in the exchange such jobs use), with the load its chunks put on every
+host's links (`gradlane.policies.demand.Exchange.link_loads`), so time and
+memory grow with the square of the hosts; a size whose estimated peak (64
+bytes per host squared, about twice what 8,192 hosts of 8 ranks took) would
+not fit in MemAvailable is skipped, said so in its result. (With one rank a
+host at one rate, shares are even with no loads built, and the estimate is
+far over.)
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ from common import REPO, write_result  # noqa: E402
 
 from gradlane.benchmark import available_memory  # noqa: E402
 
-RANKS = (1024, 2048, 4096, 8192, 16384)
+RANKS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)  # to the protocol's most
 PER_HOST = 8
 HOSTS_PER_LEAF = 32
 CHUNKS = 64
-# Peak bytes per rank squared, from this benchmark's own results (32,768 ranks: 4.3 GB).
-PEAK_BYTES_PER_RANK2 = 8
+# Peak bytes per host squared, from this benchmark's own results (8,192 hosts: 2.4 GB).
+PEAK_BYTES_PER_HOST2 = 64
 
 
 def _status_mb(field: str) -> float:
@@ -127,7 +130,7 @@ def main() -> None:
         return
     sizes: list[dict[str, Any]] = []
     for ranks in sorted(set(args.ranks)):
-        need = PEAK_BYTES_PER_RANK2 * ranks**2
+        need = PEAK_BYTES_PER_HOST2 * (ranks // args.per_host) ** 2
         available = available_memory()
         if available is not None and need > available:
             print(f"{ranks:6d} ranks: skipped, needs about {need / 2**30:.1f} GiB",
