@@ -274,9 +274,9 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
     link_bps = np.array(host_bps + host_bps, dtype=np.float64)
     if kind not in ("flat", "host"):
         return tuple(owner_shares(exchange.link_loads(in_leaf=kind == "leaf"), link_bps))
-    # Flat, or within hosts first: each host's ranks send one copy of a chunk and take one
-    # back whichever of them owns it, so ranks of one host load the links alike, and the
-    # host's first rank stands for all of them (a host's rows, not a rank's: W / H fewer).
+    # Flat, or within hosts first: what a chunk puts on each host's links depends on the
+    # host that owns it, not on which of its ranks (every rank, or each host's leader,
+    # sends straight to the owner), so the host's first rank stands for all of them.
     _, first, of_host, count = np.unique(hosts, return_index=True, return_inverse=True,
                                          return_counts=True)
     loads = exchange.link_loads(in_leaf=kind == "host", owners=first)
