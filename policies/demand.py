@@ -218,25 +218,23 @@ class Exchange:
         """The job's hosts, each once, in increasing order (`link_loads`' columns)."""
         return np.unique(self.host)
 
-    def link_loads(self, in_leaf: bool, owners: IntArray | None = None) -> FloatArray:
-        """Per owner rank (`owners`, default every rank), the bytes one byte it owns puts
-        on each host link the job uses.
+    def link_loads(self, in_leaf: bool) -> FloatArray:
+        """Per owner rank, the bytes one byte it owns puts on each host link the job uses.
 
         Columns: each of `hosts`' egress, then each one's ingress. Ranks of one
         host share its links; what they send each other is loopback and on none.
         """
         w, n_hosts = self.w, len(self.hosts)
-        of = np.arange(w) if owners is None else np.asarray(owners, dtype=np.int64)
         blocks: Iterable[tuple[int, int, FloatArray]]
         if in_leaf in self._trees:
-            blocks = [(0, len(of), self._trees[in_leaf][0][of])]
+            blocks = [(0, w, self._trees[in_leaf][0])]
         else:  # not kept: a planner asks once per placement, and they are W^2
             blocks = ((first, last, rows) for first, last, rows, _ in
-                      self._tree_blocks(in_leaf, of))
+                      self._tree_blocks(in_leaf, np.arange(w)))
         # Each rank's egress and ingress column is its host's: summed by host.
         column = np.concatenate([np.searchsorted(self.hosts, self.host)] * 2)
         column[w:] += n_hosts
-        loads = np.zeros((len(of), 2 * n_hosts))
+        loads = np.zeros((w, 2 * n_hosts))
         for first, last, per_owner in blocks:
             n = last - first
             cell = (np.arange(n)[:, None] * 2 * n_hosts + column[None, :]).ravel()

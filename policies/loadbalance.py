@@ -92,7 +92,7 @@ from gradlane.policies.demand import Exchange
 from gradlane.policies.priority import PriorityPolicy
 
 __all__ = ["LoadBalancePolicy", "balanced_ownership", "exchange_time", "flat_shares",
-           "exchange_of", "job_shares", "load_solver", "one_switch", "owner_shares",
+           "exchange_of", "host_loads", "job_shares", "load_solver", "one_switch", "owner_shares",
            "placement_shape", "require_solver"]
 
 # `owner_shares` takes shares this small (of 1) as none: below a solver's tolerance.
@@ -234,16 +234,46 @@ def flat_shares(rates: Sequence[float]) -> list[float]:
     world = r.size
     if world <= 2:
         return [float(x) for x in r / r.sum()]
-    active = np.ones(world, dtype=bool)
-    while True:  # at most `world` rounds: each drops a worker or ends
-        # In units of S: T from sum over active of (T r_i - 1) = W - 2.
-        t = (world - 2 + active.sum()) / r[active].sum()
-        keep = active & (t * r > 1)
+    return [float(x) for x in _water_fill(np.ones(world), np.full(world, world - 2.0), r)]
+
+
+def _water_fill(base: FloatArray, slope: FloatArray, rates: FloatArray,
+                members: FloatArray | None = None) -> FloatArray:
+    """Shares ``o`` (summing to 1) whose slowest link finishes first, link i carrying
+    ``base[i] + slope[i] * o[i]`` (in models; every slope positive) at ``rates[i]``.
+
+    Water-filling: at the least time ``T`` every link with a share is at ``T``,
+    ``o_i = max(0, (T r_i - base_i) / slope_i)``, found by dropping the links too
+    slow for any share until every share left is positive. A link may be slower
+    than ``T`` with no share at all (its base alone): then the slowest finishes at
+    ``T* = base_i / r_i``, and many shares do as well. With `members` (link i's
+    share is split among that many ranks) they are then, as `owner_shares`'
+    second programme takes them, those whose largest share a rank is least:
+    ``o_i = min(cap_i, lam * members_i)``, ``cap_i`` the most link i takes by
+    ``T*``. Without, the water-filled shares.
+    """
+    active = np.ones(len(rates), dtype=bool)
+    while True:  # at most one round a link: each drops one or ends
+        t = (1 + (base / slope)[active].sum()) / (rates / slope)[active].sum()
+        keep = active & (t * rates > base)
         if keep.sum() == active.sum():
             break
         active = keep
-    shares = np.where(active, (t * r - 1) / (world - 2), 0.0)
-    return [float(x) for x in shares / shares.sum()]
+    shares = np.where(active, (t * rates - base) / slope, 0.0)
+    slowest = float((base / rates).max())
+    if members is None or slowest <= t:
+        return np.asarray(shares / shares.sum(), dtype=np.float64)
+    cap = np.maximum(0.0, (slowest * rates - base) / slope)  # sums to more than 1
+    # The least lam with sum(min(cap, lam * members)) = 1: between two of the caps'
+    # levels cap / members, the sum grows by the members of the links not capped yet.
+    order = np.argsort(cap / members)
+    level, m = (cap / members)[order], members[order]
+    before = np.concatenate([[0.0], np.cumsum(cap[order])[:-1]])  # the capped links'
+    after = np.cumsum(m[::-1])[::-1]  # the members not capped yet
+    reach = np.flatnonzero(before + level * after >= 1)
+    lam = (1 - before[reach[0]]) / after[reach[0]] if len(reach) else level[-1]
+    shares = np.minimum(cap, lam * members)
+    return np.asarray(shares / shares.sum(), dtype=np.float64)
 
 
 def one_switch(rates: Sequence[float], ring: bool) -> tuple[FloatArray, FloatArray]:
@@ -269,19 +299,46 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
             rates = np.empty(world)
             rates[order] = host_bps
             return tuple(flat_shares(rates.tolist()))
-    exchange = Exchange(leaves, uplinks=uplinks, host=hosts, ring=kind == "ring",
-                        by_host=kind == "host")
     link_bps = np.array(host_bps + host_bps, dtype=np.float64)
     if kind not in ("flat", "host"):
+        exchange = Exchange(leaves, uplinks=uplinks, host=hosts, ring=kind == "ring")
         return tuple(owner_shares(exchange.link_loads(in_leaf=kind == "leaf"), link_bps))
-    # Flat, or within hosts first: what a chunk puts on each host's links depends on the
-    # host that owns it, not on which of its ranks (every rank, or each host's leader,
-    # sends straight to the owner), so the host's first rank stands for all of them.
-    _, first, of_host, count = np.unique(hosts, return_index=True, return_inverse=True,
-                                         return_counts=True)
-    loads = exchange.link_loads(in_leaf=kind == "host", owners=first)
-    shares = owner_shares(loads, link_bps, count)
-    return tuple(shares[h] for h in of_host.reshape(-1))
+    _, of_host, count = np.unique(hosts, return_inverse=True, return_counts=True)
+    of_host, n = of_host.reshape(-1), len(count)
+    if len(set(host_bps)) == 1 and len(set(count.tolist())) == 1:
+        # Even shares are best (`_even_is_best` of `host_loads`: every row sums the same,
+        # and even shares load every host's links alike): not worth the H x 2H loads.
+        return (1 / world,) * world
+    # `host_loads` of a host owning o of the model: each of its links carries
+    # 1 + (H - 2) o within hosts first, k + (W - 2k) o flat (k its ranks): water.
+    base = np.ones(n) if kind == "host" else count.astype(np.float64)
+    slope = np.asarray(np.full(n, n - 2.0) if kind == "host" else world - 2.0 * count,
+                       dtype=np.float64)
+    if np.all(slope > 0):
+        per_rank = _water_fill(base, slope, np.asarray(host_bps, dtype=np.float64),
+                               count.astype(np.float64)) / count
+        kept = np.where(per_rank < MIN_SHARE, 0.0, per_rank)  # as `owner_shares` does
+        return tuple(float(v) for v in (kept / (kept @ count))[of_host])
+    shares = owner_shares(host_loads(kind, count), link_bps, count)
+    return tuple(shares[h] for h in of_host)
+
+
+def host_loads(kind: str, ranks: Sequence[int] | IntArray) -> FloatArray:
+    """`Exchange.link_loads` of a job exchanging flat or within hosts first (`kind`),
+    `ranks` on each of its hosts, per owning host: what a chunk puts on each host's
+    links depends on the host that owns it, not on which of its ranks.
+
+    Flat, every rank sends its part to the owner and takes the result back: a host
+    of k ranks sends and takes k copies of a chunk another host owns, and the owner's
+    host all the other ranks' (W - k). Within hosts first, only each host's leader
+    does: one copy each way, and the owner's host one per other host. Rows: owning
+    hosts; columns: each host's egress, then each one's ingress (sorted host order).
+    """
+    k = np.asarray(ranks, dtype=np.float64)
+    n = len(k)
+    each = np.ones((n, n)) if kind == "host" else np.tile(k, (n, 1))
+    np.fill_diagonal(each, n - 1 if kind == "host" else k.sum() - k)
+    return np.concatenate([each, each], axis=1)
 
 
 def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,

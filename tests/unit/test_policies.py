@@ -34,6 +34,7 @@ from gradlane.policies.loadbalance import (
     _shares,
     exchange_time,
     flat_shares,
+    host_loads,
     one_switch,
     owner_shares,
     placement_shape,
@@ -478,21 +479,33 @@ def test_owner_shares_depend_on_the_placement_s_shape_not_its_numbers(
     assert shaped == as_numbered
 
 
-@settings(max_examples=examples(60), deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(numbered_placements(), st.booleans(), st.sampled_from(["flat", "host"]))
-def test_owner_shares_of_a_host_s_first_rank_are_every_rank_s(
+# Host 0 (two ranks at half the rate) is the slowest with no share: ties, spread evenly.
+@example(([0, 0, 1, 1, 2], [0, 0, 0, 0, 0], [0.5, 1.0, 0.5]), False, "flat")
+@example(([0, 0, 1, 2, 3], [0] * 5, [1.0, 1.0, 3.0, 0.25]), False, "host")
+def test_host_loads_are_every_rank_s_link_loads_and_give_its_shares(
     placement: tuple[list[int], list[int], list[float]], uplinks: bool, kind: str,
 ) -> None:
-    """Flat or within hosts first, `job_shares` weighs one rank a host, its rows standing
-    for the host's ranks: the shares every rank's own rows give. (One rank a host has
-    closed forms of its own.)"""
+    """Flat or within hosts first, `job_shares` weighs hosts, their loads in closed form
+    (`host_loads`): the link loads of each of their ranks' trees; and its shares (in
+    closed form too, by water-filling, where it can) are those the linear programmes
+    give every rank's own rows, to their tolerance, and finish no later. (One rank a
+    host has closed forms of its own.)"""
     hosts, leaves, rates = placement
+    exchange = Exchange(leaves, uplinks=uplinks, host=hosts, by_host=kind == "host")
+    every = exchange.link_loads(in_leaf=kind == "host")
+    _, of_host, count = np.unique(hosts, return_inverse=True, return_counts=True)
+    np.testing.assert_array_equal(host_loads(kind, count)[of_host.reshape(-1)], every)
     assume(len(set(hosts)) < len(hosts))
     solve = _shares.__wrapped__  # not the cache
-    exchange = Exchange(leaves, uplinks=uplinks, host=hosts, by_host=kind == "host")
-    every = owner_shares(exchange.link_loads(in_leaf=kind == "host"), np.array(rates * 2))
-    assert solve(tuple(hosts), tuple(leaves), uplinks, kind, tuple(rates)) == pytest.approx(
-        every, abs=1e-9)
+    shares = solve(tuple(hosts), tuple(leaves), uplinks, kind, tuple(rates))
+    link_rates = np.array(rates * 2)
+    solved = owner_shares(every, link_rates)
+    assert shares == pytest.approx(solved, abs=1e-6)
+    assert sum(shares) == pytest.approx(1)
+    assert exchange_time(every, link_rates, shares) <= exchange_time(
+        every, link_rates, solved) * (1 + 1e-9)
 
 
 def test_owner_shares_of_rows_standing_for_several_ranks() -> None:
