@@ -1,18 +1,22 @@
 """The control plane's first plan of one large job: time and memory by the job's ranks.
 
     .venv/bin/python bench/control_big_job.py [--ranks 1024 ... 65536] [--per-host 8]
-                                              [--json PATH]
+                                              [--links equal mixed] [--json PATH]
 
 For each size, a fresh process builds a control plane (the default policy)
 and hands it what the daemons of one job would report: ``--per-host`` ranks
-on each host, 32 hosts a leaf, 10 Gbit/s links, 64 chunks of 1 MiB. It then
+on each host, 32 hosts a leaf, 64 chunks of 1 MiB, and 10 Gbit/s links
+(``equal``) or every fourth host's at 25 (``mixed``: owner shares to weigh,
+not even ones). It then
 makes the state and the plan twice, as the planner does: the first plan
 builds its chunk owners' reduction trees and solves its owner shares, which later
 plans take from caches while the placement holds, so the first is what a
 control plane's restart, or a job's start, costs. Recorded per size: both
 plans' seconds (state, then policy), the process's peak resident memory
-and what it keeps after the plans, the state's flows, and per doubling of
-the ranks how much the first plan's time and the peak memory grew.
+and what it keeps after the plans, the state's flows, the share of the
+chunks the plan gives every fourth host's ranks (a quarter with equal links,
+more with mixed ones), and per doubling of the ranks how much the first
+plan's time and the peak memory grew.
 
 Owner shares weigh every host as an owner (ranks of one host load the links
 alike in the exchange such jobs use), with the load its chunks put on every
@@ -42,6 +46,7 @@ from gradlane.benchmark import available_memory  # noqa: E402
 
 RANKS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)  # to the protocol's most
 PER_HOST = 8
+LINKS = ("equal", "mixed")
 HOSTS_PER_LEAF = 32
 CHUNKS = 64
 # Peak bytes per host squared, from this benchmark's own results (8,192 hosts: 2.4 GB).
@@ -63,8 +68,9 @@ def _peak_mb() -> float:
     return _status_mb("VmHWM")  # the resident high-water mark, kept with VmRSS
 
 
-def _plane(ranks: int, per_host: int) -> Any:
-    """A control plane holding the reports of one job of `ranks`, `per_host` a host."""
+def _plane(ranks: int, per_host: int, mixed: bool = False) -> Any:
+    """A control plane holding the reports of one job of `ranks`, `per_host` a host (with
+    `mixed`, every fourth host's link 2.5 times the others')."""
     from gradlane.daemon import control
     from gradlane.daemon import control_protocol as cp
 
@@ -73,7 +79,8 @@ def _plane(ranks: int, per_host: int) -> Any:
         register = cp.parse_register({
             "type": "register", "version": 1, "host": f"h{h:05d}",
             "leaf": h // HOSTS_PER_LEAF, "gradlane": "bench",
-            "interfaces": [{"name": "eth0", "rate_bps": 10**10}]})
+            "interfaces": [{"name": "eth0", "rate_bps": 25 * 10**9 if mixed and h % 4 == 0
+                            else 10**10}]})
         job = {"name": "big", "global_batch": 16 * ranks, "layers": CHUNKS,
                "chunk_bytes": [1 << 20] * CHUNKS, "chunk_layers": list(range(CHUNKS)),
                "world_size": ranks,
@@ -84,14 +91,14 @@ def _plane(ranks: int, per_host: int) -> Any:
     return plane
 
 
-def one(ranks: int, per_host: int) -> dict[str, Any]:
+def one(ranks: int, per_host: int, mixed: bool) -> dict[str, Any]:
     """Plan one job of `ranks` in this process: what `main` records for its size."""
     from gradlane.policies.loadbalance import load_solver
 
     load_solver()  # as `gradlane control` does once listening: not a plan's cost
     warm = _plane(2 * per_host, per_host)  # nor the planner's imports; a job of another
     warm.policy.plan(warm.build_state())   # shape leaves nothing the measured one can use
-    plane = _plane(ranks, per_host)
+    plane = _plane(ranks, per_host, mixed)
     before_mb = _rss_mb()
     plans = []
     for _ in range(2):
@@ -103,8 +110,11 @@ def one(ranks: int, per_host: int) -> dict[str, Any]:
         plane.state, plane.plan = state, plan
         plans.append({"state_s": built - started, "policy_s": done - built,
                       "total_s": done - started})
+    owners = plan.ownership.get("big", ())
+    on_fast = sum((owner // per_host) % 4 == 0 for owner in owners)  # mixed: the 25G hosts
     return {"ranks": ranks, "hosts": ranks // per_host, "flows": len(state.flows),
-            "owners_planned": len(plan.ownership.get("big", ())) == CHUNKS,
+            "owners_planned": len(owners) == CHUNKS,
+            "chunks_on_every_fourth_host": on_fast / max(len(owners), 1),
             "first_plan": plans[0], "next_plan": plans[1],
             "rss_before_plans_mb": before_mb, "peak_rss_mb": _peak_mb(),
             "rss_after_mb": _rss_mb()}
@@ -115,6 +125,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=list(RANKS),
                     help="job sizes, each a multiple of --per-host (default: %(default)s)")
     ap.add_argument("--per-host", type=int, default=PER_HOST, help="ranks a host")
+    ap.add_argument("--links", nargs="+", choices=LINKS, default=list(LINKS),
+                    help="equal links, mixed ones, or both (default: %(default)s)")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/control_big_job.json",
                     help="result file (default: %(default)s)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one size
@@ -126,20 +138,29 @@ def main() -> None:
         ap.error(f"--ranks {bad}: each must be a multiple of --per-host "
                  f"({args.per_host}) and span two hosts at least")
     if args.one is not None:
-        print(json.dumps(one(args.one, args.per_host)))
+        print(json.dumps(one(args.one, args.per_host, args.links == ["mixed"])))
         return
+    write_result(args.json, {"benchmark": "control_big_job", "per_host": args.per_host,
+                             "hosts_per_leaf": HOSTS_PER_LEAF, "chunks": CHUNKS,
+                             "policy": "gradlane",
+                             "links": {links: _sizes(args, links) for links in args.links}})
+    print(f"-> {args.json}")
+
+
+def _sizes(args: argparse.Namespace, links: str) -> list[dict[str, Any]]:
+    """Each size of `args.ranks` planned with `links` in a process of its own."""
     sizes: list[dict[str, Any]] = []
     for ranks in sorted(set(args.ranks)):
         need = PEAK_BYTES_PER_HOST2 * (ranks // args.per_host) ** 2
         available = available_memory()
         if available is not None and need > available:
-            print(f"{ranks:6d} ranks: skipped, needs about {need / 2**30:.1f} GiB",
-                  flush=True)
+            print(f"{links} links, {ranks:6d} ranks: skipped, needs about "
+                  f"{need / 2**30:.1f} GiB", flush=True)
             sizes.append({"ranks": ranks, "skipped": f"needs about {need / 2**30:.1f} GiB"})
             continue
         out = subprocess.run(
             [sys.executable, __file__, "--one", str(ranks), "--per-host", str(args.per_host),
-             "--ranks", str(ranks)],
+             "--ranks", str(ranks), "--links", links],
             capture_output=True, text=True, check=False, timeout=1800)
         if out.returncode:
             raise SystemExit(f"{ranks} ranks failed (exit {out.returncode}):\n{out.stderr}")
@@ -147,19 +168,19 @@ def main() -> None:
         if not size["owners_planned"]:
             raise SystemExit(f"{ranks} ranks: the plan has no chunk owners for the job")
         sizes.append(size)
-        print(f"{ranks:6d} ranks: first plan {size['first_plan']['total_s']:6.2f} s, "
+        print(f"{links} links, {ranks:6d} ranks: first plan "
+              f"{size['first_plan']['total_s']:6.2f} s, "
               f"next {size['next_plan']['total_s']:5.2f} s, "
-              f"peak {size['peak_rss_mb']:6.0f} MB", flush=True)
+              f"peak {size['peak_rss_mb']:6.0f} MB, "
+              f"{size['chunks_on_every_fourth_host']:.0%} of the chunks on every fourth host",
+              flush=True)
     measured = [s for s in sizes if "skipped" not in s]
     for small, large in zip(measured, measured[1:], strict=False):
         if large["ranks"] == 2 * small["ranks"]:
             large["doubling"] = {
                 "first_plan_x": large["first_plan"]["total_s"] / small["first_plan"]["total_s"],
                 "peak_rss_x": large["peak_rss_mb"] / small["peak_rss_mb"]}
-    write_result(args.json, {"benchmark": "control_big_job", "per_host": args.per_host,
-                             "hosts_per_leaf": HOSTS_PER_LEAF, "chunks": CHUNKS,
-                             "policy": "gradlane", "sizes": sizes})
-    print(f"-> {args.json}")
+    return sizes
 
 
 if __name__ == "__main__":

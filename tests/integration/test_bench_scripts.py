@@ -67,10 +67,11 @@ def _coflow_ages(r: dict[str, Any]) -> bool:
 
 
 def _big_job(r: dict[str, Any]) -> bool:
-    sizes = r["sizes"]
-    return ([s["ranks"] for s in sizes] == [32, 64] and sizes[1]["doubling"]["peak_rss_x"] > 0
-            and all(s["owners_planned"] and s["first_plan"]["total_s"] > 0
-                    and s["peak_rss_mb"] >= s["rss_before_plans_mb"] > 0 for s in sizes))
+    return r["links"].keys() == {"equal", "mixed"} and all(
+        [s["ranks"] for s in sizes] == [32, 64] and sizes[1]["doubling"]["peak_rss_x"] > 0
+        and all(s["owners_planned"] and s["first_plan"]["total_s"] > 0
+                and s["peak_rss_mb"] >= s["rss_before_plans_mb"] > 0 for s in sizes)
+        for sizes in r["links"].values())
 
 
 def _state_copy(r: dict[str, Any]) -> bool:
