@@ -193,8 +193,14 @@ def owner_shares(loads: FloatArray, rates: FloatArray,
         b_ub=np.concatenate([np.full(n_links, slowest.fun * (1 + 1e-8) + 1e-9), np.zeros(n)]),
         A_eq=one[0], b_eq=one[1], method="highs")
     x = (spread.x[:n] if spread.success else slowest.x[:n])[of_class] / in_class[of_class]
-    shares = np.where(x < MIN_SHARE, 0.0, x)
-    return [float(v) for v in shares / (shares @ each)]
+    return [float(v) for v in _without_tiny(x, each)]
+
+
+def _without_tiny(shares: FloatArray, members: FloatArray) -> FloatArray:
+    """Each rank's `shares` (a row's for its `members` ranks) with those below
+    `MIN_SHARE` taken as none, summing to 1 again."""
+    kept = np.where(shares < MIN_SHARE, 0.0, shares)
+    return np.asarray(kept / (kept @ members), dtype=np.float64)
 
 
 def _even_is_best(loads: FloatArray, members: FloatArray, rates: FloatArray) -> bool:
@@ -315,10 +321,10 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
     slope = np.asarray(np.full(n, n - 2.0) if kind == "host" else world - 2.0 * count,
                        dtype=np.float64)
     if np.all(slope > 0):
+        members = count.astype(np.float64)
         per_rank = _water_fill(base, slope, np.asarray(host_bps, dtype=np.float64),
-                               count.astype(np.float64)) / count
-        kept = np.where(per_rank < MIN_SHARE, 0.0, per_rank)  # as `owner_shares` does
-        return tuple(float(v) for v in (kept / (kept @ count))[of_host])
+                               members) / members
+        return tuple(float(v) for v in _without_tiny(per_rank, members)[of_host])
     shares = owner_shares(host_loads(kind, count), link_bps, count)
     return tuple(shares[h] for h in of_host)
 
