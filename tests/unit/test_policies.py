@@ -519,6 +519,73 @@ def test_owner_shares_of_rows_standing_for_several_ranks() -> None:
             owner_shares(loads, rates, members)
 
 
+@settings(max_examples=examples(60), deadline=None)
+@given(st.integers(2, 6).flatmap(lambda n: st.tuples(
+    st.lists(st.lists(st.integers(0, 3), min_size=4, max_size=4), min_size=n, max_size=n),
+    st.lists(st.sampled_from([0.5, 1.0, 2.5]), min_size=4, max_size=4),
+    st.lists(st.integers(1, 3), min_size=n, max_size=n))))
+def test_owner_shares_solve_the_programmes_as_written_out_whole(
+    case: tuple[list[list[int]], list[float], list[int]],
+) -> None:
+    """Any loads, rows standing for `members` ranks: the slowest link's time and the
+    largest share a rank gets are those of the two programmes written out whole (a
+    variable per rank, every load in the matrix), which `owner_shares` solves with
+    each link's most common load taken out (sparse) and ranks loading alike as one."""
+    rows, link_rates, members = case
+    loads, rates = np.array(rows, dtype=np.float64), np.array(link_rates)
+    assume(loads.any())
+    each = np.repeat(loads, members, axis=0)  # a row per rank
+    w, n_links = len(each), loads.shape[1]
+    linprog = loadbalance._linprog()
+    last = np.append(np.zeros(w), 1.0)
+    one = np.append(np.ones(w), 0.0)[None, :]
+    per_share = np.hstack([(each / rates).T, -np.ones((n_links, 1))])
+    slowest = linprog(last, A_ub=per_share, b_ub=np.zeros(n_links), A_eq=one, b_eq=[1.0])
+    spread = linprog(last, A_ub=np.vstack([np.hstack([(each / rates).T, np.zeros((n_links, 1))]),
+                                           np.hstack([np.eye(w), -np.ones((w, 1))])]),
+                     b_ub=np.append(np.full(n_links, slowest.fun * (1 + 1e-9)), np.zeros(w)),
+                     A_eq=one, b_eq=[1.0])
+    assert slowest.success and spread.success
+    shares = owner_shares(loads, rates, members)
+    assert np.dot(shares, members) == pytest.approx(1)
+    assert exchange_time(loads, rates, np.multiply(shares, members)) == pytest.approx(
+        slowest.fun, rel=1e-6)
+    assert max(shares) == pytest.approx(spread.fun, rel=1e-5, abs=1e-7)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=3, max_size=3), min_size=1, max_size=12),
+       st.booleans())
+def test_distinct_rows_come_in_first_order_and_rebuild_the_matrix(
+    rows: list[list[int]], clash: bool,
+) -> None:
+    a = np.array(rows, dtype=np.float64)
+    if clash:  # every row hashes alike: told apart by sorting instead
+        loadbalance.hash = lambda _: 0  # type: ignore[attr-defined]
+    try:
+        distinct, of = loadbalance._distinct_rows(a)
+    finally:
+        vars(loadbalance).pop("hash", None)
+    assert np.array_equal(distinct[of], a)
+    assert len(distinct) == len(np.unique(a, axis=0))
+    # Numbered as they first come: each row's class is one already seen or the next.
+    seen = np.maximum.accumulate(of)
+    assert of[0] == 0 and set(np.diff(seen).tolist()) <= {0, 1} and np.all(of <= seen)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0]), min_size=1, max_size=9),
+                min_size=1, max_size=4).map(lambda r: [x + [0.5] * (9 - len(x)) for x in r]))
+def test_most_common_is_each_row_s_most_frequent_value_the_least_of_ties(
+    rows: list[list[float]],
+) -> None:
+    common = loadbalance._most_common(np.array(rows))
+    for row, value in zip(rows, common, strict=True):
+        counts = {v: row.count(v) for v in row}
+        top = max(counts.values())
+        assert value == min(v for v, c in counts.items() if c == top)
+
+
 @settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0]), min_size=3, max_size=4))
 def test_ring_loads_are_two_models_less_each_end_s_share(rates: list[float]) -> None:
