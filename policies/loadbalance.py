@@ -168,7 +168,8 @@ def owner_shares(loads: FloatArray, rates: FloatArray,
         raise ConfigError(f"need a count of at least 1 ranks per row of loads, got {members}")
     w = each.sum()
     used = np.flatnonzero(loads.any(axis=0))
-    on_used = np.take(loads, used, axis=1)  # in row order (loads[:, used] is not: 10x slower)
+    # In row order (loads[:, used] is not: 10x slower), and not copied when all are used.
+    on_used = loads if used.size == loads.shape[1] else np.take(loads, used, axis=1)
     if len(loads) == 1 or not used.size or _even_is_best(on_used, each, rates[used]):
         return [float(1 / w)] * len(loads)
     # Classes of ranks with the same loads: one variable each, its members' summed share.
