@@ -189,12 +189,12 @@ _ExchangeKey = tuple[tuple[int, ...], tuple[int, ...], bool, str]
 
 @dataclass(frozen=True)
 class _Where:
-    """Of one state: each host name's index, the jobs with workers on each host, the
+    """Of one state: each host name's index, the ranks of each job on each host, the
     jobs with demand."""
 
     state: State
     index: dict[str, int]
-    jobs_on: dict[int, set[str]]
+    ranks_on: dict[int, dict[str, list[int]]]
     complete: set[str]
 
 
@@ -617,20 +617,25 @@ class ControlPlane:
         where = self._where(state)
         mine = where.index.get(host, -1)
         classes = plan.host_classes.get(mine, {})
-        jobs = where.jobs_on.get(mine, set())
+        ranks_of = where.ranks_on.get(mine, {})
+        jobs = sorted(j for j in ranks_of if j in plan.batch_shares)
         complete = where.complete
+        own_ranks = "rank_shares" in self.daemons[host].report.takes
         return {
             "type": "plan",
             "version": plan.version,
             "ttl_s": self.config.ttl_s,
             "source": plan.source,
             "job_classes": _class_fields(classes),
-            "batch_shares": {j: list(plan.batch_shares[j]) for j in sorted(jobs)
-                             if j in plan.batch_shares},
+            # Every rank's to an older daemon; the host's own ranks' to one that takes them.
+            "batch_shares": {} if own_ranks else {j: list(plan.batch_shares[j]) for j in jobs},
+            **({"rank_shares": {j: [[r, plan.batch_shares[j][r]] for r in ranks_of[j]
+                                    if r < len(plan.batch_shares[j])]
+                                for j in jobs}} if own_ranks else {}),
             # Owners only for jobs whose every rank is reported (those with demand): the
             # shims take them, and a plan over some of the ranks would be taken and then
             # replaced.
-            "ownership": {j: list(plan.ownership[j]) for j in sorted(jobs)
+            "ownership": {j: list(plan.ownership[j]) for j in sorted(ranks_of)
                           if j in plan.ownership and j in complete},
             # The host's leaf switch when shims should reduce within leaves first.
             "leaf": state.topology.hosts[mine].leaf if plan.reduce_in_leaf and mine >= 0 else None,
@@ -640,19 +645,19 @@ class ControlPlane:
         }
 
     def _where(self, state: State) -> _Where:
-        """`state`'s hosts by name and jobs by host, worked out once per state: a push
-        asks them for every daemon (a scan of every worker for each daemon took 0.2-0.3 s
-        of the event loop a push, at 1,024 hosts of 4 ranks)."""
+        """`state`'s hosts by name and jobs' ranks by host, worked out once per state: a
+        push asks them for every daemon (a scan of every worker for each daemon took
+        0.2-0.3 s of the event loop a push, at 1,024 hosts of 4 ranks)."""
         if self._placement is None or self._placement.state is not state:
             assert state.topology is not None
             index: dict[str, int] = {}
             for i, h in enumerate(state.topology.hosts):
                 index.setdefault(h.name, i)
-            jobs_on: dict[int, set[str]] = {}
+            ranks_on: dict[int, dict[str, list[int]]] = {}
             for w in state.workers:
-                jobs_on.setdefault(w.host, set()).add(w.job)
+                ranks_on.setdefault(w.host, {}).setdefault(w.job, []).append(w.rank)
             # Every rank reported: the jobs with demand.
-            self._placement = _Where(state, index, jobs_on, {c.job for c in state.coflows})
+            self._placement = _Where(state, index, ranks_on, {c.job for c in state.coflows})
         return self._placement
 
     def view(self) -> dict[str, Any]:

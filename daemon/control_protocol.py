@@ -10,12 +10,12 @@ request with ``Authorization: Bearer <token>``.
       daemon                                   control
       register {version, host, leaf,       ->  welcome {version, host, features}
                 interfaces, gradlane}
-      report {seq, jobs, link_bps}             (whenever its jobs change, and
+      report {seq, jobs, link_bps, takes}      (whenever its jobs change, and
                                                 every few seconds)
                                            <-  plan {version, ttl_s, source,
                                                 job_classes, batch_shares,
-                                                ownership, leaf, link_bps,
-                                                computed_at}
+                                                rank_shares, ownership, leaf,
+                                                link_bps, computed_at}
 
 - ``POST /api/v1/report``: the same register and report in one body
   (``{"register": {...}, "report": {...}}``, JSON or, with
@@ -35,8 +35,13 @@ samples per step as its ranks agreed (0: not said; the control plane then
 sums the workers' batches), ``world_size`` its number of ranks (absent or 0:
 not said); batch shares are planned only once every rank is reported. A plan
 gives the host its job classes (``{job: [rate_bps, ceil_bps, prio]}``), per
-job every rank's batch share and every chunk's owner (the shims take their
-own), and the host's leaf when shims should reduce within leaves first.
+job every chunk's owner (the shims take their own) and batch shares, and the
+host's leaf when shims should reduce within leaves first. Batch shares come
+as ``batch_shares`` (``{job: [share of rank 0, of rank 1, ...]}``, every
+rank's), or, to a daemon whose reports say it ``takes`` ``rank_shares``
+(`PLAN_FIELDS`), as ``rank_shares`` (``{job: [[rank, share], ...]}``, the
+host's ranks only): one job of 8,192 ranks on 1,024 hosts made every push
+25.6 MB of JSON and half a second of the event loop, every second.
 
 A host's link, as plans take it, is ``link_bps`` of its report: the rates
 of the interfaces that carry its jobs' flows, summed (shims with an address
@@ -46,8 +51,10 @@ names the link its classes are for (``link_bps``), and the daemon scales
 them to each interface by its rate over that one.
 
 A control plane refuses fields it does not know, so a daemon sends an
-optional field (``exchange``, ``world_size``, ``link_bps``) only when the welcome's
-``features`` lists it (`FEATURES`; an older control plane's welcome has none).
+optional field (``exchange``, ``world_size``, ``link_bps``, ``takes``) only when the
+welcome's ``features`` lists it (`FEATURES`; an older control plane's welcome has
+none). A daemon ignores plan fields it does not know; the control plane sends
+one in place of an older field only to a daemon that says it ``takes`` it.
 
 Every message is validated (`parse_register`, `parse_report`); anything
 else gets ``error {code, message}`` and, on a WebSocket, the connection is
@@ -84,6 +91,7 @@ __all__ = [
     "MAX_BATCH",
     "FEATURES",
     "MAX_MESSAGE",
+    "PLAN_FIELDS",
     "VERSION",
     "InterfaceReport",
     "JobReport",
@@ -101,7 +109,10 @@ __all__ = [
 
 VERSION = 1
 # Optional report fields this control plane accepts beyond VERSION's (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "world_size", HOST_EXCHANGE, "link_bps")
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "world_size", HOST_EXCHANGE, "link_bps",
+                             "takes")
+# Plan fields beyond VERSION's that a daemon takes in place of older ones (a report's "takes").
+PLAN_FIELDS: tuple[str, ...] = ("rank_shares",)
 MAX_MESSAGE = 1 << 20
 MAX_JOBS = 256
 MAX_WORKERS = 4096
@@ -153,6 +164,7 @@ class Report:
     # The host's link as the daemon plans with it (`host_link`): its interfaces that carry
     # flows, summed (shims send over several NICs at once). 0: not said.
     link_bps: int = 0
+    takes: frozenset[str] = frozenset()  # `PLAN_FIELDS` the daemon takes
 
 
 def host_link(register: Register, report: Report) -> int:
@@ -229,6 +241,13 @@ def check_plan(message: dict[str, Any]) -> None:
                 isinstance(job, str) and isinstance(v, list) and integers(v, 0, 1 << 62)
                 for job, v in per_job.items())):
             raise ValueError(f"bad plan {key} {per_job!r:.80}")
+    per_job = message.get("rank_shares", {})  # absent from an older control plane's
+    if not (isinstance(per_job, dict) and all(
+            isinstance(job, str) and isinstance(pairs, list) and all(
+                isinstance(pair, list) and len(pair) == 2 and integers(pair, 0, 1 << 62)
+                for pair in pairs)
+            for job, pairs in per_job.items())):
+        raise ValueError(f"bad plan rank_shares {per_job!r:.80}")
     link = message.get("link_bps")
     if link is not None and not (_integer(link) and link > 0):
         raise ValueError(f"bad link_bps {link!r:.80}")
@@ -315,7 +334,10 @@ def parse_report(raw: dict[str, Any]) -> Report:
         ProtocolError: a missing, unknown or badly typed field, or too many items.
     """
     raw = _typed(raw, "report")
-    only(raw, {"type", "seq", "jobs", "link_bps"})
+    only(raw, {"type", "seq", "jobs", "link_bps", "takes"})
+    takes = listed(raw, "takes", 16) if "takes" in raw else []
+    if not all(isinstance(name, str) and len(name) <= 64 for name in takes):
+        raise ProtocolError("bad_message", "report: takes must be names of plan fields")
     jobs, names = [], set()
     for i, item in enumerate(listed(raw, "jobs", MAX_JOBS)):
         where = _map(item, f"report: jobs[{i}]")
@@ -354,7 +376,8 @@ def parse_report(raw: dict[str, Any]) -> Report:
                               integer(where, "world_size", 0, MAX_WORKERS * 16)
                               if "world_size" in where else 0))
     return Report(integer(raw, "seq", 0, 1 << 62), tuple(jobs),
-                  integer(raw, "link_bps", 1, 1 << 50) if "link_bps" in raw else 0)
+                  integer(raw, "link_bps", 1, 1 << 50) if "link_bps" in raw else 0,
+                  frozenset(takes) & frozenset(PLAN_FIELDS))  # others: a later version's
 
 
 def _map(item: Any, where: str) -> dict[str, Any]:

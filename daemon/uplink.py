@@ -75,6 +75,7 @@ class ControlLink:
         self.connected = False
         self.plan: dict[str, Any] | None = None
         self.plan_at = 0.0
+        self._rank_shares: dict[tuple[str, int], int] = {}  # the plan's, by (job, rank)
         self.last_error: str | None = None
         self.left_out: dict[str, str] = {}  # job -> what of it the reports leave out
         self._unreported: dict[str, str] = {}  # the same, beyond the protocol's counts
@@ -109,8 +110,11 @@ class ControlLink:
         if not self.fresh():
             return None, None
         assert self.plan is not None
-        shares = self.plan["batch_shares"].get(job)
-        share = shares[rank] if shares and 0 <= rank < len(shares) else None
+        if "rank_shares" in self.plan:  # this host's ranks' (`cp.PLAN_FIELDS`)
+            share = self._rank_shares.get((job, rank))
+        else:  # every rank's, from a control plane that does not send them so
+            shares = self.plan["batch_shares"].get(job)
+            share = shares[rank] if shares and 0 <= rank < len(shares) else None
         return share, self.plan["ownership"].get(job)
 
     def advised_leaf(self) -> int | None:
@@ -203,6 +207,8 @@ class ControlLink:
         cp.check_plan(message)
         before = self.plan if self.fresh() else None
         self.plan, self.plan_at = message, self._clock()
+        self._rank_shares = {(job, rank): share for job, pairs in
+                             message.get("rank_shares", {}).items() for rank, share in pairs}
         # The control plane re-plans every second or so; most plans change nothing
         # for this host, and each change costs a reconcile and a message to every shim.
         if before is None or _host_part(before) != _host_part(message):
@@ -298,6 +304,8 @@ class ControlLink:
         report: dict[str, Any] = {"type": "report", "seq": seq, "jobs": jobs}
         if self.link_bps is not None and "link_bps" in self.features:
             report["link_bps"] = self.link_bps()
+        if "takes" in self.features:
+            report["takes"] = list(cp.PLAN_FIELDS)
         return report
 
 

@@ -81,7 +81,8 @@ async def _next_plan(ws: aiohttp.ClientWebSocketResponse, want_shares: bool = Tr
             assert msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY), msg
             data = json.loads(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else \
                 msgpack.unpackb(msg.data)
-            if data["type"] == "plan" and (data["batch_shares"] or not want_shares):
+            if data["type"] == "plan" and (data["batch_shares"] or data.get("rank_shares")
+                                           or not want_shares):
                 return data
 
 
@@ -195,6 +196,47 @@ def test_daemons_get_their_part_of_the_plan_with_throughput_shares() -> None:
         await fast.close()
 
     _run(test)
+
+
+def test_a_daemon_that_takes_rank_shares_gets_its_own_ranks_and_an_older_one_every_rank_s(
+) -> None:
+    # One job of four ranks on two hosts. The daemon whose reports say it takes
+    # `rank_shares` gets its two ranks' shares (a job of 8,192 ranks sent 8,192 to each
+    # host, every second); the older one every rank's, as before. Both plans are valid.
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        new = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        old = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        for ws, host in ((new, "new"), (old, "old")):
+            await ws.send_json(_register(host))
+            assert "takes" in (await ws.receive_json())["features"]
+        await new.send_json({**_report([2, 3], 50.0, batch=60), "takes": ["rank_shares"]})
+        await old.send_json(_report([0, 1], 100.0, batch=60))
+        plan = await _next_plan(new)
+        while plan["rank_shares"]["j"] != [[2, 10], [3, 10]]:  # until both reports are in
+            plan = await _next_plan(new)
+        assert plan["batch_shares"] == {} and plan["ownership"]["j"]
+        cp.check_plan(plan)
+        plan = await _next_plan(old)
+        while plan["batch_shares"]["j"] != [20, 20, 10, 10]:
+            plan = await _next_plan(old)
+        assert "rank_shares" not in plan
+        cp.check_plan(plan)
+        for ws in (new, old):
+            await ws.close()
+
+    _run(test)
+
+
+def test_a_report_takes_only_the_plan_fields_it_knows() -> None:
+    def takes(names: object) -> frozenset[str]:
+        return cp.parse_report({"type": "report", "seq": 1, "jobs": [], "takes": names}).takes
+
+    assert takes(["rank_shares"]) == {"rank_shares"}
+    assert takes(["rank_shares", "a_later_field"]) == {"rank_shares"}  # a later daemon's
+    assert cp.parse_report({"type": "report", "seq": 1, "jobs": []}).takes == frozenset()
+    for bad in ("rank_shares", [1], ["x" * 65], ["f"] * 17):
+        with pytest.raises(ProtocolError, match="takes must be"):
+            takes(bad)
 
 
 def test_a_daemon_lost_for_long_is_forgotten_and_the_others_planned_without_it(

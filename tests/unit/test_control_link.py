@@ -265,6 +265,31 @@ def test_the_job_s_agreed_batch_and_world_size_are_reported(features: tuple[str,
     assert job.get("world_size") == (4 if "world_size" in features else None)
 
 
+@pytest.mark.parametrize("features", [cp.FEATURES, ("in_leaf", "exchange", "world_size")])
+def test_the_report_says_the_plan_fields_taken_to_a_control_plane_that_asks(
+        features: tuple[str, ...]) -> None:
+    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                              Registry(bands=4), on_change=lambda: None)
+    link.features = frozenset(features)
+    report = link.report(1)
+    assert cp.parse_report(report).takes == (
+        frozenset(cp.PLAN_FIELDS) if "takes" in features else frozenset())
+    assert ("takes" in report) == ("takes" in features)  # an older one refuses the field
+
+
+def test_batch_shares_are_taken_from_this_host_s_ranks_or_from_every_rank_s() -> None:
+    async def main() -> None:
+        link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                                  Registry(bands=4), on_change=lambda: None)
+        link._take({**_PLAN, "batch_shares": {}, "rank_shares": {"j": [[1, 24], [3, 8]]}})
+        assert link.advice("j", 1) == (24, [0, 1]) and link.advice("j", 3)[0] == 8
+        assert link.advice("j", 0)[0] is None and link.advice("k", 1) == (None, None)
+        link._take({**_PLAN, "version": 2})  # an older control plane's: every rank's
+        assert link.advice("j", 1) == (16, [0, 1]) and link.advice("j", 3)[0] is None
+
+    asyncio.run(main())
+
+
 def test_only_a_plan_that_changes_this_host_s_part_re_plans_it() -> None:
     told: list[float] = []
 
@@ -316,6 +341,10 @@ _PLAN = {"type": "plan", "version": 1, "ttl_s": 5.0, "source": "gradlane",
     ({"batch_shares": None}, "bad plan batch_shares None"),
     ({"batch_shares": {"j": [16, "16"]}}, "bad plan batch_shares"),
     ({"ownership": {"j": [0, -1]}}, "bad plan ownership"),
+    ({"rank_shares": [[1, 16]]}, "bad plan rank_shares"),
+    ({"rank_shares": {"j": [1, 16]}}, "bad plan rank_shares"),
+    ({"rank_shares": {"j": [[1, 16, 2]]}}, "bad plan rank_shares"),
+    ({"rank_shares": {"j": [[1, -16]]}}, "bad plan rank_shares"),
     ({"ownership": {"j": 0}}, "bad plan ownership"),
     ({"link_bps": 0}, "bad link_bps 0"),
     ({"link_bps": True}, "bad link_bps True"),
@@ -408,9 +437,9 @@ def test_reports_go_when_the_workers_or_their_speed_change_and_every_period_else
 
 @settings(max_examples=examples(300), deadline=None)
 @example({"leaf": 2**70}, {})  # it drew none past 64 bits there in 300 examples
-@given(st.dictionaries(st.sampled_from(sorted(_PLAN)), json_like, max_size=3),
-       st.dictionaries(st.sampled_from(["job_classes", "batch_shares", "ownership"]), json_like,
-                       max_size=2))
+@given(st.dictionaries(st.sampled_from([*sorted(_PLAN), "rank_shares"]), json_like, max_size=3),
+       st.dictionaries(st.sampled_from(["job_classes", "batch_shares", "rank_shares",
+                                        "ownership"]), json_like, max_size=2))
 def test_a_plan_is_refused_or_every_use_of_it_works(top: dict[str, Any],
                                                    of_job: dict[str, Any]) -> None:
     """Whatever a control plane of another version (or a broken one) puts in a plan's
