@@ -67,11 +67,13 @@ def _coflow_ages(r: dict[str, Any]) -> bool:
 
 
 def _big_job(r: dict[str, Any]) -> bool:
-    return r["links"].keys() == {"equal", "mixed"} and all(
+    return r["fabrics"].keys() == {"one-switch", "oversubscribed"} and all(
+        fabric.keys() == {"equal", "mixed"} for fabric in r["fabrics"].values()) and all(
         [s["ranks"] for s in sizes] == [32, 64] and sizes[1]["doubling"]["peak_rss_x"] > 0
         and all(s["owners_planned"] and s["first_plan"]["total_s"] > 0
+                and s["reduce_in_leaf"] == (name == "oversubscribed")
                 and s["peak_rss_mb"] >= s["rss_before_plans_mb"] > 0 for s in sizes)
-        for sizes in r["links"].values())
+        for name, fabric in r["fabrics"].items() for sizes in fabric.values())
 
 
 def _state_copy(r: dict[str, Any]) -> bool:
@@ -83,7 +85,8 @@ SCRIPTS: list[tuple[str, list[str], Callable[[dict[str, Any]], bool], bool]] = [
     ("coflow_orders.py", ["--hosts", "64", "--iterations", "2"], _coflow_orders, False),
     ("coflow_ages.py", ["--hosts", "64", "--loads", "0.6", "--seeds", "0"], _coflow_ages, False),
     ("control.py", ["--daemons", "5", "--seconds", "2"], _control, False),
-    ("control_big_job.py", ["--ranks", "64", "32", "--per-host", "4"], _big_job, False),
+    ("control_big_job.py", ["--ranks", "64", "32", "--per-host", "4", "--per-leaf", "4"],
+     _big_job, False),
     ("shim_transport.py", ["--size-mb", "1", "--reps", "1"], _transport, False),
     ("shim_overlap.py", ["--iters", "3", "--warmup", "1", "--rounds", "1", "--forward-ms", "5",
                          "--model-mb", "1"], _overlap, True),
