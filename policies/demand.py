@@ -218,35 +218,40 @@ class Exchange:
         """The job's hosts, each once, in increasing order (`link_loads`' columns)."""
         return np.unique(self.host)
 
-    def link_loads(self, in_leaf: bool) -> FloatArray:
-        """Per owner rank, the bytes one byte it owns puts on each host link the job uses.
+    def link_loads(self, in_leaf: bool,
+                   owners: Sequence[int] | IntArray | None = None) -> FloatArray:
+        """Per owner rank (every rank, or `owners`), the bytes one byte it owns puts on
+        each host link the job uses.
 
         Columns: each of `hosts`' egress, then each one's ingress. Ranks of one
         host share its links; what they send each other is loopback and on none.
         """
         w, n_hosts = self.w, len(self.hosts)
+        rows = np.arange(w) if owners is None else np.asarray(owners, dtype=np.int64)
         on_host = np.searchsorted(self.hosts, self.host)  # each rank's host column
         if in_leaf not in self._trees and not self.ring:
-            return self._tree_link_loads(in_leaf, on_host)
+            return self._tree_link_loads(in_leaf, on_host, rows)
         blocks: Iterable[tuple[int, int, FloatArray]]
         if in_leaf in self._trees:
-            blocks = [(0, w, self._trees[in_leaf][0])]
+            kept = self._trees[in_leaf][0]
+            blocks = [(0, len(rows), kept if owners is None else kept[rows])]
         else:  # not kept: a planner asks once per placement, and they are W^2
-            blocks = ((first, last, rows) for first, last, rows, _ in
-                      self._tree_blocks(in_leaf, np.arange(w)))
+            blocks = ((first, last, per_owner) for first, last, per_owner, _ in
+                      self._tree_blocks(in_leaf, rows))
         # Each rank's egress and ingress column is its host's: summed by host.
         column = np.concatenate([on_host] * 2)
         column[w:] += n_hosts
-        loads = np.zeros((w, 2 * n_hosts))
+        loads = np.zeros((len(rows), 2 * n_hosts))
         for first, last, per_owner in blocks:
             n = last - first
             cell = (np.arange(n)[:, None] * 2 * n_hosts + column[None, :]).ravel()
             loads[first:last] = np.bincount(cell, weights=per_owner[:, : 2 * w].ravel(),
-                                            minlength=n * 2 * n_hosts).reshape(n, -1)
+                                            minlength=n * 2 * n_hosts).reshape(n, 2 * n_hosts)
         return loads
 
-    def _tree_link_loads(self, in_leaf: bool, on_host: IntArray) -> FloatArray:
-        """`link_loads` of the trees, from their parents, a block of owners at a time.
+    def _tree_link_loads(self, in_leaf: bool, on_host: IntArray, owners: IntArray
+                         ) -> FloatArray:
+        """`link_loads` of the trees of `owners`, from their parents, a block at a time.
 
         A tree edge between two hosts carries the chunk up and the result down:
         one flow each way, so each of its ends' egress and ingress carries one,
@@ -255,10 +260,10 @@ class Exchange:
         """
         w, n_hosts = self.w, len(self.hosts)
         step = max(1, BLOCK_FLOWS // w)
-        loads = np.zeros((w, 2 * n_hosts))
-        for first in range(0, w, step):
-            last = min(first + step, w)
-            parents = self._parents(in_leaf, np.arange(first, last))
+        loads = np.zeros((len(owners), 2 * n_hosts))
+        for first in range(0, len(owners), step):
+            last = min(first + step, len(owners))
+            parents = self._parents(in_leaf, owners[first:last])
             parent_host = on_host[np.maximum(parents, 0)]
             apart = (parents >= 0) & (parent_host != on_host[None, :])
             row = np.arange(last - first)[:, None] * n_hosts

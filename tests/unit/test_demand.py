@@ -196,6 +196,26 @@ def test_trees_built_a_few_owners_at_a_time_are_those_built_at_once(  # type: ig
     np.testing.assert_array_equal(in_blocks[2], at_once[3])
 
 
+@settings(max_examples=examples(60))
+@given(placements(), st.sampled_from(["trees", "ring", "by host"]), st.data())
+def test_link_loads_of_some_owners_are_their_rows_of_every_owner_s(  # type: ignore[no-untyped-def]
+    case, kind: str, data: st.DataObject,
+) -> None:
+    rank_host, host_leaf, _, _, in_leaf = case
+    leaf = [host_leaf[h] for h in rank_host]
+    some = data.draw(st.lists(st.integers(0, len(rank_host) - 1), max_size=6))
+
+    def exchange() -> Exchange:
+        return Exchange(leaf, uplinks=True, host=rank_host, ring=kind == "ring",
+                        by_host=kind == "by host")
+
+    every = exchange().link_loads(in_leaf)
+    np.testing.assert_array_equal(exchange().link_loads(in_leaf, some), every[some])
+    kept = exchange()
+    kept.trees(in_leaf)  # from the trees kept, too
+    np.testing.assert_array_equal(kept.link_loads(in_leaf, some), every[some])
+
+
 @settings(max_examples=examples(100))
 @given(placements(), st.sampled_from(["trees", "ring", "by host"]))
 def test_loads_from_the_owners_trees_alone_are_those_from_every_tree(  # type: ignore[no-untyped-def]

@@ -508,6 +508,45 @@ def test_host_loads_are_every_rank_s_link_loads_and_give_its_shares(
         every, link_rates, solved) * (1 + 1e-9)
 
 
+@st.composite
+def runs_of_hosts(draw: st.DrawFn) -> tuple[list[int], list[int], list[float]]:
+    """Ranks numbered host by host (each host's a run, as torchrun numbers them), a
+    few a host, hosts under a few leaves, and each host's link (sorted host order)."""
+    count = draw(st.integers(2, 7))
+    order = draw(st.permutations(range(count)))  # host numbers need not rise with ranks
+    per_host = draw(st.lists(st.integers(1, 4), min_size=count, max_size=count))
+    leaf_of = draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    hosts = [h for h, k in zip(order, per_host, strict=True) for _ in range(k)]
+    rates = draw(st.lists(st.sampled_from([0.5, 1.0, 2.5]), min_size=count, max_size=count))
+    return hosts, [leaf_of[h] for h in hosts], rates
+
+
+@settings(max_examples=examples(80), deadline=None)
+@given(runs_of_hosts())
+def test_within_leaves_a_host_s_first_rank_is_weighed_for_its_ranks(
+    placement: tuple[list[int], list[int], list[float]],
+) -> None:
+    """Within leaves, ranks numbered host by host load the links alike, so `job_shares`
+    weighs each host's first rank for all of them: every rank's rows give the same
+    slowest link and the same largest share, and ranks of one host the same share."""
+    hosts, leaves, rates = placement
+    assume(len(set(hosts)) < len(hosts))  # one rank a host has closed forms of its own
+    every = Exchange(leaves, uplinks=True, host=hosts).link_loads(in_leaf=True)
+    for h in set(hosts):
+        ranks = [r for r, host in enumerate(hosts) if host == h]
+        np.testing.assert_array_equal(every[ranks], every[[ranks[0]] * len(ranks)])
+    shares = _shares.__wrapped__(tuple(hosts), tuple(leaves), True, "leaf", tuple(rates))
+    link_rates = np.array(rates * 2)
+    solved = owner_shares(every, link_rates)
+    assert sum(shares) == pytest.approx(1)
+    assert exchange_time(every, link_rates, shares) == pytest.approx(
+        exchange_time(every, link_rates, solved), rel=1e-7)
+    assert max(shares) == pytest.approx(max(solved), rel=1e-6)
+    for a, b in itertools.combinations(range(len(hosts)), 2):
+        if hosts[a] == hosts[b]:
+            assert shares[a] == shares[b]
+
+
 def test_owner_shares_of_rows_standing_for_several_ranks() -> None:
     # Two ranks loading the first link, one the second: as the three rows, each rank's.
     loads, rates = np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([1.0, 2.0])
