@@ -29,10 +29,10 @@ the links alike there), with the load its chunks put on every host's links
 (`gradlane.policies.demand.Exchange.link_loads`), so time and memory grow
 with the square of the hosts (64 bytes per host squared, about twice what
 8,192 hosts of 8 ranks took; with one rank a host at one rate, shares are
-even with no loads built, and the estimate is far over). Within leaves,
-every rank is weighed as an owner on every host's links: 40 bytes per rank
-and host (16,384 ranks of 8 a host took 1.26 GB). A size whose estimated
-peak would not fit in MemAvailable is skipped, said so in its result.
+even with no loads built, and the estimate is far over). Within leaves too,
+ranks numbered host by host as here: 128 bytes per host squared (8,192
+hosts with mixed links took 6.6 GB). A size whose estimated peak would not
+fit in MemAvailable is skipped, said so in its result.
 """
 
 from __future__ import annotations
@@ -58,10 +58,9 @@ FABRICS = ("one-switch", "oversubscribed")
 HOSTS_PER_LEAF = 32
 CHUNKS = 64
 LINK_BPS = 10**10
-# Peak bytes per host squared, from this benchmark's own results (8,192 hosts: 2.4 GB).
-PEAK_BYTES_PER_HOST2 = 64
-# Within leaves: peak bytes per rank and host (16,384 ranks, 2,048 hosts: 1.26 GB).
-PEAK_BYTES_PER_RANK_HOST = 40
+# Peak bytes per host squared, from this benchmark's own results (8,192 hosts: 2.4 GB
+# within hosts first; 6.6 GB within leaves, mixed links).
+PEAK_BYTES_PER_HOST2 = {"one-switch": 64, "oversubscribed": 128}
 
 
 def _status_mb(field: str) -> float:
@@ -177,9 +176,7 @@ def _sizes(args: argparse.Namespace, fabric: str, links: str) -> list[dict[str, 
     sizes: list[dict[str, Any]] = []
     what = f"{fabric}, {links} links"
     for ranks in sorted(set(args.ranks)):
-        hosts = ranks // args.per_host
-        need = (PEAK_BYTES_PER_RANK_HOST * ranks * hosts if fabric == "oversubscribed"
-                else PEAK_BYTES_PER_HOST2 * hosts**2)
+        need = PEAK_BYTES_PER_HOST2[fabric] * (ranks // args.per_host) ** 2
         available = available_memory()
         if available is not None and need > available:
             print(f"{what}, {ranks:6d} ranks: skipped, needs about "
