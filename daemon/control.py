@@ -418,8 +418,16 @@ class ControlPlane:
             self.failing = None
             self._plan_s.observe(time.perf_counter() - started)
             self._plans.inc()
+            self._log_notes(plan)
             self.state, self.plan, self.planned_at = state, plan, time.time()
             await self.push()
+
+    def _log_notes(self, plan: Plan) -> None:
+        """Log what `plan` does otherwise than its policy would (`Plan.notes`), each note
+        once while plans keep it."""
+        for note in plan.notes:
+            if self.plan is None or note not in self.plan.notes:
+                logger.warning("plan: %s", note)
 
     async def push(self) -> None:
         """Send every connected daemon its part of the current plan, concurrently."""
@@ -713,6 +721,7 @@ class ControlPlane:
                 "job_level": plan.job_level,
                 "coflow_order": list(plan.coflow_order),
                 "reduce_in_leaf": plan.reduce_in_leaf,
+                "notes": list(plan.notes),  # what it does otherwise than its policy would
             },
             # Planning that failed since the last plan (None: the last one planned).
             "planning_failed": None if self.failing is None else {

@@ -775,6 +775,8 @@ def _print_cluster(data: Any, every: bool) -> None:
              f"{failed['last_s_ago']:.1f}s ago: ", "bold red"), failed["error"],
             "; the daemons keep the last plan until its TTL runs out, then use their local "
             "policy (the control plane's log has the traceback)"))
+    for note in (plan or {}).get("notes", []):  # an older control plane's plan has none
+        out.print(Text.assemble(("plan: ", "bold yellow"), note))
     if every or len(data["hosts"]) <= WHOLE_HOSTS:
         hosts = Table(title="hosts")
         for column in ("host", "leaf", "connected", "last seen", "gradlane", "interfaces",

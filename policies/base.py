@@ -295,6 +295,9 @@ class Plan:
     reduce_in_leaf: bool = False
     version: int = 0
     ttl_s: float = DEFAULT_TTL_S
+    # What the plan does otherwise than its policy would, one line each, for operators
+    # (the control plane logs each new one and shows them): policies do no I/O.
+    notes: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         """Plain lists and dicts (msgpack and JSON safe); equal plans give equal dicts."""
@@ -315,6 +318,7 @@ class Plan:
             "ownership": {j: list(o) for j, o in sorted(self.ownership.items())},
             "batch_shares": {j: list(s) for j, s in sorted(self.batch_shares.items())},
             "reduce_in_leaf": self.reduce_in_leaf,
+            "notes": list(self.notes),
         }
 
 

@@ -51,6 +51,7 @@ class GradlanePolicy(Policy):
         links = state.flow_links
         order = bssi_order(fabric.per_coflow_link_load(state, links))
         job_level = {job.name: 0 for job in state.jobs}
+        ownership, notes = balanced_ownership(state)
         return Plan(
             job_classes={},
             source=self.name,
@@ -59,8 +60,9 @@ class GradlanePolicy(Policy):
             flow_rate_bps=rates,
             coflow_order=tuple(state.coflows[k].id for k in order),
             job_level=job_level,
-            ownership=balanced_ownership(state),
+            ownership=ownership,
             batch_shares=throughput_shares(state),
             reduce_in_leaf=fabric.oversubscribed(state.topology),
             version=state.version,
+            notes=notes,
         )

@@ -70,7 +70,7 @@ import functools
 import importlib.util
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -91,12 +91,25 @@ from gradlane.policies.chunks import Owning, assign_owners_of
 from gradlane.policies.demand import Exchange
 from gradlane.policies.priority import PriorityPolicy
 
-__all__ = ["LoadBalancePolicy", "balanced_ownership", "exchange_time", "flat_shares",
+__all__ = ["LoadBalancePolicy", "Shares", "balanced_ownership", "exchange_time", "flat_shares",
            "exchange_of", "host_loads", "job_shares", "load_solver", "one_switch", "owner_shares",
            "placement_shape", "require_solver"]
 
 # `owner_shares` takes shares this small (of 1) as none: below a solver's tolerance.
 MIN_SHARE = 1e-5
+# The most loads (owners weighed x host links, each way) a job's shares weigh: 1 GB of
+# them, 6.6 GB at the peak of the plan (65,536 ranks of 8 a host within leaves, mixed
+# links). Past it, even shares and a note: a control plane killed for memory at every
+# plan would plan no job at all (8,192 hosts of one rank within leaves reach it; every
+# rank of 65,536 weighed, as ranks in no order host by host are, would take 8.6 GB).
+MAX_WEIGHED = 1 << 27
+
+
+class Shares(NamedTuple):
+    """A job's owned shares, per rank, and why they are not weighed (None: they are)."""
+
+    each: tuple[float, ...]
+    note: str | None = None
 
 
 NO_SOLVER = "planning chunk owners for unequal links needs SciPy: pip install 'gradlane[control]'"
@@ -331,43 +344,42 @@ def one_switch(rates: Sequence[float], ring: bool) -> tuple[FloatArray, FloatArr
 
 @functools.lru_cache(maxsize=256)
 def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind: str,
-            host_bps: tuple[float, ...]) -> tuple[float, ...]:
+            host_bps: tuple[float, ...]) -> Shares:
     """`owner_shares` for ranks on `hosts` (in `leaves`) exchanging as `kind`
     (`gradlane.daemon.fields.EXCHANGES`), the hosts' links (sorted host order) at
     `host_bps` (cached: plans see the same placement and rates again and again)."""
     world = len(hosts)
+    even = Shares((1 / world,) * world)
     if len(set(hosts)) == world:
         if len(set(host_bps)) == 1:
-            return (1 / world,) * world
+            return even
         if kind == "flat" or (kind == "leaf" and not (uplinks and len(set(leaves)) > 1)):
             order = np.argsort(hosts)  # host_bps is in host order, shares in rank order
             rates = np.empty(world)
             rates[order] = host_bps
-            return tuple(flat_shares(rates.tolist()))
+            return Shares(tuple(flat_shares(rates.tolist())))
     link_bps = np.array(host_bps + host_bps, dtype=np.float64)
-    if kind not in ("flat", "host"):
-        exchange = Exchange(leaves, uplinks=uplinks, host=hosts, ring=kind == "ring")
-        runs = np.flatnonzero(np.diff(hosts)) + 1  # where each run of ranks of a host starts
-        if kind == "leaf" and len(runs) + 1 == len(set(hosts)):
-            # Each host's ranks in one run (as torchrun numbers them): within leaves, they
-            # load the links alike, so a host's first rank is weighed for them all. An
-            # owner's tree between hosts (`all_reduction_parents`) hangs on each leaf's
-            # leader: the host at the owner's place among its leaf's hosts, in the order
-            # of their leading ranks. With runs, that order is the hosts' whichever rank
-            # of its host owns, so the tree depends on the owner's host alone (3,000
-            # random placements held it, ad hoc; a property test holds the shares).
-            # 65,536 ranks, 8 a host: 179 s and 17.7 GB when every rank was weighed.
-            firsts = np.concatenate([[0], runs])
-            members = np.diff(np.append(firsts, world))
-            shares = owner_shares(exchange.link_loads(True, firsts), link_bps, members)
-            return tuple(float(v) for v in np.repeat(shares, members))
-        return tuple(owner_shares(exchange.link_loads(in_leaf=kind == "leaf"), link_bps))
     _, of_host, count = np.unique(hosts, return_inverse=True, return_counts=True)
     of_host, n = of_host.reshape(-1), len(count)
+    if kind not in ("flat", "host"):
+        # Within leaves, ranks of a host often load the links alike: then its first rank
+        # is weighed for them all (`_alike_by_host`). 65,536 ranks of 8 a host: 179 s and
+        # 17.7 GB with every rank weighed, 100 s and 6.6 GB so.
+        firsts = _alike_by_host(of_host, count, leaves) if kind == "leaf" else None
+        weighed = world if firsts is None else n
+        if weighed * link_bps.size > MAX_WEIGHED:
+            return even._replace(note=(
+                f"even chunk owners: weighing {weighed:,} owners on {link_bps.size:,} host "
+                f"links is past {MAX_WEIGHED:,} loads (loadbalance.MAX_WEIGHED)"))
+        exchange = Exchange(leaves, uplinks=uplinks, host=hosts, ring=kind == "ring")
+        if firsts is None:
+            return Shares(tuple(owner_shares(exchange.link_loads(kind == "leaf"), link_bps)))
+        shares = owner_shares(exchange.link_loads(True, firsts), link_bps, count)
+        return Shares(tuple(shares[h] for h in of_host))
     if len(set(host_bps)) == 1 and len(set(count.tolist())) == 1:
         # Even shares are best (`_even_is_best` of `host_loads`: every row sums the same,
         # and even shares load every host's links alike): not worth the H x 2H loads.
-        return (1 / world,) * world
+        return even
     # `host_loads` of a host owning o of the model: each of its links carries
     # 1 + (H - 2) o within hosts first, k + (W - 2k) o flat (k its ranks): water.
     base = np.ones(n) if kind == "host" else count.astype(np.float64)
@@ -377,9 +389,37 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
         members = count.astype(np.float64)
         per_rank = _water_fill(base, slope, np.asarray(host_bps, dtype=np.float64),
                                members) / members
-        return tuple(float(v) for v in _without_tiny(per_rank, members)[of_host])
+        return Shares(tuple(float(v) for v in _without_tiny(per_rank, members)[of_host]))
     shares = owner_shares(host_loads(kind, count), link_bps, count)
-    return tuple(shares[h] for h in of_host)
+    return Shares(tuple(shares[h] for h in of_host))
+
+
+def _alike_by_host(of_host: IntArray, count: IntArray,
+                   leaves: Sequence[int]) -> IntArray | None:
+    """Each host's first rank, when within leaves every rank of a host loads the links as
+    it does; else None. `of_host`: each rank's host (0..H-1), `count`: each host's ranks.
+
+    An owner's tree between hosts (`gradlane.policies.chunks.all_reduction_parents`)
+    hangs on each leaf's leader: the host at the owner's place among its leaf's
+    hosts, the hosts ordered by their ranks at the owner's place within its own
+    host (modulo each one's ranks). Where that order is the same at every place,
+    the tree depends on the owner's host alone. So it is with ranks numbered host
+    by host (torchrun's way) or round hosts of as many ranks each (a cyclic
+    launcher's); a property test holds every rank's loads to its host's first
+    rank's.
+    """
+    leaf = np.asarray(leaves, dtype=np.int64)
+    host_leaf = np.zeros(len(count), dtype=np.int64)
+    host_leaf[of_host] = leaf
+    if np.any(host_leaf[of_host] != leaf):  # a host under several leaves
+        return None
+    ranks = np.argsort(of_host, kind="stable")  # grouped by host, in rank order within
+    start = np.concatenate([[0], np.cumsum(count)[:-1]])
+    order = np.lexsort((ranks[start], host_leaf))
+    for place in range(1, int(count.max())):  # bounded: the most ranks a host has
+        if not np.array_equal(np.lexsort((ranks[start + place % count], host_leaf)), order):
+            return None
+    return np.asarray(ranks[start], dtype=np.int64)
 
 
 def host_loads(kind: str, ranks: Sequence[int] | IntArray) -> FloatArray:
@@ -401,14 +441,14 @@ def host_loads(kind: str, ranks: Sequence[int] | IntArray) -> FloatArray:
 
 
 def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,
-               jobs_on_host: dict[int, int]) -> list[float]:
+               jobs_on_host: dict[int, int]) -> Shares:
     """The owned shares of a job's `workers` (rank order) exchanging as `kind`, each
     host's NIC divided among the jobs on it (`jobs_on_host`)."""
     hosts = tuple(w.host for w in workers)
     host_bps = tuple(topology.hosts[h].nic_bps / jobs_on_host[h] for h in sorted(set(hosts)))
     leaves = (topology.hosts[h].leaf for h in hosts)
-    return list(_shares(placement_shape(hosts), placement_shape(leaves),
-                        bool(topology.uplink_bps), kind, host_bps))
+    return _shares(placement_shape(hosts), placement_shape(leaves),
+                   bool(topology.uplink_bps), kind, host_bps)
 
 
 def placement_shape(ids: Iterable[int]) -> tuple[int, ...]:
@@ -431,12 +471,14 @@ def exchange_of(job: JobState, reduce_in_leaf: bool) -> str:
     return "leaf" if reduce_in_leaf else "flat"
 
 
-def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
-    """Per job with known chunks, an owner rank per chunk weighted by link rate."""
+def balanced_ownership(state: State) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
+    """Per job with known chunks, an owner rank per chunk weighted by link rate; and notes
+    on the jobs whose shares are not weighed (`Plan.notes`)."""
     out: dict[str, tuple[int, ...]] = {}
+    notes: list[str] = []
     topology = state.topology
     if topology is None:
-        return out
+        return out, ()
     on_host: dict[int, set[str]] = {}
     for w in state.workers:
         on_host.setdefault(w.host, set()).add(w.job)
@@ -447,20 +489,23 @@ def balanced_ownership(state: State) -> dict[str, tuple[int, ...]]:
     for job in state.jobs:
         workers = state.workers_of(job.name)
         if workers and job.chunk_bytes:
-            shares = job_shares(topology, workers, exchange_of(job, reduce_in_leaf),
-                                jobs_on_host)
+            shares, note = job_shares(topology, workers, exchange_of(job, reduce_in_leaf),
+                                      jobs_on_host)
+            if note is not None:
+                notes.append(f"job {job.name!r}: {note}")
             owning[job.name] = [w for w, share in zip(workers, shares, strict=True) if share > 0]
             layers = job.chunk_layers if len(job.chunk_layers) == len(job.chunk_bytes) else None
             jobs.append((job.chunk_bytes, len(owning[job.name]), [s for s in shares if s > 0],
                          layers))
     for name, owners in zip(owning, assign_owners_of(jobs), strict=True):  # all jobs at once
         out[name] = tuple(owning[name][o].rank for o in owners)
-    return out
+    return out, tuple(notes)
 
 
 @register("loadbalance")
 class LoadBalancePolicy(Policy):
     def plan(self, state: State) -> Plan:
         base = PriorityPolicy().plan(state)
-        return replace(base, source=self.name, ownership=balanced_ownership(state),
+        ownership, notes = balanced_ownership(state)
+        return replace(base, source=self.name, ownership=ownership, notes=notes,
                        reduce_in_leaf=fabric.oversubscribed(state.topology))

@@ -5,6 +5,7 @@ import contextlib
 import http.server
 import io
 import json
+import logging
 import os
 import socket
 import struct
@@ -31,7 +32,7 @@ from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token, token_exposed
 from gradlane.daemon.fields import EXCHANGES, MAX_LEAF
 from gradlane.errors import ConfigError, ProtocolError
-from gradlane.policies import JobClassPlan, check_plan
+from gradlane.policies import JobClassPlan, Plan, check_plan, loadbalance
 from gradlane.units import first_of
 from tests import examples, metric_samples
 from tests.fakes import until
@@ -723,6 +724,50 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
     assert "64.00 MB" in b and "2 (level 1)" in b
     assert view["jobs"]["a"]["global_batch"] == 64 and "[32, 32] of 64" in a  # its shares
     assert view["plan"]["owned_shares"]["a"] == [0.5, 0.5] and "50/50%" in a  # owned bytes
+
+
+def test_a_job_too_large_to_weigh_gets_even_owners_and_the_plan_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Four hosts under two leaves, the first at 25 Gbit/s, one job reducing within leaves:
+    # its owner shares weigh its ranks' loads, unless there are more than the control
+    # plane should hold (here any): then even owners, said in the log (once), the view
+    # and `gradlane status --cluster`.
+    plane = ControlPlane(_config(uplink_bps=10_000_000_000))
+    for h in range(4):
+        _reported(plane, f"h{h}", h // 2, [{**_job("j", [h], [1000] * 40), "exchange": "leaf"}],
+                  rate_bps=25_000_000_000 if h == 0 else 10_000_000_000)
+
+    def plan() -> Plan:
+        loadbalance._shares.cache_clear()  # solved afresh at the limit of the moment
+        state = plane.build_state()
+        made = plane.policy.plan(state)
+        assert check_plan(state, made) == []
+        return made
+
+    weighed = plan()
+    assert weighed.notes == ()
+    assert [weighed.ownership["j"].count(r) for r in range(4)] != [10] * 4  # weighed
+    monkeypatch.setattr(loadbalance, "MAX_WEIGHED", 1)
+    try:
+        even = plan()
+    finally:
+        loadbalance._shares.cache_clear()
+    assert [even.ownership["j"].count(r) for r in range(4)] == [10] * 4
+    assert even.notes == ("job 'j': even chunk owners: weighing 4 owners on 8 host links is "
+                          "past 1 loads (loadbalance.MAX_WEIGHED)",)
+    caplog.set_level(logging.WARNING, logger="gradlane.daemon.control")
+    for _ in range(2):  # logged when it comes, not again while plans keep it
+        plane._log_notes(even)
+        plane.state, plane.plan = plane.build_state(), even
+    assert [r.getMessage() for r in caplog.records] == [f"plan: {even.notes[0]}"]
+    view = plane.view()
+    assert view["plan"]["notes"] == list(even.notes)
+    monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: json.loads(json.dumps(view)))
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    shown = CliRunner().invoke(cli.cli, ["status", "--cluster", "--token-file", str(token)])
+    assert shown.exit_code == 0 and "plan: job 'j': even chunk owners" in shown.output
 
 
 def test_gradlane_status_sums_up_a_large_cluster_a_leaf_a_row(
