@@ -563,6 +563,19 @@ def test_within_leaves_a_host_s_first_rank_is_weighed_for_its_ranks(
             assert shares[a] == shares[b]
 
 
+def test_ranks_of_a_host_are_weighed_as_one_only_where_their_trees_match() -> None:
+    def alike(hosts: list[int], leaves: list[int]) -> list[int] | None:
+        _, of_host, count = np.unique(hosts, return_inverse=True, return_counts=True)
+        firsts = loadbalance._alike_by_host(of_host, count, leaves)
+        return None if firsts is None else firsts.tolist()
+
+    assert alike([0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 1, 1]) == [0, 2, 4]  # host by host
+    assert alike([1, 0, 1, 0], [0, 1, 0, 1]) == [1, 0]  # round the hosts (first: host 0's)
+    # Host 0's ranks 0 and 3 lead before and after host 1's: orders differ by place.
+    assert alike([0, 1, 1, 0], [0, 0, 0, 0]) is None
+    assert alike([0, 0, 1, 1], [0, 1, 2, 2]) is None  # a host under two leaves
+
+
 def test_owner_shares_of_rows_standing_for_several_ranks() -> None:
     # Two ranks loading the first link, one the second: as the three rows, each rank's.
     loads, rates = np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([1.0, 2.0])
