@@ -100,7 +100,7 @@ MIN_SHARE = 1e-5
 # The most loads (owners weighed x host links, each way) a job's shares weigh: 1 GB of
 # them, 6.6 GB at the peak of the plan (65,536 ranks of 8 a host within leaves, mixed
 # links). Past it, even shares and a note: a control plane killed for memory at every
-# plan would plan no job at all (8,192 hosts of one rank within leaves reach it; every
+# plan would plan no job at all (8,192 hosts of one rank within leaves are at it; every
 # rank of 65,536 weighed, as ranks in no order host by host are, would take 8.6 GB).
 MAX_WEIGHED = 1 << 27
 
