@@ -40,7 +40,11 @@ a link finishes at that over its rate, so:
    are among the best by symmetry, and the most even), and the flat
    exchange with one rank a host, not reduced within leaves, water-filled
    shares (`flat_shares`, the same solution in closed form, for jobs of
-   hundreds of ranks where the programme takes 40 ms and more).
+   hundreds of ranks where the programme takes 40 ms and more). Ranks of a
+   host that load the links alike are weighed as one: always within hosts
+   first (shares in closed form there too), and within leaves where their
+   trees match (`_alike_by_host`). A job whose weighing would take more
+   than `MAX_WEIGHED` loads gets even shares, and its plan a note.
 3. Chunks go to owners by list scheduling on uniform machines
    (`assign_owners`): in priority order, each chunk to the worker whose
    owned bytes / share would be smallest after taking it.
