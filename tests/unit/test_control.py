@@ -729,13 +729,15 @@ def test_reports_become_demand_flows_and_the_coflow_policy_orders_jobs(
 def test_a_job_too_large_to_weigh_gets_even_owners_and_the_plan_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Four hosts under two leaves, the first at 25 Gbit/s, one job reducing within leaves:
-    # its owner shares weigh its ranks' loads, unless there are more than the control
-    # plane should hold (here any): then even owners, said in the log (once), the view
-    # and `gradlane status --cluster`.
+    # Four hosts of two ranks under two leaves, the first at 25 Gbit/s, one job reducing
+    # within leaves: its owner shares weigh its hosts' loads (4 owners, ranks numbered
+    # host by host, on 8 host links), unless there are more than the control plane
+    # should hold: then even owners, said in the log (once), the view and `gradlane
+    # status --cluster`.
     plane = ControlPlane(_config(uplink_bps=10_000_000_000))
     for h in range(4):
-        _reported(plane, f"h{h}", h // 2, [{**_job("j", [h], [1000] * 40), "exchange": "leaf"}],
+        _reported(plane, f"h{h}", h // 2,
+                  [{**_job("j", [2 * h, 2 * h + 1], [1000] * 40), "exchange": "leaf"}],
                   rate_bps=25_000_000_000 if h == 0 else 10_000_000_000)
 
     def plan() -> Plan:
@@ -745,17 +747,18 @@ def test_a_job_too_large_to_weigh_gets_even_owners_and_the_plan_says_so(
         assert check_plan(state, made) == []
         return made
 
-    weighed = plan()
-    assert weighed.notes == ()
-    assert [weighed.ownership["j"].count(r) for r in range(4)] != [10] * 4  # weighed
-    monkeypatch.setattr(loadbalance, "MAX_WEIGHED", 1)
+    monkeypatch.setattr(loadbalance, "MAX_WEIGHED", 4 * 8)  # at the limit: weighed
     try:
+        weighed = plan()
+        monkeypatch.setattr(loadbalance, "MAX_WEIGHED", 4 * 8 - 1)
         even = plan()
     finally:
         loadbalance._shares.cache_clear()
-    assert [even.ownership["j"].count(r) for r in range(4)] == [10] * 4
+    assert weighed.notes == ()
+    assert [weighed.ownership["j"].count(r) for r in range(8)] != [5] * 8
+    assert [even.ownership["j"].count(r) for r in range(8)] == [5] * 8
     assert even.notes == ("job 'j': even chunk owners: weighing 4 owners on 8 host links is "
-                          "past 1 loads (loadbalance.MAX_WEIGHED)",)
+                          "past 31 loads (loadbalance.MAX_WEIGHED)",)
     caplog.set_level(logging.WARNING, logger="gradlane.daemon.control")
     for _ in range(2):  # logged when it comes, not again while plans keep it
         plane._log_notes(even)

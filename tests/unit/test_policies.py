@@ -484,6 +484,9 @@ def test_owner_shares_depend_on_the_placement_s_shape_not_its_numbers(
 # Host 0 (two ranks at half the rate) is the slowest with no share: ties, spread evenly.
 @example(([0, 0, 1, 1, 2], [0, 0, 0, 0, 0], [0.5, 1.0, 0.5]), False, "flat")
 @example(([0, 0, 1, 2, 3], [0] * 5, [1.0, 1.0, 3.0, 0.25]), False, "host")
+# As many ranks on each host, two rates: the slow host owns less (not the even shares
+# that one rate would give).
+@example(([0, 0, 1, 1, 2, 2], [0] * 6, [0.5, 1.0, 1.0]), False, "host")
 def test_host_loads_are_every_rank_s_link_loads_and_give_its_shares(
     placement: tuple[list[int], list[int], list[float]], uplinks: bool, kind: str,
 ) -> None:
