@@ -234,6 +234,7 @@ def test_a_report_takes_only_the_plan_fields_it_knows() -> None:
 
     assert takes(["rank_shares"]) == {"rank_shares"}
     assert takes(["rank_shares", "a_later_field"]) == {"rank_shares"}  # a later daemon's
+    assert takes(["x" * 64] * 16) == frozenset()  # at the caps: taken, and not known
     assert cp.parse_report({"type": "report", "seq": 1, "jobs": []}).takes == frozenset()
     for bad in ("rank_shares", [1], ["x" * 65], ["f"] * 17):
         with pytest.raises(ProtocolError, match="takes must be"):

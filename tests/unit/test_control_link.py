@@ -285,7 +285,8 @@ def test_batch_shares_are_taken_from_this_host_s_ranks_or_from_every_rank_s() ->
         assert link.advice("j", 1) == (24, [0, 1]) and link.advice("j", 3)[0] == 8
         assert link.advice("j", 0)[0] is None and link.advice("k", 1) == (None, None)
         link._take({**_PLAN, "version": 2})  # an older control plane's: every rank's
-        assert link.advice("j", 1) == (16, [0, 1]) and link.advice("j", 3)[0] is None
+        assert link.advice("j", 1) == (16, [0, 1]) and link.advice("j", 0)[0] == 16
+        assert link.advice("j", 3)[0] is None and link.advice("j", -1)[0] is None
 
     asyncio.run(main())
 
