@@ -78,7 +78,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from gradlane.errors import ConfigError
+from gradlane.errors import ConfigError, GradlaneError
 from gradlane.policies import fabric
 from gradlane.policies.base import (
     FloatArray,
@@ -95,9 +95,9 @@ from gradlane.policies.chunks import Owning, assign_owners_of
 from gradlane.policies.demand import Exchange
 from gradlane.policies.priority import PriorityPolicy
 
-__all__ = ["LoadBalancePolicy", "Shares", "balanced_ownership", "exchange_time", "flat_shares",
-           "exchange_of", "host_loads", "job_shares", "load_solver", "one_switch", "owner_shares",
-           "placement_shape", "require_solver"]
+__all__ = ["LoadBalancePolicy", "NoSolution", "Shares", "balanced_ownership", "exchange_time",
+           "flat_shares", "exchange_of", "host_loads", "job_shares", "load_solver", "one_switch",
+           "owner_shares", "placement_shape", "require_solver"]
 
 # `owner_shares` takes shares this small (of 1) as none: below a solver's tolerance.
 MIN_SHARE = 1e-5
@@ -107,6 +107,12 @@ MIN_SHARE = 1e-5
 # plan would plan no job at all (8,192 hosts of one rank within leaves are at it; every
 # rank of 65,536 weighed, as ranks in no order host by host are, would take 8.6 GB).
 MAX_WEIGHED = 1 << 27
+
+
+class NoSolution(GradlaneError):
+    """HiGHS found no owner shares (numerical trouble: the programmes always have
+    some). `job_shares` then gives the job even ones and a note, and the other jobs
+    are planned as ever."""
 
 
 class Shares(NamedTuple):
@@ -210,7 +216,7 @@ def owner_shares(loads: FloatArray, rates: FloatArray,
     slowest = linprog(minimise_last, A_ub=sparse.hstack([beyond, -np.ones((n_links, 1))]),
                       b_ub=-common, A_eq=one[0], b_eq=one[1], method="highs")
     if not slowest.success:
-        raise ConfigError(f"owner shares: {slowest.message}")
+        raise NoSolution(f"owner shares: {slowest.message}")
     spread = linprog(  # a class's share over its members: each member's, at most the last
         minimise_last,
         A_ub=sparse.vstack([sparse.hstack([beyond, sparse.csr_array((n_links, 1))]),
@@ -447,12 +453,16 @@ def host_loads(kind: str, ranks: Sequence[int] | IntArray) -> FloatArray:
 def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,
                jobs_on_host: dict[int, int]) -> Shares:
     """The owned shares of a job's `workers` (rank order) exchanging as `kind`, each
-    host's NIC divided among the jobs on it (`jobs_on_host`)."""
+    host's NIC divided among the jobs on it (`jobs_on_host`): even ones and a note
+    where the solver finds none (`NoSolution`, not cached: the next plan tries again)."""
     hosts = tuple(w.host for w in workers)
     host_bps = tuple(topology.hosts[h].nic_bps / jobs_on_host[h] for h in sorted(set(hosts)))
     leaves = (topology.hosts[h].leaf for h in hosts)
-    return _shares(placement_shape(hosts), placement_shape(leaves),
-                   bool(topology.uplink_bps), kind, host_bps)
+    try:
+        return _shares(placement_shape(hosts), placement_shape(leaves),
+                       bool(topology.uplink_bps), kind, host_bps)
+    except NoSolution as exc:
+        return Shares((1 / len(hosts),) * len(hosts), f"even chunk owners: {exc}")
 
 
 def placement_shape(ids: Iterable[int]) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ import itertools
 import re
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -577,6 +578,34 @@ def test_ranks_of_a_host_are_weighed_as_one_only_where_their_trees_match() -> No
     # Host 0's ranks 0 and 3 lead before and after host 1's: orders differ by place.
     assert alike([0, 1, 1, 0], [0, 0, 0, 0]) is None
     assert alike([0, 0, 1, 1], [0, 1, 2, 2]) is None  # a host under two leaves
+
+
+def test_a_job_the_solver_finds_no_shares_for_gets_even_owners_and_the_others_are_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two jobs reducing within leaves: "a" on hosts of two rates (a programme to solve),
+    # "b" on hosts of one rate (even shares, no programme). HiGHS fails once: "a" gets
+    # even owners and a note, "b" its plan as ever; the next plan solves "a" again.
+    topo = Topology(tuple(Host(f"h{i}", i // 2, G // 2 if i == 0 else G) for i in range(8)),
+                    uplink_bps=(G, G, G, G))
+    jobs = (JobState("a", 4, chunk_bytes=(1,) * 40), JobState("b", 4, chunk_bytes=(1,) * 40))
+    workers = tuple(Worker("a", r, h) for r, h in enumerate((0, 1, 2, 3))) + tuple(
+        Worker("b", r, h) for r, h in enumerate((4, 5, 6, 7)))
+    state = State(jobs=jobs, topology=topo, workers=workers)
+    solver = loadbalance._linprog()
+
+    def failing(*args: object, **kwargs: object) -> SimpleNamespace:
+        return SimpleNamespace(success=False, message="numerical trouble")
+
+    loadbalance._shares.cache_clear()
+    monkeypatch.setattr(loadbalance, "_linprog", lambda: failing)
+    plan = get_policy("gradlane").plan(state)
+    assert plan.notes == ("job 'a': even chunk owners: owner shares: numerical trouble",)
+    assert [plan.ownership["a"].count(r) for r in range(4)] == [10] * 4
+    assert [plan.ownership["b"].count(r) for r in range(4)] == [10] * 4
+    monkeypatch.setattr(loadbalance, "_linprog", lambda: solver)
+    again = get_policy("gradlane").plan(state)  # the failure was not cached
+    assert again.notes == () and [again.ownership["a"].count(r) for r in range(4)] != [10] * 4
 
 
 def test_owner_shares_of_rows_standing_for_several_ranks() -> None:
