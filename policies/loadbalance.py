@@ -121,6 +121,11 @@ class Shares(NamedTuple):
     each: tuple[float, ...]
     note: str | None = None
 
+    @classmethod
+    def even(cls, world: int, note: str | None = None) -> Shares:
+        """The same share for each of `world` ranks."""
+        return cls((1 / world,) * world, note)
+
 
 NO_SOLVER = "planning chunk owners for unequal links needs SciPy: pip install 'gradlane[control]'"
 
@@ -359,10 +364,9 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
     (`gradlane.daemon.fields.EXCHANGES`), the hosts' links (sorted host order) at
     `host_bps` (cached: plans see the same placement and rates again and again)."""
     world = len(hosts)
-    even = Shares((1 / world,) * world)
     if len(set(hosts)) == world:
         if len(set(host_bps)) == 1:
-            return even
+            return Shares.even(world)
         if kind == "flat" or (kind == "leaf" and not (uplinks and len(set(leaves)) > 1)):
             order = np.argsort(hosts)  # host_bps is in host order, shares in rank order
             rates = np.empty(world)
@@ -378,18 +382,17 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
         firsts = _alike_by_host(of_host, count, leaves) if kind == "leaf" else None
         weighed = world if firsts is None else n
         if weighed * link_bps.size > MAX_WEIGHED:
-            return even._replace(note=(
+            return Shares.even(world, (
                 f"even chunk owners: weighing {weighed:,} owners on {link_bps.size:,} host "
                 f"links is past {MAX_WEIGHED:,} loads (loadbalance.MAX_WEIGHED)"))
         exchange = Exchange(leaves, uplinks=uplinks, host=hosts, ring=kind == "ring")
         if firsts is None:
             return Shares(tuple(owner_shares(exchange.link_loads(kind == "leaf"), link_bps)))
-        shares = owner_shares(exchange.link_loads(True, firsts), link_bps, count)
-        return Shares(tuple(shares[h] for h in of_host))
+        return _by_host(exchange.link_loads(True, firsts), link_bps, count, of_host)
     if len(set(host_bps)) == 1 and len(set(count.tolist())) == 1:
         # Even shares are best (`_even_is_best` of `host_loads`: every row sums the same,
         # and even shares load every host's links alike): not worth the H x 2H loads.
-        return even
+        return Shares.even(world)
     # `host_loads` of a host owning o of the model: each of its links carries
     # 1 + (H - 2) o within hosts first, k + (W - 2k) o flat (k its ranks): water.
     base = np.ones(n) if kind == "host" else count.astype(np.float64)
@@ -400,7 +403,14 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
         per_rank = _water_fill(base, slope, np.asarray(host_bps, dtype=np.float64),
                                members) / members
         return Shares(tuple(float(v) for v in _without_tiny(per_rank, members)[of_host]))
-    shares = owner_shares(host_loads(kind, count), link_bps, count)
+    return _by_host(host_loads(kind, count), link_bps, count, of_host)
+
+
+def _by_host(loads: FloatArray, link_bps: FloatArray, count: IntArray,
+             of_host: IntArray) -> Shares:
+    """Each rank's `owner_shares`, `loads` a row per host standing for its `count` ranks
+    (`of_host`: each rank's host)."""
+    shares = owner_shares(loads, link_bps, count)
     return Shares(tuple(shares[h] for h in of_host))
 
 
@@ -462,7 +472,7 @@ def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,
         return _shares(placement_shape(hosts), placement_shape(leaves),
                        bool(topology.uplink_bps), kind, host_bps)
     except NoSolution as exc:
-        return Shares((1 / len(hosts),) * len(hosts), f"even chunk owners: {exc}")
+        return Shares.even(len(hosts), f"even chunk owners: {exc}")
 
 
 def placement_shape(ids: Iterable[int]) -> tuple[int, ...]:
