@@ -6,7 +6,8 @@ Starts `gradlane control` as its own process on loopback (a fresh token in a
 temporary file), then connects `--daemons` lightweight simulated daemons
 from this process, each holding a WebSocket like gradlaned: it registers,
 reports 4 workers of one of 25 jobs (8 hosts per job, workers of unequal
-throughput) once a second, and receives plans. Push latency is, per plan
+throughput) once a second, saying it takes its own ranks' batch shares as
+gradlaned does, and receives plans. Push latency is, per plan
 message, the receive time minus the plan's `computed_at` (same clock: one
 machine). Also, per daemon, the time from when the daemons start connecting to
 its first plan with its job's chunk owners (all connect at once, as after a
@@ -77,7 +78,9 @@ async def _daemon(i: int, url: str, token: str, stop: float, lat: list[float],
     async with aiohttp.ClientSession() as session, \
             session.ws_connect(f"{url}/api/v1/daemon", headers=headers) as ws:
         await ws.send_json(register)
-        await ws.receive_json()  # welcome
+        welcome = await ws.receive_json()
+        if "takes" in welcome.get("features", ()):  # as gradlaned: its own ranks' shares
+            report["takes"] = ["rank_shares"]
         connected.append(i)
         if len(connected) == total:
             ready.set()
@@ -98,6 +101,10 @@ async def _daemon(i: int, url: str, token: str, stop: float, lat: list[float],
             data = json.loads(msg.data)
             if data["type"] == "plan" and not owned and job in data["ownership"]:
                 owned = True  # its job's first full plan: every rank reported, owners set
+                shares = data.get("rank_shares", {}).get(job, [])
+                if "takes" in report and {r for r, _ in shares} != set(range(first_rank,
+                                                                              first_rank + 4)):
+                    raise RuntimeError(f"daemon {i}: its plan has the shares of {shares}")
                 owned_at.append(time.monotonic() - started)
             if data["type"] == "plan" and data["computed_at"] and ready.is_set():
                 lat.append((time.time() - data["computed_at"]) * 1000)

@@ -18,7 +18,12 @@ plans' seconds (state, then policy), the process's peak resident memory
 and what it keeps after the plans, the state's flows, the share of the
 chunks the plan gives every fourth host's ranks (a quarter with equal links,
 more with mixed ones), and per doubling of the ranks how much the first
-plan's time and the peak memory grew.
+plan's time and the peak memory grew. And one push of the plan: every
+daemon's plan message built and encoded (JSON), as the control plane's
+event loop does each second, not sent: bytes and seconds (the median of
+three) for daemons that take ``rank_shares`` (their own ranks' batch
+shares) and, in the same run, for older daemons (every rank's), with the
+ratios.
 
 The fabric is one switch (``one-switch``: the job reduces within hosts
 first, the exchange such jobs use) or leaves of 32 hosts under a spine at
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -61,6 +67,7 @@ LINK_BPS = 10**10
 # Peak bytes per host squared, from this benchmark's own results (8,192 hosts: 2.4 GB
 # within hosts first; 6.6 GB within leaves, mixed links).
 PEAK_BYTES_PER_HOST2 = {"one-switch": 64, "oversubscribed": 128}
+PUSHES = 3  # a push's time: the median of so many
 
 
 def _status_mb(field: str) -> float:
@@ -106,6 +113,36 @@ def _plane(ranks: int, per_host: int, mixed: bool = False, oversubscribed: bool 
     return plane
 
 
+def _push(plane: Any, takes: bool) -> dict[str, Any]:
+    """One push of `plane`'s plan, as `ControlPlane.push` makes it on its event loop: every
+    daemon's message built and encoded (JSON, as gradlaned speaks), not sent. With `takes`
+    the daemons say they take ``rank_shares`` (gradlaned since 75e3d13), else they are
+    older daemons, sent every rank's batch shares."""
+    from dataclasses import replace
+
+    from gradlane.daemon import control_protocol as cp
+
+    takes_fields = frozenset(cp.PLAN_FIELDS) if takes else frozenset()
+    for daemon in plane.daemons.values():
+        daemon.report = replace(daemon.report, takes=takes_fields)
+    times = []
+    for _ in range(PUSHES):
+        started = time.perf_counter()
+        sizes = [len(cp.fit(plane.message_for(host), binary=False)[0])
+                 for host in plane.daemons]
+        times.append(time.perf_counter() - started)
+    if takes:  # each daemon its own ranks' shares, and no one else's
+        for host, daemon in plane.daemons.items():
+            message = plane.message_for(host)
+            ranks = {w.rank for job in daemon.report.jobs for w in job.workers}
+            sent = {r for pairs in message["rank_shares"].values() for r, _ in pairs}
+            if sent != ranks or message["batch_shares"]:
+                raise SystemExit(f"{host}: the plan message has the shares of ranks "
+                                 f"{sorted(sent)[:8]}, not its own")
+    return {"seconds": statistics.median(times), "bytes": sum(sizes), "largest_bytes": max(sizes),
+            "over_max_message": sum(size > cp.MAX_MESSAGE for size in sizes)}
+
+
 def one(ranks: int, per_host: int, mixed: bool, oversubscribed: bool,
         per_leaf: int) -> dict[str, Any]:
     """Plan one job of `ranks` in this process: what `main` records for its size."""
@@ -126,12 +163,16 @@ def one(ranks: int, per_host: int, mixed: bool, oversubscribed: bool,
         plane.state, plane.plan = state, plan
         plans.append({"state_s": built - started, "policy_s": done - built,
                       "total_s": done - started})
+    push = {"takes_rank_shares": _push(plane, takes=True),
+            "older_daemons": _push(plane, takes=False)}
+    push["bytes_x"] = push["older_daemons"]["bytes"] / push["takes_rank_shares"]["bytes"]
+    push["seconds_x"] = push["older_daemons"]["seconds"] / push["takes_rank_shares"]["seconds"]
     owners = plan.ownership.get("big", ())
     on_fast = sum((owner // per_host) % 4 == 0 for owner in owners)  # mixed: the 25G hosts
     return {"ranks": ranks, "hosts": ranks // per_host, "flows": len(state.flows),
             "owners_planned": len(owners) == CHUNKS, "reduce_in_leaf": plan.reduce_in_leaf,
             "chunks_on_every_fourth_host": on_fast / max(len(owners), 1),
-            "first_plan": plans[0], "next_plan": plans[1],
+            "first_plan": plans[0], "next_plan": plans[1], "push": push,
             "rss_before_plans_mb": before_mb, "peak_rss_mb": _peak_mb(),
             "rss_after_mb": _rss_mb()}
 
@@ -201,7 +242,11 @@ def _sizes(args: argparse.Namespace, fabric: str, links: str) -> list[dict[str, 
               f"{size['first_plan']['total_s']:6.2f} s, "
               f"next {size['next_plan']['total_s']:5.2f} s, "
               f"peak {size['peak_rss_mb']:6.0f} MB, "
-              f"{size['chunks_on_every_fourth_host']:.0%} of the chunks on every fourth host",
+              f"{size['chunks_on_every_fourth_host']:.0%} of the chunks on every fourth host; "
+              f"a push {size['push']['takes_rank_shares']['bytes'] / 1e6:.1f} MB in "
+              f"{size['push']['takes_rank_shares']['seconds']:.2f} s "
+              f"({size['push']['older_daemons']['bytes'] / 1e6:.1f} MB in "
+              f"{size['push']['older_daemons']['seconds']:.2f} s to older daemons)",
               flush=True)
     measured = [s for s in sizes if "skipped" not in s]
     for small, large in zip(measured, measured[1:], strict=False):
