@@ -389,6 +389,29 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
     assert "a state bug" in caplog.text
 
 
+def test_hosts_of_one_class_are_checked_once_and_a_bad_one_named_by_its_first_host() -> None:
+    # The classes are checked by job and class, not host by host: the first host given a
+    # refused one is named. An equal class of NumPy integers (which a daemon refuses: not
+    # JSON integers) is not taken for the good one it equals.
+    plane = ControlPlane(_config())
+    state = SimpleNamespace(topology=SimpleNamespace(
+        hosts=[SimpleNamespace(name=f"h{i}") for i in range(4)]))
+    good = JobClassPlan(5, 10**9, 3)
+
+    def plan(classes: dict[int, dict[str, JobClassPlan]]) -> Plan:
+        return Plan(job_classes={}, source="test", host_classes=classes)
+
+    classes = {0: {"j": good}, 1: {"j": good, "k": JobClassPlan(0, 10**9, 1)},
+               2: {"k": JobClassPlan(0, 10**9, 1)}}
+    with pytest.raises(ValueError, match=r"\(host h1\): bad job class 'k': \[0, "):
+        plane._refused_by_daemons(plan(classes), state)
+    numpy = JobClassPlan(np.int64(5), 10**9, 3)
+    assert numpy == good
+    with pytest.raises(ValueError, match=r"\(host h3\): bad job class 'j': \[np.int64\(5\), "):
+        plane._refused_by_daemons(plan({0: {"j": good}, 3: {"j": numpy}}), state)
+    plane._refused_by_daemons(plan({0: {"j": good}, 3: {"j": good}}), state)
+
+
 @pytest.mark.parametrize(("broken", "says"), [
     ({"host_classes": {0: {"j": JobClassPlan(0, 10**9, 3)}}},
      "(host h): bad job class 'j': [0, 1000000000, 3]"),
