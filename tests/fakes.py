@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,11 +81,14 @@ async def until(check: Callable[[], object], timeout: float = 10.0) -> float:
 
 
 def fake_config(socket_path: Path, http: str = "", state_dir: Path | None = None) -> DaemonConfig:
+    """A daemon of one fake interface on `socket_path`, its state directory beside it by
+    default (in the test's own directory, which pytest removes: not one more left in /tmp;
+    made when a real qdisc manager first writes there)."""
     return DaemonConfig(
         interfaces=(InterfaceConfig("fake0", 1_000_000_000),),
         socket_path=socket_path,
         http=http,
-        state_dir=state_dir or Path(tempfile.mkdtemp()),
+        state_dir=state_dir or socket_path.with_name(f"{socket_path.name}.state"),
         max_clients=64,
     )
 
