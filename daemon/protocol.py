@@ -97,7 +97,8 @@ VERSION = 1
 FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch", HOST_EXCHANGE)
 MAX_FRAME = 1 << 20
 # A worker's band connections: the shim's most bands (8) to each peer of a
-# 1,025-rank flat job (about 530 KB of flows, under MAX_FRAME).
+# 1,025-rank flat job, or of a job of 1,018 hosts of 8 ranks reducing within hosts
+# first (about 530 KB of flows, under MAX_FRAME). A shim of more registers none.
 MAX_FLOWS = 8 * 1024
 MAX_EVENTS = 16384
 BAND_NUMBERS = 64  # band numbers a message may carry (no more bands than DSCP values)

@@ -5,10 +5,11 @@ to an in-memory batch (`chunk_event`, `begin`, `timing`), so a slow or
 dead daemon never slows training. When the socket is missing or the daemon
 goes away, one log line says so; training goes on with the local order and
 the thread reconnects every `RETRY_S` seconds, replaying hello with the
-current flows. A daemon that refuses the worker (its error reply: a rank claimed
-twice, more flows than it takes, a version it lacks) is asked again ever less
-often, up to every `MAX_RETRY_S` seconds: it would most often refuse again, and
-log each refusal.
+current flows (none if there are more than gradlaned registers,
+`gradlane.daemon.protocol.MAX_FLOWS`: their DSCP marks alone schedule them).
+A daemon that refuses the worker (its error reply: a rank claimed twice, a
+version it lacks) is asked again ever less often, up to every `MAX_RETRY_S`
+seconds: it would most often refuse again, and log each refusal.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class DaemonClient:
         self._restate = threading.Event()
         self._stop = threading.Event()
         self._said_absent = False
+        self._said_unregistered = False  # said once: too many connections to register
         self._thread = threading.Thread(target=self._run, name="gl-daemon-client", daemon=True)
         self._thread.start()
 
@@ -395,6 +397,20 @@ class DaemonClient:
 
     def _flows(self) -> list[dict[str, object]]:
         flows = self.mesh.flows()
+        if len(flows) > protocol.MAX_FLOWS:
+            # gradlaned refuses a worker of more connections than it registers, and the
+            # worker's job, timings, batch shares and chunk owners would go with them.
+            # Registered with none, the connections keep their DSCP marks, which the daemon
+            # classifies by band (`gradlane.daemon.service.DSCP_JOB`).
+            if not self._said_unregistered:
+                logger.warning(
+                    "gradlane: rank %d has %d band connections, more than gradlaned "
+                    "registers (%d): it registers none, and they are scheduled by their "
+                    "DSCP marks alone (band order kept; not by its job's class, so neither "
+                    "the job's rate nor its order among other jobs on this host)",
+                    self.rank, len(flows), protocol.MAX_FLOWS)
+                self._said_unregistered = True
+            return []
         for flow in flows:
             flow["band"] = self._band(int(flow["band"]))  # type: ignore[call-overload]
         return flows

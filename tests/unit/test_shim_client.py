@@ -662,33 +662,37 @@ def test_a_shim_the_daemon_refuses_says_the_daemon_s_reason_and_trains_on(
 def test_a_daemon_that_refuses_the_worker_is_asked_ever_less_often(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # More flows than gradlaned takes (a flat job of thousands of ranks): every hello is
-    # refused, and logged by the daemon. Asked at the pace of an absent daemon's, it would
-    # be refused and log from each such worker for as long as the job runs. Once the
-    # daemon takes the worker (an upgraded one, here a larger limit), it registers.
+    # A rank another process holds (a job started twice): every hello is refused, and
+    # logged by the daemon. Asked at the pace of an absent daemon's, it would be refused
+    # and log from each such worker for as long as the job runs. Once the daemon takes
+    # the worker (the other process is gone), it registers.
     monkeypatch.setattr("gradlane.shim.client.RETRY_S", 0.05)
     monkeypatch.setattr("gradlane.shim.client.MAX_RETRY_S", 0.4)
-    monkeypatch.setattr(protocol, "MAX_FLOWS", 3)  # the mesh has four
     caplog.set_level(logging.INFO)
     config = fake_config(tmp_path / "gl.sock")
+    shim = ShimConfig(daemon_socket=str(config.socket_path), job="twice")
 
     def refusals() -> list[float]:
         return [r.created for r in caplog.records
-                if r.name == "gradlane.daemon.service" and "bad_message error" in r.getMessage()]
+                if r.name == "gradlane.daemon.service" and "conflict error" in r.getMessage()]
 
     async def main() -> None:
         daemon = Daemon(config, backend_factory=FakeBackend)
         serving = asyncio.create_task(daemon.serve())
         await asyncio.wait_for(daemon.ready.wait(), 10)
-        client = DaemonClient(ShimConfig(daemon_socket=str(config.socket_path)), 0, 2,
-                              _FourBands())
+        first = DaemonClient(shim, 0, 2, _Mesh())
+        second = None
         try:
+            await until(lambda: first.connected)
+            second = DaemonClient(shim, 0, 2, _FourBands())
             await until(lambda: len(refusals()) >= 6)
-            assert not client.connected
-            monkeypatch.setattr(protocol, "MAX_FLOWS", 8)
-            await until(lambda: client.connected)
+            assert not second.connected
+            await asyncio.to_thread(first.close)
+            await until(lambda: second is not None and second.connected)
         finally:
-            await asyncio.to_thread(client.close)
+            for client in (first, second):
+                if client is not None:
+                    await asyncio.to_thread(client.close)
             daemon.stop()
             await asyncio.wait_for(serving, 10)
 
@@ -697,10 +701,51 @@ def test_a_daemon_that_refuses_the_worker_is_asked_ever_less_often(
     gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
     for i, gap in enumerate(gaps):  # at least the wait (a clock's grain below it)
         assert gap >= 0.9 * min(0.05 * 2 ** (i + 1), 0.4), gaps
-    assert (f"gradlane: gradlaned at {config.socket_path}: hello: flows must be a list of <= 3; "
-            "training goes on with the local priority order (asking again ever less often, "
-            "up to every 0.4 s)") in caplog.text
+    assert (f"gradlane: gradlaned at {config.socket_path}: job 'twice' rank 0 is registered "
+            f"already by pid {os.getpid()}; training goes on with the local priority order "
+            "(asking again ever less often, up to every 0.4 s)") in caplog.text
     assert caplog.text.count("training goes on") == 1
+
+
+def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_with_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A job of more hosts than gradlaned registers flows for (past 1,018 hosts of 8 ranks
+    # reducing within hosts first): refused, the worker would be unknown to its daemon and
+    # the control plane, its job unplanned. Registered with none of its connections, it
+    # is known, its connections scheduled by their DSCP marks; so is a later flows
+    # message. It says why once. One connection fewer, and they are registered.
+    config = fake_config(tmp_path / "gl.sock")
+    monkeypatch.setattr(protocol, "MAX_FLOWS", 3)  # the mesh has four
+    caplog.set_level(logging.WARNING)
+
+    async def main() -> None:
+        daemon = Daemon(config, backend_factory=FakeBackend)
+        serving = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(daemon.ready.wait(), 10)
+        shim = ShimConfig(daemon_socket=str(config.socket_path), job="big")
+        client = DaemonClient(shim, 0, 2, _FourBands())
+        try:
+            await until(lambda: client.connected)
+            workers = daemon.registry.workers()
+            assert [(w.job, w.rank, w.flows) for w in workers] == [("big", 0, ())]
+            client.flows_changed()  # said again, still none
+            await until(lambda: not client._restate.is_set())
+            monkeypatch.setattr(protocol, "MAX_FLOWS", 4)
+            client.flows_changed()
+            await until(lambda: [len(w.flows) for w in daemon.registry.workers()] == [4])
+        finally:
+            await asyncio.to_thread(client.close)
+            daemon.stop()
+            await asyncio.wait_for(serving, 10)
+
+    asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records if "band connections" in r.getMessage()]
+    assert said == ["gradlane: rank 0 has 4 band connections, more than gradlaned registers "
+                    "(3): it registers none, and they are scheduled by their DSCP marks alone "
+                    "(band order kept; not by its job's class, so neither the job's rate nor "
+                    "its order among other jobs on this host)"]
+    assert "training goes on" not in caplog.text
 
 
 def test_a_session_that_was_not_refused_is_followed_by_the_shortest_wait() -> None:
