@@ -25,6 +25,7 @@ import errno
 import grp
 import json
 import logging
+import math
 import os
 import socket
 import struct
@@ -80,6 +81,9 @@ DSCP_JOB = "_dscp"  # class for DSCP-marked traffic of flows nobody registered
 SHUTDOWN_TIMEOUT = 10.0
 STATS_EVERY = 1.0
 VERIFY_EVERY = 30.0  # re-read the kernel's tree to repair changes made behind our back
+# ... and less often when a re-read takes long (thousands of flows registered: about 0.2 ms
+# each), so that it takes at most this share of the time.
+VERIFY_SHARE = 0.05
 EXPIRE_EVERY = 1.0
 SEND_TIMEOUT = 5.0
 
@@ -167,7 +171,8 @@ class Daemon:
         self._plan: Plan | None = None
         self._plan_at = 0.0
         self._plan_version = 0
-        self._verified_at = -VERIFY_EVERY
+        self._verified_at = -math.inf  # never: the first reconcile verifies
+        self._verify_every = VERIFY_EVERY
         self._stats: dict[str, list[ClassStats]] = {}
         self._reconciles = 0
         self._reconcile_errors = 0
@@ -332,7 +337,7 @@ class Daemon:
         (`tc qdisc del`, another tool's own), not up to `VERIFY_EVERY` later."""
         def unheard(exc: OSError) -> None:
             logger.warning("no netlink word of qdisc changes (%s): gradlaned repairs its "
-                           "trees every %.0f s only", exc, VERIFY_EVERY)
+                           "trees every %.0f s only", exc, self._verify_every)
 
         try:
             watch = RootWatch()
@@ -354,7 +359,7 @@ class Daemon:
                 with contextlib.suppress(OSError):  # gone: the verification will say so
                     ours.add(socket.if_nametoindex(backend.ifname))
             if changed & ours or watch.ALL in changed:
-                self._verified_at = -VERIFY_EVERY
+                self._verified_at = -math.inf
                 self._dirty.set()
 
         asyncio.get_running_loop().add_reader(watch.fileno(), heard)
@@ -498,8 +503,8 @@ class Daemon:
                              self.policy.name)
             return
         changes: list[str] = []
-        verify = self._clock() - self._verified_at >= VERIFY_EVERY
-        planned = time.perf_counter()
+        verify = self._clock() - self._verified_at >= self._verify_every
+        planned, applying = time.perf_counter(), self._clock()
         try:
             for backend in self._backends:
                 if verify:  # an address may come or go after the start (DHCP, a late NIC)
@@ -525,6 +530,7 @@ class Daemon:
         self._plan, self._plan_at = plan, self._clock()
         if verify:
             self._verified_at = self._plan_at
+            self._pace_verification(self._plan_at - applying)
         self._reconciles += 1
         self._last_changes = changes
         done = time.perf_counter()
@@ -537,12 +543,21 @@ class Daemon:
             changes,
         )
 
+    def _pace_verification(self, took: float) -> None:
+        """The next verification `VERIFY_EVERY` after this one, or later if this one
+        took more than `VERIFY_SHARE` of that (said when the pace changes by a quarter)."""
+        every = max(VERIFY_EVERY, took / VERIFY_SHARE)
+        if abs(every - self._verify_every) > self._verify_every / 4:
+            logger.info("verifying the kernel's trees every %.0f s (the last verification "
+                        "took %.2f s)", every, took)
+        self._verify_every = every
+
     async def _reconcile_loop(self) -> None:
         while True:
             # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a
             # cancellation that races with the event, and shutdown would hang.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(VERIFY_EVERY):  # wake up to verify now and then
+                async with asyncio.timeout(self._verify_every):  # to verify now and then
                     await self._dirty.wait()
             # Leading edge: a change that finds the daemon idle is applied at
             # once; what arrives during a reconcile or within coalesce_s after
@@ -744,6 +759,7 @@ class Daemon:
                 "count": self._reconciles,
                 "errors": self._reconcile_errors,
                 "last_changes": self._last_changes[-20:],
+                "verify_every_s": round(self._verify_every, 3),
             },
             "link_bps": self.link_bps(),  # the host's link as plans take it
             "interfaces": [

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import math
 import os
 import struct
 import time
@@ -230,6 +231,57 @@ def test_an_address_that_comes_after_the_start_takes_its_flows_to_its_interface(
     asyncio.run(main())
 
 
+class SlowToVerify(FakeBackend):
+    """A kernel tree whose re-reading takes `took` seconds of the daemon's clock."""
+
+    now = [0.0]
+    took = 0.0
+    verified: list[float] = []
+
+    def apply(self, spec: QdiscSpec, *, verify: bool = False) -> list[str]:
+        if verify:
+            self.verified.append(self.now[0])
+            self.now[0] += self.took
+        return super().apply(spec, verify=verify)
+
+
+def test_a_verification_that_takes_long_comes_less_often(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Re-reading a tree of tens of thousands of flows takes seconds (about 0.2 ms a flow):
+    # every 30 s, it would keep a core busy on a training host. The pace stretches so that
+    # verifying takes at most VERIFY_SHARE of the time, and comes back when it is quick.
+    monkeypatch.setattr(SlowToVerify, "now", [0.0])
+    monkeypatch.setattr(SlowToVerify, "verified", [])
+    daemon = Daemon(fake_config(tmp_path / "gl.sock"), backend_factory=SlowToVerify,
+                    clock=lambda: SlowToVerify.now[0])
+    caplog.set_level("INFO", logger=service.__name__)
+
+    async def reconcile_at(t: float) -> None:
+        SlowToVerify.now[0] = t
+        await daemon._reconcile()
+
+    async def main() -> None:
+        SlowToVerify.took = 3.0  # 3 s / 0.05: every 60 s
+        await reconcile_at(0.0)  # the first reconcile verifies
+        assert daemon.status()["reconcile"]["verify_every_s"] == 3.0 / service.VERIFY_SHARE
+        await reconcile_at(3.0 + VERIFY_EVERY)  # 30 s on: not yet
+        await reconcile_at(3.0 + 59.0)
+        assert SlowToVerify.verified == [0.0]
+        SlowToVerify.took = 0.5
+        await reconcile_at(3.0 + 60.0)
+        await reconcile_at(63.5 + VERIFY_EVERY - 1)
+        assert daemon.status()["reconcile"]["verify_every_s"] == VERIFY_EVERY
+        await reconcile_at(63.5 + VERIFY_EVERY)
+        assert SlowToVerify.verified == [0.0, 63.0, 63.5 + VERIFY_EVERY]
+
+    asyncio.run(main())
+    paced = [r.getMessage() for r in caplog.records if "verifying the kernel" in r.getMessage()]
+    assert paced == ["verifying the kernel's trees every 60 s (the last verification took "
+                     "3.00 s)", "verifying the kernel's trees every 30 s (the last "
+                     "verification took 0.50 s)"]
+
+
 class VanishedBackend(FakeBackend):
     """An interface that is gone by the time gradlaned restores it."""
 
@@ -451,7 +503,7 @@ def test_the_kernel_s_word_of_a_root_gone_makes_the_next_reconcile_verify(
         watch({RootWatch.ALL})
         daemon._watch_roots()
         await heard(words[-1])
-        assert daemon._dirty.is_set() and daemon._verified_at == -VERIFY_EVERY
+        assert daemon._dirty.is_set() and daemon._verified_at == -math.inf
         asyncio.get_running_loop().remove_reader(words[-1].fileno())
         # The socket failing: one warning, and it is not read again.
         watch(OSError(errno.EBADF, "Bad file descriptor"))
