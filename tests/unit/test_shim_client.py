@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from gradlane.daemon import protocol
+from gradlane.daemon.config import DaemonConfig
 from gradlane.daemon.service import Daemon
 from gradlane.shim.client import RETRY_S, ComputeClock, DaemonClient, next_retry
 from gradlane.shim.config import ShimConfig
@@ -580,6 +581,35 @@ def test_a_session_that_fails_in_a_way_not_foreseen_is_retried_not_the_end_of_th
     assert caplog.text.count("training goes on") == 1  # said once, not at every retry
 
 
+class _Gradlaned:
+    """A gradlaned of in-memory qdiscs serving `config` while in ``async with``; its
+    `client`s (rank 0 of 2) are closed, then it stops, on the way out."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.daemon = Daemon(config, backend_factory=FakeBackend)
+        self._clients: list[DaemonClient] = []
+
+    def client(self, shim: ShimConfig, mesh: Any) -> DaemonClient:
+        client = DaemonClient(shim, 0, 2, mesh)
+        self._clients.append(client)
+        return client
+
+    async def __aenter__(self) -> _Gradlaned:
+        self._serving = asyncio.create_task(self.daemon.serve())
+        try:
+            await asyncio.wait_for(self.daemon.ready.wait(), 10)
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for client in self._clients:
+            await asyncio.to_thread(client.close)
+        self.daemon.stop()
+        await asyncio.wait_for(self._serving, 10)
+
+
 class _FourBands:
     """A worker's four band connections to one peer; the marks it was given."""
 
@@ -608,11 +638,9 @@ def test_a_shim_with_more_bands_than_gradlaned_registers_and_follows_a_reload(
         return [f.band for w in daemon.registry.workers() for f in w.flows]
 
     async def main() -> None:
-        daemon = Daemon(config, backend_factory=FakeBackend)
-        serving = asyncio.create_task(daemon.serve())
-        await asyncio.wait_for(daemon.ready.wait(), 10)
-        client = DaemonClient(ShimConfig(daemon_socket=str(config.socket_path)), 0, 2, mesh)
-        try:
+        async with _Gradlaned(config) as gl:
+            daemon = gl.daemon
+            client = gl.client(ShimConfig(daemon_socket=str(config.socket_path)), mesh)
             # Registered at the hello; marked once the shim has read the welcome.
             await until(lambda: registered(daemon) == [0, 1, 1, 1] and client.connected)
             assert mesh.marks == [(46, 10, 10, 10)]
@@ -620,10 +648,6 @@ def test_a_shim_with_more_bands_than_gradlaned_registers_and_follows_a_reload(
             await until(lambda: registered(daemon) == [0, 1, 2, 3])
             assert mesh.marks[-1] == (46, 34, 26, 18)
             assert daemon._reconcile_errors == 0
-        finally:
-            await asyncio.to_thread(client.close)
-            daemon.stop()
-            await asyncio.wait_for(serving, 10)
 
     asyncio.run(main())
 
@@ -636,23 +660,13 @@ def test_a_shim_the_daemon_refuses_says_the_daemon_s_reason_and_trains_on(
     config = fake_config(tmp_path / "gl.sock")
 
     async def main() -> None:
-        daemon = Daemon(config, backend_factory=FakeBackend)
-        serving = asyncio.create_task(daemon.serve())
-        await asyncio.wait_for(daemon.ready.wait(), 10)
-        shim = ShimConfig(daemon_socket=str(config.socket_path), job="twice")
-        first = DaemonClient(shim, 0, 2, _Mesh())
-        second = None
-        try:
+        async with _Gradlaned(config) as gl:
+            shim = ShimConfig(daemon_socket=str(config.socket_path), job="twice")
+            first = gl.client(shim, _Mesh())
             await until(lambda: first.connected)
-            second = DaemonClient(shim, 0, 2, _Mesh())
+            second = gl.client(shim, _Mesh())
             await until(lambda: "training goes on" in caplog.text)
             assert not second.connected and first.connected
-        finally:
-            for client in (first, second):
-                if client is not None:
-                    await asyncio.to_thread(client.close)
-            daemon.stop()
-            await asyncio.wait_for(serving, 10)
 
     asyncio.run(main())
     assert (f"gradlane: gradlaned at {config.socket_path}: job 'twice' rank 0 is registered "
@@ -677,24 +691,14 @@ def test_a_daemon_that_refuses_the_worker_is_asked_ever_less_often(
                 if r.name == "gradlane.daemon.service" and "conflict error" in r.getMessage()]
 
     async def main() -> None:
-        daemon = Daemon(config, backend_factory=FakeBackend)
-        serving = asyncio.create_task(daemon.serve())
-        await asyncio.wait_for(daemon.ready.wait(), 10)
-        first = DaemonClient(shim, 0, 2, _Mesh())
-        second = None
-        try:
+        async with _Gradlaned(config) as gl:
+            first = gl.client(shim, _Mesh())
             await until(lambda: first.connected)
-            second = DaemonClient(shim, 0, 2, _FourBands())
+            second = gl.client(shim, _FourBands())
             await until(lambda: len(refusals()) >= 6)
             assert not second.connected
             await asyncio.to_thread(first.close)
-            await until(lambda: second is not None and second.connected)
-        finally:
-            for client in (first, second):
-                if client is not None:
-                    await asyncio.to_thread(client.close)
-            daemon.stop()
-            await asyncio.wait_for(serving, 10)
+            await until(lambda: second.connected)
 
     asyncio.run(main())
     times = refusals()[:6]
@@ -720,24 +724,17 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
     caplog.set_level(logging.WARNING)
 
     async def main() -> None:
-        daemon = Daemon(config, backend_factory=FakeBackend)
-        serving = asyncio.create_task(daemon.serve())
-        await asyncio.wait_for(daemon.ready.wait(), 10)
-        shim = ShimConfig(daemon_socket=str(config.socket_path), job="big")
-        client = DaemonClient(shim, 0, 2, _FourBands())
-        try:
+        async with _Gradlaned(config) as gl:
+            client = gl.client(ShimConfig(daemon_socket=str(config.socket_path), job="big"),
+                               _FourBands())
             await until(lambda: client.connected)
-            workers = daemon.registry.workers()
+            workers = gl.daemon.registry.workers()
             assert [(w.job, w.rank, w.flows) for w in workers] == [("big", 0, ())]
             client.flows_changed()  # said again, still none
             await until(lambda: not client._restate.is_set())
             monkeypatch.setattr(protocol, "MAX_FLOWS", 4)
             client.flows_changed()
-            await until(lambda: [len(w.flows) for w in daemon.registry.workers()] == [4])
-        finally:
-            await asyncio.to_thread(client.close)
-            daemon.stop()
-            await asyncio.wait_for(serving, 10)
+            await until(lambda: [len(w.flows) for w in gl.daemon.registry.workers()] == [4])
 
     asyncio.run(main())
     said = [r.getMessage() for r in caplog.records if "band connections" in r.getMessage()]
