@@ -81,7 +81,7 @@ DSCP_JOB = "_dscp"  # class for DSCP-marked traffic of flows nobody registered
 SHUTDOWN_TIMEOUT = 10.0
 STATS_EVERY = 1.0
 VERIFY_EVERY = 30.0  # re-read the kernel's tree to repair changes made behind our back
-# ... and less often when a re-read takes long (thousands of flows registered: about 0.2 ms
+# ... and less often when a re-read takes long (thousands of flows registered: about 0.1 ms
 # each), so that it takes at most this share of the time.
 VERIFY_SHARE = 0.05
 EXPIRE_EVERY = 1.0

@@ -17,7 +17,6 @@ import contextlib
 import ipaddress
 import socket
 import struct
-import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -259,42 +258,83 @@ _KEY_SIZE = 16
 TC_U32_TERMINAL = 1  # tc_u32_sel.flags: a match ends the classification
 TC_U32_ROOT = 0xFFF00000  # TCA_U32_HASH: the root table of the filter's priority
 
+# What `parse_u32_filter` reads from a message's bytes: the netlink header's length,
+# the tcmsg's handle and info, attributes (length, type) and the u32 selector's head.
+_NLMSG_LEN = struct.Struct("=I")
+_TCMSG_HANDLE_PARENT_INFO = struct.Struct("=III")  # at 24: past nlmsghdr (16), family, ifindex
+_TCMSG_END = 36
+_NLA = struct.Struct("=HH")
+_NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED and NLA_F_NET_BYTEORDER
+_U32 = struct.Struct("=I")
+_SEL = struct.Struct("=BBBxHHhh")  # flags, offshift, nkeys, offmask, off, offoff, hoff
+_SEL_HMASK = struct.Struct(">I")  # after `_SEL`, in network order
+TCA_KIND, TCA_OPTIONS = 1, 2
+TCA_U32_CLASSID, TCA_U32_LINK, TCA_U32_DIVISOR, TCA_U32_SEL = 1, 3, 4, 5
+
+
+def _attributes(data: bytes | bytearray, start: int, end: int) -> dict[int, tuple[int, int]]:
+    """The netlink attributes between `start` and `end`: type -> (its payload's start,
+    end). Bounded by `end`: a malformed length ends the walk."""
+    found = {}
+    at = start
+    while at + _NLA.size <= end:
+        length, kind = _NLA.unpack_from(data, at)
+        if length < _NLA.size or at + length > end:
+            break
+        found[kind & _NLA_TYPE_MASK] = (at + _NLA.size, at + length)
+        at += (length + 3) & ~3
+    return found
+
 
 def parse_u32_filter(msg: Any) -> U32Filter | None:
     """Decode a u32 node from ``ipr.get_filters()``.
 
     Returns None for the entry the kernel reports for each filter priority
-    itself. The keys are read from the raw attribute because pyroute2 0.9
-    decodes them at the wrong offset.
+    itself. Read from the message's bytes, not through pyroute2's decoding:
+    that took 1.2 of the 1.9 s a re-reading of 8,192 flows' nodes took (this:
+    0.1-0.2 s), and pyroute2 0.9 reads the keys at the wrong offset.
     """
-    if msg.get_attr("TCA_KIND") != "u32":
+    data, offset = msg.data, msg.offset
+    (length,) = _NLMSG_LEN.unpack_from(data, offset)
+    end = offset + length
+    top = _attributes(data, offset + _TCMSG_END, end)
+    kind = top.get(TCA_KIND)
+    if kind is None or bytes(data[kind[0]:kind[1]]).rstrip(b"\0") != b"u32":
         return None
-    options = msg.get_attr("TCA_OPTIONS")
-    if options is None:
+    if TCA_OPTIONS not in top:
         return None
-    pref = msg["info"] >> 16
-    divisor = options.get_attr("TCA_U32_DIVISOR")
-    sel = options.get_attr("TCA_U32_SEL")
-    if sel is None:
+    handle, _, info = _TCMSG_HANDLE_PARENT_INFO.unpack_from(data, offset + 24)
+    options = _attributes(data, *top[TCA_OPTIONS])
+
+    def u32(attribute: int) -> int | None:
+        where = options.get(attribute)
+        if where is None or where[1] - where[0] < _U32.size:
+            return None
+        return int(_U32.unpack_from(data, where[0])[0])
+
+    pref = info >> 16
+    sel = options.get(TCA_U32_SEL)
+    if sel is None or sel[1] - sel[0] < _SEL_HEADER:
+        divisor = u32(TCA_U32_DIVISOR)
         if divisor is None:
             return None
-        return U32Filter(pref, 0, frozenset(), handle=msg["handle"], divisor=divisor)
-    start = sel.offset + 4 + _SEL_HEADER
+        return U32Filter(pref, 0, frozenset(), handle=handle, divisor=divisor)
+    flags, _, nkeys, _, _, _, hoff = _SEL.unpack_from(data, sel[0])
+    (hmask,) = _SEL_HMASK.unpack_from(data, sel[0] + _SEL.size)
     keys = []
-    for i in range(sel["nkeys"]):
-        at = start + i * _KEY_SIZE
-        mask, val = _KEY_MASK_VAL.unpack_from(sel.data, at)
-        (off,) = _KEY_OFF.unpack_from(sel.data, at + _KEY_MASK_VAL.size)
+    for i in range(min(nkeys, (sel[1] - sel[0] - _SEL_HEADER) // _KEY_SIZE)):
+        at = sel[0] + _SEL_HEADER + i * _KEY_SIZE
+        mask, val = _KEY_MASK_VAL.unpack_from(data, at)
+        (off,) = _KEY_OFF.unpack_from(data, at + _KEY_MASK_VAL.size)
         keys.append((val, mask, off))
-    link = options.get_attr("TCA_U32_LINK")  # pyroute2 decodes it as "aa:bb:cc:dd"
     return U32Filter(
         pref=pref,
-        classid=options.get_attr("TCA_U32_CLASSID") or 0,
+        classid=u32(TCA_U32_CLASSID) or 0,
         bytemap=u32_bytemap(keys),
-        handle=msg["handle"],
-        link=int.from_bytes(bytes.fromhex(link.replace(":", "")), sys.byteorder) if link else 0,
-        hashkey=(sel["hmask"], sel["hoff"]),
-        terminal=bool(sel["flags"] & TC_U32_TERMINAL),
+        handle=handle,
+        link=u32(TCA_U32_LINK) or 0,
+        hashkey=(hmask, hoff),
+        terminal=bool(flags & TC_U32_TERMINAL),
     )
 
 
