@@ -148,3 +148,42 @@ def test_u32_messages_say_what_ipr_tc_cannot() -> None:
     table = _round_trip(u32_message(3, 0x474C0000, 0x100, 0x47400000, divisor=256))
     assert table is not None and (table.divisor, table.handle) == (256, 0x47400000)
     assert _round_trip(u32_message(3, 0x474C0000, 0x100, 0x4745A001)) is None  # a delete
+
+
+_PORTS = st.none() | st.integers(1, 65535)
+_ADDRESSES = st.none() | st.ip_addresses(v=4).map(str)
+
+
+@given(src=_ADDRESSES, sport=_PORTS, dst=_ADDRESSES, dport=_PORTS,
+       classid=st.integers(1, 0xFFFFFFFF), bucket=st.integers(0, 255),
+       node=st.integers(1, 0xFFF), pref=st.integers(1, 0xFFFF),
+       extra=st.lists(st.integers(0, 63).map(dscp_key), max_size=1))
+def test_a_flow_node_reads_back_as_written_from_the_message_s_bytes(
+        src: str | None, sport: int | None, dst: str | None, dport: int | None, classid: int,
+        bucket: int, node: int, pref: int, extra: list[tuple[int, int, int]]) -> None:
+    # `parse_u32_filter` reads the attributes from the bytes itself: every key, the class,
+    # the node's handle and priority, as a dump gives them back.
+    tcmsg(), cls_u32.options()
+    keys = ipv4_tcp_keys(src, sport, dst, dport) + extra
+    table = 0x47400000 | bucket << 12
+    got = _round_trip(u32_message(7, 0x474C0000, pref, table | node, keys=keys,
+                                  classid=classid, table=table))
+    assert got == U32Filter(pref, classid, u32_bytemap(keys), handle=table | node)
+
+
+def test_a_dump_s_messages_are_read_where_each_starts_in_the_buffer() -> None:
+    # A dump's messages share one buffer: each is read from its own offset.
+    tcmsg(), cls_u32.options()
+    first, second = (u32_message(3, 0x474C0000, 0x100, 0x47400000 | n,
+                                 keys=ipv4_tcp_keys(dport=n), classid=0x474C0100 | n,
+                                 table=0x47400000) for n in (1, 2))
+    data = bytearray()
+    for msg in (first, second):
+        msg["header"]["type"] = RTM_NEWTFILTER
+        msg.encode()
+        data += msg.data
+    echoed = tcmsg(data, offset=len(first.data))
+    echoed.decode()
+    got = parse_u32_filter(echoed)
+    assert got is not None and (got.handle, got.classid) == (0x47400002, 0x474C0102)
+    assert got.bytemap == u32_bytemap(ipv4_tcp_keys(dport=2))
