@@ -1,4 +1,5 @@
 import errno
+import struct
 from typing import Any
 
 import pytest
@@ -187,3 +188,30 @@ def test_a_dump_s_messages_are_read_where_each_starts_in_the_buffer() -> None:
     got = parse_u32_filter(echoed)
     assert got is not None and (got.handle, got.classid) == (0x47400002, 0x474C0102)
     assert got.bytemap == u32_bytemap(ipv4_tcp_keys(dport=2))
+
+
+def test_lengths_past_a_message_s_end_are_not_read_beyond_it() -> None:
+    # Read from the bytes, a length is trusted only within the message: options that say
+    # they run past its end are no filter; a selector claiming more keys than it holds
+    # gives the keys it holds. Neither reads the next message's bytes.
+    tcmsg(), cls_u32.options()
+    msg = u32_message(3, 0x474C0000, 0x100, 0x47400001, keys=ipv4_tcp_keys(dport=5201),
+                      classid=0x474C0102, table=0x47400000)
+    msg["header"]["type"] = RTM_NEWTFILTER
+    msg.encode()
+    good = bytes(msg.data)
+    options = good.index(b"u32\0") + 4  # TCA_OPTIONS follows TCA_KIND
+    length, kind = struct.unpack_from("=HH", good, options)
+    assert kind & 0x3FFF == 2
+    nkeys_at = good.rindex(struct.pack("=HH", 4 + 16 + 16 * 3, 5)) + 4 + 2  # TCA_U32_SEL
+    assert good[nkeys_at] == 3
+    cases = {"options": (options, struct.pack("=H", length + 64)),
+             "keys": (nkeys_at, bytes([9]))}
+    read = {}
+    for what, (at, patch) in cases.items():
+        bad = bytearray(good[:at] + patch + good[at + len(patch):]) + bytearray(good)
+        echoed = tcmsg(bad)
+        read[what] = parse_u32_filter(echoed)
+    assert read["options"] is None
+    keys = read["keys"]
+    assert keys is not None and keys.bytemap == u32_bytemap(ipv4_tcp_keys(dport=5201))
