@@ -1042,6 +1042,8 @@ def status(url: str | None, as_json: bool, cluster: bool, every: bool, token_fil
 
 
 def _print_daemon(data: Any) -> None:
+    from gradlane.daemon.service import VERIFY_EVERY, VERIFY_SHARE
+
     # Piped output is not cut to 80 columns: scripts and logs need whole class ids.
     out = _stdout_console()
     plan = data["plan"]
@@ -1052,6 +1054,10 @@ def _print_daemon(data: Any) -> None:
         f"{data['reconcile']['count']} reconciles, {data['reconcile']['errors']} errors, "
         f"{data['clients']} clients, API errors {data['api_errors'] or 'none'}"
     )
+    pace = data["reconcile"].get("verify_every_s")  # an older gradlaned: not said
+    if pace and pace > VERIFY_EVERY:
+        out.print(f"re-reads the kernel's trees every {pace:.0f}s, not every "
+                  f"{VERIFY_EVERY:.0f}s: a re-read took over {VERIFY_SHARE:.0%} of that")
     left_out = (data.get("control") or {}).get("left_out")  # an older gradlaned: not said
     if left_out:
         out.print(Text(f"the report to the control plane leaves out {first_of(left_out, 3)}: "

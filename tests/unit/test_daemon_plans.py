@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from gradlane import cli
 from gradlane.daemon import service
 from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello, Timing
@@ -231,6 +233,15 @@ def test_an_address_that_comes_after_the_start_takes_its_flows_to_its_interface(
     asyncio.run(main())
 
 
+def _shown_status(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> str:
+    """What `gradlane status` prints of `daemon`'s status, on one line."""
+    status = daemon.status()
+    monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: status)
+    shown = CliRunner().invoke(cli.cli, ["status"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    return " ".join(shown.output.split())
+
+
 class SlowToVerify(FakeBackend):
     """A kernel tree whose re-reading takes `took` seconds of the daemon's clock."""
 
@@ -265,6 +276,8 @@ def test_a_verification_that_takes_long_comes_less_often(
         SlowToVerify.took = 3.0  # 3 s / 0.05: every 60 s
         await reconcile_at(0.0)  # the first reconcile verifies
         assert daemon.status()["reconcile"]["verify_every_s"] == 3.0 / service.VERIFY_SHARE
+        assert ("re-reads the kernel's trees every 60s, not every 30s: a re-read took over "
+                "5% of that") in _shown_status(daemon, monkeypatch)
         await reconcile_at(3.0 + VERIFY_EVERY)  # 30 s on: not yet
         await reconcile_at(3.0 + 59.0)
         assert SlowToVerify.verified == [0.0]
@@ -272,6 +285,7 @@ def test_a_verification_that_takes_long_comes_less_often(
         await reconcile_at(3.0 + 60.0)
         await reconcile_at(63.5 + VERIFY_EVERY - 1)
         assert daemon.status()["reconcile"]["verify_every_s"] == VERIFY_EVERY
+        assert "re-reads" not in _shown_status(daemon, monkeypatch)
         await reconcile_at(63.5 + VERIFY_EVERY)
         assert SlowToVerify.verified == [0.0, 63.0, 63.5 + VERIFY_EVERY]
 
