@@ -222,6 +222,9 @@ class ControlPlane:
         self._push_s = Histogram("gradlane_control_push_seconds",
                                  "From plan computed to the last daemon's copy sent",
                                  registry=self.metrics)
+        self._resent = Counter("gradlane_control_plan_resends",
+                               "Pushes of the plan in force again while a new plan took over "
+                               "half the TTL to make", registry=self.metrics)
         self._failed = Counter("gradlane_control_plan_failures",
                                "Plans that failed (a state or policy error): the daemons keep "
                                "the last plan until its TTL runs out", registry=self.metrics)
@@ -405,7 +408,7 @@ class ControlPlane:
             # tens of ms at 1,024 hosts, are built off it while handlers keep serving.
             snapshot = self.snapshot()
             try:
-                state, plan = await loop.run_in_executor(None, self._state_and_plan, snapshot)
+                state, plan = await self._made(loop, snapshot)
             except Exception as exc:  # a policy (or state) bug must not stop the control plane
                 error = f"{type(exc).__name__}: {exc}"[:300]
                 if self.failing is None or self.failing[2] != error:  # once while it recurs
@@ -422,6 +425,28 @@ class ControlPlane:
             self.state, self.plan, self.planned_at = state, plan, time.time()
             await self.push()
 
+    async def _made(self, loop: asyncio.AbstractEventLoop, snapshot: _Snapshot
+                    ) -> tuple[State, Plan]:
+        """The state and plan of `snapshot`, made off the loop. Meanwhile, every half TTL,
+        the plan in force is sent again: daemons measure a plan's TTL from its arrival, and
+        a plan taking longer to make (a job of tens of thousands of ranks, its first plan:
+        88 s at 65,536 within leaves) would have left every daemon on its local policy."""
+        making = loop.run_in_executor(None, self._state_and_plan, snapshot)
+        started, said = time.monotonic(), False
+        while True:  # bounded: the plan is made or fails
+            done, _ = await asyncio.wait({making}, timeout=self.config.ttl_s / 2)
+            if done:
+                return making.result()
+            if self.plan is None:
+                continue
+            if not said:
+                logger.info("a plan has taken %.0f s so far: sending the one in force again "
+                            "every %.1f s meanwhile", time.monotonic() - started,
+                            self.config.ttl_s / 2)
+                said = True
+            self._resent.inc()
+            await self.push(resent=True)
+
     def _log_notes(self, plan: Plan) -> None:
         """Log what `plan` does otherwise than its policy would (`Plan.notes`), each note
         once while plans keep it."""
@@ -429,8 +454,9 @@ class ControlPlane:
             if self.plan is None or note not in self.plan.notes:
                 logger.warning("plan: %s", note)
 
-    async def push(self) -> None:
-        """Send every connected daemon its part of the current plan, concurrently."""
+    async def push(self, resent: bool = False) -> None:
+        """Send every connected daemon its part of the current plan, concurrently (again,
+        `resent`: not timed as a new plan's push)."""
         targets = [d for d in self.daemons.values() if d.ws is not None]
         results = await asyncio.gather(
             *(self._send(d, self.message_for(d.register.host)) for d in targets),
@@ -442,7 +468,8 @@ class ControlPlane:
                                daemon.register.host, type(result).__name__)
                 if daemon.ws is not None:
                     await daemon.ws.close()
-        self._push_s.observe(time.time() - self.planned_at)
+        if not resent:
+            self._push_s.observe(time.time() - self.planned_at)
 
     def _forget_lost(self) -> None:
         now = time.monotonic()

@@ -10,6 +10,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -387,6 +388,52 @@ def test_states_are_built_off_the_event_loop_and_a_failed_build_keeps_the_planne
         _run(test)
     assert threading.main_thread().name not in builds
     assert "a state bug" in caplog.text
+
+
+def test_a_plan_that_takes_longer_than_a_ttl_keeps_the_plan_in_force_alive(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Daemons time a plan's TTL from its arrival. A plan that takes longer than a TTL to
+    # make (a job of 65,536 ranks, its first: 88 s) left every daemon on its local policy
+    # meanwhile; now the plan in force comes again every half TTL, the same plan.
+    hold, release = threading.Event(), threading.Event()
+
+    async def test(plane: ControlPlane, client: TestClient) -> None:
+        good = plane.policy
+
+        def slow(state: Any) -> Any:
+            if hold.is_set():
+                release.wait(10)
+            return good.plan(state)
+
+        monkeypatch.setattr(plane, "policy", SimpleNamespace(name=good.name, plan=slow))
+        ws = await client.ws_connect("/api/v1/daemon", headers=AUTH)
+        await ws.send_json(_register("h"))
+        assert (await ws.receive_json())["type"] == "welcome"
+        await ws.send_json(_report([0], 5.0, batch=8))
+        await _next_plan(ws)
+        hold.set()  # from the next plan on (one being made may still come: `last`)
+        try:
+            last = await _next_plan(ws)
+            started = time.monotonic()
+            again = [await _next_plan(ws) for _ in range(3)]  # every half TTL
+            took = time.monotonic() - started
+        finally:
+            release.set()
+        assert [(p["version"], p["computed_at"]) for p in again] == \
+            [(last["version"], last["computed_at"])] * 3
+        assert took < 3 * 1.0  # each within the TTL of the one before
+        later = await _next_plan(ws)
+        assert later["version"] > last["version"]
+        metrics = await (await client.get("/metrics", headers=AUTH)).text()
+        assert metric_samples(metrics, "gradlane_control_plan_resends")["_total"] >= 3
+        await ws.close()
+
+    with caplog.at_level("INFO", logger=control.__name__):
+        _run(test, ttl_s=1.0)
+    said = [r.getMessage() for r in caplog.records if "sending the one in force" in r.getMessage()]
+    assert said and all(m.endswith("sending the one in force again every 0.5 s meanwhile")
+                        for m in said), said
 
 
 def test_hosts_of_one_class_are_checked_once_and_a_bad_one_named_by_its_first_host() -> None:
