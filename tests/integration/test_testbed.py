@@ -430,8 +430,11 @@ def test_a_sigkilled_caller_takes_the_processes_it_started_in_hosts_with_it(
     """SIGKILL cannot be caught: the namespaces stay (for `gradlane testbed clean`), but
     what the caller started in them, through `popen` or `fork`, does not run on."""
     (tmp_path / "caller.py").write_text(_KILLED_CALLER)
+    # Its temporary files in the test's directory: a SIGKILL leaves multiprocessing's (the
+    # fork server's socket) behind, which pytest removes there and nobody would in /tmp.
     proc = subprocess.Popen([sys.executable, str(tmp_path / "caller.py"), str(tmp_path / "f.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     pids: list[int] = []
     try:
         assert proc.stdout is not None
