@@ -464,6 +464,8 @@ def run_loopback(hosts: int, steps: int, out: Path, say: Callable[[str], None]) 
         "--nproc-per-node",
         str(hosts),
         "--standalone",  # a rendezvous on a free loopback port: no port to collide with
+        "--log-dir",  # its own log directory in ours, not a torchelastic_* left in /tmp
+        str(out / "torchelastic"),
     ]
     for system in ("ddp", "gradlane"):
         say(f"{system}: {hosts} local workers on loopback, {steps} steps")
@@ -673,6 +675,8 @@ def launch(
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
                     "--nproc-per-node", "1", "--node-rank", str(rank),
                     "--master-addr", c.addr(names[0]), "--master-port", str(port),
+                    # its log directory in ours, not a torchelastic_* left in /tmp
+                    "--log-dir", str(out / "torchelastic"),
                     *_worker_argv(system, out, extra)]  # fmt: skip
             procs.append(c.popen(host, argv, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True))
