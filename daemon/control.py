@@ -42,6 +42,7 @@ from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.fields import agreed_exchange
 from gradlane.errors import ConfigError, GradlaneError, ProtocolError
 from gradlane.policies import (
+    DEFAULT_MAX_WEIGHED,
     Coflow,
     FlowTable,
     Host,
@@ -84,6 +85,9 @@ class ControlConfig:
     max_daemons: int = 4096
     # Each leaf switch's uplink to the spine; None: a non-blocking fabric (plan as one switch).
     uplink_bps: int | None = None
+    # A job's owner shares weigh at most so many loads (about 50 bytes each at a plan's
+    # peak), else even owners and a note (`gradlane.policies.base.DEFAULT_MAX_WEIGHED`).
+    max_weighed: int = DEFAULT_MAX_WEIGHED
 
     def __post_init__(self) -> None:
         if len(self.token) < 16:
@@ -98,6 +102,8 @@ class ControlConfig:
                               f"that lives longer), got {self.ttl_s:g}")
         if self.uplink_bps is not None and self.uplink_bps <= 0:
             raise ConfigError("the uplink rate must be positive")
+        if self.max_weighed < 1:
+            raise ConfigError(f"max_weighed must be at least 1, got {self.max_weighed}")
 
 
 async def start_site(runner: web.AppRunner, host: str, port: int, what: str) -> None:
@@ -548,6 +554,7 @@ class ControlPlane:
             coflows=coflows,
             flows=flows,
             version=seen.version,
+            max_weighed=self.config.max_weighed,
         )
 
     def _state_and_plan(self, snapshot: _Snapshot) -> tuple[State, Plan]:

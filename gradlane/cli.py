@@ -27,6 +27,7 @@ from gradlane.units import first_of, format_rate, parse_rate
 # named here so that --help does not import the policies (numpy).
 POLICIES = "coflow, fair, fifo, gradlane, loadbalance, priority, straggler"
 MAX_TTL_S = 1e6  # `control_protocol.MAX_TTL_S`, likewise (a test holds it to it)
+MAX_WEIGHED = 1 << 27  # `gradlane.policies.DEFAULT_MAX_WEIGHED`, likewise
 
 __all__ = ["main"]
 
@@ -628,8 +629,14 @@ DEFAULT_TOKEN = Path("/etc/gradlane/control.token")
 @click.option("--uplink", default=None,
               help="Each leaf switch's uplink rate to the spine, e.g. 40gbit; daemons report "
                    "their leaf. Default: a non-blocking fabric.")
+@click.option("--max-weighed", default=MAX_WEIGHED, show_default=True,
+              type=click.IntRange(min=1),
+              help="The most loads (owners weighed x host links) a job's chunk-owner shares "
+                   "may weigh, about 50 bytes each at a plan's peak (the default: 6.6 GB); "
+                   "past it the job gets even owners and its plan a note. Lower it on a "
+                   "host with less memory.")
 def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: float,
-            uplink: str | None) -> None:
+            uplink: str | None, max_weighed: int) -> None:
     """Run the control plane in the foreground until SIGTERM/SIGINT (or a hang-up).
 
     Daemons connect to ws://LISTEN/api/v1/daemon; GET /api/v1/cluster shows
@@ -659,6 +666,7 @@ def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: flo
     try:
         config = ControlConfig(token=read_token(token_file), host=host, port=port,
                                policy=policy, cadence_s=cadence, ttl_s=ttl,
+                               max_weighed=max_weighed,
                                # Plans follow a change this soon, at the earliest: never
                                # later than the cadence (a --cadence under 0.05 s).
                                react_s=min(ControlConfig.react_s, cadence),

@@ -9,6 +9,7 @@ simulator that evaluates them is `gradlane.policies.sim`.
 from gradlane.policies import coflow, fifo, gradlane, loadbalance, priority, straggler
 from gradlane.policies.base import (
     DEFAULT_BANDS,
+    DEFAULT_MAX_WEIGHED,
     LEVELS,
     Coflow,
     FlowTable,
@@ -28,6 +29,7 @@ from gradlane.policies.check import check_plan
 
 __all__ = [
     "DEFAULT_BANDS",
+    "DEFAULT_MAX_WEIGHED",
     "LEVELS",
     "Coflow",
     "FlowTable",

@@ -33,6 +33,7 @@ from gradlane.errors import ConfigError
 
 __all__ = [
     "DEFAULT_BANDS",
+    "DEFAULT_MAX_WEIGHED",
     "DEFAULT_TTL_S",
     "LEVELS",
     "Coflow",
@@ -53,6 +54,13 @@ __all__ = [
 LEVELS = 8  # priority levels real switches have (and HTB's prio range)
 DEFAULT_BANDS = 4  # gradlaned's default bands per job
 DEFAULT_TTL_S = 10.0
+# The most loads (owners weighed x host links, each way) a job's chunk-owner shares weigh
+# (`gradlane.policies.loadbalance`): 1 GB of them, 6.6 GB at the peak of the plan (65,536
+# ranks of 8 a host within leaves, mixed links): about 50 bytes a load. Past it, even
+# owners and a note: a control plane killed for memory at every plan would plan no job at
+# all (8,192 hosts of one rank within leaves are at it; every rank of 65,536 weighed, as
+# ranks in no order host by host are, would take 8.6 GB). `gradlane control --max-weighed`.
+DEFAULT_MAX_WEIGHED = 1 << 27
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -227,6 +235,7 @@ class State:
     flows: FlowTable = field(default_factory=FlowTable.empty)
     bands: int = DEFAULT_BANDS
     version: int = 0
+    max_weighed: int = DEFAULT_MAX_WEIGHED  # a job's owner shares weigh at most so many loads
 
     @property
     def cluster(self) -> bool:

@@ -44,7 +44,7 @@ a link finishes at that over its rate, so:
    host that load the links alike are weighed as one: always within hosts
    first (shares in closed form there too), and within leaves where their
    trees match (`_alike_by_host`). A job whose weighing would take more
-   than `MAX_WEIGHED` loads gets even shares, and its plan a note.
+   than `State.max_weighed` loads gets even shares, and its plan a note.
 3. Chunks go to owners by list scheduling on uniform machines
    (`assign_owners`): in priority order, each chunk to the worker whose
    owned bytes / share would be smallest after taking it.
@@ -81,6 +81,7 @@ import numpy as np
 from gradlane.errors import ConfigError, GradlaneError
 from gradlane.policies import fabric
 from gradlane.policies.base import (
+    DEFAULT_MAX_WEIGHED,
     FloatArray,
     IntArray,
     JobState,
@@ -101,12 +102,6 @@ __all__ = ["LoadBalancePolicy", "NoSolution", "Shares", "balanced_ownership", "e
 
 # `owner_shares` takes shares this small (of 1) as none: below a solver's tolerance.
 MIN_SHARE = 1e-5
-# The most loads (owners weighed x host links, each way) a job's shares weigh: 1 GB of
-# them, 6.6 GB at the peak of the plan (65,536 ranks of 8 a host within leaves, mixed
-# links). Past it, even shares and a note: a control plane killed for memory at every
-# plan would plan no job at all (8,192 hosts of one rank within leaves are at it; every
-# rank of 65,536 weighed, as ranks in no order host by host are, would take 8.6 GB).
-MAX_WEIGHED = 1 << 27
 
 
 class NoSolution(GradlaneError):
@@ -359,10 +354,11 @@ def one_switch(rates: Sequence[float], ring: bool) -> tuple[FloatArray, FloatArr
 
 @functools.lru_cache(maxsize=256)
 def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind: str,
-            host_bps: tuple[float, ...]) -> Shares:
+            host_bps: tuple[float, ...], max_weighed: int = DEFAULT_MAX_WEIGHED) -> Shares:
     """`owner_shares` for ranks on `hosts` (in `leaves`) exchanging as `kind`
     (`gradlane.daemon.fields.EXCHANGES`), the hosts' links (sorted host order) at
-    `host_bps` (cached: plans see the same placement and rates again and again)."""
+    `host_bps` (cached: plans see the same placement and rates again and again); even
+    ones and a note past `max_weighed` loads (`State.max_weighed`)."""
     world = len(hosts)
     if len(set(hosts)) == world:
         if len(set(host_bps)) == 1:
@@ -381,10 +377,10 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
         # 17.7 GB with every rank weighed, 100 s and 6.6 GB by host.
         firsts = _alike_by_host(of_host, count, leaves) if kind == "leaf" else None
         weighed = world if firsts is None else n
-        if weighed * link_bps.size > MAX_WEIGHED:
+        if weighed * link_bps.size > max_weighed:
             return Shares.even(world, (
                 f"even chunk owners: weighing {weighed:,} owners on {link_bps.size:,} host "
-                f"links is past {MAX_WEIGHED:,} loads (loadbalance.MAX_WEIGHED)"))
+                f"links is past {max_weighed:,} loads (gradlane control --max-weighed)"))
         exchange = Exchange(leaves, uplinks=uplinks, host=hosts, ring=kind == "ring")
         if firsts is None:
             return Shares(tuple(owner_shares(exchange.link_loads(kind == "leaf"), link_bps)))
@@ -461,16 +457,17 @@ def host_loads(kind: str, ranks: Sequence[int] | IntArray) -> FloatArray:
 
 
 def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,
-               jobs_on_host: dict[int, int]) -> Shares:
+               jobs_on_host: dict[int, int], max_weighed: int = DEFAULT_MAX_WEIGHED) -> Shares:
     """The owned shares of a job's `workers` (rank order) exchanging as `kind`, each
     host's NIC divided among the jobs on it (`jobs_on_host`): even ones and a note
-    where the solver finds none (`NoSolution`, not cached: the next plan tries again)."""
+    where the solver finds none (`NoSolution`, not cached: the next plan tries again)
+    or weighing them would take more than `max_weighed` loads."""
     hosts = tuple(w.host for w in workers)
     host_bps = tuple(topology.hosts[h].nic_bps / jobs_on_host[h] for h in sorted(set(hosts)))
     leaves = (topology.hosts[h].leaf for h in hosts)
     try:
         return _shares(placement_shape(hosts), placement_shape(leaves),
-                       bool(topology.uplink_bps), kind, host_bps)
+                       bool(topology.uplink_bps), kind, host_bps, max_weighed)
     except NoSolution as exc:
         return Shares.even(len(hosts), f"even chunk owners: {exc}")
 
@@ -514,7 +511,7 @@ def balanced_ownership(state: State) -> tuple[dict[str, tuple[int, ...]], tuple[
         workers = state.workers_of(job.name)
         if workers and job.chunk_bytes:
             shares, note = job_shares(topology, workers, exchange_of(job, reduce_in_leaf),
-                                      jobs_on_host)
+                                      jobs_on_host, state.max_weighed)
             if note is not None:
                 notes.append(f"job {job.name!r}: {note}")
             owning[job.name] = [w for w, share in zip(workers, shares, strict=True) if share > 0]

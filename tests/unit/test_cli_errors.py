@@ -36,6 +36,8 @@ def token(tmp_path: Path) -> str:
     (["control", "--token-file", "{token}", "--uplink", "fast"],
      "Invalid value for --uplink: bad rate 'fast': expected a number with a unit such as "
      "'100mbit'"),
+    (["control", "--token-file", "{token}", "--max-weighed", "0"],
+     "Invalid value for '--max-weighed': 0 is not in the range x>=1."),
     (["demo", "--rate", "fast"], "Invalid value for --rate: bad rate 'fast'"),
     (["probe"], "give a PEER to probe, or --serve to answer probes"),
     (["probe", "--serve", "10.0.0.1"], "give a PEER to probe, or --serve to answer probes"),
@@ -50,9 +52,9 @@ def token(tmp_path: Path) -> str:
     (["bench", "table", str(REPO / "bench" / "results" / "trace-vgg19.json"),
       "--readme", "{empty}"], "has no <!-- bench-table:begin --> ... <!-- bench-table:end -->"
                              " markers"),
-], ids=["listen", "ttl-under-cadence", "cadence-zero", "uplink", "demo-rate", "probe-nothing",
-        "probe-both", "probe-dscp-over-63", "probe-dscp-by-name", "cluster-status-no-token",
-        "cluster-status-short-token", "readme-without-markers"])
+], ids=["listen", "ttl-under-cadence", "cadence-zero", "uplink", "max-weighed-zero",
+        "demo-rate", "probe-nothing", "probe-both", "probe-dscp-over-63", "probe-dscp-by-name",
+        "cluster-status-no-token", "cluster-status-short-token", "readme-without-markers"])
 def test_bad_input_is_refused_saying_what(args: list[str], says: str, token: str,
                                            tmp_path: Path) -> None:
     empty = tmp_path / "README.md"
@@ -91,9 +93,10 @@ def test_a_cadence_under_the_reaction_time_is_taken(token: str,
     monkeypatch.setattr(control_module, "serve", serve)
     monkeypatch.setattr(cli, "_log_as_a_service", lambda: None)
     shown = CliRunner().invoke(cli.cli, ["control", "--token-file", token, "--cadence", "0.01",
-                                         "--ttl", "1"])
+                                         "--ttl", "1", "--max-weighed", "1000"])
     assert shown.exit_code == 0, shown.output
     assert [(c.cadence_s, c.react_s, c.ttl_s) for c in served] == [(0.01, 0.01, 1.0)]
+    assert [c.max_weighed for c in served] == [1000]  # and the other flags are taken
 
 
 @pytest.mark.parametrize("args", [

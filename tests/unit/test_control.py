@@ -33,7 +33,7 @@ from gradlane.daemon import control_protocol as cp
 from gradlane.daemon.control import ControlConfig, ControlPlane, read_token, token_exposed
 from gradlane.daemon.fields import EXCHANGES, MAX_LEAF
 from gradlane.errors import ConfigError, ProtocolError
-from gradlane.policies import JobClassPlan, Plan, check_plan, loadbalance
+from gradlane.policies import DEFAULT_MAX_WEIGHED, JobClassPlan, Plan, check_plan
 from gradlane.units import first_of
 from tests import examples, metric_samples
 from tests.fakes import until
@@ -669,6 +669,9 @@ def test_config_and_token_errors(tmp_path: Any) -> None:
             ControlConfig(token=TOKEN, ttl_s=ttl)
     assert ControlConfig(token=TOKEN, ttl_s=999_999).ttl_s == 999_999
     assert cli.MAX_TTL_S == cp.MAX_TTL_S  # the CLI's bound, named without the import
+    assert cli.MAX_WEIGHED == DEFAULT_MAX_WEIGHED == ControlConfig(token=TOKEN).max_weighed
+    with pytest.raises(ConfigError, match="^max_weighed must be at least 1, got 0"):
+        ControlConfig(token=TOKEN, max_weighed=0)
     assert ControlConfig(token=TOKEN, cadence_s=3600, react_s=3600, ttl_s=3601).react_s == 3600
     path = tmp_path / "token"
     with pytest.raises(ConfigError, match="cannot read"):
@@ -805,31 +808,24 @@ def test_a_job_too_large_to_weigh_gets_even_owners_and_the_plan_says_so(
     # host by host, on 8 host links), unless there are more than the control plane
     # should hold: then even owners, said in the log (once), the view and `gradlane
     # status --cluster`.
-    plane = ControlPlane(_config(uplink_bps=10_000_000_000))
-    for h in range(4):
-        _reported(plane, f"h{h}", h // 2,
-                  [{**_job("j", [2 * h, 2 * h + 1], [1000] * 40), "exchange": "leaf"}],
-                  rate_bps=25_000_000_000 if h == 0 else 10_000_000_000)
-
-    def plan() -> Plan:
-        loadbalance._shares.cache_clear()  # solved afresh at the limit of the moment
+    def plan(max_weighed: int) -> tuple[ControlPlane, Plan]:
+        plane = ControlPlane(_config(uplink_bps=10_000_000_000, max_weighed=max_weighed))
+        for h in range(4):
+            _reported(plane, f"h{h}", h // 2,
+                      [{**_job("j", [2 * h, 2 * h + 1], [1000] * 40), "exchange": "leaf"}],
+                      rate_bps=25_000_000_000 if h == 0 else 10_000_000_000)
         state = plane.build_state()
         made = plane.policy.plan(state)
         assert check_plan(state, made) == []
-        return made
+        return plane, made
 
-    monkeypatch.setattr(loadbalance, "MAX_WEIGHED", 4 * 8)  # at the limit: weighed
-    try:
-        weighed = plan()
-        monkeypatch.setattr(loadbalance, "MAX_WEIGHED", 4 * 8 - 1)
-        even = plan()
-    finally:
-        loadbalance._shares.cache_clear()
+    _, weighed = plan(4 * 8)  # at the limit: weighed
+    plane, even = plan(4 * 8 - 1)  # past it (the same placement, cached: by its limit too)
     assert weighed.notes == ()
     assert [weighed.ownership["j"].count(r) for r in range(8)] != [5] * 8
     assert [even.ownership["j"].count(r) for r in range(8)] == [5] * 8
     assert even.notes == ("job 'j': even chunk owners: weighing 4 owners on 8 host links is "
-                          "past 31 loads (loadbalance.MAX_WEIGHED)",)
+                          "past 31 loads (gradlane control --max-weighed)",)
     caplog.set_level(logging.WARNING, logger="gradlane.daemon.control")
     for _ in range(2):  # logged when it comes, not again while plans keep it
         plane._log_notes(even)
