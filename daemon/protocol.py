@@ -10,8 +10,9 @@ Conversation (client = a training process's shim)::
     client                                   daemon
     hello {version, job, rank, world_size,   -> welcome {version, worker, bands,
            flows[, exchange, global_batch]}              leaf, host, nics, features}
-    flows {flows[, exchange, global_batch]} (replace the band connections; say how the
-                                             job reduces and its global batch)
+    flows {flows[, exchange, global_batch,   (replace the band connections; say how the
+           flows_left_out]}                  job reduces, its global batch, and how many
+                                             connections it did not register)
     chunks {iteration, events}               (batched, no reply)
     timing {iteration, compute_s, comm_s, samples}
                                              <- plan {version, bands, batch_share, ...}
@@ -37,9 +38,11 @@ agreed yet. The control plane's demand of the job follows it. Older shims say
 ``in_leaf`` (true or false) instead, which is still accepted. ``global_batch``
 is the job's samples per step over all its ranks, as they agreed at their
 first step; the control plane splits it into batch shares (absent: not agreed
-yet). A daemon refuses fields it does not know, so a shim sends an optional
-field only when the welcome's ``features`` lists it (`FEATURES`; an older
-daemon's welcome has none).
+yet). ``flows_left_out`` counts the band connections a shim did not register
+because it has more than `MAX_FLOWS` (it then registers none; its packets go
+by their DSCP marks). A daemon refuses fields it does not know, so a shim
+sends an optional field only when the welcome's ``features`` lists it
+(`FEATURES`; an older daemon's welcome has none).
 `hello` must come first and only once. Anything else (bad framing, a wrong
 type, an out-of-order message) gets one ``error {code, message}`` and the
 connection is closed.
@@ -94,11 +97,13 @@ __all__ = [
 
 VERSION = 1
 # Optional fields this daemon accepts beyond those of VERSION (its welcome lists them).
-FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch", HOST_EXCHANGE)
+FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch", HOST_EXCHANGE,
+                             "flows_left_out")
 MAX_FRAME = 1 << 20
 # A worker's band connections: the shim's most bands (8) to each peer of a
 # 1,025-rank flat job, or of a job of 1,018 hosts of 8 ranks reducing within hosts
-# first (about 530 KB of flows, under MAX_FRAME). A shim of more registers none.
+# first (about 530 KB of flows, under MAX_FRAME). A shim of more registers none, and says
+# how many it left out (a flows message's ``flows_left_out``, to a daemon that takes it).
 MAX_FLOWS = 8 * 1024
 MAX_EVENTS = 16384
 BAND_NUMBERS = 64  # band numbers a message may carry (no more bands than DSCP values)
@@ -194,6 +199,7 @@ class SetFlows:
     flows: tuple[FlowSpec, ...]
     exchange: str | None = None
     global_batch: int | None = None
+    flows_left_out: int = 0  # band connections the shim did not register (past MAX_FLOWS)
 
 
 @dataclass(frozen=True)
@@ -255,9 +261,11 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
             global_batch=_global_batch(raw),
         )
     if kind == "flows":
-        only(raw, {"type", "flows", "in_leaf", "exchange", "global_batch"})
+        only(raw, {"type", "flows", "in_leaf", "exchange", "global_batch", "flows_left_out"})
         return SetFlows(flows=_flows(raw, bands), exchange=exchange(raw),
-                        global_batch=_global_batch(raw))
+                        global_batch=_global_batch(raw),
+                        flows_left_out=integer(raw, "flows_left_out", 0, 1 << 31)
+                        if "flows_left_out" in raw else 0)
     if kind == "chunks":
         only(raw, {"type", "iteration", "events"})
         events = listed(raw, "events", MAX_EVENTS)

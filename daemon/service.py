@@ -685,8 +685,13 @@ class Daemon:
         if worker is None:
             raise ProtocolError("order", f"{type(message).__name__.lower()} before hello")
         if isinstance(message, protocol.SetFlows):
+            if message.flows_left_out and not worker.flows_left_out:
+                logger.info("worker %s (job %r rank %d): %d band connections, more than a "
+                            "worker registers (%d): none registered, its packets go by their "
+                            "DSCP marks alone", worker.id, worker.job, worker.rank,
+                            message.flows_left_out, protocol.MAX_FLOWS)
             self.registry.set_flows(worker.id, message.flows, message.exchange,
-                                    message.global_batch)
+                                    message.global_batch, message.flows_left_out)
             self._dirty.set()
         elif isinstance(message, protocol.Chunks):
             self.registry.record_chunks(worker.id, message.iteration, message.events)
@@ -866,6 +871,7 @@ def _worker_status(worker: Worker) -> dict[str, Any]:
         "pid": worker.cred.pid,
         "uid": worker.cred.uid,
         "flows": len(worker.flows),
+        "flows_left_out": worker.flows_left_out,  # not registered: more than MAX_FLOWS
         "exchange": worker.exchange,  # how its job reduces, as its shim said (None: not yet)
         "global_batch": worker.global_batch or None,  # its job's samples per step (None: not yet)
         "iteration": worker.iteration,

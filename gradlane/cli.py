@@ -1082,7 +1082,10 @@ def _print_daemon(data: Any) -> None:
                 job["name"],
                 str(w["rank"]),
                 str(w["pid"]),
-                str(w["flows"]),
+                # Left out by its shim (more than a worker registers): an older gradlaned's
+                # status has no such field.
+                f"{w['flows']} ({w['flows_left_out']:,} left out)" if w.get("flows_left_out")
+                else str(w["flows"]),
                 _EXCHANGE.get(w.get("exchange"), "-"),
                 f"{samples} of {w['global_batch']}" if w.get("global_batch") else str(samples),
                 str(w["iteration"]),

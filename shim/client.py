@@ -128,6 +128,7 @@ class DaemonClient:
         self._stop = threading.Event()
         self._said_absent = False
         self._said_unregistered = False  # said once: too many connections to register
+        self._left_out = 0  # connections not registered (too many), as the last flows said
         self._thread = threading.Thread(target=self._run, name="gl-daemon-client", daemon=True)
         self._thread.start()
 
@@ -240,7 +241,10 @@ class DaemonClient:
         return said
 
     def _flows_message(self) -> dict[str, Any]:
-        return {"type": "flows", "flows": self._flows(), **self._agreed_fields()}
+        flows = self._flows()  # first: it counts those it leaves out
+        left_out = ({"flows_left_out": self._left_out}
+                    if self._left_out and "flows_left_out" in self._features else {})
+        return {"type": "flows", "flows": flows, **left_out, **self._agreed_fields()}
 
     def _post(self, message: dict[str, Any]) -> None:
         """Queue a report (advisory: dropped while no daemon listens, or when it is behind)."""
@@ -326,7 +330,7 @@ class DaemonClient:
             # connections' bands, if the welcome's table maps them otherwise than the
             # hello did (the daemon gained bands since the last session).
             self._restate.clear()  # what follows says it all
-            if self._agreed_fields() or self._flows() != said:
+            if self._agreed_fields() or self._left_out or self._flows() != said:
                 sock.sendall(protocol.encode(self._flows_message()))
             self.welcomed.set()
             logger.info("gradlane: registered with gradlaned as %s", welcome.get("worker"))
@@ -397,7 +401,8 @@ class DaemonClient:
 
     def _flows(self) -> list[dict[str, object]]:
         flows = self.mesh.flows()
-        if len(flows) > protocol.MAX_FLOWS:
+        self._left_out = len(flows) if len(flows) > protocol.MAX_FLOWS else 0
+        if self._left_out:
             # gradlaned refuses a worker of more connections than it registers, and the
             # worker's job, timings, batch shares and chunk owners would go with them.
             # Registered with none, the connections keep their DSCP marks, which the daemon

@@ -73,6 +73,17 @@ def test_the_global_batch_the_ranks_agreed_or_nothing_yet() -> None:
     assert "global_batch" in protocol.FEATURES  # the welcome says so: shims send it
 
 
+def test_the_connections_a_shim_left_out_or_none() -> None:
+    # Past MAX_FLOWS a shim registers none and says how many it left out, after the
+    # welcome lists the field (a hello comes before it: never there).
+    assert protocol.parse({"type": "flows", "flows": []}, 4) == protocol.SetFlows(())
+    said = protocol.parse({"type": "flows", "flows": [], "flows_left_out": 8240}, 4)
+    assert said == protocol.SetFlows((), flows_left_out=8240)
+    assert "flows_left_out" in protocol.FEATURES
+    with pytest.raises(ProtocolError, match="unknown fields"):
+        protocol.parse({**HELLO, "flows_left_out": 8240}, 4)
+
+
 def test_chunks_and_timing() -> None:
     chunks = protocol.parse({"type": "chunks", "iteration": 3, "events": [[0, 4096, 0, 1.5]]}, 4)
     assert chunks == protocol.Chunks(3, (protocol.ChunkEvent(0, 4096, 0, 1.5),))
@@ -100,6 +111,9 @@ def test_chunks_and_timing() -> None:
         ({**HELLO, "global_batch": 0}, "bad_message", "global_batch must be an integer in 1"),
         ({"type": "flows", "flows": [], "global_batch": "64"}, "bad_message", "global_batch"),
         ({"type": "flows", "flows": [], "global_batch": True}, "bad_message", "global_batch"),
+        ({"type": "flows", "flows": [], "flows_left_out": -1}, "bad_message", "flows_left_out"),
+        ({"type": "flows", "flows": [], "flows_left_out": (1 << 31) + 1}, "bad_message",
+         "flows_left_out"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1, 64, 0.0]]}, "bad_message",
          r"events\[0\]"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1]]}, "bad_message", r"events\[0\]"),

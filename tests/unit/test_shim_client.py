@@ -20,7 +20,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from gradlane import cli
 from gradlane.daemon import protocol
 from gradlane.daemon.config import DaemonConfig
 from gradlane.daemon.service import Daemon
@@ -721,7 +723,16 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
     # message. It says why once. One connection fewer, and they are registered.
     config = fake_config(tmp_path / "gl.sock")
     monkeypatch.setattr(protocol, "MAX_FLOWS", 3)  # the mesh has four
-    caplog.set_level(logging.WARNING)
+    caplog.set_level(logging.INFO)
+
+    def shown(daemon: Daemon) -> str:
+        (job,) = daemon.status()["jobs"]
+        row = {"name": job["name"], "workers": [{**w, "pid": 1} for w in job["workers"]]}
+        status = {**daemon.status(), "jobs": [row]}
+        monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: status)
+        out = CliRunner().invoke(cli.cli, ["status"], terminal_width=200)
+        assert out.exit_code == 0, out.output
+        return out.output
 
     async def main() -> None:
         async with _Gradlaned(config) as gl:
@@ -730,19 +741,51 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
             await until(lambda: client.connected)
             workers = gl.daemon.registry.workers()
             assert [(w.job, w.rank, w.flows) for w in workers] == [("big", 0, ())]
+            # ... and how many it left out, for the daemon's status and log.
+            await until(lambda: gl.daemon.registry.workers()[0].flows_left_out == 4)
+            assert "0 (4 left out)" in shown(gl.daemon)
             client.flows_changed()  # said again, still none
             await until(lambda: not client._restate.is_set())
             monkeypatch.setattr(protocol, "MAX_FLOWS", 4)
             client.flows_changed()
             await until(lambda: [len(w.flows) for w in gl.daemon.registry.workers()] == [4])
+            assert gl.daemon.registry.workers()[0].flows_left_out == 0
+            assert "left out" not in shown(gl.daemon)
 
     asyncio.run(main())
-    said = [r.getMessage() for r in caplog.records if "band connections" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if r.name == "gradlane.shim.client"
+            and "band connections" in r.getMessage()]
     assert said == ["gradlane: rank 0 has 4 band connections, more than gradlaned registers "
                     "(3): it registers none, and they are scheduled by their DSCP marks alone "
                     "(band order kept; not by its job's class, so neither the job's rate nor "
                     "its order among other jobs on this host)"]
     assert "training goes on" not in caplog.text
+    logged = [r.getMessage() for r in caplog.records if r.name == "gradlane.daemon.service"
+              and "band connections" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].endswith(
+        "(job 'big' rank 0): 4 band connections, more than a worker registers (3): none "
+        "registered, its packets go by their DSCP marks alone"), logged
+
+
+@pytest.mark.parametrize("features", [[], ["flows_left_out"]])
+def test_how_many_connections_were_left_out_goes_only_to_a_daemon_that_takes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, features: list[str]) -> None:
+    monkeypatch.setattr(protocol, "MAX_FLOWS", 3)  # the mesh has four
+    path = tmp_path / "gl.sock"
+    daemon = _Daemon(path, features=features)
+    client = DaemonClient(ShimConfig(daemon_socket=str(path)), 0, 2, _FourBands())
+    try:
+        assert client.welcomed.wait(10)
+        client.timing(0.1, 0.0)
+        assert daemon.timed.wait(10)
+        assert client.connected  # an older daemon refused nothing
+    finally:
+        client.close()
+        daemon.close()
+    (hello,) = [m for m in daemon.got if m["type"] == "hello"]
+    assert hello["flows"] == [] and "flows_left_out" not in hello  # before the welcome
+    said = [m.get("flows_left_out") for m in daemon.got if m["type"] == "flows"]
+    assert said == ([4] if features else [None])
 
 
 def test_a_session_that_was_not_refused_is_followed_by_the_shortest_wait() -> None:
