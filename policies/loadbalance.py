@@ -457,7 +457,7 @@ def host_loads(kind: str, ranks: Sequence[int] | IntArray) -> FloatArray:
 
 
 def job_shares(topology: Topology, workers: Sequence[Worker], kind: str,
-               jobs_on_host: dict[int, int], max_weighed: int = DEFAULT_MAX_WEIGHED) -> Shares:
+               jobs_on_host: dict[int, int], max_weighed: int) -> Shares:
     """The owned shares of a job's `workers` (rank order) exchanging as `kind`, each
     host's NIC divided among the jobs on it (`jobs_on_host`): even ones and a note
     where the solver finds none (`NoSolution`, not cached: the next plan tries again)

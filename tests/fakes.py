@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
 from gradlane.daemon.qdisc import ClassStats, QdiscSpec
@@ -78,6 +79,20 @@ async def until(check: Callable[[], object], timeout: float = 10.0) -> float:
         assert time.monotonic() - started < timeout, "timed out"
         await asyncio.sleep(0.02)
     return time.monotonic() - started
+
+
+def status_shown(daemon: Daemon, monkeypatch: Any) -> str:
+    """What `gradlane status` prints of `daemon`'s status (`monkeypatch`: pytest's),
+    each run of whitespace as one space."""
+    from click.testing import CliRunner
+
+    from gradlane import cli
+
+    status = daemon.status()
+    monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: status)
+    shown = CliRunner().invoke(cli.cli, ["status"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    return " ".join(shown.output.split())
 
 
 def fake_config(socket_path: Path, http: str = "", state_dir: Path | None = None) -> DaemonConfig:

@@ -15,12 +15,10 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from click.testing import CliRunner
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-from gradlane import cli
 from gradlane.daemon import control_protocol as cp
 from gradlane.daemon import protocol, uplink
 from gradlane.daemon.config import DaemonConfig, InterfaceConfig
@@ -31,7 +29,7 @@ from gradlane.daemon.service import Daemon
 from gradlane.errors import ProtocolError
 from gradlane.policies import JobClassPlan
 from tests import examples, metric_samples
-from tests.fakes import FakeBackend, fake_config, until
+from tests.fakes import FakeBackend, fake_config, status_shown, until
 from tests.integration.helpers import port_below_ephemeral
 from tests.strategies import json_like
 
@@ -642,13 +640,10 @@ def test_a_host_whose_demand_is_over_a_message_is_planned_with_what_fits(
             await asyncio.sleep(1.0)  # five reports more, each left as it was
             assert daemon.link.sessions == sessions == 1 and daemon.link.connected
             assert list(daemon.link.left_out) == ["big"]
-            status = daemon.status()  # and what `gradlane status` shows of it
-            monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: status)
-            shown = CliRunner().invoke(cli.cli, ["status"], terminal_width=200)
-            assert shown.exit_code == 0, shown.output
+            shown = status_shown(daemon, monkeypatch)  # what `gradlane status` shows of it
             assert ("the report to the control plane leaves out the chunk list of job 'big' "
                     f"(the report would be over {cp.MAX_MESSAGE} bytes): planned without it"
-                    ) in " ".join(shown.output.split()), shown.output
+                    ) in shown, shown
         finally:
             await _shut(shims, daemon, serving, control)
 

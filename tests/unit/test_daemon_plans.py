@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from gradlane import cli
 from gradlane.daemon import service
 from gradlane.daemon.config import InterfaceConfig
 from gradlane.daemon.protocol import ChunkEvent, FlowSpec, Hello, Timing
@@ -32,7 +30,7 @@ from gradlane.daemon.registry import Credentials
 from gradlane.daemon.service import RESTART_FIELDS, VERIFY_EVERY, Daemon
 from gradlane.errors import GradlaneError, TcError
 from gradlane.policies import JobClassPlan, Plan, Policy, State
-from tests.fakes import FakeBackend, fake_config
+from tests.fakes import FakeBackend, fake_config, status_shown
 
 
 def _daemon(tmp_path: Path, backend: type[FakeBackend] = FakeBackend, jobs: str = "j",
@@ -233,15 +231,6 @@ def test_an_address_that_comes_after_the_start_takes_its_flows_to_its_interface(
     asyncio.run(main())
 
 
-def _shown_status(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> str:
-    """What `gradlane status` prints of `daemon`'s status, on one line."""
-    status = daemon.status()
-    monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: status)
-    shown = CliRunner().invoke(cli.cli, ["status"], terminal_width=200)
-    assert shown.exit_code == 0, shown.output
-    return " ".join(shown.output.split())
-
-
 class SlowToVerify(FakeBackend):
     """A kernel tree whose re-reading takes `took` seconds of the daemon's clock."""
 
@@ -277,7 +266,7 @@ def test_a_verification_that_takes_long_comes_less_often(
         await reconcile_at(0.0)  # the first reconcile verifies
         assert daemon.status()["reconcile"]["verify_every_s"] == 3.0 / service.VERIFY_SHARE
         assert ("re-reads the kernel's trees every 60s, not every 30s: a re-read took over "
-                "5% of that") in _shown_status(daemon, monkeypatch)
+                "5% of that") in status_shown(daemon, monkeypatch)
         await reconcile_at(3.0 + VERIFY_EVERY)  # 30 s on: not yet
         await reconcile_at(3.0 + 59.0)
         assert SlowToVerify.verified == [0.0]
@@ -285,7 +274,7 @@ def test_a_verification_that_takes_long_comes_less_often(
         await reconcile_at(3.0 + 60.0)
         await reconcile_at(63.5 + VERIFY_EVERY - 1)
         assert daemon.status()["reconcile"]["verify_every_s"] == VERIFY_EVERY
-        assert "re-reads" not in _shown_status(daemon, monkeypatch)
+        assert "re-reads" not in status_shown(daemon, monkeypatch)
         await reconcile_at(63.5 + VERIFY_EVERY)
         assert SlowToVerify.verified == [0.0, 63.0, 63.5 + VERIFY_EVERY]
 

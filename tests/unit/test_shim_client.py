@@ -20,15 +20,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from gradlane import cli
 from gradlane.daemon import protocol
 from gradlane.daemon.config import DaemonConfig
 from gradlane.daemon.service import Daemon
 from gradlane.shim.client import RETRY_S, ComputeClock, DaemonClient, next_retry
 from gradlane.shim.config import ShimConfig
-from tests.fakes import FakeBackend, fake_config, until
+from tests.fakes import FakeBackend, fake_config, status_shown, until
 
 
 class _Mesh:
@@ -725,15 +723,6 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
     monkeypatch.setattr(protocol, "MAX_FLOWS", 3)  # the mesh has four
     caplog.set_level(logging.INFO)
 
-    def shown(daemon: Daemon) -> str:
-        (job,) = daemon.status()["jobs"]
-        row = {"name": job["name"], "workers": [{**w, "pid": 1} for w in job["workers"]]}
-        status = {**daemon.status(), "jobs": [row]}
-        monkeypatch.setattr(cli, "_get_json", lambda *_a, **_k: status)
-        out = CliRunner().invoke(cli.cli, ["status"], terminal_width=200)
-        assert out.exit_code == 0, out.output
-        return out.output
-
     async def main() -> None:
         async with _Gradlaned(config) as gl:
             client = gl.client(ShimConfig(daemon_socket=str(config.socket_path), job="big"),
@@ -743,14 +732,14 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
             assert [(w.job, w.rank, w.flows) for w in workers] == [("big", 0, ())]
             # ... and how many it left out, for the daemon's status and log.
             await until(lambda: gl.daemon.registry.workers()[0].flows_left_out == 4)
-            assert "0 (4 left out)" in shown(gl.daemon)
+            assert "0 (4 left out)" in status_shown(gl.daemon, monkeypatch)
             client.flows_changed()  # said again, still none
             await until(lambda: not client._restate.is_set())
             monkeypatch.setattr(protocol, "MAX_FLOWS", 4)
             client.flows_changed()
             await until(lambda: [len(w.flows) for w in gl.daemon.registry.workers()] == [4])
             assert gl.daemon.registry.workers()[0].flows_left_out == 0
-            assert "left out" not in shown(gl.daemon)
+            assert "left out" not in status_shown(gl.daemon, monkeypatch)
 
     asyncio.run(main())
     said = [r.getMessage() for r in caplog.records if r.name == "gradlane.shim.client"
