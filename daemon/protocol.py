@@ -11,8 +11,8 @@ Conversation (client = a training process's shim)::
     hello {version, job, rank, world_size,   -> welcome {version, worker, bands,
            flows[, exchange, global_batch]}              leaf, host, nics, features}
     flows {flows[, exchange, global_batch,   (replace the band connections; say how the
-           flows_left_out]}                  job reduces, its global batch, and how many
-                                             connections it did not register)
+           flows_left_out, left_out_from]}   job reduces, its global batch, and how many
+                                             connections it did not register, from where)
     chunks {iteration, events}               (batched, no reply)
     timing {iteration, compute_s, comm_s, samples}
                                              <- plan {version, bands, batch_share, ...}
@@ -40,9 +40,11 @@ is the job's samples per step over all its ranks, as they agreed at their
 first step; the control plane splits it into batch shares (absent: not agreed
 yet). ``flows_left_out`` counts the band connections a shim did not register
 because it has more than `MAX_FLOWS` (it then registers none; its packets go
-by their DSCP marks). A daemon refuses fields it does not know, so a shim
-sends an optional field only when the welcome's ``features`` lists it
-(`FEATURES`; an older daemon's welcome has none).
+by their DSCP marks). ``left_out_from`` lists the distinct source addresses of those
+connections (at most `MAX_SOURCES`): on a host of several NICs, the interfaces the
+worker's traffic leaves by, which the daemon's host link is made of. A daemon
+refuses fields it does not know, so a shim sends an optional field only when the
+welcome's ``features`` lists it (`FEATURES`; an older daemon's welcome has none).
 `hello` must come first and only once. Anything else (bad framing, a wrong
 type, an out-of-order message) gets one ``error {code, message}`` and the
 connection is closed.
@@ -98,13 +100,14 @@ __all__ = [
 VERSION = 1
 # Optional fields this daemon accepts beyond those of VERSION (its welcome lists them).
 FEATURES: tuple[str, ...] = ("in_leaf", "exchange", "global_batch", HOST_EXCHANGE,
-                             "flows_left_out")
+                             "flows_left_out", "left_out_from")
 MAX_FRAME = 1 << 20
 # A worker's band connections: the shim's most bands (8) to each peer of a
 # 1,025-rank flat job, or of a job of 1,018 hosts of 8 ranks reducing within hosts
 # first (about 530 KB of flows, under MAX_FRAME). A shim of more registers none, and says
 # how many it left out (a flows message's ``flows_left_out``, to a daemon that takes it).
 MAX_FLOWS = 8 * 1024
+MAX_SOURCES = 64  # addresses of a worker's connections left out (one per NIC of its host)
 MAX_EVENTS = 16384
 BAND_NUMBERS = 64  # band numbers a message may carry (no more bands than DSCP values)
 _LEN = struct.Struct(">I")
@@ -200,6 +203,7 @@ class SetFlows:
     exchange: str | None = None
     global_batch: int | None = None
     flows_left_out: int = 0  # band connections the shim did not register (past MAX_FLOWS)
+    left_out_from: frozenset[str] = frozenset()  # their source addresses
 
 
 @dataclass(frozen=True)
@@ -261,11 +265,13 @@ def parse(raw: dict[str, Any], bands: int) -> Message:
             global_batch=_global_batch(raw),
         )
     if kind == "flows":
-        only(raw, {"type", "flows", "in_leaf", "exchange", "global_batch", "flows_left_out"})
+        only(raw, {"type", "flows", "in_leaf", "exchange", "global_batch", "flows_left_out",
+                   "left_out_from"})
         return SetFlows(flows=_flows(raw, bands), exchange=exchange(raw),
                         global_batch=_global_batch(raw),
                         flows_left_out=integer(raw, "flows_left_out", 0, 1 << 31)
-                        if "flows_left_out" in raw else 0)
+                        if "flows_left_out" in raw else 0,
+                        left_out_from=_sources(raw))
     if kind == "chunks":
         only(raw, {"type", "iteration", "events"})
         events = listed(raw, "events", MAX_EVENTS)
@@ -301,23 +307,31 @@ def _flows(raw: dict[str, Any], bands: int) -> tuple[FlowSpec, ...]:
         out.append(
             FlowSpec(
                 band=min(integer(where, "band", 0, BAND_NUMBERS - 1), bands - 1),
-                src=_ipv4(where, "src"),
+                src=_ipv4(get(where, "src"), f"{where['type']}: src"),
                 sport=integer(where, "sport", 1, 65535),
-                dst=_ipv4(where, "dst"),
+                dst=_ipv4(get(where, "dst"), f"{where['type']}: dst"),
                 dport=integer(where, "dport", 1, 65535),
             )
         )
     return tuple(out)
 
 
-def _ipv4(raw: dict[str, Any], key: str) -> str:
-    value = get(raw, key)
+def _sources(raw: dict[str, Any]) -> frozenset[str]:
+    if "left_out_from" not in raw:
+        return frozenset()
+    return frozenset(_ipv4(a, f"flows: left_out_from[{i}]")
+                     for i, a in enumerate(listed(raw, "left_out_from", MAX_SOURCES)))
+
+
+def _ipv4(value: Any, what: str) -> str:
+    """`value` as an IPv4 address in dotted form (a number, which `ipaddress` would take,
+    is not one: 5 is not 0.0.0.5 to a shim)."""
     try:
-        return str(ipaddress.IPv4Address(value))
-    except (ValueError, TypeError):
-        raise ProtocolError(
-            "bad_message", f"{raw['type']}: {key} must be an IPv4 address"
-        ) from None
+        if isinstance(value, str):
+            return str(ipaddress.IPv4Address(value))
+    except ValueError:
+        pass
+    raise ProtocolError("bad_message", f"{what} must be an IPv4 address")
 
 
 def _event(item: Any, i: int, bands: int) -> ChunkEvent:

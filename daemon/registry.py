@@ -49,6 +49,7 @@ class Worker:
     exchange: str | None = None  # how its job reduces (`protocol`); None: not agreed yet
     global_batch: int = 0  # its job's samples per step, as its ranks agreed (0: not yet)
     flows_left_out: int = 0  # band connections its shim did not register (too many)
+    left_out_from: frozenset[str] = frozenset()  # their source addresses, as it said
     chunk_events: int = 0
     chunk_bytes: list[int] = field(default_factory=list)  # per band
     # The latest iteration's chunks as (layer, bytes, band), in the order they were ready:
@@ -160,12 +161,13 @@ class Registry:
 
     def set_flows(self, worker_id: str, flows: tuple[FlowSpec, ...],
                   exchange: str | None = None, global_batch: int | None = None,
-                  left_out: int = 0) -> None:
-        """Replace a worker's band connections (and how many it `left_out`); `exchange`
-        and `global_batch`, when given, how its job reduces and its samples per step."""
+                  left_out: int = 0, left_out_from: frozenset[str] = frozenset()) -> None:
+        """Replace a worker's band connections (and how many it `left_out`, from which
+        source addresses); `exchange` and `global_batch`, when given, how its job reduces
+        and its samples per step."""
         worker = self._workers[worker_id]
-        if worker.flows != flows:
-            worker.flows = flows
+        if worker.flows != flows or worker.left_out_from != left_out_from:
+            worker.flows, worker.left_out_from = flows, left_out_from
             self.version += 1
         worker.flows_left_out = left_out
         if exchange is not None and worker.exchange != exchange:

@@ -394,9 +394,9 @@ class Daemon:
 
     def _planned(self) -> list[Backend]:
         """The interfaces a plan's host link is made of: those whose addresses carry
-        registered flows (a shim with an address per NIC spreads its chunks over them
-        all: `gradlane.shim.transport.Mesh`); with one interface, or no flow on any
-        yet, the slowest."""
+        registered flows, or the connections a worker left out (a shim with an address
+        per NIC spreads its chunks over them all: `gradlane.shim.transport.Mesh`); with
+        one interface, or no flow on any yet, the slowest."""
         if len(self._backends) == 1:
             return self._backends
         # Asked for by `state`, every interface's `spec_for` and the reports: one pass
@@ -404,7 +404,8 @@ class Daemon:
         key = (self.registry.version,
                tuple(frozenset(self._addresses.get(b.ifname, ())) for b in self._backends))
         if self._planned_for is None or self._planned_for[0] != key:
-            used = {f.src for ws in self.registry.jobs().values() for w in ws for f in w.flows}
+            used = {src for ws in self.registry.jobs().values() for w in ws
+                    for src in (*(f.src for f in w.flows), *w.left_out_from)}
             carrying = [b for b in self._backends
                         if self._addresses.get(b.ifname, set()) & used]
             self._planned_for = key, carrying or [self._slowest()]
@@ -691,7 +692,8 @@ class Daemon:
                             "DSCP marks alone", worker.id, worker.job, worker.rank,
                             message.flows_left_out, protocol.MAX_FLOWS)
             self.registry.set_flows(worker.id, message.flows, message.exchange,
-                                    message.global_batch, message.flows_left_out)
+                                    message.global_batch, message.flows_left_out,
+                                    message.left_out_from)
             self._dirty.set()
         elif isinstance(message, protocol.Chunks):
             self.registry.record_chunks(worker.id, message.iteration, message.events)

@@ -129,6 +129,7 @@ class DaemonClient:
         self._said_absent = False
         self._said_unregistered = False  # said once: too many connections to register
         self._left_out = 0  # connections not registered (too many), as the last flows said
+        self._left_out_from: list[str] = []  # ... and their source addresses
         self._thread = threading.Thread(target=self._run, name="gl-daemon-client", daemon=True)
         self._thread.start()
 
@@ -242,8 +243,11 @@ class DaemonClient:
 
     def _flows_message(self) -> dict[str, Any]:
         flows = self._flows()  # first: it counts those it leaves out
-        left_out = ({"flows_left_out": self._left_out}
-                    if self._left_out and "flows_left_out" in self._features else {})
+        left_out: dict[str, Any] = {}
+        if self._left_out and "flows_left_out" in self._features:
+            left_out["flows_left_out"] = self._left_out
+        if self._left_out and "left_out_from" in self._features:
+            left_out["left_out_from"] = self._left_out_from  # the NICs its traffic leaves by
         return {"type": "flows", "flows": flows, **left_out, **self._agreed_fields()}
 
     def _post(self, message: dict[str, Any]) -> None:
@@ -402,6 +406,7 @@ class DaemonClient:
     def _flows(self) -> list[dict[str, object]]:
         flows = self.mesh.flows()
         self._left_out = len(flows) if len(flows) > protocol.MAX_FLOWS else 0
+        self._left_out_from = sorted({str(f["src"]) for f in flows})[:protocol.MAX_SOURCES]
         if self._left_out:
             # gradlaned refuses a worker of more connections than it registers, and the
             # worker's job, timings, batch shares and chunk owners would go with them.

@@ -455,6 +455,28 @@ def test_a_control_plane_s_classes_are_split_by_the_link_it_planned_for(
             if f.src in backend.addresses())
 
 
+@pytest.mark.parametrize(("left_out_from", "link"), [
+    ({"10.1.0.1"}, 4_000_000_000),  # its connections leave by the fast NIC
+    ({"10.0.0.1", "10.1.0.1"}, 5_000_000_000),  # by both
+    (set(), 1_000_000_000),  # an older shim: not said, the slowest as before
+])
+def test_the_host_link_of_a_worker_whose_connections_were_left_out(
+    tmp_path: Path, left_out_from: set[str], link: int
+) -> None:
+    # A worker of more connections than gradlaned registers registers none; the NICs they
+    # leave by (its shim says which) are still this host's link for the plans.
+    config = dataclasses.replace(fake_config(tmp_path / "gl.sock"), interfaces=(
+        InterfaceConfig("fake0", 1_000_000_000), InterfaceConfig("fake1", 4_000_000_000)))
+    daemon = Daemon(config, backend_factory=_TwoAddresses)
+    me = Credentials(os.getpid(), os.getuid(), os.getgid())
+    worker = daemon.registry.add(Hello(1, "big", 0, 2, ()), me)
+    asyncio.run(daemon._reconcile())  # reads the interfaces' addresses
+    assert daemon.link_bps() == 1_000_000_000  # nothing said yet: the slowest
+    daemon.registry.set_flows(worker.id, (), left_out=8240,
+                              left_out_from=frozenset(left_out_from))
+    assert daemon.link_bps() == link
+
+
 class _Word:
     """A stand-in for `RootWatch`: a pipe to wake the loop, and what it says when read."""
 

@@ -82,6 +82,15 @@ def test_the_connections_a_shim_left_out_or_none() -> None:
     assert "flows_left_out" in protocol.FEATURES
     with pytest.raises(ProtocolError, match="unknown fields"):
         protocol.parse({**HELLO, "flows_left_out": 8240}, 4)
+    # ... and from which addresses (the NICs its traffic leaves by), each once.
+    said = protocol.parse({"type": "flows", "flows": [], "flows_left_out": 8240,
+                           "left_out_from": ["10.1.0.1", "10.0.0.1", "10.1.0.1"]}, 4)
+    assert said == protocol.SetFlows((), flows_left_out=8240,
+                                     left_out_from=frozenset({"10.0.0.1", "10.1.0.1"}))
+    assert "left_out_from" in protocol.FEATURES
+    most = [f"10.0.{i // 256}.{i % 256}" for i in range(protocol.MAX_SOURCES)]
+    said = protocol.parse({"type": "flows", "flows": [], "left_out_from": most}, 4)
+    assert said == protocol.SetFlows((), left_out_from=frozenset(most))
 
 
 def test_chunks_and_timing() -> None:
@@ -114,6 +123,14 @@ def test_chunks_and_timing() -> None:
         ({"type": "flows", "flows": [], "flows_left_out": -1}, "bad_message", "flows_left_out"),
         ({"type": "flows", "flows": [], "flows_left_out": (1 << 31) + 1}, "bad_message",
          "flows_left_out"),
+        ({"type": "flows", "flows": [], "left_out_from": ["10.0.0.1", "a NIC"]}, "bad_message",
+         r"flows: left_out_from\[1\] must be an IPv4 address"),
+        ({"type": "flows", "flows": [], "left_out_from": "10.0.0.1"}, "bad_message",
+         "left_out_from must be a list of <= 64"),
+        ({"type": "flows", "flows": [], "left_out_from": ["10.0.0.1"] * 65}, "bad_message",
+         "left_out_from must be a list of <= 64"),
+        ({**HELLO, "flows": [{**FLOW, "dst": 5}]}, "bad_message",
+         r"hello: flows\[0\]: dst must be an IPv4 address"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1, 64, 0.0]]}, "bad_message",
          r"events\[0\]"),
         ({"type": "chunks", "iteration": 1, "events": [[0, 1]]}, "bad_message", r"events\[0\]"),

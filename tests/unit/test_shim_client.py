@@ -626,6 +626,14 @@ class _FourBands:
         self.marks.append(dscp)
 
 
+class _TwoNics(_FourBands):
+    """The four connections, two of them from a second NIC's address."""
+
+    def flows(self) -> list[dict[str, object]]:
+        return [{**f, "src": "10.1.0.1"} if f["band"] in (0, 1) else f
+                for f in super().flows()]
+
+
 def test_a_shim_with_more_bands_than_gradlaned_registers_and_follows_a_reload(
     tmp_path: Path,
 ) -> None:
@@ -732,6 +740,7 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
             assert [(w.job, w.rank, w.flows) for w in workers] == [("big", 0, ())]
             # ... and how many it left out, for the daemon's status and log.
             await until(lambda: gl.daemon.registry.workers()[0].flows_left_out == 4)
+            assert gl.daemon.registry.workers()[0].left_out_from == {"10.0.0.1"}
             assert "0 (4 left out)" in status_shown(gl.daemon, monkeypatch)
             client.flows_changed()  # said again, still none
             await until(lambda: not client._restate.is_set())
@@ -739,6 +748,7 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
             client.flows_changed()
             await until(lambda: [len(w.flows) for w in gl.daemon.registry.workers()] == [4])
             assert gl.daemon.registry.workers()[0].flows_left_out == 0
+            assert gl.daemon.registry.workers()[0].left_out_from == frozenset()
             assert "left out" not in status_shown(gl.daemon, monkeypatch)
 
     asyncio.run(main())
@@ -756,13 +766,14 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
         "registered, its packets go by their DSCP marks alone"), logged
 
 
-@pytest.mark.parametrize("features", [[], ["flows_left_out"]])
+@pytest.mark.parametrize("features", [[], ["flows_left_out"],
+                                      ["flows_left_out", "left_out_from"]])
 def test_how_many_connections_were_left_out_goes_only_to_a_daemon_that_takes_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, features: list[str]) -> None:
     monkeypatch.setattr(protocol, "MAX_FLOWS", 3)  # the mesh has four
     path = tmp_path / "gl.sock"
     daemon = _Daemon(path, features=features)
-    client = DaemonClient(ShimConfig(daemon_socket=str(path)), 0, 2, _FourBands())
+    client = DaemonClient(ShimConfig(daemon_socket=str(path)), 0, 2, _TwoNics())
     try:
         assert client.welcomed.wait(10)
         client.timing(0.1, 0.0)
@@ -773,8 +784,12 @@ def test_how_many_connections_were_left_out_goes_only_to_a_daemon_that_takes_it(
         daemon.close()
     (hello,) = [m for m in daemon.got if m["type"] == "hello"]
     assert hello["flows"] == [] and "flows_left_out" not in hello  # before the welcome
-    said = [m.get("flows_left_out") for m in daemon.got if m["type"] == "flows"]
-    assert said == ([4] if features else [None])
+    assert "left_out_from" not in hello
+    said = [(m.get("flows_left_out"), m.get("left_out_from"))
+            for m in daemon.got if m["type"] == "flows"]
+    # From where: the addresses they leave by (the NICs of a multi-NIC host), each once.
+    assert said == [(4 if features else None,
+                     ["10.0.0.1", "10.1.0.1"] if "left_out_from" in features else None)]
 
 
 def test_a_session_that_was_not_refused_is_followed_by_the_shortest_wait() -> None:
