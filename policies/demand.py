@@ -27,6 +27,7 @@ control plane (`gradlane control`) build their states with it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -34,7 +35,7 @@ import numpy as np
 from gradlane.policies.base import FloatArray, FlowTable, IntArray
 from gradlane.policies.chunks import all_reduction_parents
 
-__all__ = ["Exchange", "bucket_starts"]
+__all__ = ["Exchange", "SparseLoads", "bucket_starts"]
 
 # `Exchange.trees` takes owners in blocks of about this many tree edges: its temporaries
 # (some ten integers an edge) stay near 100 MB at any world size, not ~40 W^2 bytes.
@@ -49,6 +50,30 @@ def bucket_starts(chunk_layers: Sequence[int] | IntArray) -> IntArray:
     layers = np.asarray(chunk_layers, dtype=np.int64)
     starts = np.flatnonzero(np.diff(layers)) + 1 if len(layers) else np.zeros(0, np.int64)
     return np.concatenate([[0], starts, [len(layers)]]).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class SparseLoads:
+    """`Exchange.link_loads` as a load per column and what some rows put there beyond it:
+    ``loads[r, c] = base[c] + extra`` at the given ``(row, col)`` (each at most once).
+
+    A large job's trees cross most hosts' links once each way per chunk, whoever
+    owns it (every host sends its contribution up and takes the result back), so
+    beyond that base, an owner's row differs only at the hosts its tree gathers
+    at: a leaf's leader and the owner's own. 8,192 hosts in leaves of 32: 512 of
+    16,384 columns a row.
+    """
+
+    base: FloatArray  # per column
+    row: IntArray
+    col: IntArray
+    extra: FloatArray
+    rows: int
+
+    def dense(self) -> FloatArray:
+        loads = np.tile(self.base, (self.rows, 1))
+        loads[self.row, self.col] += self.extra
+        return loads
 
 
 class Exchange:
@@ -227,10 +252,10 @@ class Exchange:
         host share its links; what they send each other is loopback and on none.
         """
         w, n_hosts = self.w, len(self.hosts)
-        rows = np.arange(w) if owners is None else np.asarray(owners, dtype=np.int64)
-        on_host = np.searchsorted(self.hosts, self.host)  # each rank's host column
+        rows = self._rows_of(owners)
+        on_host = self._on_host
         if in_leaf not in self._trees and not self.ring:
-            return self._tree_link_loads(in_leaf, on_host, rows)
+            return self.sparse_link_loads(in_leaf, owners).dense()
         blocks: Iterable[tuple[int, int, FloatArray]]
         if in_leaf in self._trees:
             kept = self._trees[in_leaf][0]
@@ -249,28 +274,50 @@ class Exchange:
                                             minlength=n * 2 * n_hosts).reshape(n, 2 * n_hosts)
         return loads
 
-    def _tree_link_loads(self, in_leaf: bool, on_host: IntArray, owners: IntArray
-                         ) -> FloatArray:
-        """`link_loads` of the trees of `owners`, from their parents, a block at a time.
+    def _rows_of(self, owners: Sequence[int] | IntArray | None) -> IntArray:
+        return np.arange(self.w) if owners is None else np.asarray(owners, dtype=np.int64)
 
-        A tree edge between two hosts carries the chunk up and the result down:
-        one flow each way, so each of its ends' egress and ingress carries one,
-        and a host's egress carries what its ingress does. (From the flows of
-        `trees` instead, 8,192 ranks took 3.4 s; from the parents, 0.6 s.)
+    @cached_property
+    def _on_host(self) -> IntArray:
+        """Each rank's host column (`hosts`)."""
+        return np.asarray(np.searchsorted(self.hosts, self.host), dtype=np.int64)
+
+    def sparse_link_loads(self, in_leaf: bool,
+                          owners: Sequence[int] | IntArray | None = None) -> SparseLoads:
+        """`link_loads` of trees (not the ring's) as `SparseLoads`: one flow each way
+        on every host link, and what each owner's tree puts there beyond it.
+
+        From the trees' parents, a block of owners at a time: a tree edge between
+        two hosts carries the chunk up and the result down, one flow each way, so
+        each of its ends' egress and ingress carries one, and a host's egress
+        carries what its ingress does. (From the flows of `trees` instead, 8,192
+        ranks took 3.4 s; from the parents, 0.6 s.) Dense, 8,192 hosts' owners
+        took 1 GB a copy.
         """
-        w, n_hosts = self.w, len(self.hosts)
-        step = max(1, BLOCK_FLOWS // w)
-        loads = np.zeros((len(owners), 2 * n_hosts))
+        if self.ring:
+            raise ValueError("the ring's loads are not trees'")
+        n_hosts, on_host = len(self.hosts), self._on_host
+        owners = self._rows_of(owners)
+        step = max(1, BLOCK_FLOWS // self.w)
+        row, col, extra = [], [], []
         for first in range(0, len(owners), step):
             last = min(first + step, len(owners))
             parents = self._parents(in_leaf, owners[first:last])
             parent_host = on_host[np.maximum(parents, 0)]
             apart = (parents >= 0) & (parent_host != on_host[None, :])
-            row = np.arange(last - first)[:, None] * n_hosts
-            ends = np.concatenate([(row + on_host[None, :])[apart], (row + parent_host)[apart]])
-            edges = np.bincount(ends, minlength=(last - first) * n_hosts)
-            loads[first:last] = np.tile(edges.reshape(last - first, n_hosts), 2)
-        return loads
+            at = np.arange(last - first)[:, None] * n_hosts
+            ends = np.concatenate([(at + on_host[None, :])[apart], (at + parent_host)[apart]])
+            beyond = np.bincount(ends, minlength=(last - first) * n_hosts) - 1
+            cells = np.flatnonzero(beyond)
+            row.append(first + cells // n_hosts)
+            col.append(cells % n_hosts)
+            extra.append(beyond[cells].astype(np.float64))
+        rows, cols, more = (np.concatenate(a) if a else np.zeros(0) for a in (row, col, extra))
+        rows, cols = rows.astype(np.int64), cols.astype(np.int64)
+        return SparseLoads(base=np.ones(2 * n_hosts),  # egress, then ingress: the same
+                           row=np.concatenate([rows, rows]),
+                           col=np.concatenate([cols, cols + n_hosts]),
+                           extra=np.concatenate([more, more]), rows=len(owners))
 
     def owned(self, owners: Sequence[int], starts: IntArray,
               weights: Sequence[float] | None = None) -> FloatArray:

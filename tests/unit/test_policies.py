@@ -567,6 +567,39 @@ def test_within_leaves_a_host_s_first_rank_is_weighed_for_its_ranks(
             assert shares[a] == shares[b]
 
 
+@settings(max_examples=examples(80), deadline=None)
+@given(runs_of_hosts(), st.data())
+def test_sparse_loads_are_the_dense_ones_and_give_their_shares(
+    placement: tuple[list[int], list[int], list[float], str], data: st.DataObject,
+) -> None:
+    """A large job's loads are weighed sparse (`Exchange.sparse_link_loads`: one flow
+    each way on every link, and what each owner's tree puts there beyond it): the
+    same loads as dense, no cell listed twice or at nothing beyond, and `owner_shares`
+    of them as fast and as even as of the dense ones, rows standing for any number of
+    ranks."""
+    hosts, leaves, rates, _ = placement
+    exchange = Exchange(leaves, uplinks=True, host=hosts)
+    owners = data.draw(st.lists(st.integers(0, len(hosts) - 1), min_size=1, max_size=8))
+    sparse = exchange.sparse_link_loads(True, owners)
+    dense = exchange.link_loads(True, owners)
+    np.testing.assert_array_equal(sparse.dense(), dense)
+    assert np.all(sparse.extra != 0) and sparse.rows == len(owners)
+    assert len(set(zip(sparse.row.tolist(), sparse.col.tolist(), strict=True))) == len(sparse.row)
+    members = data.draw(st.lists(st.integers(1, 4), min_size=len(owners),
+                                 max_size=len(owners)))
+    link_rates = np.array(rates * 2)
+    solved, weighed = (owner_shares(loads, link_rates, members) for loads in (dense, sparse))
+    each = np.repeat(solved, members)
+    rows = np.repeat(dense, members, axis=0)
+    assert sum(np.repeat(weighed, members)) == pytest.approx(1)
+    assert exchange_time(rows, link_rates, np.repeat(weighed, members)) == pytest.approx(
+        exchange_time(rows, link_rates, each), rel=1e-6)
+    assert max(weighed) == pytest.approx(max(solved), rel=1e-6)
+    for a, b in itertools.combinations(range(len(owners)), 2):
+        if owners[a] == owners[b]:  # the same rows: one class
+            assert weighed[a] == weighed[b]
+
+
 def test_ranks_of_a_host_are_weighed_as_one_only_where_their_trees_match() -> None:
     def alike(hosts: list[int], leaves: list[int]) -> list[int] | None:
         _, of_host, count = np.unique(hosts, return_inverse=True, return_counts=True)
