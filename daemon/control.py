@@ -85,8 +85,9 @@ class ControlConfig:
     max_daemons: int = 4096
     # Each leaf switch's uplink to the spine; None: a non-blocking fabric (plan as one switch).
     uplink_bps: int | None = None
-    # A job's owner shares weigh at most so many loads (about 50 bytes each at a plan's
-    # peak), else even owners and a note (`gradlane.policies.base.DEFAULT_MAX_WEIGHED`).
+    # A job's owner shares weigh at most so many loads (about 10 bytes each at a plan's
+    # peak within leaves, 50 on the ring), else even owners and a note
+    # (`gradlane.policies.base.DEFAULT_MAX_WEIGHED`).
     max_weighed: int = DEFAULT_MAX_WEIGHED
 
     def __post_init__(self) -> None:

@@ -632,9 +632,9 @@ DEFAULT_TOKEN = Path("/etc/gradlane/control.token")
 @click.option("--max-weighed", default=MAX_WEIGHED, show_default=True,
               type=click.IntRange(min=1),
               help="The most loads (owners weighed x host links) a job's chunk-owner shares "
-                   "may weigh, about 50 bytes each at a plan's peak (the default: 6.6 GB); "
-                   "past it the job gets even owners and its plan a note. Lower it on a "
-                   "host with less memory.")
+                   "may weigh, about 10 bytes each at a plan's peak within leaves (the "
+                   "default: 1.3 GB), 50 on the ring; past it the job gets even owners and "
+                   "its plan a note. Lower it on a host with less memory.")
 def control(listen: str, token_file: Path, policy: str, cadence: float, ttl: float,
             uplink: str | None, max_weighed: int) -> None:
     """Run the control plane in the foreground until SIGTERM/SIGINT (or a hang-up).

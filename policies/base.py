@@ -55,11 +55,13 @@ LEVELS = 8  # priority levels real switches have (and HTB's prio range)
 DEFAULT_BANDS = 4  # gradlaned's default bands per job
 DEFAULT_TTL_S = 10.0
 # The most loads (owners weighed x host links, each way) a job's chunk-owner shares weigh
-# (`gradlane.policies.loadbalance`): 1 GB of them, 6.6 GB at the peak of the plan (65,536
-# ranks of 8 a host within leaves, mixed links): about 50 bytes a load. Past it, even
-# owners and a note: a control plane killed for memory at every plan would plan no job at
-# all (8,192 hosts of one rank within leaves are at it; every rank of 65,536 weighed, as
-# ranks in no order host by host are, would take 8.6 GB). `gradlane control --max-weighed`.
+# (`gradlane.policies.loadbalance`): at it, 65,536 ranks of 8 a host within leaves, mixed
+# links, peak at 1.3 GB and take 32 s (`bench/control_big_job.py`): about 10 bytes a load,
+# the loads kept sparse, most of it the solver's (dense, as the ring's still are, they took
+# about 50). Past it, even owners and a note: a control plane killed for memory at every
+# plan would plan no job at all (8,192 hosts of one rank within leaves are at it; every
+# rank of 65,536 weighed, as ranks in no order host by host are, is 8 times past it).
+# `gradlane control --max-weighed`.
 DEFAULT_MAX_WEIGHED = 1 << 27
 
 IntArray = npt.NDArray[np.int64]
