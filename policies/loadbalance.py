@@ -105,8 +105,10 @@ MIN_SHARE = 1e-5
 # HiGHS's interior point method (then crossover to a vertex), not its dual simplex: a
 # large job's programmes solve 2 to 10 times faster (8,192 ranks in no order host by
 # host, within leaves: 83 -> 8.8 s; 65,536 ranks host by host: a first plan 68 -> 31 s),
-# small ones within a millisecond of it (ad hoc, this machine).
+# small ones within a millisecond of it (ad hoc, this machine). Where it fails, the
+# simplex is tried before the job gets even owners.
 LP_METHOD = "highs-ipm"
+FALLBACK_LP_METHOD = "highs-ds"
 
 
 class NoSolution(GradlaneError):
@@ -211,15 +213,21 @@ def owner_shares(loads: FloatArray | SparseLoads, rates: FloatArray,
     in_class = np.bincount(of_class, weights=each, minlength=n)
     scale = rates[used] / rates[used].max()
     n_links = used.size
-    linprog = _linprog()
+    solver = _linprog()
     from scipy import sparse  # with linprog (the `control` extra)
+
+    def linprog(*args: Any, **kwargs: Any) -> Any:
+        result = solver(*args, method=LP_METHOD, **kwargs)
+        if not result.success:  # the interior point's trouble need not be the simplex's
+            result = solver(*args, method=FALLBACK_LP_METHOD, **kwargs)
+        return result
 
     beyond = sparse.csr_array((value / scale[link], (link, cls)), shape=(n_links, n))
     common = common / scale
     minimise_last = np.append(np.zeros(n), 1.0)
     one = (np.append(np.ones(n), 0.0)[None, :], [1.0])
     slowest = linprog(minimise_last, A_ub=sparse.hstack([beyond, -np.ones((n_links, 1))]),
-                      b_ub=-common, A_eq=one[0], b_eq=one[1], method=LP_METHOD)
+                      b_ub=-common, A_eq=one[0], b_eq=one[1])
     if not slowest.success:
         raise NoSolution(f"owner shares: {slowest.message}")
     spread = linprog(  # a class's share over its members: each member's, at most the last
@@ -228,7 +236,7 @@ def owner_shares(loads: FloatArray | SparseLoads, rates: FloatArray,
                             sparse.hstack([sparse.diags_array(1.0 / in_class),
                                            -np.ones((n, 1))])]),
         b_ub=np.concatenate([slowest.fun * (1 + 1e-8) + 1e-9 - common, np.zeros(n)]),
-        A_eq=one[0], b_eq=one[1], method=LP_METHOD)
+        A_eq=one[0], b_eq=one[1])
     x = (spread.x[:n] if spread.success else slowest.x[:n])[of_class] / in_class[of_class]
     return [float(v) for v in _without_tiny(x, each)]
 

@@ -641,6 +641,23 @@ def test_a_job_the_solver_finds_no_shares_for_gets_even_owners_and_the_others_ar
     assert again.notes == () and [again.ownership["a"].count(r) for r in range(4)] != [10] * 4
 
 
+def test_where_the_interior_point_method_fails_the_simplex_solves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    loads, rates = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), np.array([1.0, 2.0])
+    solved, solver = owner_shares(loads, rates), loadbalance._linprog()
+    methods = []
+
+    def ipm_fails(*args: object, method: str, **kwargs: object) -> object:
+        methods.append(method)
+        if method == loadbalance.LP_METHOD:
+            return SimpleNamespace(success=False, message="numerical trouble")
+        return solver(*args, method=method, **kwargs)
+
+    monkeypatch.setattr(loadbalance, "_linprog", lambda: ipm_fails)
+    assert owner_shares(loads, rates) == pytest.approx(solved, abs=1e-9)
+    assert methods == ["highs-ipm", "highs-ds"] * 2  # each programme, then the simplex
+
+
 def test_owner_shares_of_rows_standing_for_several_ranks() -> None:
     # Two ranks loading the first link, one the second: as the three rows, each rank's.
     loads, rates = np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([1.0, 2.0])
