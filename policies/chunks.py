@@ -558,15 +558,42 @@ def all_reduction_parents(
         parents = np.where(parents == ranks[None, :], of[:, None], parents)  # leads: to the owner
         parents[rows, of] = -1
         return np.asarray(parents, dtype=np.int64)
+    between = leader_parents(leaf, hosts, of)
+    if between is None:  # a host under several leaves
+        leaf_list, host_list = leaf.tolist(), np.asarray(hosts).tolist()
+        return np.array([reduction_parents(o, leaf_list, host_list) for o in of.tolist()],
+                        dtype=np.int64).reshape(len(of), world)
+    host_index, host_lead, above = between
+    up = host_lead[:, host_index]  # (owner, rank): the leader of the rank's host
+    # A leader sends where its host's does (`leader_parents`), the others to their leader.
+    parents = np.where(up == ranks[None, :], above[:, host_index], up)
+    parents[rows, of] = -1
+    return np.asarray(parents, dtype=np.int64)
+
+
+def leader_parents(
+    leaves: Sequence[int] | npt.NDArray[np.int64],
+    hosts: Sequence[int] | npt.NDArray[np.int64],
+    owners: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+    """The trees of `all_reduction_parents` (two levels) between hosts: each rank's host
+    (0..H-1, sorted host order), each host's leader per owner, and where it sends per
+    owner (a rank; -1 from the owner's host): ``(host_index, lead, above)``, the last
+    two ``(owners, H)``. What a tree puts on host links is all here, at an H-th of the
+    ranks' trees' size. None where ranks of one host name different leaves.
+    """
+    leaf = np.asarray(leaves, dtype=np.int64)
+    world = len(leaf)
+    of = owners
+    rows = np.arange(len(of))
     host = np.asarray(hosts, dtype=np.int64)
     _, host_index = np.unique(host, return_inverse=True)
+    host_index = host_index.reshape(-1)
     n_hosts = int(host_index.max()) + 1
     host_leaf = np.full(n_hosts, -1, dtype=np.int64)
     host_leaf[host_index] = leaf
-    if np.any(host_leaf[host_index] != leaf):  # a host under several leaves
-        leaf_list, host_list = leaf.tolist(), host.tolist()
-        return np.array([reduction_parents(o, leaf_list, host_list) for o in of.tolist()],
-                        dtype=np.int64).reshape(len(of), world)
+    if np.any(host_leaf[host_index] != leaf):
+        return None
     host_lead = _lead_matrix(host_index, of)  # (owner, host): the host's leader
     # The leaders' level: each host's leader in its leaf, as `reduction_parents` over the
     # leaders in rank order. Every host has one leader, so a leaf has as many leaders as
@@ -581,12 +608,10 @@ def all_reduction_parents(
     position = ((leaf_of_host[None, :] == own_leaf[of][:, None])
                 & (host_lead < of[:, None])).sum(axis=1)
     leaf_lead = grouped[rows[:, None], first[None, :] + position[:, None] % sizes[None, :]]
-    up = host_lead[:, host_index]  # (owner, rank): the leader of the rank's host
-    above = leaf_lead[:, own_leaf]  # (owner, rank): the lead of the rank's leaf
-    above = np.where(above == ranks[None, :], of[:, None], above)
-    parents = np.where(up == ranks[None, :], above, up)
-    parents[rows, of] = -1
-    return np.asarray(parents, dtype=np.int64)
+    above = leaf_lead[:, leaf_of_host]  # (owner, host): the lead of the host's leaf ...
+    above = np.where(above == host_lead, of[:, None], above)  # ... or, the lead, the owner
+    above[rows, host_index[of]] = -1  # the owner leads its host: the root
+    return np.asarray(host_index, dtype=np.int64), host_lead, np.asarray(above, dtype=np.int64)
 
 
 def _lead_matrix(index: npt.NDArray[np.int64],

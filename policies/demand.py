@@ -33,7 +33,7 @@ from functools import cached_property
 import numpy as np
 
 from gradlane.policies.base import FloatArray, FlowTable, IntArray
-from gradlane.policies.chunks import all_reduction_parents
+from gradlane.policies.chunks import all_reduction_parents, leader_parents
 
 __all__ = ["Exchange", "SparseLoads", "bucket_starts"]
 
@@ -282,6 +282,22 @@ class Exchange:
         """Each rank's host column (`hosts`)."""
         return np.asarray(np.searchsorted(self.hosts, self.host), dtype=np.int64)
 
+    def _host_edges(self, in_leaf: bool, owners: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+        """The tree edges between hosts of `owners`: each one's owner (its index in
+        `owners`) and the child's and the parent's host (`hosts` columns)."""
+        on_host = self._on_host
+        if in_leaf and not self.by_host and self.uplinks and len(self.hosts) < self.w:
+            # Within hosts, then leaves: only hosts' leaders send between hosts.
+            between = leader_parents(self.leaf, self.host, owners)
+            if between is not None:
+                above = between[2]
+                at, child = np.nonzero(above >= 0)
+                return at, child, on_host[above[at, child]]
+        parents = self._parents(in_leaf, owners)
+        parent_host = on_host[np.maximum(parents, 0)]
+        at, child = np.nonzero((parents >= 0) & (parent_host != on_host[None, :]))
+        return at, on_host[child], parent_host[at, child]
+
     def sparse_link_loads(self, in_leaf: bool,
                           owners: Sequence[int] | IntArray | None = None) -> SparseLoads:
         """`link_loads` of trees (not the ring's) as `SparseLoads`: one flow each way
@@ -296,17 +312,14 @@ class Exchange:
         """
         if self.ring:
             raise ValueError("the ring's loads are not trees'")
-        n_hosts, on_host = len(self.hosts), self._on_host
+        n_hosts = len(self.hosts)
         owners = self._rows_of(owners)
         step = max(1, BLOCK_FLOWS // self.w)
         row, col, extra = [], [], []
         for first in range(0, len(owners), step):
             last = min(first + step, len(owners))
-            parents = self._parents(in_leaf, owners[first:last])
-            parent_host = on_host[np.maximum(parents, 0)]
-            apart = (parents >= 0) & (parent_host != on_host[None, :])
-            at = np.arange(last - first)[:, None] * n_hosts
-            ends = np.concatenate([(at + on_host[None, :])[apart], (at + parent_host)[apart]])
+            at, child, parent = self._host_edges(in_leaf, owners[first:last])
+            ends = np.concatenate([at * n_hosts + child, at * n_hosts + parent])
             beyond = np.bincount(ends, minlength=(last - first) * n_hosts) - 1
             cells = np.flatnonzero(beyond)
             row.append(first + cells // n_hosts)
