@@ -56,7 +56,7 @@ DEFAULT_BANDS = 4  # gradlaned's default bands per job
 DEFAULT_TTL_S = 10.0
 # The most loads (owners weighed x host links, each way) a job's chunk-owner shares weigh
 # (`gradlane.policies.loadbalance`): at it, 65,536 ranks of 8 a host within leaves, mixed
-# links, peak at 1.3 GB and take 32 s (`bench/control_big_job.py`): about 10 bytes a load,
+# links, peak at 1.3 GB and take 25 s (`bench/control_big_job.py`): about 10 bytes a load,
 # the loads kept sparse, most of it the solver's (dense, as the ring's still are, they took
 # about 50). Past it, even owners and a note: a control plane killed for memory at every
 # plan would plan no job at all (8,192 hosts of one rank within leaves are at it; every

@@ -448,7 +448,7 @@ def _shares(hosts: tuple[int, ...], leaves: tuple[int, ...], uplinks: bool, kind
     if kind not in ("flat", "host"):
         # Within leaves, ranks of a host often load the links alike: then its first rank
         # is weighed for them all (`_alike_by_host`). 65,536 ranks of 8 a host: 179 s and
-        # 17.7 GB with every rank weighed (dense, at fc5838c), 32 s and 1.3 GB by host.
+        # 17.7 GB with every rank weighed (dense, at fc5838c), 25 s and 1.3 GB by host.
         firsts = _alike_by_host(of_host, count, leaves) if kind == "leaf" else None
         weighed = world if firsts is None else n
         if weighed * link_bps.size > max_weighed:
