@@ -184,13 +184,16 @@ class Exchange:
     def _parents(self, in_leaf: bool, owners: IntArray | None = None) -> IntArray:
         """The reduction trees (not the ring's) of `owners` (default: every rank),
         `all_reduction_parents`."""
-        w = self.w
         if in_leaf and self.by_host:
             return all_reduction_parents(self.host, owners=owners)
         if in_leaf and self.uplinks:  # within hosts too, when ranks share some
-            shared = len(self.hosts) < w
-            return all_reduction_parents(self.leaf, self.host if shared else None, owners)
-        return all_reduction_parents(np.zeros(w, dtype=np.int64), owners=owners)
+            return all_reduction_parents(
+                self.leaf, self.host if self._two_levels(in_leaf) else None, owners)
+        return all_reduction_parents(np.zeros(self.w, dtype=np.int64), owners=owners)
+
+    def _two_levels(self, in_leaf: bool) -> bool:
+        """Whether `_parents` reduces within hosts, then within leaves."""
+        return in_leaf and not self.by_host and self.uplinks and len(self.hosts) < self.w
 
     @staticmethod
     def _edge_stages(parents: IntArray, owner: IntArray, child: IntArray, parent: IntArray
@@ -286,8 +289,7 @@ class Exchange:
         """The tree edges between hosts of `owners`: each one's owner (its index in
         `owners`) and the child's and the parent's host (`hosts` columns)."""
         on_host = self._on_host
-        if in_leaf and not self.by_host and self.uplinks and len(self.hosts) < self.w:
-            # Within hosts, then leaves: only hosts' leaders send between hosts.
+        if self._two_levels(in_leaf):  # only hosts' leaders send between hosts
             between = leader_parents(self.leaf, self.host, owners)
             if between is not None:
                 above = between[2]
