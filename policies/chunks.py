@@ -12,6 +12,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -458,7 +459,8 @@ class Routes:
             return tuple(sorted({(rank - 1) % self.world, (rank + 1) % self.world}))
         if self.kind == "flat":
             return tuple(r for r in range(self.world) if r != rank)
-        return tuple(np.flatnonzero(self._tree_links[rank]).tolist())
+        starts, peers = self._tree_links
+        return tuple(peers[starts[rank]:starts[rank + 1]].tolist())
 
     def copy_parents(self) -> list[int]:
         """Where each rank receives rank 0's model from at attach (-1: rank 0): a path
@@ -475,7 +477,7 @@ class Routes:
         """
         if self.kind in ("ring", "flat"):
             return list(range(-1, self.world - 1))
-        links = self._tree_links
+        starts, peers = self._tree_links
         top = np.asarray(self.top)
         host = top if self.hosts is None else np.asarray(self.hosts)
         seen = np.zeros(self.world, dtype=bool)
@@ -483,7 +485,8 @@ class Routes:
         parents, path = [-1] * self.world, [0]
         while path:  # bounded: every rank is pushed once and popped once
             here = path[-1]
-            on = np.flatnonzero(links[here] & ~seen)
+            linked = peers[starts[here]:starts[here + 1]]
+            on = linked[~seen[linked]]
             if not len(on):
                 path.pop()
                 continue
@@ -497,19 +500,88 @@ class Routes:
         return parents
 
     @functools.cached_property
-    def _tree_links(self) -> npt.NDArray[np.bool_]:
-        """``links[a, b]``: ranks a and b exchange chunks in the reduction trees (some owner's
-        chunk goes between them, either way). Once per routes: attach asks `peers` and
-        `copy_parents`."""
+    def _tree_links(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The ranks each rank exchanges chunks with in the reduction trees (some owner's
+        chunk goes between them, either way), as ``(starts, peers)``: rank r's are
+        ``peers[starts[r]:starts[r + 1]]``, in rank order. Once per routes: attach asks
+        `peers` and `copy_parents`.
+
+        An owner's tree depends on the owner only through its place (`_tree_places`):
+        each place's tree is built once, and each owner adds the ranks that send it
+        their groups' sums. 8,192 ranks (8 a host, 32 hosts a leaf) took 2.5 s and a
+        W x W table on every rank when every owner's tree was built; 0.4 s now, and
+        65,536 ranks 9.8 s and 1.6 GB at the peak (ad hoc).
+        """
         w = self.world
-        links = np.zeros((w, w), dtype=bool)
+        child, parent = _tree_pairs(self.top, self.hosts)
+        codes = np.concatenate([child * w + parent, parent * w + child])
+        codes.sort()  # then each once: np.unique's hashing took 9 s of 11 at 32,768 ranks
+        codes = codes[np.concatenate([[True], codes[1:] != codes[:-1]])]
+        return np.searchsorted(codes // w, np.arange(w + 1)), codes % w
+
+
+def _tree_pairs(top: Sequence[int], hosts: Sequence[int] | None
+                ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Every (child, parent) of every owner's tree (`all_reduction_parents`), some more
+    than once.
+
+    Owners at the same place have the same tree but for who it ends at: one level, a
+    group's lead is the member at the owner's place in its own group; two levels, a
+    host's leader is the member at the owner's place in its host, and a leaf's lead the
+    leader at the owner's host's place among its leaf's leaders. So the tree of one
+    owner a place, and for each owner, each group's lead sending to it, are all of them.
+    Owner by owner where ranks of one host name different leaves.
+    """
+    w = len(top)
+    places = _tree_places(top, hosts)
+    if places is None:
+        child, parent = [], []
         step = max(1, TREE_BLOCK // w)  # owners a block at a time: W^2 int64 parents at
         for first in range(0, w, step):  # once took 2.2 GB (8,192 ranks) on every rank
-            parents = all_reduction_parents(self.top, self.hosts,
-                                            np.arange(first, min(first + step, w)))
+            parents = all_reduction_parents(top, hosts, np.arange(first, min(first + step, w)))
             block, ranks = np.nonzero(parents >= 0)
-            links[ranks, parents[block, ranks]] = True
-        return links | links.T
+            child.append(ranks)
+            parent.append(parents[block, ranks])
+        return np.concatenate(child), np.concatenate(parent)
+    place, leads = places
+    firsts = np.unique(place, return_index=True)[1]  # one owner a place
+    parents = all_reduction_parents(top, hosts, firsts)
+    block, ranks = np.nonzero(parents >= 0)
+    # Each owner: every group's lead at its place sends to it (its own group's: itself).
+    to = np.repeat(np.arange(w), leads.shape[1])
+    sent = leads[place].reshape(-1)
+    apart = sent != to
+    return (np.concatenate([ranks, sent[apart]]),
+            np.concatenate([parents[block, ranks], to[apart]]))
+
+
+def _tree_places(top: Sequence[int], hosts: Sequence[int] | None
+                 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+    """Each owner's place (owners of one place have one tree but for its end, see
+    `_tree_pairs`), numbered 0.., and per place the lead of each top group; None where
+    ranks of one host name different leaves."""
+    leaf = np.asarray(top, dtype=np.int64)
+    w = len(leaf)
+    if hosts is None:  # a group's lead is the member at the owner's place in its group
+        index = _in_groups(leaf)
+        _, owner_place = np.unique(_places_in_groups(index), return_inverse=True)
+        owner_place = owner_place.reshape(-1)
+        return owner_place, _lead_matrix(index, np.unique(owner_place, return_index=True)[1])
+    # Two levels: a host's leader is the member at the owner's place in its host ...
+    index = _in_groups(hosts)
+    in_host = _places_in_groups(index)
+    _, host_place = np.unique(in_host, return_inverse=True)
+    host_place = host_place.reshape(-1)
+    at = leader_parents(leaf, hosts, np.unique(host_place, return_index=True)[1])
+    if at is None:
+        return None
+    # ... and a leaf's lead the leader at the owner's host's leader's place in its leaf.
+    in_leaf = at.place[host_place, at.host_index]
+    _, owner_place = np.unique(host_place * (w + 1) + in_leaf, return_inverse=True)
+    owner_place = owner_place.reshape(-1)
+    leads = leader_parents(leaf, hosts, np.unique(owner_place, return_index=True)[1])
+    assert leads is not None  # as `at`
+    return owner_place, leads.leaf_lead
 
 
 def host_groups(hosts: Sequence[str], exchange: str) -> tuple[int, ...] | None:
@@ -563,7 +635,7 @@ def all_reduction_parents(
         leaf_list, host_list = leaf.tolist(), np.asarray(hosts).tolist()
         return np.array([reduction_parents(o, leaf_list, host_list) for o in of.tolist()],
                         dtype=np.int64).reshape(len(of), world)
-    host_index, host_lead, above = between
+    host_index, host_lead, above = between.host_index, between.lead, between.above
     up = host_lead[:, host_index]  # (owner, rank): the leader of the rank's host
     # A leader sends where its host's does (`leader_parents`), the others to their leader.
     parents = np.where(up == ranks[None, :], above[:, host_index], up)
@@ -571,16 +643,24 @@ def all_reduction_parents(
     return np.asarray(parents, dtype=np.int64)
 
 
+class Leaders(NamedTuple):
+    """`leader_parents`: the trees of `all_reduction_parents` (two levels) between hosts."""
+
+    host_index: npt.NDArray[np.int64]  # each rank's host, 0..H-1 in sorted host order
+    lead: npt.NDArray[np.int64]  # (owners, H): each host's leader
+    above: npt.NDArray[np.int64]  # (owners, H): where it sends (a rank; -1: the owner's)
+    leaf_lead: npt.NDArray[np.int64]  # (owners, L): each leaf's lead, leaves in order
+    place: npt.NDArray[np.int64]  # (owners, H): each host's leader's among its leaf's
+
+
 def leader_parents(
     leaves: Sequence[int] | npt.NDArray[np.int64],
     hosts: Sequence[int] | npt.NDArray[np.int64],
     owners: npt.NDArray[np.int64],
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
-    """The trees of `all_reduction_parents` (two levels) between hosts: each rank's host
-    (0..H-1, sorted host order), each host's leader per owner, and where it sends per
-    owner (a rank; -1 from the owner's host): ``(host_index, lead, above)``, the last
-    two ``(owners, H)``. What a tree puts on host links is all here, at an H-th of the
-    ranks' trees' size. None where ranks of one host name different leaves.
+) -> Leaders | None:
+    """The trees of `all_reduction_parents` (two levels) between hosts, per owner
+    (`Leaders`). What a tree puts on host links is all here, at an H-th of the ranks'
+    trees' size. None where ranks of one host name different leaves.
     """
     leaf = np.asarray(leaves, dtype=np.int64)
     world = len(leaf)
@@ -601,8 +681,11 @@ def leader_parents(
     _, leaf_of_host = np.unique(host_leaf, return_inverse=True)
     sizes = np.bincount(leaf_of_host)
     first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    grouped = np.take_along_axis(
-        host_lead, np.argsort(leaf_of_host[None, :] * world + host_lead, axis=1), axis=1)
+    by_leaf = np.argsort(leaf_of_host[None, :] * world + host_lead, axis=1)
+    grouped = np.take_along_axis(host_lead, by_leaf, axis=1)
+    place = np.empty_like(by_leaf)  # each host's leader's place among its leaf's leaders
+    np.put_along_axis(place, by_leaf, np.broadcast_to(np.arange(n_hosts), by_leaf.shape), 1)
+    place -= first[leaf_of_host][None, :]
     own_leaf = leaf_of_host[host_index]  # each rank's leaf, 0..L-1
     # The owner's position among its leaf's leaders: leaders of its leaf below it.
     position = ((leaf_of_host[None, :] == own_leaf[of][:, None])
@@ -611,17 +694,32 @@ def leader_parents(
     above = leaf_lead[:, leaf_of_host]  # (owner, host): the lead of the host's leaf ...
     above = np.where(above == host_lead, of[:, None], above)  # ... or, the lead, the owner
     above[rows, host_index[of]] = -1  # the owner leads its host: the root
-    return np.asarray(host_index, dtype=np.int64), host_lead, np.asarray(above, dtype=np.int64)
+    return Leaders(np.asarray(host_index, dtype=np.int64), host_lead,
+                   np.asarray(above, dtype=np.int64), np.asarray(leaf_lead, dtype=np.int64),
+                   np.asarray(place, dtype=np.int64))
+
+
+def _in_groups(groups: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Each rank's group, 0..G-1 in sorted group order."""
+    return np.asarray(np.unique(np.asarray(groups), return_inverse=True)[1],
+                      dtype=np.int64).reshape(-1)
+
+
+def _places_in_groups(index: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Each rank's place in its group (`index`: each rank's, 0..G-1), members in rank order."""
+    order = np.argsort(index, kind="stable")
+    first = np.concatenate([[0], np.cumsum(np.bincount(index))[:-1]])
+    place = np.empty(len(index), dtype=np.int64)
+    place[order] = np.arange(len(index)) - first[index[order]]
+    return place
 
 
 def _lead_matrix(index: npt.NDArray[np.int64],
                  owners: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """``lead[i, g]``: the member of group ``g`` at ``owners[i]``'s position in its own
     group, modulo g's size (members in rank order); `index`: each rank's group, 0..G-1."""
-    world = len(index)
     order = np.argsort(index, kind="stable")  # ranks grouped, rank order within
     sizes = np.bincount(index)
     first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    position = np.empty(world, dtype=np.int64)
-    position[order] = np.arange(world) - first[index[order]]
+    position = _places_in_groups(index)
     return np.asarray(order[first[None, :] + position[owners][:, None] % sizes[None, :]])

@@ -292,7 +292,7 @@ class Exchange:
         if self._two_levels(in_leaf):  # only hosts' leaders send between hosts
             between = leader_parents(self.leaf, self.host, owners)
             if between is not None:
-                above = between[2]
+                above = between.above
                 at, child = np.nonzero(above >= 0)
                 return at, child, on_host[above[at, child]]
         parents = self._parents(in_leaf, owners)
