@@ -572,9 +572,10 @@ def _tree_places(top: Sequence[int], hosts: Sequence[int] | None
     in_host = _places_in_groups(index)
     _, host_place = np.unique(in_host, return_inverse=True)
     host_place = host_place.reshape(-1)
-    at = leader_parents(leaf, hosts, np.unique(host_place, return_index=True)[1])
+    at = leader_parents(leaf, hosts, np.unique(host_place, return_index=True)[1], places=True)
     if at is None:
         return None
+    assert at.place is not None  # asked for
     # ... and a leaf's lead the leader at the owner's host's leader's place in its leaf.
     in_leaf = at.place[host_place, at.host_index]
     _, owner_place = np.unique(host_place * (w + 1) + in_leaf, return_inverse=True)
@@ -650,17 +651,20 @@ class Leaders(NamedTuple):
     lead: npt.NDArray[np.int64]  # (owners, H): each host's leader
     above: npt.NDArray[np.int64]  # (owners, H): where it sends (a rank; -1: the owner's)
     leaf_lead: npt.NDArray[np.int64]  # (owners, L): each leaf's lead, leaves in order
-    place: npt.NDArray[np.int64]  # (owners, H): each host's leader's among its leaf's
+    # (owners, H): each host's leader's place among its leaf's (`places`; else None)
+    place: npt.NDArray[np.int64] | None
 
 
 def leader_parents(
     leaves: Sequence[int] | npt.NDArray[np.int64],
     hosts: Sequence[int] | npt.NDArray[np.int64],
     owners: npt.NDArray[np.int64],
+    places: bool = False,
 ) -> Leaders | None:
     """The trees of `all_reduction_parents` (two levels) between hosts, per owner
-    (`Leaders`). What a tree puts on host links is all here, at an H-th of the ranks'
-    trees' size. None where ranks of one host name different leaves.
+    (`Leaders`; its ``place`` with `places` only). What a tree puts on host links is all
+    here, at an H-th of the ranks' trees' size. None where ranks of one host name
+    different leaves.
     """
     leaf = np.asarray(leaves, dtype=np.int64)
     world = len(leaf)
@@ -683,9 +687,12 @@ def leader_parents(
     first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     by_leaf = np.argsort(leaf_of_host[None, :] * world + host_lead, axis=1)
     grouped = np.take_along_axis(host_lead, by_leaf, axis=1)
-    place = np.empty_like(by_leaf)  # each host's leader's place among its leaf's leaders
-    np.put_along_axis(place, by_leaf, np.broadcast_to(np.arange(n_hosts), by_leaf.shape), 1)
-    place -= first[leaf_of_host][None, :]
+    place = None
+    if places:  # each host's leader's place among its leaf's leaders
+        place = np.empty_like(by_leaf)
+        np.put_along_axis(place, by_leaf, np.broadcast_to(np.arange(n_hosts), by_leaf.shape),
+                          1)
+        place -= first[leaf_of_host][None, :]
     own_leaf = leaf_of_host[host_index]  # each rank's leaf, 0..L-1
     # The owner's position among its leaf's leaders: leaders of its leaf below it.
     position = ((leaf_of_host[None, :] == own_leaf[of][:, None])
@@ -696,7 +703,7 @@ def leader_parents(
     above[rows, host_index[of]] = -1  # the owner leads its host: the root
     return Leaders(np.asarray(host_index, dtype=np.int64), host_lead,
                    np.asarray(above, dtype=np.int64), np.asarray(leaf_lead, dtype=np.int64),
-                   np.asarray(place, dtype=np.int64))
+                   place)
 
 
 def _in_groups(groups: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

@@ -406,8 +406,8 @@ class DaemonClient:
     def _flows(self) -> list[dict[str, object]]:
         flows = self.mesh.flows()
         self._left_out = len(flows) if len(flows) > protocol.MAX_FLOWS else 0
-        self._left_out_from = sorted({str(f["src"]) for f in flows})[:protocol.MAX_SOURCES]
         if self._left_out:
+            self._left_out_from = sorted({str(f["src"]) for f in flows})[:protocol.MAX_SOURCES]
             # gradlaned refuses a worker of more connections than it registers, and the
             # worker's job, timings, batch shares and chunk owners would go with them.
             # Registered with none, the connections keep their DSCP marks, which the daemon
