@@ -169,6 +169,8 @@ class Registry:
         if worker.flows != flows or worker.left_out_from != left_out_from:
             worker.flows, worker.left_out_from = flows, left_out_from
             self.version += 1
+        if bool(worker.flows_left_out) != bool(left_out):  # the DSCP class's priority
+            self.version += 1
         worker.flows_left_out = left_out
         if exchange is not None and worker.exchange != exchange:
             worker.exchange = exchange

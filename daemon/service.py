@@ -445,9 +445,11 @@ class Daemon:
         only_one = len(self._backends) == 1
         # Unregistered but DSCP-marked traffic keeps its band order, on borrowed bandwidth.
         trickle = max(shaped // 1000, MIN_RATE_BPS)
-        jobs = [JobSpec(DSCP_JOB, rate_bps=trickle, ceil_bps=shaped, prio=0)]
+        registered = sorted(self.registry.jobs().items())
+        jobs = [JobSpec(DSCP_JOB, rate_bps=trickle, ceil_bps=shaped,
+                        prio=self._dscp_prio(registered, plan))]
         top = len(self.config.bands) - 1
-        for name, workers in sorted(self.registry.jobs().items()):
+        for name, workers in registered:
             cls = plan.job_classes[name]
             # A flow registered before a reload to fewer bands goes with the last one, as
             # its shim maps its connections (`DaemonClient._band`) once it hears of them.
@@ -476,6 +478,15 @@ class Daemon:
             jobs=tuple(jobs),
             dscp_job=DSCP_JOB,
         )
+
+    @staticmethod
+    def _dscp_prio(jobs: list[tuple[str, list[Worker]]], plan: Plan) -> int:
+        """The DSCP class's priority: that of the first-served job with workers whose
+        connections were left out (too many to register: its packets go by their marks
+        alone), so a job the plan put later is not served first where bandwidth is
+        borrowed; 0 (first) with none, for marked traffic of shims not registered yet."""
+        return min((plan.job_classes[name].prio for name, workers in jobs
+                    if any(w.flows_left_out for w in workers)), default=0)
 
     def _plan_now(self) -> Plan:
         plan = self.policy.plan(self.state())

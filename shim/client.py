@@ -416,8 +416,8 @@ class DaemonClient:
                 logger.warning(
                     "gradlane: rank %d has %d band connections, more than gradlaned "
                     "registers (%d): it registers none, and they are scheduled by their "
-                    "DSCP marks alone (band order kept; not by its job's class, so neither "
-                    "the job's rate nor its order among other jobs on this host)",
+                    "DSCP marks alone (band order and its job's priority kept, not the "
+                    "job's rate)",
                     self.rank, len(flows), protocol.MAX_FLOWS)
                 self._said_unregistered = True
             return []

@@ -614,3 +614,33 @@ def test_status_shows_the_daemon_s_uptime_and_its_plan_s_age(tmp_path: Path) -> 
     status = daemon.status()
     assert status["plan"]["age_s"] == 2.5
     assert 0 <= status["uptime_s"] <= time.time() - started + 0.001
+
+
+@pytest.mark.parametrize(("left_out", "prio"), [
+    ("", 0),  # none: marked traffic of shims not registered yet goes first
+    ("b", 3),  # b's workers go by their marks: at b's place in the order
+    ("ab", 1),  # two such jobs: the first served of them
+])
+def test_the_dscp_class_is_served_at_the_place_of_the_jobs_left_out(
+    tmp_path: Path, left_out: str, prio: int
+) -> None:
+    # A worker of more connections than gradlaned registers goes by its DSCP marks alone;
+    # where bandwidth is borrowed its job must not come before a job the plan put first.
+    daemon = _daemon(tmp_path, jobs="abc")
+    for worker in daemon.registry.workers():
+        if worker.job in left_out:
+            daemon.registry.set_flows(worker.id, (), left_out=8240)
+    plan = Plan(job_classes={j: JobClassPlan(1_000_000, 100_000_000, p)
+                             for j, p in (("a", 1), ("b", 3), ("c", 0))}, source="test")
+    dscp = daemon.spec_for(daemon._backends[0], plan).jobs[0]
+    assert dscp.name == service.DSCP_JOB and dscp.prio == prio
+
+
+def test_a_worker_that_starts_or_stops_leaving_flows_out_is_a_change(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path)
+    worker = daemon.registry.workers()[0]
+    versions = [daemon.registry.version]
+    for left_out in (8240, 8241, 0):
+        daemon.registry.set_flows(worker.id, (), left_out=left_out)
+        versions.append(daemon.registry.version)
+    assert versions[1] > versions[0] and versions[2] == versions[1] and versions[3] > versions[2]

@@ -756,8 +756,7 @@ def test_a_worker_of_more_connections_than_gradlaned_registers_is_registered_wit
             and "band connections" in r.getMessage()]
     assert said == ["gradlane: rank 0 has 4 band connections, more than gradlaned registers "
                     "(3): it registers none, and they are scheduled by their DSCP marks alone "
-                    "(band order kept; not by its job's class, so neither the job's rate nor "
-                    "its order among other jobs on this host)"]
+                    "(band order and its job's priority kept, not the job's rate)"]
     assert "training goes on" not in caplog.text
     logged = [r.getMessage() for r in caplog.records if r.name == "gradlane.daemon.service"
               and "band connections" in r.getMessage()]
