@@ -23,6 +23,7 @@ from gradlane.daemon.tc import (
     tos_class_key,
     translated,
     u32_bytemap,
+    u32_key_strings,
     u32_message,
 )
 from gradlane.errors import TcError
@@ -170,6 +171,86 @@ def test_a_flow_node_reads_back_as_written_from_the_message_s_bytes(
     got = _round_trip(u32_message(7, 0x474C0000, pref, table | node, keys=keys,
                                   classid=classid, table=table))
     assert got == U32Filter(pref, classid, u32_bytemap(keys), handle=table | node)
+
+
+class _Pyroute2Options(cls_u32.options):  # type: ignore[misc]
+    """pyroute2's u32 options with a selector that need not be terminal (a link)."""
+
+    class u32_sel(cls_u32.options.u32_sel):  # type: ignore[misc]
+        def encode(self) -> None:
+            terminal = self.get("terminal", True)
+            super().encode()  # always writes flags = TC_U32_TERMINAL
+            self.data[self.offset + 4] = 1 if terminal else 0
+
+
+class _Pyroute2Message(tcmsg):  # type: ignore[misc]
+    @staticmethod
+    def get_options(self: Any, *argv: Any, **kwarg: Any) -> type:
+        return _Pyroute2Options
+
+
+# pyroute2 compiles a message class's attribute table once, and a subclass inherits
+# it compiled: without their own, these two would encode as their parents do.
+for _cls in (_Pyroute2Options, _Pyroute2Message):
+    _cls._nlmsg_base__compiled_nla = False
+
+
+def _pyroute2_encoded(index: int, pref: int, node: int, keys: list[tuple[int, int, int]] | None,
+                      classid: int = 0, table: int = 0, link: int = 0,
+                      hashkey: tuple[int, int] = (0, 0), divisor: int = 0) -> bytes:
+    """What pyroute2's own encoding makes of the filter `u32_message` packs itself."""
+    msg = _Pyroute2Message()
+    msg["family"], msg["index"], msg["handle"] = 0, index, node
+    msg["parent"], msg["info"] = 0x474C0000, pref << 16 | 8
+    options: list[list[Any]] = []
+    if divisor:
+        options.append(["TCA_U32_DIVISOR", divisor])
+    elif keys is not None:
+        if table:
+            options.append(["TCA_U32_HASH", table])
+        if link:
+            options.append(["TCA_U32_LINK", struct.pack("=I", link)])
+        if classid:
+            options.append(["TCA_U32_CLASSID", classid])
+        options.append(["TCA_U32_SEL", {"keys": u32_key_strings(keys), "terminal": not link,
+                                        "hmask": hashkey[0], "hoff": hashkey[1]}])
+    msg["attrs"] = [["TCA_KIND", "u32"]]
+    if options:
+        msg["attrs"].append(["TCA_OPTIONS", {"attrs": options}])
+    _with_header(msg)
+    msg.encode()
+    return bytes(msg.data)
+
+
+def _with_header(msg: Any) -> None:
+    header = msg["header"]
+    header["type"], header["flags"] = RTM_NEWTFILTER, 0x605
+    header["sequence_number"], header["pid"] = 77, 4242
+
+
+@given(src=_ADDRESSES, sport=_PORTS, dst=_ADDRESSES, dport=_PORTS,
+       extra=st.lists(st.integers(0, 63).map(dscp_key) | st.integers(0, 7).map(tos_class_key),
+                      max_size=1),
+       kind=st.sampled_from(["flow", "link", "table", "delete"]), classid=st.integers(1, 2**32 - 1),
+       node=st.integers(1, 2**32 - 1), pref=st.integers(1, 0xFFFF), index=st.integers(1, 2**31 - 1),
+       hashkey=st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 60)))
+def test_a_u32_message_packs_the_bytes_pyroute2_would(
+        src: str | None, sport: int | None, dst: str | None, dport: int | None,
+        extra: list[tuple[int, int, int]], kind: str, classid: int, node: int, pref: int,
+        index: int, hashkey: tuple[int, int]) -> None:
+    # `u32_message` packs itself for speed: the kernel must get what pyroute2 would send.
+    tcmsg(), cls_u32.options()
+    keys = ipv4_tcp_keys(src, sport, dst, dport) + extra
+    options: dict[str, Any] = {
+        "flow": {"keys": keys, "classid": classid, "table": node & 0xFFFFF000},
+        "link": {"keys": keys, "table": TC_U32_ROOT, "link": 0x47400000, "hashkey": hashkey},
+        "table": {"divisor": 256},
+        "delete": {},
+    }[kind]
+    msg = u32_message(index, 0x474C0000, pref, node, **options)
+    _with_header(msg)
+    msg.encode()
+    assert bytes(msg.data) == _pyroute2_encoded(index, pref, node, **{"keys": None, **options})
 
 
 def test_a_dump_s_messages_are_read_where_each_starts_in_the_buffer() -> None:
