@@ -750,7 +750,8 @@ class QdiscManager:
 
     def _add_filters(self, index: int, diff: _FilterDiff, view: _View, changes: list[str]) -> None:
         for node, item in diff.retarget:  # a registered flow moved to another band
-            self._u32("change", index, FLOW_PREF, node.handle, keys=item.keys, classid=item.classid)
+            self._u32("change", index, FLOW_PREF, node.handle, match=item.bytemap,
+                      classid=item.classid)
             target = fmt_handle(item.classid)
             changes.append(f"change flow {fmt_u32_handle(node.handle)} -> {target}")
         if diff.retarget:
@@ -763,16 +764,17 @@ class QdiscManager:
         flow_nodes = [f for f in view.filters if f.pref == FLOW_PREF]
         used = {f.handle for f in flow_nodes}
         root = next((f.handle & 0xFFF00000 for f in flow_nodes if f.link), 0)
+        cursors: dict[int, int] = {}
         for item in diff.add:
             if item.pref != FLOW_PREF:  # a DSCP fallback, a priority of its own
-                self._u32("add", index, item.pref, 0, keys=item.keys, classid=item.classid,
+                self._u32("add", index, item.pref, 0, match=item.bytemap, classid=item.classid,
                           table=TC_U32_ROOT)  # fmt: skip
                 view.filters.append(U32Filter(item.pref, item.classid, item.bytemap))
                 changes.append(f"add filter pref {item.pref:#x} -> {fmt_handle(item.classid)}")
                 continue
             table = TC_U32_ROOT if item.bucket is None else FLOW_TABLE | item.bucket << 12
-            new = _free_node(root if item.bucket is None else table, used)
-            self._u32("add", index, FLOW_PREF, new, keys=item.keys, classid=item.classid,
+            new = _free_node(root if item.bucket is None else table, used, cursors)
+            self._u32("add", index, FLOW_PREF, new, match=item.bytemap, classid=item.classid,
                       table=table)  # fmt: skip
             used.add(new)
             view.filters.append(U32Filter(FLOW_PREF, item.classid, item.bytemap, new))
@@ -789,7 +791,7 @@ class QdiscManager:
             # other u32 filters share the qdisc (and frees one only some time after its
             # last link goes, so it is never deleted here). The link adopts it.
             logger.info("%s: adopting the flow hash table already in the kernel", self.ifname)
-        self._u32("add", index, FLOW_PREF, LINK_NODE, keys=LINK_KEYS, table=TC_U32_ROOT,
+        self._u32("add", index, FLOW_PREF, LINK_NODE, match=_LINK[4], table=TC_U32_ROOT,
                   link=FLOW_TABLE, hashkey=FLOW_HASHKEY)  # fmt: skip
 
     # -- persisted state -------------------------------------------------
@@ -979,7 +981,6 @@ class _Want:
     (`FLOW_PREF`, in `bucket` of the hash table; None: the root table)."""
 
     pref: int
-    keys: tuple[tuple[int, int, int], ...]
     bytemap: ByteMap
     classid: int
     bucket: int | None = None
@@ -999,25 +1000,21 @@ def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[_Want]:
     for job in spec.jobs:
         base = handle(MARKER, slots[job.name] << 8)
         for flow in job.flows:
-            keys, bytemap = _flow_match(flow.src, flow.sport, flow.dst, flow.dport)
-            out.append(_Want(FLOW_PREF, keys, bytemap, base + flow.band + 1, flow.bucket()))
+            bytemap = _flow_match(flow.src, flow.sport, flow.dst, flow.dport)
+            out.append(_Want(FLOW_PREF, bytemap, base + flow.band + 1, flow.bucket()))
     if spec.dscp_job is not None:
         base = handle(MARKER, slots[spec.dscp_job] << 8)
         for band, dscp in enumerate(spec.bands):
-            key = dscp_key(dscp)
-            out.append(_Want(DSCP_PREF_BASE + band, (key,), u32_bytemap([key]), base + band + 1))
+            out.append(_Want(DSCP_PREF_BASE + band, u32_bytemap([dscp_key(dscp)]), base + band + 1))
     return out
 
 
-@functools.lru_cache(maxsize=1 << 14)  # about 2.3 KB each: 37 MB at most
-def _flow_match(
-    src: str | None, sport: int | None, dst: str | None, dport: int | None
-) -> tuple[tuple[tuple[int, int, int], ...], ByteMap]:
-    """A 5-tuple's u32 keys and their byte map, computed once per flow: every
-    reconcile wants every registered flow again (parsing the addresses was most
-    of a reconcile's time with thousands of flows)."""
-    keys = tuple(ipv4_tcp_keys(src, sport, dst, dport))
-    return keys, u32_bytemap(keys)
+@functools.lru_cache(maxsize=1 << 14)  # about 2 KB each: 33 MB at most
+def _flow_match(src: str | None, sport: int | None, dst: str | None, dport: int | None) -> ByteMap:
+    """A 5-tuple's u32 byte map, computed once per flow: every reconcile wants every
+    registered flow again (parsing the addresses was most of a reconcile's time with
+    thousands of flows)."""
+    return u32_bytemap(ipv4_tcp_keys(src, sport, dst, dport))
 
 
 def _bucket_of(node: U32Filter) -> int | None:
@@ -1084,12 +1081,15 @@ def _diff_filters(want: list[_Want], have: list[U32Filter]) -> _FilterDiff:
     return diff
 
 
-def _free_node(table: int, used: set[int]) -> int:
+def _free_node(table: int, used: set[int], cursors: dict[int, int]) -> int:
     """The lowest free node handle in `table`: a bucket of the hash table, or the
-    root table (its handle, from the link's), where the link comes first."""
+    root table (its handle, from the link's), where the link comes first. `cursors`:
+    where each table's search ends, for one `used` that only grows (a bucket of 256
+    flows would otherwise be walked from its start for each)."""
     first = 1 if table & 0xFFF00000 == FLOW_TABLE else LINK_NODE + 1
-    for node in range(first, MAX_NODE + 1):
+    for node in range(cursors.get(table, first), MAX_NODE + 1):
         if table | node not in used:
+            cursors[table] = node + 1
             return table | node
     # QdiscSpec refuses more flows than a table holds.
     raise ConfigError(f"no free u32 node in table {fmt_u32_handle(table)}")

@@ -373,10 +373,10 @@ def _nla(kind: int, payload: bytes) -> bytes:
     return _NLA.pack(length, kind) + payload + bytes(-length % 4)
 
 
-def _packed_keys(keys: Iterable[U32Key]) -> list[bytes]:
-    """`keys` as pyroute2 packs them (`gradlane.daemon.tc` says why): the masked bytes,
-    a word from each masked byte not in the word before, as `struct tc_u32_key`s."""
-    byte = {offset: (value, mask) for offset, value, mask in u32_bytemap(keys)}
+def _packed_keys(match: ByteMap) -> list[bytes]:
+    """A byte map's keys as pyroute2 packs them (`gradlane.daemon.tc` says why): a word
+    from each masked byte not in the word before, as `struct tc_u32_key`s."""
+    byte = {offset: (value, mask) for offset, value, mask in match}
     if any(offset < 0 for offset in byte):
         raise ValueError(f"u32 keys before the IP header are not packed here: {sorted(byte)}")
     out, taken = [], 0
@@ -399,7 +399,7 @@ def u32_message(
     pref: int,
     handle: int,
     *,
-    keys: Iterable[U32Key] | None = None,
+    match: ByteMap | None = None,
     classid: int = 0,
     table: int = 0,
     link: int = 0,
@@ -410,19 +410,20 @@ def u32_message(
     type and flags), for what ``ipr.tc`` cannot build: a hash table (`divisor`
     buckets), a link to one (`link`, hashing the word at ``hashkey[1]`` masked by
     ``hashkey[0]``; not terminal), a node in one of its buckets (`table`: its
-    handle plus the bucket << 12; or `TC_U32_ROOT`). `keys` None: no options
-    (a delete). Keys of no masked byte match anything, as none."""
+    handle plus the bucket << 12; or `TC_U32_ROOT`). `match`: the bytes a packet
+    must have (`u32_bytemap` of its keys; empty: any packet); None: no options (a
+    delete)."""
     options = b""
     if divisor:
         options = _nla(TCA_U32_DIVISOR, _U32.pack(divisor))
-    elif keys is not None:
+    elif match is not None:
         if table:
             options += _nla(TCA_U32_HASH, _U32.pack(table))
         if link:
             options += _nla(TCA_U32_LINK, _U32.pack(link))
         if classid:
             options += _nla(TCA_U32_CLASSID, _U32.pack(classid))
-        packed = _packed_keys(keys)
+        packed = _packed_keys(match)
         sel = _SEL_OUT.pack(0 if link else TC_U32_TERMINAL, 0, len(packed), bytes(2), 0, 0,
                             hashkey[1], struct.pack(">I", hashkey[0]))
         options += _nla(TCA_U32_SEL, sel + b"".join(packed))

@@ -134,7 +134,7 @@ def test_u32_messages_say_what_ipr_tc_cannot() -> None:
     # would inherit the parent's: use the parents first, as a running daemon has.
     tcmsg(), cls_u32.options()
     link = _round_trip(
-        u32_message(3, 0x474C0000, 0x100, 1, keys=ipv4_tcp_keys(), table=TC_U32_ROOT,
+        u32_message(3, 0x474C0000, 0x100, 1, match=u32_bytemap(ipv4_tcp_keys()), table=TC_U32_ROOT,
                     link=0x47400000, hashkey=(0x1FE, 20))
     )  # fmt: skip
     assert link is not None
@@ -142,7 +142,7 @@ def test_u32_messages_say_what_ipr_tc_cannot() -> None:
                                                                      False, 0)  # fmt: skip
     assert link.bytemap == u32_bytemap(ipv4_tcp_keys()) and link.pref == 0x100
     flow = _round_trip(
-        u32_message(3, 0x474C0000, 0x100, 0x4745A001, keys=ipv4_tcp_keys(dport=5301),
+        u32_message(3, 0x474C0000, 0x100, 0x4745A001, match=u32_bytemap(ipv4_tcp_keys(dport=5301)),
                     classid=0x474C0102, table=0x4745A000)
     )  # fmt: skip
     assert flow is not None and flow.terminal and flow.classid == 0x474C0102
@@ -168,7 +168,7 @@ def test_a_flow_node_reads_back_as_written_from_the_message_s_bytes(
     tcmsg(), cls_u32.options()
     keys = ipv4_tcp_keys(src, sport, dst, dport) + extra
     table = 0x47400000 | bucket << 12
-    got = _round_trip(u32_message(7, 0x474C0000, pref, table | node, keys=keys,
+    got = _round_trip(u32_message(7, 0x474C0000, pref, table | node, match=u32_bytemap(keys),
                                   classid=classid, table=table))
     assert got == U32Filter(pref, classid, u32_bytemap(keys), handle=table | node)
 
@@ -245,9 +245,12 @@ def test_a_u32_message_packs_the_bytes_pyroute2_would(
         "flow": {"keys": keys, "classid": classid, "table": node & 0xFFFFF000},
         "link": {"keys": keys, "table": TC_U32_ROOT, "link": 0x47400000, "hashkey": hashkey},
         "table": {"divisor": 256},
-        "delete": {},
+        "delete": {"keys": None},
     }[kind]
-    msg = u32_message(index, 0x474C0000, pref, node, **options)
+    ours = {k: v for k, v in options.items() if k != "keys"}
+    if "keys" in options:
+        ours["match"] = None if options["keys"] is None else u32_bytemap(options["keys"])
+    msg = u32_message(index, 0x474C0000, pref, node, **ours)
     _with_header(msg)
     msg.encode()
     assert bytes(msg.data) == _pyroute2_encoded(index, pref, node, **{"keys": None, **options})
@@ -257,7 +260,7 @@ def test_a_dump_s_messages_are_read_where_each_starts_in_the_buffer() -> None:
     # A dump's messages share one buffer: each is read from its own offset.
     tcmsg(), cls_u32.options()
     first, second = (u32_message(3, 0x474C0000, 0x100, 0x47400000 | n,
-                                 keys=ipv4_tcp_keys(dport=n), classid=0x474C0100 | n,
+                                 match=u32_bytemap(ipv4_tcp_keys(dport=n)), classid=0x474C0100 | n,
                                  table=0x47400000) for n in (1, 2))
     data = bytearray()
     for msg in (first, second):
@@ -276,8 +279,9 @@ def test_lengths_past_a_message_s_end_are_not_read_beyond_it() -> None:
     # they run past its end are no filter; a selector claiming more keys than it holds
     # gives the keys it holds. Neither reads the next message's bytes.
     tcmsg(), cls_u32.options()
-    msg = u32_message(3, 0x474C0000, 0x100, 0x47400001, keys=ipv4_tcp_keys(dport=5201),
-                      classid=0x474C0102, table=0x47400000)
+    msg = u32_message(3, 0x474C0000, 0x100, 0x47400001,
+                      match=u32_bytemap(ipv4_tcp_keys(dport=5201)), classid=0x474C0102,
+                      table=0x47400000)
     msg["header"]["type"] = RTM_NEWTFILTER
     msg.encode()
     good = bytes(msg.data)
