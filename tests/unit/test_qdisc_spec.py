@@ -31,6 +31,7 @@ from gradlane.daemon.qdisc import (
     QdiscSpec,
     RootWatch,
     _diff_filters,
+    _free_node,
     _wanted_classes,
     _wanted_filters,
 )
@@ -273,3 +274,21 @@ def test_the_state_file_s_directory_is_made(tmp_path: Path) -> None:
     manager = QdiscManager("eth0", state_file=state)  # no kernel asked
     manager._save_state()
     assert json.loads(state.read_text())["ifname"] == "eth0"
+
+
+def test_new_flows_take_the_lowest_free_nodes_of_their_table() -> None:
+    # Node ids are 12 bits: flows that come and go must reuse the holes they leave.
+    bucket, other, root = FLOW_TABLE | 5 << 12, FLOW_TABLE | 6 << 12, 0x80000000
+    used = {bucket | 1, bucket | 3, root | 1}
+    cursors: dict[int, int] = {}
+    got = []
+    for table in (bucket, bucket, other, bucket, root, root):
+        got.append(_free_node(table, used, cursors))
+        used.add(got[-1])
+    assert got == [bucket | 2, bucket | 4, other | 1, bucket | 5, root | 2, root | 3]
+    full = {bucket | node for node in range(1, 0xFFF)}
+    assert _free_node(bucket, full, {}) == bucket | 0xFFF  # the last one there is
+    full.add(bucket | 0xFFF)
+    with pytest.raises(ConfigError, match="no free u32 node in table 474:5:"):
+        _free_node(bucket, full, {})
+    assert _free_node(root, set(), {}) == root | 2  # the link is the root table's first node
