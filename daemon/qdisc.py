@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import json
 import logging
 import os
@@ -384,6 +383,7 @@ class QdiscManager:
         # What the kernel holds, as last read and since updated with every
         # change sent; None = read it again before the next diff.
         self._view: _View | None = None
+        self._matches: dict[_FiveTuple, ByteMap] = {}  # the wanted flows' (`_wanted_filters`)
         self._ifindex: int | None = None
         # Whether this manager has held the root (installed or taken over its tree):
         # a default root found after that means the tree was deleted behind its back.
@@ -498,7 +498,7 @@ class QdiscManager:
         index = self._index()
         slots = self._assign_slots(spec)
         want_classes = _wanted_classes(spec, slots)
-        want_filters = _wanted_filters(spec, slots)
+        want_filters = _wanted_filters(spec, slots, self._matches)
         view = self._view
         moved = _moved_class(view.classes, want_classes) if read else None
         if moved:
@@ -995,26 +995,38 @@ class _FilterDiff:
     retarget: list[tuple[U32Filter, _Want]] = field(default_factory=list)  # to another band
 
 
-def _wanted_filters(spec: QdiscSpec, slots: dict[str, int]) -> list[_Want]:
+_FiveTuple = tuple[str | None, int | None, str | None, int | None]
+
+
+def _wanted_filters(spec: QdiscSpec, slots: dict[str, int],
+                    matches: dict[_FiveTuple, ByteMap] | None = None) -> list[_Want]:
+    """The filters `spec` wants, flows first. `matches`: the flows' byte maps by 5-tuple,
+    as the last call left them (the caller keeps it): every reconcile wants every
+    registered flow again, and parsing the addresses into keys was most of its time
+    with thousands of flows, so each flow's is computed once while it stays. On return
+    it holds this spec's flows' only."""
+    known = {} if matches is None else matches
+    now: dict[_FiveTuple, ByteMap] = {}
     out: list[_Want] = []
     for job in spec.jobs:
         base = handle(MARKER, slots[job.name] << 8)
         for flow in job.flows:
-            bytemap = _flow_match(flow.src, flow.sport, flow.dst, flow.dport)
+            key = (flow.src, flow.sport, flow.dst, flow.dport)
+            bytemap = now.get(key)
+            if bytemap is None:
+                bytemap = known.get(key)
+                if bytemap is None:
+                    bytemap = u32_bytemap(ipv4_tcp_keys(*key))
+                now[key] = bytemap
             out.append(_Want(FLOW_PREF, bytemap, base + flow.band + 1, flow.bucket()))
     if spec.dscp_job is not None:
         base = handle(MARKER, slots[spec.dscp_job] << 8)
         for band, dscp in enumerate(spec.bands):
             out.append(_Want(DSCP_PREF_BASE + band, u32_bytemap([dscp_key(dscp)]), base + band + 1))
+    if matches is not None:
+        matches.clear()
+        matches.update(now)
     return out
-
-
-@functools.lru_cache(maxsize=1 << 14)  # about 2 KB each: 33 MB at most
-def _flow_match(src: str | None, sport: int | None, dst: str | None, dport: int | None) -> ByteMap:
-    """A 5-tuple's u32 byte map, computed once per flow: every reconcile wants every
-    registered flow again (parsing the addresses was most of a reconcile's time with
-    thousands of flows)."""
-    return u32_bytemap(ipv4_tcp_keys(src, sport, dst, dport))
 
 
 def _bucket_of(node: U32Filter) -> int | None:
