@@ -6,6 +6,7 @@ import json
 import struct
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyroute2.netlink.rtnl import (
@@ -292,3 +293,19 @@ def test_new_flows_take_the_lowest_free_nodes_of_their_table() -> None:
     with pytest.raises(ConfigError, match="no free u32 node in table 474:5:"):
         _free_node(bucket, full, {})
     assert _free_node(root, set(), {}) == root | 2  # the link is the root table's first node
+
+
+def test_each_flow_s_match_is_worked_out_once_while_it_stays() -> None:
+    # Every reconcile wants every flow again: their byte maps are kept between calls, for
+    # the flows still wanted only (a host's flows come and go by the thousand).
+    other = FlowMatch(2, src="10.0.0.1", sport=40001, dst="10.0.0.3", dport=5000)
+    matches: dict[Any, Any] = {}
+    first = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(FLOW, other)),)),
+                            {"a": 1}, matches)
+    assert len(matches) == 2
+    moved = FlowMatch(3, FLOW.src, FLOW.sport, FLOW.dst, FLOW.dport)  # the same 5-tuple
+    again = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(moved,)),)),
+                            {"a": 1}, matches)
+    assert again[0].bytemap is first[0].bytemap and again[0].classid == 0x474C0104
+    assert list(matches.values()) == [first[0].bytemap]  # `other` is gone
+    assert first[1].bytemap == u32_bytemap(other.keys()) != first[0].bytemap
