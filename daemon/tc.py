@@ -41,6 +41,7 @@ __all__ = [
     "HtbParams",
     "U32Filter",
     "U32Key",
+    "bytemap_entries",
     "dscp_key",
     "fmt_handle",
     "fmt_u32_handle",
@@ -214,11 +215,17 @@ def u32_key_strings(keys: Iterable[U32Key]) -> list[str]:
     return [f"0x{value:08x}/0x{mask:08x}+{offset}" for value, mask, offset in keys]
 
 
-ByteMap = frozenset[tuple[int, int, int]]
+ByteMap = bytes
+"""The canonical form of a u32 match (`u32_bytemap`): for each masked byte, in offset
+order, its offset, value and mask (`_BYTE`). Bytes, not a set of tuples: the qdisc
+manager holds a host's flows twice (wanted, and as the kernel has them), 65,536 in
+37 MB against 235 (tracemalloc)."""
+_BYTE = struct.Struct(">iBB")
 
 
 def u32_bytemap(keys: Iterable[U32Key]) -> ByteMap:
-    """The canonical form of a key list: (offset, value byte, mask byte)."""
+    """The canonical form of a key list: what a packet must have, byte by byte,
+    however the keys pack it."""
     out: dict[int, tuple[int, int]] = {}
     for value, mask, offset in keys:
         for i in range(4):
@@ -228,7 +235,12 @@ def u32_bytemap(keys: Iterable[U32Key]) -> ByteMap:
                 vbyte = (value >> shift) & mbyte
                 old_v, old_m = out.get(offset + i, (0, 0))
                 out[offset + i] = (old_v | vbyte, old_m | mbyte)
-    return frozenset((off, v, m) for off, (v, m) in out.items())
+    return b"".join(_BYTE.pack(off, v, m) for off, (v, m) in sorted(out.items()))
+
+
+def bytemap_entries(match: ByteMap) -> list[tuple[int, int, int]]:
+    """A byte map's (offset, value byte, mask byte), in offset order."""
+    return list(_BYTE.iter_unpack(match))
 
 
 @dataclass(frozen=True)
@@ -319,7 +331,7 @@ def parse_u32_filter(msg: Any) -> U32Filter | None:
         divisor = u32(TCA_U32_DIVISOR)
         if divisor is None:
             return None
-        return U32Filter(pref, 0, frozenset(), handle=handle, divisor=divisor)
+        return U32Filter(pref, 0, b"", handle=handle, divisor=divisor)
     flags, _, nkeys, _, _, _, hoff = _SEL.unpack_from(data, sel[0])
     (hmask,) = _SEL_HMASK.unpack_from(data, sel[0] + _SEL.size)
     keys = []
@@ -376,7 +388,7 @@ def _nla(kind: int, payload: bytes) -> bytes:
 def _packed_keys(match: ByteMap) -> list[bytes]:
     """A byte map's keys as pyroute2 packs them (`gradlane.daemon.tc` says why): a word
     from each masked byte not in the word before, as `struct tc_u32_key`s."""
-    byte = {offset: (value, mask) for offset, value, mask in match}
+    byte = {offset: (value, mask) for offset, value, mask in bytemap_entries(match)}
     if any(offset < 0 for offset in byte):
         raise ValueError(f"u32 keys before the IP header are not packed here: {sorted(byte)}")
     out, taken = [], 0
