@@ -791,7 +791,7 @@ class QdiscManager:
             # other u32 filters share the qdisc (and frees one only some time after its
             # last link goes, so it is never deleted here). The link adopts it.
             logger.info("%s: adopting the flow hash table already in the kernel", self.ifname)
-        self._u32("add", index, FLOW_PREF, LINK_NODE, match=_LINK[4], table=TC_U32_ROOT,
+        self._u32("add", index, FLOW_PREF, LINK_NODE, match=_LINK_MATCH, table=TC_U32_ROOT,
                   link=FLOW_TABLE, hashkey=FLOW_HASHKEY)  # fmt: skip
 
     # -- persisted state -------------------------------------------------
@@ -972,7 +972,8 @@ def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, HtbPara
 
 
 LINK_KEYS = ipv4_tcp_keys()  # IPv4 TCP with a 20-byte header: the port word at offset 20
-_LINK = (FLOW_TABLE, FLOW_HASHKEY, False, 0, u32_bytemap(LINK_KEYS))  # what `_flow_table_ok` wants
+_LINK_MATCH = u32_bytemap(LINK_KEYS)
+_LINK = (FLOW_TABLE, FLOW_HASHKEY, False, 0, _LINK_MATCH)  # what `_flow_table_ok` wants
 
 
 @dataclass(frozen=True)

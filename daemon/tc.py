@@ -8,8 +8,9 @@ u32 keys are handled as *byte maps*: they are sent re-packed into words that
 start at a masked byte (``0x00b80000/0x00fc0000+0`` is sent as
 ``b8000000/fc000000 at 1``), as pyroute2 packs them (`u32_message` packs its
 messages itself, the same bytes, faster), so comparing key lists literally
-would never match what the kernel reports. A byte map, the set of (offset, value byte,
-mask byte) for every masked byte, is the same whatever the packing.
+would never match what the kernel reports. A byte map, (offset, value byte,
+mask byte) of every masked byte in offset order, is the same whatever the
+packing.
 """
 
 from __future__ import annotations
