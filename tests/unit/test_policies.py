@@ -167,6 +167,37 @@ def test_bssi_puts_the_coflow_heaviest_on_the_bottleneck_last() -> None:
     assert bssi_order(np.zeros((3, 2))) == [0, 1, 2]
 
 
+def _bssi_dense(load: np.ndarray, weights: np.ndarray | None = None) -> list[int]:
+    """BSSI summing the whole matrix of the coflows left at each step: what `bssi_order`
+    did before it summed the nonzeros alone."""
+    k = load.shape[0]
+    w = np.ones(k) if weights is None else weights.astype(np.float64).copy()
+    left, order = list(range(k)), []
+    while left:
+        on_port = load[left][:, int(np.argmax(load[left].sum(axis=0)))]
+        if on_port.max() <= 0:
+            order.extend(reversed(left))
+            break
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(on_port > 0, w[left] / on_port, np.inf)
+        last_pos = int(np.argmin(ratio))
+        w[left] = w[left] - w[left[last_pos]] * on_port / on_port[last_pos]
+        order.append(left.pop(last_pos))
+    return order[::-1]
+
+
+@given(st.integers(1, 12).flatmap(lambda k: st.tuples(
+    st.lists(st.lists(st.sampled_from([0.0, 0.0, 0.1, 0.2, 0.3, 1 / 3, 1.0, 2.5])
+                      | st.floats(1e-6, 10), min_size=5, max_size=5), min_size=k, max_size=k),
+    st.none() | st.lists(st.floats(0.5, 4), min_size=k, max_size=k))))
+def test_bssi_from_the_nonzeros_orders_as_from_the_whole_matrix(
+        case: tuple[list[list[float]], list[float] | None]) -> None:
+    # Ties between ports' sums are common (symmetric jobs): the sums must match to the bit.
+    load = np.array(case[0])
+    weights = None if case[1] is None else np.array(case[1])
+    assert bssi_order(load, weights) == _bssi_dense(load, weights)
+
+
 def _total_completion(load: np.ndarray, order: list[int]) -> float:
     """Each port serving the coflows in `order`, one after another: the sum of the times
     their last port is done."""
