@@ -6,7 +6,7 @@ Registered: `fifo` and `fair` (baselines), `priority` (P3/ByteScheduler),
 simulator that evaluates them is `gradlane.policies.sim`.
 """
 
-from gradlane.policies import coflow, fifo, gradlane, loadbalance, priority, straggler
+from gradlane.policies import chunks, coflow, fifo, gradlane, loadbalance, priority, straggler
 from gradlane.policies.base import (
     DEFAULT_BANDS,
     DEFAULT_MAX_WEIGHED,
@@ -27,6 +27,15 @@ from gradlane.policies.base import (
 )
 from gradlane.policies.check import check_plan
 
+
+def clear_caches() -> None:
+    """Forget what plans keep from one state to the next (each job placement's owner
+    shares, each job shape's chunk owners), as a fresh control plane has nothing: for
+    timing a first plan."""
+    loadbalance._shares.cache_clear()
+    chunks._equal_weights.cache_clear()
+
+
 __all__ = [
     "DEFAULT_BANDS",
     "DEFAULT_MAX_WEIGHED",
@@ -42,6 +51,7 @@ __all__ = [
     "Topology",
     "Worker",
     "check_plan",
+    "clear_caches",
     "coflow",
     "fifo",
     "get_policy",

@@ -101,7 +101,8 @@ def assign_owners_of(jobs: Sequence[Owning]) -> list[list[int]]:
         # lowest rank.
         w = np.ones(world) if weights is None else np.asarray(weights, dtype=np.float64)
         if np.all(w <= w.min() * (1 + TIE)):
-            out[k] = _equal_weights(sizes, world, groups)
+            out[k] = list(_equal_weights(tuple(sizes), world,
+                                         None if groups is None else tuple(groups)))
         elif len(sizes):
             weighted.append((k, sizes, w, groups))
     if weighted:
@@ -160,9 +161,13 @@ def _weighted(jobs: list[tuple[Sequence[int], np.ndarray, Sequence[int] | None]]
     return [owners[j, :length[j]].tolist() for j in range(n)]
 
 
-def _equal_weights(sizes: Sequence[int], world: int, groups: Sequence[int] | None) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def _equal_weights(sizes: tuple[int, ...], world: int,
+                   groups: tuple[int, ...] | None) -> tuple[int, ...]:
     """`assign_owners` with equal weights: each chunk to the rank of least load within its
-    group, then least owned bytes overall, then lowest rank."""
+    group, then least owned bytes overall, then lowest rank. Cached: a cluster's jobs are
+    a few models on a few sizes, planned again at every change (400 jobs of 4 models,
+    1,024 hosts: 65 of a plan's 140 ms, ad hoc)."""
     total = [0] * world
     # Every rank keyed by owned bytes, then rank, packed into one integer (``owned * world
     # + rank``: integers compare in C, tuples do not). A group of at most `world` chunks of
@@ -197,7 +202,7 @@ def _equal_weights(sizes: Sequence[int], world: int, groups: Sequence[int] | Non
                 owners.append(best)
             ranks = [total[r] * world + r for r in range(world)]
             heapq.heapify(ranks)
-    return owners
+    return tuple(owners)
 
 
 def band_of(order: int, layers: int, bands: int) -> int:

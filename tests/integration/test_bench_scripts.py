@@ -25,7 +25,8 @@ BENCH = REPO / "bench"
 
 
 def _plan(r: dict[str, Any]) -> bool:
-    return r["hosts"] == 1024 and all(p["median_ms"] > 0 for p in r["policies"].values())
+    return r["hosts"] == 1024 and all(p["median_ms"] > 0 and p["first_ms"] > 0
+                                      for p in r["policies"].values())
 
 
 def _control(r: dict[str, Any]) -> bool:
@@ -132,7 +133,7 @@ def test_the_long_testbed_scripts_import_and_say_how_to_run_them(script: str) ->
     assert "--json" in out.stdout
 
 
-def test_the_plan_benchmark_sizes_its_cluster_and_refuses_a_size_it_cannot_build(
+def test_the_plan_benchmark_sizes_its_cluster_and_jobs_and_refuses_what_it_cannot_build(
         tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     run = [sys.executable, str(BENCH / "policy_plan.py"), "--repeat", "1", "--json", str(out)]
@@ -141,6 +142,12 @@ def test_the_plan_benchmark_sizes_its_cluster_and_refuses_a_size_it_cannot_build
     result = json.loads(out.read_text())
     assert (result["hosts"], result["workers"]) == (64, 64)
     out.unlink()
-    proc = subprocess.run([*run, "--hosts", "100"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--hosts: hosts must fill whole leaves" in proc.stderr
-    assert not out.exists()
+    proc = subprocess.run([*run, "--hosts", "64", "--jobs", "16", "--group", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["jobs"] == 16
+    out.unlink()
+    for wrong in (["--hosts", "100"], ["--hosts", "64", "--jobs", "9"]):
+        proc = subprocess.run([*run, *wrong], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "hosts must fill whole leaves" in proc.stderr
+        assert not out.exists()
