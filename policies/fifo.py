@@ -41,9 +41,9 @@ def plain_layout(state: State) -> tuple[dict[str, tuple[int, ...]], dict[str, tu
     for job in state.jobs:
         workers = state.workers_of(job.name)
         if workers and job.chunk_bytes:
-            ownership[job.name] = tuple(
-                workers[i % len(workers)].rank for i in range(len(job.chunk_bytes))
-            )
+            chunks, ranks = len(job.chunk_bytes), [w.rank for w in workers]
+            # Chunk i to rank i mod W: the ranks repeated (a plan of 400 jobs owns 170,000)
+            ownership[job.name] = tuple((ranks * -(-chunks // len(ranks)))[:chunks])
         if workers and job.global_batch >= len(workers):
             shares[job.name] = even_shares(job.global_batch, len(workers))
     return ownership, shares
