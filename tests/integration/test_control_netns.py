@@ -101,3 +101,5 @@ def test_two_jobs_across_an_oversubscribed_uplink_reduce_within_leaves(tmp_path:
     print({k: round(v * 1000, 1) for k, v in average.items()},
           f"the control plane: {result['control_speedup']:.2f}x")
     assert average["gradlane+control"] < average["gradlane"]
+    assert result["control_speedup"] == pytest.approx(
+        average["gradlane"] / average["gradlane+control"]) and result["gradlane_over_fifo"] is None
