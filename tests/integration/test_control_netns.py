@@ -44,6 +44,12 @@ def test_the_shims_take_the_plan_s_owners_and_relieve_a_slow_link(tmp_path: Path
     # slow link's load falls from 1.5 to 1 model each way, so anything short of 1.1x means
     # the owners did not relieve it.
     assert result["speedup"] > 1.1
+    # The model behind the bound: on the ring the slow link carries 1.5 models each way
+    # with equal owners, 1 with the plan's, the least any scheme could, and no run beats it.
+    ring = result["model_exchange_s"]["ring"]
+    assert ring["by_rate"] == pytest.approx(ring["equal"] * 2 / 3)
+    assert ring["by_rate"] == pytest.approx(result["lower_bound_s"])  # not compute-bound
+    assert result["lower_bound_s"] < with_control["median_s"]
 
 
 @pytest.mark.timeout(420)
