@@ -280,10 +280,10 @@ _TCMSG_END = 36
 _NLA = struct.Struct("=HH")
 _NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED and NLA_F_NET_BYTEORDER
 _U32 = struct.Struct("=I")
-_SEL = struct.Struct("=BBBxHHhh")  # flags, offshift, nkeys, offmask, off, offoff, hoff
+_SEL = struct.Struct("=BBBxHHhh")  # flags, offshift, nkeys, offmask (0 here), off, offoff, hoff
 _SEL_HMASK = struct.Struct(">I")  # after `_SEL`, in network order
 TCA_KIND, TCA_OPTIONS = 1, 2
-TCA_U32_CLASSID, TCA_U32_LINK, TCA_U32_DIVISOR, TCA_U32_SEL = 1, 3, 4, 5
+TCA_U32_CLASSID, TCA_U32_HASH, TCA_U32_LINK, TCA_U32_DIVISOR, TCA_U32_SEL = 1, 2, 3, 4, 5
 
 
 def _attributes(data: bytes | bytearray, start: int, end: int) -> dict[int, tuple[int, int]]:
@@ -354,8 +354,6 @@ def parse_u32_filter(msg: Any) -> U32Filter | None:
 
 _NLMSGHDR = struct.Struct("=IHHII")  # length, type, flags, sequence number, port id
 _TCMSG = struct.Struct("=BxxxiIII")  # family, (padding), ifindex, handle, parent, info
-_SEL_OUT = struct.Struct("=BBBx2sHhh4s")  # `_SEL` with offmask, hmask in network order
-TCA_U32_HASH = 2
 
 
 class _U32Message(tcmsg):  # type: ignore[misc]
@@ -437,8 +435,8 @@ def u32_message(
         if classid:
             options += _nla(TCA_U32_CLASSID, _U32.pack(classid))
         packed = _packed_keys(match)
-        sel = _SEL_OUT.pack(0 if link else TC_U32_TERMINAL, 0, len(packed), bytes(2), 0, 0,
-                            hashkey[1], struct.pack(">I", hashkey[0]))
+        sel = (_SEL.pack(0 if link else TC_U32_TERMINAL, 0, len(packed), 0, 0, 0, hashkey[1])
+               + _SEL_HMASK.pack(hashkey[0]))
         options += _nla(TCA_U32_SEL, sel + b"".join(packed))
     attributes = _nla(TCA_KIND, b"u32\0")
     if options:
