@@ -107,7 +107,8 @@ def test_batch_shares_from_the_control_plane_cut_the_straggler(tmp_path: Path) -
     # plan's 5 s TTL is over (`run_control_straggler` raises if one does not within 30 s).
     partition = result["partition_local_policy_after_s"]
     print(f"local policy after the cut: {[round(d, 2) for d in partition]} s")
-    assert min(partition) >= 4.0
+    # (Its last plan came at most a push before the cut; the probes would wait 30 s.)
+    assert 4.0 <= min(partition) <= max(partition) < 2 * result["plan_ttl_s"] == 10
 
 
 @pytest.mark.timeout(420)
