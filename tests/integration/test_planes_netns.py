@@ -13,6 +13,7 @@ import pytest
 
 from gradlane.nic_runs import run_two_nics
 from gradlane.testbed import Cluster, Topology
+from gradlane.testbed.links import line_rate
 from tests.integration.helpers import hello, register, status, stop, wait_for
 
 pytestmark = pytest.mark.netns
@@ -28,6 +29,14 @@ def test_chunks_spread_over_two_nics_halve_a_communication_bound_step(tmp_path: 
     assert all(s[1] < 0.01 for s in one["nic_shares"])  # one NIC: eth1 idle
     assert all(0.4 < s[1] < 0.6 for s in two["nic_shares"])  # two: about half each
     assert two["median_s"] < 0.75 * one["median_s"]
+    assert result["speedup"] == pytest.approx(one["median_s"] / two["median_s"])
+    # The bound: each host's model out and in over both NICs (communication-bound: 10 ms
+    # of forward), which no run beats; each run's median over it is what the bench reports.
+    bound = result["lower_bound_s"]
+    assert bound > 0.1 and bound < two["median_s"]
+    for label, run in result["runs"].items():
+        assert result["summary"][label]["achieved_over_bound"] == pytest.approx(
+            run["median_s"] / bound)
     # eth1 shaped to half: the shims weigh the planes 2:1 by the rates gradlaned gives, and
     # the step stays well under one NIC's (spread evenly, eth1's half alone would take as
     # long as a whole model over one NIC).
@@ -36,6 +45,16 @@ def test_chunks_spread_over_two_nics_halve_a_communication_bound_step(tmp_path: 
           [s[1] for s in uneven["nic_shares"]])
     assert all(0.25 < s[1] < 0.42 for s in uneven["nic_shares"])
     assert uneven["median_s"] < 0.85 * one["median_s"]
+    # What gradlaned was told of each NIC, as recorded for the replay (`gradlane sim
+    # validate` shapes its links by it).
+    line = line_rate(100_000_000)
+    assert [one["daemon_line_bps"], two["daemon_line_bps"]] == [[line], [line, line]]
+    assert uneven["daemon_line_bps"] == [line, line // 2]
+    # Its bound is one NIC and a half's, and its ratio is to that.
+    assert uneven["lower_bound_s"] == pytest.approx(bound * 2 / 1.5)
+    assert uneven["lower_bound_s"] < uneven["median_s"]
+    assert uneven["achieved_over_bound"] == pytest.approx(
+        uneven["median_s"] / uneven["lower_bound_s"])
 
 
 @pytest.mark.timeout(120)
