@@ -1027,11 +1027,14 @@ def muon_and_adamw(m: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Opt
     return torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=0.01)
 
 
-def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch() -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch(
+        overlap: bool) -> None:
     """``gl.chain(muon, adamw)`` is the one optimizer attach takes; each keeps its own
-    parameters, state, schedule and step hooks (once a step), so the model ends where the
-    two optimizers stepped one after the other end it, bit for bit, and so do their
-    states. The chain's state saved and loaded, copied and pickled is the two optimizers'."""
+    parameters, state, schedule and step hooks (once a step, layer by layer or in one
+    step), so the model ends where the two optimizers stepped one after the other end
+    it, bit for bit, and so do their states. The chain's state saved and loaded, copied
+    and pickled is the two optimizers'."""
     ref, mine = model(), model()
     ref_opts, opts = muon_and_adamw(ref), muon_and_adamw(mine)
     schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in ref_opts + opts]
@@ -1041,8 +1044,8 @@ def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch() 
         o.register_step_pre_hook(lambda *_, name=name: calls.append(f"{name} pre"))
         o.register_step_post_hook(lambda *_, name=name: calls.append(f"{name} post"))
     chained = gl.chain(*opts)
-    with attach(mine, chained, overlap=True) as sync:
-        assert sync.layerwise  # both update each parameter from its own gradient
+    with attach(mine, chained, overlap=overlap) as sync:
+        assert sync.layerwise == overlap  # both update each parameter from its own gradient
         for step in range(4):
             x, y = data(step)
             nn.functional.cross_entropy(ref(x), y).backward()
