@@ -205,6 +205,64 @@ def test_each_limit_takes_its_last_value_and_refuses_the_next() -> None:
         [{"type": "x", "pad": "a" * 100}]
 
 
+FLOWS = {"type": "flows", "flows": [FLOW]}
+CHUNKS = {"type": "chunks", "iteration": 1, "events": []}
+TIMING = {"type": "timing", "iteration": 1, "compute_s": 0.1, "comm_s": 0, "samples": 1}
+
+
+def _with(message: dict, field: str, value: int) -> dict:
+    """`message` with `field` (``flows.x``: of its flow) set to `value`."""
+    if field.startswith("flows."):
+        return {**message, "flows": [{**FLOW, field[6:]: value}]}
+    return {**message, field: value}
+
+
+@pytest.mark.parametrize(("message", "field", "low", "high"), [
+    ({**HELLO, "rank": 0}, "world_size", 1, 1 << 20),
+    (HELLO, "flows.sport", 1, 65535),
+    (HELLO, "flows.dport", 1, 65535),
+    (HELLO, "flows.band", 0, protocol.BAND_NUMBERS - 1),
+    (HELLO, "global_batch", 1, 1 << 31),
+    (FLOWS, "global_batch", 1, 1 << 31),
+    (FLOWS, "flows_left_out", 0, 1 << 31),
+    (CHUNKS, "iteration", 0, 1 << 62),
+    (TIMING, "iteration", 0, 1 << 62),
+    (TIMING, "samples", 0, 1 << 31),
+])
+def test_each_whole_number_field_takes_its_range_and_refuses_either_side(
+        message: dict, field: str, low: int, high: int) -> None:
+    for value in (low, high):
+        protocol.parse(_with(message, field, value), 64)
+    name = field.removeprefix("flows.")
+    for value in (low - 1, high + 1):
+        with pytest.raises(ProtocolError, match=f"{name} must be an integer in {low}..{high}$"):
+            protocol.parse(_with(message, field, value), 64)
+
+
+def test_the_counted_limits_take_their_last_and_refuse_the_next() -> None:
+    event = [0, 1, 0, 0.0]
+    most = protocol.parse({**CHUNKS, "events": [event] * protocol.MAX_EVENTS}, 4)
+    assert len(most.events) == protocol.MAX_EVENTS  # type: ignore[union-attr]
+    with pytest.raises(ProtocolError, match="events must be a list"):
+        protocol.parse({**CHUNKS, "events": [event] * (protocol.MAX_EVENTS + 1)}, 4)
+    sources = [f"10.0.{i}.1" for i in range(protocol.MAX_SOURCES + 1)]
+    said = protocol.parse({**FLOWS, "left_out_from": sources[:-1]}, 4)
+    assert len(said.left_out_from) == protocol.MAX_SOURCES  # type: ignore[union-attr]
+    with pytest.raises(ProtocolError, match="left_out_from must be a list"):
+        protocol.parse({**FLOWS, "left_out_from": sources}, 4)
+    # A frame's map of 64 keys decodes; one of 65 is refused before any field is read.
+    wide = {"type": "x", **{f"k{i}": i for i in range(63)}}
+    assert decode_all(protocol.encode(wide)) == [wide]
+    with pytest.raises(ProtocolError, match="^not a msgpack message: 65 exceeds max_map_len"):
+        decode_all(protocol.encode({**wide, "k63": 63}))
+
+
+def test_the_default_marks_are_ef_then_af41_af31_af21() -> None:
+    # RFC 3246's EF, then RFC 2597's assured forwarding classes 4, 3 and 2 at the lowest
+    # drop precedence (AFxy = 8x + 2y): the needed-first band in the highest class.
+    assert protocol.DEFAULT_BAND_DSCP == (46, 8 * 4 + 2, 8 * 3 + 2, 8 * 2 + 2)
+
+
 def test_encode_refuses_oversized() -> None:
     with pytest.raises(ProtocolError, match="exceeds"):
         protocol.encode({"type": "x", "pad": "a" * 100}, max_frame=50)
