@@ -333,10 +333,14 @@ _PLAN = {"type": "plan", "version": 1, "ttl_s": 5.0, "source": "gradlane",
     ({"version": "2"}, "bad plan version '2'"),
     ({"ttl_s": None}, "bad plan ttl_s None"),
     ({"ttl_s": 0}, "bad plan ttl_s 0"),
+    ({"ttl_s": cp.MAX_TTL_S}, "bad plan ttl_s 1000000.0"),
     ({"job_classes": [["j", 1, 2, 3]]}, "bad plan job_classes"),
     ({"job_classes": {"j": 5}}, "bad job class 'j': 5"),
     ({"job_classes": {"j": [10**7, 10**6, 1]}}, "bad job class 'j'"),
     ({"job_classes": {"j": [10**6, 10**7, 8]}}, "bad job class 'j'"),
+    ({"job_classes": {"j": [0, 10**7, 1]}}, "bad job class 'j'"),
+    ({"job_classes": {"j": [1, 1 << 62, 1]}}, "bad job class 'j'"),
+    ({"batch_shares": {"j": [16, 1 << 62]}}, "bad plan batch_shares"),
     ({"batch_shares": None}, "bad plan batch_shares None"),
     ({"batch_shares": {"j": [16, "16"]}}, "bad plan batch_shares"),
     ({"ownership": {"j": [0, -1]}}, "bad plan ownership"),
@@ -344,6 +348,7 @@ _PLAN = {"type": "plan", "version": 1, "ttl_s": 5.0, "source": "gradlane",
     ({"rank_shares": {"j": [1, 16]}}, "bad plan rank_shares"),
     ({"rank_shares": {"j": [[1, 16, 2]]}}, "bad plan rank_shares"),
     ({"rank_shares": {"j": [[1, -16]]}}, "bad plan rank_shares"),
+    ({"rank_shares": {"j": [[1, 1 << 62]]}}, "bad plan rank_shares"),
     ({"ownership": {"j": 0}}, "bad plan ownership"),
     ({"link_bps": 0}, "bad link_bps 0"),
     ({"link_bps": True}, "bad link_bps True"),
@@ -374,8 +379,11 @@ def test_a_plan_at_the_edges_of_valid_is_taken_and_other_messages_are_not_plans(
         link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
                                   Registry(bands=4), on_change=lambda: told.append(1))
         for version, change in enumerate([
-                {"job_classes": {"j": [1, 1, 7]}, "leaf": MAX_LEAF - 1, "link_bps": 1},
-                {"leaf": 0, "ttl_s": 1e6 - 1}], start=1):
+                {"job_classes": {"j": [1, 1, 7]}, "leaf": MAX_LEAF - 1, "link_bps": 1,
+                 "ttl_s": 0.5},
+                {"leaf": 0, "ttl_s": 1e6 - 1, "job_classes": {"j": [1, (1 << 62) - 1, 0]},
+                 "batch_shares": {"j": [0, (1 << 62) - 1]},
+                 "rank_shares": {"j": [[0, 0], [1, (1 << 62) - 1]]}}], start=1):
             link._take({**_PLAN, "version": version, **change})
             assert link.plan is not None and link.plan["version"] == version
         assert link.job_classes() is not None and link.advised_leaf() == 0
