@@ -1311,6 +1311,33 @@ def _fits_leaving_out_the_largest_fewest(message: dict[str, Any], binary: bool,
     return left_out
 
 
+def _without_lists(report: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """`report` with the chunk lists of the jobs `names` left out, as `cp.fit` leaves them."""
+    return {**report, "jobs": [{**job, "chunk_bytes": [], "chunk_layers": []}
+                               if job["name"] in names else job for job in report["jobs"]]}
+
+
+def _at_the_cap_either_side(message: dict[str, Any], binary: bool, sizes: dict[str, int],
+                            without: Callable[[dict[str, Any], list[str]], dict[str, Any]],
+                            pad: str) -> None:
+    """`message` padded (its key `pad`) so that without "big" it is exactly at the cap, then
+    that many bytes under and over it: "big" alone is left out while the rest fits, and
+    "small" too once it does not (`_fits_leaving_out_the_largest_fewest`)."""
+    def padded(n: int) -> dict[str, Any]:
+        return {**message, pad: "p" * n}
+
+    def rest(n: int) -> int:  # bytes of the message padded by n, "big" left out
+        return len(cp.encode(without(padded(n), ["big"]), binary))
+
+    n = cp.MAX_MESSAGE - rest(0)
+    n -= rest(n) - cp.MAX_MESSAGE  # the rest exactly at the cap (the pad's header counted)
+    assert rest(n) == cp.MAX_MESSAGE
+    for slack in range(-20, 21):  # the rest that many bytes under the cap
+        left_out = _fits_leaving_out_the_largest_fewest(padded(n - slack), binary, sizes,
+                                                        without)
+        assert left_out == (["big"] if slack >= 0 else ["big", "small"]), slack
+
+
 @pytest.mark.parametrize("binary", [False, True])
 def test_a_report_over_the_size_cap_leaves_out_the_largest_jobs_chunk_lists(
         binary: bool) -> None:
@@ -1320,18 +1347,14 @@ def test_a_report_over_the_size_cap_leaves_out_the_largest_jobs_chunk_lists(
     report = {"type": "report", "seq": 7, "jobs": [
         {**_job(name, [0, 1], [4096] * n), "layers": n} for name, n in chunks.items()]}
 
-    def without(report: dict[str, Any], names: list[str]) -> dict[str, Any]:
-        return {**report, "jobs": [{**job, "chunk_bytes": [], "chunk_layers": []}
-                                   if job["name"] in names else job for job in report["jobs"]]}
-
-    left_out = _fits_leaving_out_the_largest_fewest(report, binary, chunks, without)
+    left_out = _fits_leaving_out_the_largest_fewest(report, binary, chunks, _without_lists)
     assert left_out == (["a"] if binary else ["a", "b"])
     parsed = cp.parse_report(cp.decode(cp.fit(report, binary)[0]))
     assert [len(j.chunk_bytes) for j in parsed.jobs] == [0 if j in left_out else n
                                                        for j, n in chunks.items()]
     assert all(len(j.workers) == 2 for j in parsed.jobs)  # only the chunk lists go
     small = {**report, "jobs": report["jobs"][2:]}
-    assert _fits_leaving_out_the_largest_fewest(small, binary, chunks, without) == []
+    assert _fits_leaving_out_the_largest_fewest(small, binary, chunks, _without_lists) == []
     other = {"type": "welcome", "pad": "x" * cp.MAX_MESSAGE}  # nothing in it can give way
     assert cp.fit(other, binary) == (cp.encode(other, binary), [])
 
@@ -1349,19 +1372,7 @@ def test_a_plan_just_over_the_size_cap_leaves_out_no_more_than_it_must(binary: b
         return {**plan, "ownership": {j: o for j, o in plan["ownership"].items()
                                       if j not in names}}
 
-    def padded(n: int) -> dict[str, Any]:
-        return {**plan, "source": "p" * n}
-
-    def rest(n: int) -> int:  # bytes of the plan padded by n, "big" left out
-        return len(cp.encode(without(padded(n), ["big"]), binary))
-
-    n = cp.MAX_MESSAGE - rest(0)
-    n -= rest(n) - cp.MAX_MESSAGE  # the rest exactly at the cap (the pad's header counted)
-    assert rest(n) == cp.MAX_MESSAGE
-    for slack in range(-20, 21):  # the rest that many bytes under the cap
-        left_out = _fits_leaving_out_the_largest_fewest(padded(n - slack), binary, sizes,
-                                                        without)
-        assert left_out == (["big"] if slack >= 0 else ["big", "small"]), slack
+    _at_the_cap_either_side(plan, binary, sizes, without, "source")
 
 
 @pytest.mark.parametrize("binary", [False, True])
@@ -1373,23 +1384,7 @@ def test_a_report_just_over_the_size_cap_leaves_out_no_more_than_it_must(
     report = {"type": "report", "seq": 7, "jobs": [
         {**_job(name, [0, 1], [4096] * n), "layers": n} for name, n in chunks.items()]}
 
-    def without(report: dict[str, Any], names: list[str]) -> dict[str, Any]:
-        return {**report, "jobs": [{**job, "chunk_bytes": [], "chunk_layers": []}
-                                   if job["name"] in names else job for job in report["jobs"]]}
-
-    def padded(n: int) -> dict[str, Any]:
-        return {**report, "pad": "p" * n}
-
-    def rest(n: int) -> int:  # bytes of the report padded by n, "big"'s lists left out
-        return len(cp.encode(without(padded(n), ["big"]), binary))
-
-    n = cp.MAX_MESSAGE - rest(0)
-    n -= rest(n) - cp.MAX_MESSAGE
-    assert rest(n) == cp.MAX_MESSAGE
-    for slack in range(-20, 21):
-        left_out = _fits_leaving_out_the_largest_fewest(padded(n - slack), binary, chunks,
-                                                        without)
-        assert left_out == (["big"] if slack >= 0 else ["big", "small"]), slack
+    _at_the_cap_either_side(report, binary, chunks, _without_lists, "pad")
 
 
 @pytest.mark.parametrize("binary", [False, True])
