@@ -1045,7 +1045,8 @@ def test_a_model_split_between_two_optimizers_trains_chained_as_plain_pytorch(
         o.register_step_post_hook(lambda *_, name=name: calls.append(f"{name} post"))
     chained = gl.chain(*opts)
     with attach(mine, chained, overlap=overlap) as sync:
-        assert sync.layerwise == overlap  # both update each parameter from its own gradient
+        # Layer by layer with overlap: both update each parameter from its own gradient.
+        assert sync.layerwise == overlap
         for step in range(4):
             x, y = data(step)
             nn.functional.cross_entropy(ref(x), y).backward()
