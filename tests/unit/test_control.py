@@ -1443,20 +1443,34 @@ def test_the_control_protocol_s_limits_take_their_last_value_and_refuse_the_next
 
     assert register(leaf=MAX_LEAF - 1).leaf == MAX_LEAF - 1
     assert register(interfaces=[{"name": "e", "rate_bps": 1}]).interfaces[0].rate_bps == 1
+    assert register(interfaces=[{"name": "e", "rate_bps": 1 << 50}]).interfaces[0].rate_bps \
+        == 1 << 50
     assert job().workers[1].rank == top_rank
     assert job(world_size=0).world_size == 0  # not said
     assert job(world_size=top_rank).world_size == top_rank
     assert job(chunk_layers=[0, 0]).chunk_layers == (0, 0)
     assert job(band_bps=[0, 1e15 - 1]).band_bps == (0.0, 1e15 - 1)
     assert cp.parse_report({"type": "report", "seq": 0, "jobs": [], "link_bps": 1}).link_bps == 1
+    assert job(layers=(1 << 20)).layers == 1 << 20
+    assert cp.parse_report({"type": "report", "seq": (1 << 62), "jobs": []}).seq == 1 << 62
+    assert cp.parse_report({"type": "report", "seq": 0, "jobs": [],
+                            "link_bps": 1 << 50}).link_bps == 1 << 50
     for refused, says in [
+        (lambda: job(layers=(1 << 20) + 1), r"report: jobs\[0\]: layers must be an integer in"),
+        (lambda: cp.parse_report({"type": "report", "seq": (1 << 62) + 1, "jobs": []}),
+         "report: seq must be an integer in 0.."),
         (lambda: register(leaf=MAX_LEAF), "register: leaf must be an integer in 0.."),
         (lambda: register(interfaces=[{"name": "e", "rate_bps": 0}]), "register: interfaces"),
+        (lambda: register(interfaces=[{"name": "e", "rate_bps": (1 << 50) + 1}]),
+         "register: interfaces"),
         (lambda: job(workers=[{"rank": top_rank + 1, "throughput": 1.0, "batch": 1}]),
          r"report: jobs\[0\].workers\[0\]: rank must be an integer in 0.."),
         (lambda: job(world_size=top_rank + 1), "report: jobs\\[0\\]: world_size must be"),
         (lambda: job(band_bps=[1e15]), r"report: jobs\[0\].band_bps must be rates >= 0"),
         (lambda: cp.parse_report({"type": "report", "seq": 0, "jobs": [], "link_bps": 0}),
+         "report: link_bps must be an integer in 1.."),
+        (lambda: cp.parse_report({"type": "report", "seq": 0, "jobs": [],
+                                  "link_bps": (1 << 50) + 1}),
          "report: link_bps must be an integer in 1.."),
         (lambda: cp.decode(msgpack.packb({"type": msgpack.ExtType(1, b"x")})),
          "not a msgpack message: 2 exceeds max_ext_len"),
