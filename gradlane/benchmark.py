@@ -344,11 +344,11 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
               dependency_bound_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Per system, from its steady-state iteration times (warm-up already dropped): median,
     p90, achieved / bound (and / the dependency bound when given), the speedup over
-    ``ddp`` when it ran, and from its `runs` the mean worker CPU, of it in the kernel,
-    the machine's mean busy share, the training threads' mean wait for a core and, on
-    the shim, the mean wait for averages per step and how much of it the slowest
-    worker's own work held back (`gradlane.demo.waits_for_slowest`), over each run's
-    steady steps."""
+    ``ddp`` when it ran, and from its `runs` the mean worker CPU, of it in the kernel and
+    on the training thread, the machine's mean busy share, the training threads' mean
+    wait for a core and, on the shim, the mean wait for averages per step and how much of
+    it the slowest worker's own work held back (`gradlane.demo.waits_for_slowest`), over
+    each run's steady steps."""
     summary: dict[str, dict[str, Any]] = {}
     for system, times in steady.items():
         ordered = sorted(times)
@@ -356,6 +356,7 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
         mine = (runs or {}).get(system) or []
         cores = [c for r in mine for c in r.cpu_cores]
         kernel = [c for r in mine for c in r.cpu_sys_cores]
+        train = [c for r in mine for c in r.cpu_train_cores]
         busy = [r.machine_cpu["busy"] for r in mine if r.machine_cpu]
         queued = [q for r in mine for q in r.run_queue_s]
         exposed: list[float] = []
@@ -370,6 +371,7 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
             "achieved_over_bound": median / bound_s,
             "worker_cpu_cores_mean": statistics.fmean(cores) if cores else None,
             "worker_cpu_sys_cores_mean": statistics.fmean(kernel) if kernel else None,
+            "worker_cpu_train_cores_mean": statistics.fmean(train) if train else None,
             "machine_busy_mean": statistics.fmean(busy) if busy else None,
             "run_queue_s_mean": statistics.fmean(queued) if queued else None,
             "exposed_s_mean": statistics.fmean(exposed) if exposed else None,
@@ -495,6 +497,7 @@ def _run_record(run: SystemRun) -> dict[str, Any]:
         "utilization": run.utilization,
         "cpu_cores_per_rank": run.cpu_cores,
         "cpu_sys_cores_per_rank": run.cpu_sys_cores,
+        "cpu_train_cores_per_rank": run.cpu_train_cores,
         # Per rank: the training thread's wait for a core, per step.
         "run_queue_s_per_step": run.run_queue_s,
         "machine_cpu": run.machine_cpu,
@@ -548,12 +551,10 @@ def is_partial(result: dict[str, Any]) -> bool:
 
 def cells(s: dict[str, Any]) -> list[str]:
     """One system's summary as table cells: vs DDP, achieved / bound, achieved / the
-    dependency bound, worker CPU (of it in the kernel), the machine's busy share, the
-    training thread's wait for a core per step, the wait for averages per step (of it
-    what the slowest worker's own work held back) ("-" where not measured)."""
-    cpu = s.get("worker_cpu_cores_mean")
+    dependency bound, worker CPU (`cpu_cell`), the machine's busy share, the training
+    thread's wait for a core per step, the wait for averages per step (of it what the
+    slowest worker's own work held back) ("-" where not measured)."""
     queued = s.get("run_queue_s_mean")
-    kernel = s.get("worker_cpu_sys_cores_mean")
     busy = s.get("machine_busy_mean")
     ordered = s.get("achieved_over_dependency_bound")
     exposed = s.get("exposed_s_mean")
@@ -562,12 +563,23 @@ def cells(s: dict[str, Any]) -> list[str]:
         f"{s['speedup_over_ddp']:.2f}x" if "speedup_over_ddp" in s else "-",
         f"{s['achieved_over_bound']:.2f}",
         f"{ordered:.2f}" if ordered is not None else "-",
-        "-" if cpu is None else f"{cpu:.2f} cores"
-        + ("" if kernel is None else f" ({kernel:.2f} kernel)"),
+        cpu_cell(s.get("worker_cpu_cores_mean"), s.get("worker_cpu_sys_cores_mean"),
+                 s.get("worker_cpu_train_cores_mean")),
         f"{busy:.0%}" if busy is not None else "-",
         f"{queued * 1000:.1f} ms" if queued is not None else "-",
         waits_cell(exposed, slowest),
     ]
+
+
+def cpu_cell(cores: float | None, kernel: float | None = None,
+             train: float | None = None) -> str:
+    """A worker's CPU, and of it what the kernel and the threads other than the training
+    thread (the exchange's: the shim's transport, gloo's) used ("-" if not measured)."""
+    if cores is None:
+        return "-"
+    parts = ([] if kernel is None else [f"{kernel:.2f} kernel"]) + (
+        [] if train is None else [f"{cores - train:.2f} other threads"])
+    return f"{cores:.2f} cores" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def waits_cell(exposed_s: float | None, slowest_s: float | None) -> str:
@@ -656,7 +668,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
          "median is the compute of the bound (achieved / bound) in that run."),
         (measured("machine_busy_mean"),
          "worker CPU: cores per worker over its training loop (of them in the "
-         "kernel); machine busy: the share of all cores busy over the steady "
+         "kernel and, where measured, on threads other than the training thread: "
+         "the exchange's); machine busy: the share of all cores busy over the steady "
          "steps (/proc/stat: workers, daemons, the kernel's networking); waiting "
          "for a core: per step, how long a worker's training thread was ready "
          "to run but had no core (schedstat), the CPU bottleneck on the "

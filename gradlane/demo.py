@@ -139,6 +139,7 @@ class SystemRun:
     utilization: float | None = None
     cpu_cores: list[float] = field(default_factory=list)  # per rank, over training
     cpu_sys_cores: list[float] = field(default_factory=list)  # ... of it in the kernel
+    cpu_train_cores: list[float] = field(default_factory=list)  # ... on the training thread
     # Per rank: seconds per step its training thread was ready but had no core.
     run_queue_s: list[float] = field(default_factory=list)
     # The whole machine's CPU over rank 0's steady steps (`MachineCpu.over`).
@@ -219,6 +220,7 @@ class DemoResult:
                     "utilization": v.utilization,
                     "cpu_cores_per_rank": v.cpu_cores,
                     "cpu_sys_cores_per_rank": v.cpu_sys_cores,
+                    "cpu_train_cores_per_rank": v.cpu_train_cores,
                     "run_queue_s_per_step": v.run_queue_s,
                     "machine_cpu": v.machine_cpu,
                     "exposed_s": v.exposed,
@@ -376,15 +378,20 @@ def _collect(system: str, out: Path, wall: float, cpu: MachineCpu | None = None)
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob(f"{system}-rank*.json"))]
     ends = raw.get("ends") or []
     exposed, slowest = waits_for_slowest(ranks) if system in SHIM_SYSTEMS else ([], [])
+
+    def per_rank(key: str, digits: int) -> list[float]:
+        """The ranks' `key`, rounded (ranks that did not record it left out)."""
+        return [round(r[key], digits) for r in ranks if key in r]
+
     return SystemRun(
         system,
         raw["times"],
         raw["losses"],
         wall,
-        cpu_cores=[round(r["cpu_cores"], 3) for r in ranks if "cpu_cores" in r],
-        cpu_sys_cores=[round(r["cpu_sys_cores"], 3) for r in ranks if "cpu_sys_cores" in r],
-        run_queue_s=[round(r["run_queue_s_per_step"], 5) for r in ranks
-                     if "run_queue_s_per_step" in r],
+        cpu_cores=per_rank("cpu_cores", 3),
+        cpu_sys_cores=per_rank("cpu_sys_cores", 3),
+        cpu_train_cores=per_rank("cpu_train_cores", 3),
+        run_queue_s=per_rank("run_queue_s_per_step", 5),
         ends=ends,
         exposed=exposed,
         slowest=slowest,
@@ -791,7 +798,7 @@ def run_cluster(
 
 
 def report(result: DemoResult, console: Console) -> None:
-    from gradlane.benchmark import waits_cell  # not at the top: it imports this module
+    from gradlane.benchmark import cpu_cell, waits_cell  # not at the top: it imports this
 
     table = Table(
         title=f"gradlane demo: {result.hosts} workers"
@@ -824,7 +831,8 @@ def report(result: DemoResult, console: Console) -> None:
             f"{base / median:.2f}x",
             f"{run.wire_bytes / 1e6:.1f} MB" if run.wire_bytes is not None else "-",
             f"{run.utilization:.0%}" if run.utilization is not None else "-",
-            f"{statistics.fmean(run.cpu_cores):.2f} cores" if run.cpu_cores else "-",
+            cpu_cell(*(statistics.fmean(c) if c else None
+                       for c in (run.cpu_cores, run.cpu_sys_cores, run.cpu_train_cores))),
             f"{run.machine_cpu['busy']:.0%}" if run.machine_cpu else "-",
             waits_cell(*(statistics.fmean(w) if w else None for w in run.steady_waits)),
             f"{run.final_loss:.4f}",

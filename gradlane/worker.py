@@ -148,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # CPU of this process (all threads) over the training loop: a worker
         # near 1.0 core is CPU-bound, whatever the network does.
         cpu0, sys0, wall0 = time.process_time(), os.times().system, time.perf_counter()
+        train0 = time.thread_time()
         queued0 = run_queue_s()
         last = wall0
         for step in range(args.steps):
@@ -178,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         record["cpu_cores"] = (time.process_time() - cpu0) / wall
         # ... of which in the kernel (sending, receiving: TCP), in clock ticks (10 ms).
         record["cpu_sys_cores"] = (os.times().system - sys0) / wall
+        # ... of which this, the training thread (the rest: the exchange's threads).
+        record["cpu_train_cores"] = (time.thread_time() - train0) / wall
         # How long this (the training) thread was ready to run but had no core: the
         # CPU bottleneck on the critical path, per step.
         queued = run_queue_s()

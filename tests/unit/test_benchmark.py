@@ -424,6 +424,7 @@ def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
                     "waited": [0.0] * 10,
                     "cpu_cores": cores,
                     "cpu_sys_cores": cores / 4,
+                    "cpu_train_cores": cores / 2,
                     "run_queue_s_per_step": cores / 100,
                 }
             )
@@ -431,6 +432,7 @@ def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
     run = _collect("gradlane", tmp_path, 5.0)
     assert run.cpu_cores == [0.9, 0.4]
     assert run.cpu_sys_cores == [0.225, 0.1]
+    assert run.cpu_train_cores == [0.45, 0.2]
     assert run.run_queue_s == [0.009, 0.004]
 
 
@@ -626,19 +628,36 @@ def test_summary_means_worker_and_machine_cpu_over_runs() -> None:
     from gradlane.demo import SystemRun
 
     runs = [SystemRun("gradlane", [0.2] * 5, [1.0] * 5, 1.0, cpu_cores=[0.2, 0.4],
-                      cpu_sys_cores=[0.1, 0.1], machine_cpu={"busy": 0.6},
-                      run_queue_s=[0.002, 0.004]),
+                      cpu_sys_cores=[0.1, 0.1], cpu_train_cores=[0.1, 0.3],
+                      machine_cpu={"busy": 0.6}, run_queue_s=[0.002, 0.004]),
             SystemRun("gradlane", [0.2] * 5, [1.0] * 5, 1.0, cpu_cores=[0.3, 0.3],
-                      cpu_sys_cores=[0.0, 0.2], machine_cpu={"busy": 0.8},
-                      run_queue_s=[0.006, 0.008])]
+                      cpu_sys_cores=[0.0, 0.2], cpu_train_cores=[0.3, 0.1],
+                      machine_cpu={"busy": 0.8}, run_queue_s=[0.006, 0.008])]
     s = summarize({"gradlane": [0.2] * 5}, 0.1, {"gradlane": runs})["gradlane"]
     assert s["worker_cpu_cores_mean"] == pytest.approx(0.3)
     assert s["worker_cpu_sys_cores_mean"] == pytest.approx(0.1)
+    assert s["worker_cpu_train_cores_mean"] == pytest.approx(0.2)
     assert s["machine_busy_mean"] == pytest.approx(0.7)
     assert s["run_queue_s_mean"] == pytest.approx(0.005)
-    assert cells(s)[-4:-1] == ["0.30 cores (0.10 kernel)", "70%", "5.0 ms"]
+    assert cells(s)[-4:-1] == ["0.30 cores (0.10 kernel, 0.10 other threads)", "70%", "5.0 ms"]
     bare = summarize({"gradlane": [0.2] * 5}, 0.1)["gradlane"]  # nothing measured: "-"
     assert cells(bare)[-4:] == ["-", "-", "-", "-"]
+
+
+@pytest.mark.parametrize(("measured", "cell"), [
+    ((None, 0.1, 0.2), "-"),
+    ((0.5, None, None), "0.50 cores"),
+    ((0.5, 0.1, None), "0.50 cores (0.10 kernel)"),  # a result from before the split
+    ((0.5, None, 0.4), "0.50 cores (0.10 other threads)"),
+    ((0.5, 0.1, 0.5), "0.50 cores (0.10 kernel, 0.00 other threads)"),
+])
+def test_a_worker_s_cpu_cell_shows_what_was_measured(
+        measured: tuple[float | None, float | None, float | None], cell: str) -> None:
+    """The kernel's share and the other threads' (the worker's CPU less its training
+    thread's) are each shown when measured: results written before either still read."""
+    from gradlane.benchmark import cpu_cell
+
+    assert cpu_cell(*measured) == cell
 
 
 def _rank(computes: list[float], waited: list[float]) -> dict[str, Any]:
