@@ -1262,6 +1262,11 @@ def _two_jobs_report(**change: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("message, code, says", [
     ({**_register("h"), "version": 2}, "version", "register: protocol version 2, "),
+    # Before versions were counted from 1: another version too, not a malformed field.
+    ({**_register("h"), "version": 0}, "version", "register: protocol version 0, "),
+    ({**_register("h"), "version": 1 << 16}, "version", "register: protocol version 65536, "),
+    ({**_register("h"), "version": (1 << 16) + 1}, "bad_message",
+     r"register: version must be an integer in 0\.\.65536"),
     ({**_register("h"), "interfaces": []}, "bad_message", "register: at least one interface"),
     ({**_register("h"), "interfaces": ["eth0"]}, "bad_message",
      r"register: interfaces\[0\] must be a map"),
