@@ -839,6 +839,10 @@ def report(result: DemoResult, console: Console) -> None:
         )
     console.print(table)
     console.print(
+        "worker CPU: cores per worker over its training loop, of them in the kernel and on "
+        "threads other than the training thread (gloo's, the shim's transport)"
+    )
+    console.print(
         "waiting for averages: per step, how long gradlane's next forward waited for the "
         "previous step's averages, and of it how long the slowest worker's own compute "
         "held them back (the rest is the exchange's); DDP waits inside its backward"

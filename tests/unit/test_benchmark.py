@@ -559,6 +559,7 @@ def test_the_demo_s_table_shows_each_run_s_figures() -> None:
 
     ddp, ours = _demo_runs(
         ddp={"wire_bytes": 12_345_678, "utilization": 0.456, "cpu_cores": [0.8, 1.0],
+             "cpu_sys_cores": [0.1, 0.3], "cpu_train_cores": [0.7, 0.9],
              "machine_cpu": {"busy": 0.6}},
         ours={"exposed": [0.0] * 10, "slowest": [0.0] * 10})
     console = Console(record=True, width=250)
@@ -567,11 +568,13 @@ def test_the_demo_s_table_shows_each_run_s_figures() -> None:
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in text.splitlines() if line.count("│") > 5}
     assert rows["PyTorch DDP (gloo)"] == ["450.0 ms", "800.0 ms", "1.00x", "12.3 MB", "46%",
-                                          "0.90 cores", "60%", "-", "2.0000"]
+                                          "0.90 cores (0.20 kernel, 0.10 other threads)",
+                                          "60%", "-", "2.0000"]
     assert rows["gradlane"][:3] == ["225.0 ms", "400.0 ms", "2.00x"]
     assert rows["gradlane"][3:7] == ["-", "-", "-", "-"]  # not measured on this run
     assert rows["gradlane"][7].startswith("0.0 ms") and rows["gradlane"][8] == "2.0200"
     assert "gradlane demo: 2 workers, 100 Mbit/s links" in text
+    assert "worker CPU: cores per worker over its training loop, of them in the kernel" in text
     assert "final losses differ by 1.00%" in text and "at most 10.00% at any of the 12" in text
     console = Console(record=True, width=250)
     report(DemoResult(2, None, 0.1, {"ddp": ddp, "gradlane": ours}), console)
