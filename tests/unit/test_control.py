@@ -1457,11 +1457,17 @@ def test_the_control_protocol_s_limits_take_their_last_value_and_refuse_the_next
     assert job(band_bps=[0, 1e15 - 1]).band_bps == (0.0, 1e15 - 1)
     assert cp.parse_report({"type": "report", "seq": 0, "jobs": [], "link_bps": 1}).link_bps == 1
     assert job(layers=(1 << 20)).layers == 1 << 20
+    assert job(global_batch=(1 << 30)).global_batch == 1 << 30
+    assert job(workers=[{"rank": 0, "throughput": 1.0, "batch": cp.MAX_BATCH}]
+               ).workers[0].batch == cp.MAX_BATCH
     assert cp.parse_report({"type": "report", "seq": (1 << 62), "jobs": []}).seq == 1 << 62
     assert cp.parse_report({"type": "report", "seq": 0, "jobs": [],
                             "link_bps": 1 << 50}).link_bps == 1 << 50
     for refused, says in [
         (lambda: job(layers=(1 << 20) + 1), r"report: jobs\[0\]: layers must be an integer in"),
+        (lambda: job(global_batch=(1 << 30) + 1), r"report: jobs\[0\]: global_batch must be"),
+        (lambda: job(workers=[{"rank": 0, "throughput": 1.0, "batch": cp.MAX_BATCH + 1}]),
+         r"report: jobs\[0\].workers\[0\]: batch must be an integer in 0.."),
         (lambda: cp.parse_report({"type": "report", "seq": (1 << 62) + 1, "jobs": []}),
          "report: seq must be an integer in 0.."),
         (lambda: register(leaf=MAX_LEAF), "register: leaf must be an integer in 0.."),
