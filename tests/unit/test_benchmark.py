@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -887,6 +888,32 @@ def test_plot_draws_a_result_next_to_it_or_where_told(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_the_bench_figure_shows_each_system_s_steady_steps_and_the_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One box per system of its runs' steady iteration times (ms), whose median is the
+    summary's, and the lower bound's line."""
+    import matplotlib.pyplot as plt
+    from matplotlib.axes import Axes
+
+    result = json.loads((REPO / "bench" / "results" / "cnn.json").read_text())
+    boxed: list[Any] = []
+    boxplot = Axes.boxplot
+    monkeypatch.setattr(Axes, "boxplot", lambda ax, data, **kw: boxed.append((data, kw))
+                        or boxplot(ax, data, **kw))
+    kept: list[Any] = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    benchmark.plot(result, tmp_path / "cnn.png")
+    (data, kw), = boxed
+    systems = list(result["summary"])
+    assert kw["tick_labels"] == systems
+    for system, times in zip(systems, data, strict=True):
+        assert statistics.median(times) == pytest.approx(
+            result["summary"][system]["median_s"] * 1000)
+    ax, = kept[0].axes
+    bound, = (line for line in ax.lines if line.get_label() == "lower bound")
+    assert list(bound.get_ydata()) == pytest.approx([result["lower_bound_s"] * 1000] * 2)
+
+
 class _Cluster:
     """Stands in for the emulated cluster: `run_on_cluster` is faked too. Each one built is
     kept in `built`, with the hosts it started daemons on and its runs' (system, port,
@@ -1102,6 +1129,18 @@ def test_a_scenario_whose_workers_would_not_fit_in_memory_is_refused_before_it_r
             "available: lower workload.model_mb or hosts$")):
         run_scenario(scenario, say=lambda _: None)
     assert not started and not _Cluster.built  # nothing was built
+
+
+def test_a_scenario_that_needs_exactly_the_memory_available_runs(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(f'name = "x"\nhosts = 4\nsystems = ["ddp"]\n[workload]\n{_trace()}')
+    scenario = load_scenario(path)
+    _, size = compute_and_bytes(scenario)
+    needed = 4 * (8 * size + (350 << 20))
+    benchmark.check_memory(scenario, size, needed)
+    benchmark.check_memory(scenario, size, None)  # not known: not refused
+    with pytest.raises(ConfigError, match="^x: its 4 workers need about"):
+        benchmark.check_memory(scenario, size, needed - 1)
 
 
 def test_the_memory_this_machine_has_available_is_read() -> None:
