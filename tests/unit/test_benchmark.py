@@ -963,6 +963,19 @@ def _runs_until(monkeypatch: pytest.MonkeyPatch, stop: BaseException | None, aft
 
 
 @pytest.mark.parametrize(("stop", "said"), [
+    (SystemExit(128), "SystemExit: 128"),  # no signal 0: an exit status as any other
+    (SystemExit(1), "SystemExit: 1"),
+    (SystemExit("no cluster"), "SystemExit: no cluster"),
+    (TestbedError("x" * 5000), "TestbedError: " + "x" * (2000 - len("TestbedError: "))),
+])
+def test_why_a_run_stopped_is_said_in_at_most_2000_characters(
+        stop: BaseException, said: str) -> None:
+    from gradlane.benchmark import stopped_by
+
+    assert stopped_by(stop) == said
+
+
+@pytest.mark.parametrize(("stop", "said"), [
     (TestbedError("rank 1 exited with 1"), "TestbedError: rank 1 exited with 1"),
     (KeyboardInterrupt(), "interrupted (Ctrl-C)"),
     (SystemExit(143), "stopped by SIGTERM"),
