@@ -175,12 +175,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             record["losses"].append(loss.item())
             record["waited"].append(sync.last_exposed_comm_s if sync is not None else 0.0)
             last = now
+        # The training thread's, read inside the span of the process's: never more than it.
+        train_s = time.thread_time() - train0
         wall = time.perf_counter() - wall0
         record["cpu_cores"] = (time.process_time() - cpu0) / wall
         # ... of which in the kernel (sending, receiving: TCP), in clock ticks (10 ms).
         record["cpu_sys_cores"] = (os.times().system - sys0) / wall
         # ... of which this, the training thread (the rest: the exchange's threads).
-        record["cpu_train_cores"] = (time.thread_time() - train0) / wall
+        record["cpu_train_cores"] = train_s / wall
         # How long this (the training) thread was ready to run but had no core: the
         # CPU bottleneck on the critical path, per step.
         queued = run_queue_s()
