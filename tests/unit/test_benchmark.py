@@ -416,7 +416,7 @@ def test_readme_table_is_generated_between_markers(tmp_path: Path) -> None:
 def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
     from gradlane.demo import _collect
 
-    for rank, cores in enumerate((0.9, 0.4)):
+    for rank, cores in enumerate((0.91234, 0.4)):
         (tmp_path / f"gradlane-rank{rank}.json").write_text(
             json.dumps(
                 {
@@ -430,11 +430,11 @@ def test_every_ranks_cpu_use_is_collected(tmp_path: Path) -> None:
                 }
             )
         )
-    run = _collect("gradlane", tmp_path, 5.0)
-    assert run.cpu_cores == [0.9, 0.4]
-    assert run.cpu_sys_cores == [0.225, 0.1]
-    assert run.cpu_train_cores == [0.45, 0.2]
-    assert run.run_queue_s == [0.009, 0.004]
+    run = _collect("gradlane", tmp_path, 5.0)  # rounded: cores to 0.001, waits to 10 us
+    assert run.cpu_cores == [0.912, 0.4]
+    assert run.cpu_sys_cores == [0.228, 0.1]
+    assert run.cpu_train_cores == [0.456, 0.2]
+    assert run.run_queue_s == [0.00912, 0.004]
 
 
 def test_the_machine_s_cpu_is_taken_over_rank_0_s_steady_steps(tmp_path: Path) -> None:
