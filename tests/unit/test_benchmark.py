@@ -453,10 +453,17 @@ def test_the_machine_s_cpu_is_taken_over_rank_0_s_steady_steps(tmp_path: Path) -
     assert run.ends == ends and run.machine_cpu == {"busy": 0.5}
     # Steps 2..9 are steady (`steady_start`): from the end of step 1 to the last.
     assert steady_start(10) == 2 and cpu.asked == pytest.approx((0.2, 1.0))
-    # A worker that recorded no step ends: no window, nothing asked.
+    # Two steps: the window is the second (steady from step 0: no fifth to warm up).
+    (tmp_path / "ddp-rank0.json").write_text(json.dumps({**record, "ends": ends[:2]}))
+    assert _collect("ddp", tmp_path, 1.0, cpu).machine_cpu == {"busy": 0.5}  # type: ignore[arg-type]
+    assert cpu.asked == pytest.approx((0.1, 0.2))
+    # A worker that recorded one step end, or none: no window, nothing asked.
     del record["ends"]
-    (tmp_path / "ddp-rank0.json").write_text(json.dumps(record))
-    assert _collect("ddp", tmp_path, 1.0, Cpu()).machine_cpu is None
+    for some in ({"ends": [0.1]}, {}):
+        (tmp_path / "ddp-rank0.json").write_text(json.dumps({**record, **some}))
+        unasked = Cpu()
+        assert _collect("ddp", tmp_path, 1.0, unasked).machine_cpu is None  # type: ignore[arg-type]
+        assert not hasattr(unasked, "asked")
 
 
 def test_run_queue_wait_grows_when_the_cores_are_taken() -> None:
@@ -597,7 +604,7 @@ def _plotted(result: Any, path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_the_demo_s_figure_shows_the_bands_the_link_rate_and_both_runs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gradlane.demo import DemoResult
+    from gradlane.demo import WINDOW_S, DemoResult
 
     ddp = SystemRun("ddp", [0.2] * 10, [2.0] * 10, 1.0)
     ours = SystemRun("gradlane", [0.1] * 10, [2.0] * 10, 1.0)
@@ -605,16 +612,33 @@ def test_the_demo_s_figure_shows_the_bands_the_link_rate_and_both_runs(
     bands = {"t": t, "span_s": 0.1, "iterations": 12, "band0": [60e6, 0, 0, 0],
              "band1": [0, 40e6, 0, 0], "band2": [0, 0, 0, 0], "band3": [0, 0, 0, 90e6]}
     result = DemoResult(4, 100_000_000, 0.1, {"ddp": ddp, "gradlane": ours}, bands)
+    from matplotlib.axes import Axes
+
+    stacked: list[tuple[Any, ...]] = []
+    stackplot = Axes.stackplot
+    monkeypatch.setattr(Axes, "stackplot", lambda ax, *args, **kw: stacked.append(args)
+                        or stackplot(ax, *args, **kw))
     usage, times = _plotted(result, tmp_path / "demo.png", monkeypatch).axes
+    # Each band's Mbit/s, held from 0 until the first sample's end (steps "pre").
+    (x, *per_band), = stacked
+    assert x == [0.0, *t]
+    assert per_band == [[60, 60, 0, 0, 0], [0, 0, 40, 0, 0], [0] * 5, [0, 0, 0, 0, 90]]
     assert [c.get_label() for c in usage.collections] == [f"band {b}" for b in range(4)]
     assert [line.get_label() for line in usage.lines] == ["link rate"]
     assert list(usage.lines[0].get_ydata()) == [100, 100]  # Mbit/s
     assert usage.get_xlim() == (0, 0.1)  # the median iteration
     assert usage.get_ylim() == pytest.approx((0, 130))  # the rate, the largest, and room
-    assert "12 steady iterations" in usage.get_xlabel()
+    assert usage.get_xlabel() == ("seconds into an iteration: the gradlane run's 12 steady "
+                                  "iterations\naveraged, each scaled to the median (100 ms)")
     assert [line.get_label() for line in times.lines] == ["PyTorch DDP", "gradlane"]
     assert list(times.lines[1].get_ydata()) == pytest.approx([100] * 10)  # ms
     assert "2.00x" in times.get_title()
+    # One iteration's samples (none averaged): a window of the run, said as such.
+    unsaid = {k: v for k, v in bands.items() if k != "iterations"}
+    for one in ({**bands, "iterations": 1}, {**bands, "span_s": None}, unsaid):
+        alone = DemoResult(4, 100_000_000, 0.1, {"ddp": ddp, "gradlane": ours}, one)
+        usage, _ = _plotted(alone, tmp_path / "demo.png", monkeypatch).axes
+        assert usage.get_xlabel() == f"seconds (a {WINDOW_S:.0f} s window of the gradlane run)"
 
 
 def test_the_demo_s_figure_on_loopback_says_there_are_no_bands(
@@ -750,6 +774,7 @@ def test_the_demo_averages_band_usage_over_the_phase_of_its_steady_iterations() 
     ends = [0.1 * (k + 1) for k in range(20)]
     assert steady_iterations(ends)[0] == (ends[3], ends[4])  # the first fifth warms up
     assert len(steady_iterations(ends)) == 16 and steady_iterations(ends[:5]) == []
+    assert steady_iterations(ends[:6]) == [(ends[k - 1], ends[k]) for k in range(1, 6)]
 
     # Band leaves 1:101 (band 0) and 1:102 (band 1) of job slot 1, sampled every 5 ms
     # (a twentieth of an iteration): band 0 sends 1 Mbit/s in each iteration's first
