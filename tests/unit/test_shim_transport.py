@@ -290,6 +290,31 @@ def test_every_connection_carries_its_band_s_dscp_and_credit_and_takes_a_new_tab
             mesh.close()
 
 
+def test_the_send_buffer_is_the_kernel_s_to_tune_unless_one_is_given() -> None:
+    """By default (`ShimConfig.sndbuf_bytes` 0) SO_SNDBUF is left alone: set, it would turn
+    the kernel's autotuning of it off. Given, it is set (Linux keeps twice the value)."""
+    from gradlane.shim.config import ShimConfig
+
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        initial = int(f.read().split()[1])  # a TCP socket's send buffer to begin with
+    for sndbuf in (ShimConfig().sndbuf_bytes, 64 << 10):  # under any net.core.wmem_max
+        store = dist.HashStore()
+        meshes = [Mesh(r, 2, store, "127.0.0.1", (46, 0), credit_bytes=128 << 10,
+                       sndbuf_bytes=sndbuf, timeout_s=30, prefix="buffers", connect=False)
+                  for r in range(2)]
+        try:
+            on_every_rank(2, lambda rank, these=meshes: these[rank].connect([1 - rank]))
+            sizes = {link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                     for mesh in meshes for link in mesh.links.values()}
+            if sndbuf:
+                assert sizes == {2 * sndbuf}
+            else:  # the kernel's own, which autotuning only grows
+                assert min(sizes) >= initial, sizes
+        finally:
+            for mesh in meshes:
+                mesh.close()
+
+
 @pytest.mark.parametrize("addresses", [[], ["127.0.0.1", "127.0.0.1"],
                                        [f"127.0.0.{i}" for i in range(1, 10)]])
 def test_a_mesh_needs_one_to_eight_distinct_addresses(addresses: list[str]) -> None:
