@@ -34,6 +34,14 @@ def test_numpy_numbers_a_list_and_a_path_are_kept_as_plain_python_values() -> No
     assert msgpack.unpackb(msgpack.packb(config.signature())) == config.signature()
 
 
+def test_the_defaults_are_the_documented_ones() -> None:
+    """The README's transport: at most 128 KiB of unsent data per band (the credit); the
+    send buffer the kernel's to tune (0: SO_SNDBUF not set)."""
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert "TCP_NOTSENT_LOWAT (128 KiB of unsent data per band at most)" in readme
+    assert (ShimConfig().credit_bytes, ShimConfig().sndbuf_bytes) == (128 << 10, 0)
+
+
 def test_the_edges_of_every_range_are_taken() -> None:
     assert ShimConfig() == ShimConfig.of({})
     for name, value in EDGES.items():

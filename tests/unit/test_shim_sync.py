@@ -1440,6 +1440,10 @@ def test_a_job_is_named_by_its_rendezvous_address_unless_named(
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert gl.ShimConfig().job == "10.0.0.1:29500"
     assert gl.ShimConfig(job="bert").job == "bert"
+    for half in ("MASTER_ADDR", "MASTER_PORT"):  # half a rendezvous names no job
+        with monkeypatch.context() as only:
+            only.delenv(half)
+            assert gl.ShimConfig().job == "default"
     with pytest.raises(ConfigError, match="job must be"):
         gl.ShimConfig(job="_gradlane")
 
