@@ -1306,6 +1306,11 @@ def test_misuse_gets_clear_errors() -> None:
         attach(sparse, torch.optim.SGD(sparse.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match=r"^0: sparse gradients"):
         gl.HookState(sparse)
+    # Many: the first three named; a frozen one needs no gradient.
+    many = nn.ModuleList(nn.Embedding(10, 4, sparse=True) for _ in range(5))
+    many[0].requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"^1, 2, 3: sparse gradients \(sparse=True\)"):
+        gl.HookState(many)
     # Parameters off the CPU (here the meta device, as a CUDA one would be) are refused.
     elsewhere = model().to("meta")
     with pytest.raises(ConfigError, match="only dense CPU parameters"):
