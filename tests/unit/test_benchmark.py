@@ -602,6 +602,24 @@ def _plotted(result: Any, path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     return kept[0]
 
 
+Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]  # each call's arguments and keywords
+
+
+def _spied(monkeypatch: pytest.MonkeyPatch, method: str) -> Calls:
+    """The arguments of every call of matplotlib's ``Axes.<method>`` (which still draws)."""
+    from matplotlib.axes import Axes
+
+    calls: Calls = []
+    drawn = getattr(Axes, method)
+
+    def spy(ax: Axes, *args: Any, **kw: Any) -> Any:
+        calls.append((args, kw))
+        return drawn(ax, *args, **kw)
+
+    monkeypatch.setattr(Axes, method, spy)
+    return calls
+
+
 def test_the_demo_s_figure_shows_the_bands_the_link_rate_and_both_runs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gradlane.demo import WINDOW_S, DemoResult
@@ -612,15 +630,10 @@ def test_the_demo_s_figure_shows_the_bands_the_link_rate_and_both_runs(
     bands = {"t": t, "span_s": 0.1, "iterations": 12, "band0": [60e6, 0, 0, 0],
              "band1": [0, 40e6, 0, 0], "band2": [0, 0, 0, 0], "band3": [0, 0, 0, 90e6]}
     result = DemoResult(4, 100_000_000, 0.1, {"ddp": ddp, "gradlane": ours}, bands)
-    from matplotlib.axes import Axes
-
-    stacked: list[tuple[Any, ...]] = []
-    stackplot = Axes.stackplot
-    monkeypatch.setattr(Axes, "stackplot", lambda ax, *args, **kw: stacked.append(args)
-                        or stackplot(ax, *args, **kw))
+    stacked = _spied(monkeypatch, "stackplot")
     usage, times = _plotted(result, tmp_path / "demo.png", monkeypatch).axes
     # Each band's Mbit/s, held from 0 until the first sample's end (steps "pre").
-    (x, *per_band), = stacked
+    ((x, *per_band), _), = stacked
     assert x == [0.0, *t]
     assert per_band == [[60, 60, 0, 0, 0], [0, 0, 40, 0, 0], [0] * 5, [0, 0, 0, 0, 90]]
     assert [c.get_label() for c in usage.collections] == [f"band {b}" for b in range(4)]
@@ -918,17 +931,13 @@ def test_the_bench_figure_shows_each_system_s_steady_steps_and_the_bound(
     """One box per system of its runs' steady iteration times (ms), whose median is the
     summary's, and the lower bound's line."""
     import matplotlib.pyplot as plt
-    from matplotlib.axes import Axes
 
     result = json.loads((REPO / "bench" / "results" / "cnn.json").read_text())
-    boxed: list[Any] = []
-    boxplot = Axes.boxplot
-    monkeypatch.setattr(Axes, "boxplot", lambda ax, data, **kw: boxed.append((data, kw))
-                        or boxplot(ax, data, **kw))
+    boxed = _spied(monkeypatch, "boxplot")
     kept: list[Any] = []
     monkeypatch.setattr(plt, "close", kept.append)
     benchmark.plot(result, tmp_path / "cnn.png")
-    (data, kw), = boxed
+    ((data,), kw), = boxed
     systems = list(result["summary"])
     assert kw["tick_labels"] == systems
     for system, times in zip(systems, data, strict=True):
