@@ -149,6 +149,13 @@ def test_the_open_file_check_weighs_max_clients_against_the_hard_limit(
     assert "LimitNOFILE=" in short.detail
 
 
+def test_room_for_exactly_the_limit_fits_it() -> None:
+    assert Room(1024, 20, 1024, 1024).fits_soft and Room(1024, 20, 1024, 1024).fits_hard
+    assert not Room(1025, 20, 1024, 1024).fits_soft
+    assert not Room(1025, 20, 1024, 1024).fits_hard
+    assert Room(1 << 40, 20, -1, -1).fits_soft  # -1: RLIM_INFINITY, no limit
+
+
 def test_the_open_file_check_counts_this_process_s_open_files(tmp_path: Path) -> None:
     room = room_for(100)
     assert room is not None and room.needed == room.in_use + 100 + MARGIN
