@@ -95,7 +95,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gradlane.demo import past_warm_up, run_timeout, steady_start
+from gradlane.demo import mean_or_none, past_warm_up, run_timeout, steady_start
 from gradlane.errors import ConfigError, GradlaneError
 from gradlane.policies.chunks import EXCHANGE_OPTIONS as EXCHANGES
 from gradlane.policies.chunks import LAYOUTS, OPTION_BYTES
@@ -354,11 +354,6 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
         ordered = sorted(times)
         median = statistics.median(ordered)
         mine = (runs or {}).get(system) or []
-        cores = [c for r in mine for c in r.cpu_cores]
-        kernel = [c for r in mine for c in r.cpu_sys_cores]
-        train = [c for r in mine for c in r.cpu_train_cores]
-        busy = [r.machine_cpu["busy"] for r in mine if r.machine_cpu]
-        queued = [q for r in mine for q in r.run_queue_s]
         exposed: list[float] = []
         slowest: list[float] = []
         for r in mine:
@@ -369,13 +364,15 @@ def summarize(steady: dict[str, list[float]], bound_s: float,
             "median_s": median,
             "p90_s": ordered[int(0.9 * (len(ordered) - 1))],
             "achieved_over_bound": median / bound_s,
-            "worker_cpu_cores_mean": statistics.fmean(cores) if cores else None,
-            "worker_cpu_sys_cores_mean": statistics.fmean(kernel) if kernel else None,
-            "worker_cpu_train_cores_mean": statistics.fmean(train) if train else None,
-            "machine_busy_mean": statistics.fmean(busy) if busy else None,
-            "run_queue_s_mean": statistics.fmean(queued) if queued else None,
-            "exposed_s_mean": statistics.fmean(exposed) if exposed else None,
-            "slowest_compute_s_mean": statistics.fmean(slowest) if slowest else None,
+            "worker_cpu_cores_mean": mean_or_none([c for r in mine for c in r.cpu_cores]),
+            "worker_cpu_sys_cores_mean": mean_or_none([c for r in mine for c in r.cpu_sys_cores]),
+            "worker_cpu_train_cores_mean": mean_or_none(
+                [c for r in mine for c in r.cpu_train_cores]),
+            "machine_busy_mean": mean_or_none([r.machine_cpu["busy"] for r in mine
+                                               if r.machine_cpu]),
+            "run_queue_s_mean": mean_or_none([q for r in mine for q in r.run_queue_s]),
+            "exposed_s_mean": mean_or_none(exposed),
+            "slowest_compute_s_mean": mean_or_none(slowest),
         }
         if dependency_bound_s is not None:
             summary[system]["achieved_over_dependency_bound"] = median / dependency_bound_s

@@ -66,6 +66,11 @@ def steady_start(steps: int) -> int:
     return max(fifth, tuned) if steps - tuned >= steps // 2 else fifth
 
 
+def mean_or_none(values: Sequence[float]) -> float | None:
+    """The mean of `values`; None for none measured."""
+    return statistics.fmean(values) if values else None
+
+
 def past_warm_up(per_step: list[float]) -> list[float]:
     """A run's per-step series from its first steady step on (`steady_start`)."""
     return per_step[steady_start(len(per_step)) :]
@@ -831,10 +836,10 @@ def report(result: DemoResult, console: Console) -> None:
             f"{base / median:.2f}x",
             f"{run.wire_bytes / 1e6:.1f} MB" if run.wire_bytes is not None else "-",
             f"{run.utilization:.0%}" if run.utilization is not None else "-",
-            cpu_cell(*(statistics.fmean(c) if c else None
-                       for c in (run.cpu_cores, run.cpu_sys_cores, run.cpu_train_cores))),
+            cpu_cell(*map(mean_or_none, (run.cpu_cores, run.cpu_sys_cores,
+                                         run.cpu_train_cores))),
             f"{run.machine_cpu['busy']:.0%}" if run.machine_cpu else "-",
-            waits_cell(*(statistics.fmean(w) if w else None for w in run.steady_waits)),
+            waits_cell(*map(mean_or_none, run.steady_waits)),
             f"{run.final_loss:.4f}",
         )
     console.print(table)
