@@ -329,6 +329,22 @@ _PLAN = {"type": "plan", "version": 1, "ttl_s": 5.0, "source": "gradlane",
          "ownership": {"j": [0, 1]}, "leaf": None, "link_bps": 10**9, "computed_at": 1.0}
 
 
+def test_a_plan_is_in_force_for_its_time_to_live_and_not_a_moment_longer() -> None:
+    clock = [100.0]
+
+    async def main() -> None:
+        link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                                  Registry(bands=4), on_change=lambda: None,
+                                  clock=lambda: clock[0])
+        link._take(dict(_PLAN))  # a time-to-live of 5 s
+        clock[0] = 104.999
+        assert link.fresh() and link.job_classes() == {"j": JobClassPlan(10**6, 10**7, 1)}
+        clock[0] = 105.0
+        assert not link.fresh() and link.job_classes() is None
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("change, says", [
     ({"version": "2"}, "bad plan version '2'"),
     ({"ttl_s": None}, "bad plan ttl_s None"),
@@ -705,3 +721,7 @@ def test_a_report_holds_the_jobs_and_ranks_the_protocol_counts() -> None:
     assert [w.rank for w in jobs[-1].workers] == list(range(cp.MAX_WORKERS))
     assert link._unreported == {
         "wide": f"the ranks of job 'wide' past the first {cp.MAX_WORKERS} on this host"}
+    registry.remove(registry.jobs()["wide"][-1].id)  # as many ranks as a report holds
+    jobs = cp.parse_report(link.report(3)).jobs
+    assert [w.rank for w in jobs[-1].workers] == list(range(cp.MAX_WORKERS))
+    assert link._unreported == {}  # all of them in: nothing said to be left out

@@ -18,6 +18,7 @@ def hello(job: str = "j", rank: int = 0) -> Hello:
 def test_add_record_remove_bumps_version() -> None:
     reg = Registry(bands=4)
     w = reg.add(hello(), Credentials(10, 0, 0))
+    assert w.iteration == -1  # none reported yet (gradlaned's /status shows it): not step 0
     v = reg.version
     reg.record_chunks(w.id, 5, (ChunkEvent(0, 100, 2, 0.0), ChunkEvent(1, 50, 2, 0.1)))
     reg.record_timing(w.id, Timing(6, 0.1, 0.05, 32))
