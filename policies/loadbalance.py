@@ -106,7 +106,8 @@ MIN_SHARE = 1e-5
 # large job's programmes solve 2 to 10 times faster (8,192 ranks in no order host by
 # host, within leaves: 83 -> 8.8 s; 65,536 ranks host by host: a first plan 68 -> 31 s),
 # small ones within a millisecond of it (ad hoc, this machine). Where it fails, the
-# simplex is tried before the job gets even owners.
+# simplex is tried, then the simplex without presolve, before the job gets even owners
+# (or, for the second programme, the first's shares).
 LP_METHOD = "highs-ipm"
 FALLBACK_LP_METHOD = "highs-ds"
 
@@ -220,6 +221,12 @@ def owner_shares(loads: FloatArray | SparseLoads, rates: FloatArray,
         result = solver(*args, method=LP_METHOD, **kwargs)
         if not result.success:  # the interior point's trouble need not be the simplex's
             result = solver(*args, method=FALLBACK_LP_METHOD, **kwargs)
+        if not result.success:
+            # Nor presolve's: HiGHS's calls some barely feasible programmes infeasible
+            # (ERGO-Code/HiGHS#2511), as the second one is, a hair over the first's
+            # optimum, where several links are tight at once.
+            result = solver(*args, method=FALLBACK_LP_METHOD, options={"presolve": False},
+                            **kwargs)
         return result
 
     beyond = sparse.csr_array((value / scale[link], (link, cls)), shape=(n_links, n))

@@ -631,6 +631,19 @@ def test_sparse_loads_are_the_dense_ones_and_give_their_shares(
             assert weighed[a] == weighed[b]
 
 
+def test_shares_are_as_even_where_highs_presolve_calls_the_most_even_infeasible() -> None:
+    """Found by the test above: on these dense loads HiGHS's presolve called the second
+    programme (the most even of the fastest shares: a hair over the first's optimum, eight
+    links tight at once) infeasible, with either method, and one rank was given every
+    byte. Without presolve it is solved: the shares of the sparse loads, as even as the
+    links allow."""
+    exchange = Exchange([0, 1, 0, 1, 1, 2], uplinks=True, host=[1, 2, 0, 3, 4, 5])
+    rates = np.array([0.5, 1.0, 1.0, 0.5, 2.5, 0.5] * 2)
+    owners = [0, 1, 3, 4]
+    for loads in (exchange.link_loads(True, owners), exchange.sparse_link_loads(True, owners)):
+        assert owner_shares(loads, rates) == pytest.approx([0, 1 / 3, 0, 2 / 3], abs=1e-6)
+
+
 def test_ranks_of_a_host_are_weighed_as_one_only_where_their_trees_match() -> None:
     def alike(hosts: list[int], leaves: list[int]) -> list[int] | None:
         _, of_host, count = np.unique(hosts, return_inverse=True, return_counts=True)
