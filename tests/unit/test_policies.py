@@ -225,6 +225,11 @@ def test_bssi_lowers_the_weights_of_coflows_sharing_the_bottleneck_with_the_last
     load = np.array([[0.0, 2.0], [1.0, 1.0], [2.0, 0.0]])
     assert bssi_order(load) == [1, 0, 2]
     assert _total_completion(load, [1, 0, 2]) == 7.0 < _total_completion(load, [0, 1, 2])
+    # A coflow with nothing on the bottleneck is never put last there, even at weight 0:
+    # port 0 (4 s) puts coflow 1 last and lowers coflow 2's weight to 0; on port 1 (3 s)
+    # coflow 2 has nothing, so coflow 0 goes last there (0 / 0 is no ratio): 2, 0, 1.
+    load = np.array([[0.0, 3.0], [2.0, 0.0], [2.0, 0.0]])
+    assert bssi_order(load) == [2, 0, 1]
 
 
 def test_coflows_that_waited_many_times_their_length_move_up() -> None:

@@ -9,6 +9,11 @@ def test_build_one_rate_for_all_and_per_host_list() -> None:
     assert Topology.build("c", 3, "1gbit").rates == (10**9,) * 3
     topo = Topology.build("c", 3, "1gbit,1gbit,500mbit")
     assert topo.rates == (10**9, 10**9, 5 * 10**8)
+    # What the testbed and the bench get when they say no more: one switch, one NIC a
+    # host, 1,000-packet queues, built or made directly alike.
+    for plain in (topo, Topology("c", topo.rates)):
+        assert (plain.leaves, plain.uplink_bps, plain.nics, plain.queue_packets) == (
+            1, None, 1, 1000)
 
 
 def test_names_and_addresses() -> None:
@@ -17,7 +22,7 @@ def test_names_and_addresses() -> None:
     assert topo.host_ns(3) == "gl-demo-h3"
     assert [topo.leaf_of(h) for h in range(1, 5)] == [0, 0, 1, 1]
     assert Topology.build("x", 5, "1gbit", leaves=2, uplink="1gbit").leaf_of(3) == 0
-    assert topo.address(3, 1) == "10.200.1.3"
+    assert topo.address(3, 1) == "10.200.1.3" and topo.address(3) == "10.200.0.3"
     assert topo.namespaces()[0] == "gl-demo-sw" and len(topo.namespaces()) == 5
 
 
