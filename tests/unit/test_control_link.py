@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -124,6 +125,39 @@ def test_after_a_session_that_held_the_next_outage_backs_off_from_the_least(
         asyncio.run(link.run())
     low, cap = uplink.MIN_BACKOFF, uplink.MAX_BACKOFF
     assert [w for w in waits if w] == [low, cap, low, cap, cap, cap]
+
+
+def test_a_failure_is_logged_once_while_it_repeats_and_only_a_bug_with_its_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A control plane down for hours is one warning, not one every second; a failure
+    that is no network's or protocol's (a bug) comes with its traceback."""
+    link = uplink.ControlLink("http://127.0.0.1:1", TOKEN, "h1", 0, [("eth0", 10**9)],
+                              Registry(bands=4), on_change=lambda: None)
+    script = iter(["refused"] * 3 + ["bug"] * 2 + ["refused"])
+    real_sleep = asyncio.sleep
+
+    async def session(http: Any) -> None:
+        what = next(script, "done")
+        if what == "done":
+            raise asyncio.CancelledError
+        if what == "bug":
+            raise KeyError("version")
+        raise ConnectionRefusedError("refused")
+
+    async def sleep(seconds: float) -> None:
+        await real_sleep(0)
+
+    monkeypatch.setattr(link, "_session", session)
+    monkeypatch.setattr(uplink.asyncio, "sleep", sleep)
+    with caplog.at_level(logging.WARNING, logger=uplink.__name__), \
+            pytest.raises(asyncio.CancelledError):
+        asyncio.run(link.run())
+    logged = [(r.getMessage().split(": ", 1)[1], bool(r.exc_info)) for r in caplog.records]
+    assert logged == [("ConnectionRefusedError: refused; retrying", False),
+                      ("KeyError: 'version'; retrying", True),
+                      ("ConnectionRefusedError: refused; retrying", False)]
+    assert link.last_error == "ConnectionRefusedError: refused"
 
 
 def test_a_daemon_without_a_control_plane_has_no_metrics_of_one(tmp_path: Path) -> None:
@@ -258,6 +292,7 @@ def test_the_job_s_agreed_batch_and_world_size_are_reported(features: tuple[str,
                      for rank, said in enumerate((96, None))],  # rank 1 has not said yet
                     features)
     assert job["global_batch"] == 96
+    assert [w["batch"] for w in job["workers"]] == [0, 0]  # no step timed yet: none known
     # Ranks 2 and 3 are on other hosts: the control plane plans no shares until it has
     # heard of all 4 (an older one, without the field, is not sent it).
     assert job.get("world_size") == (4 if "world_size" in features else None)
