@@ -158,6 +158,8 @@ def test_coflow_serves_the_smaller_coflow_first_with_madd_rates() -> None:
     assert plan.flow_rate_bps[0] == pytest.approx(0.0, abs=1.0)
     fair = get_policy("fair").plan(state)
     assert fair.flow_rate_bps.tolist() == pytest.approx([G / 2, G / 2])
+    for name in ("fifo", "fair", "priority"):  # no order across jobs: all at the first level
+        assert get_policy(name).plan(state).job_level == {"big": 0, "small": 0}
 
 
 def test_bssi_puts_the_coflow_heaviest_on_the_bottleneck_last() -> None:
