@@ -30,7 +30,7 @@ import socket
 import struct
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,10 @@ class DaemonConfig:
     @property
     def http_address(self) -> tuple[str, int] | None:
         return host_port(self.http) if self.http else None
+
+
+# What a key the file leaves out is: the dataclass's defaults, for `_build` as for tests.
+_DEFAULT: dict[str, Any] = {f.name: f.default for f in fields(DaemonConfig)}
 
 
 def host_port(text: str) -> tuple[str, int]:
@@ -209,7 +213,7 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
     if len({i.name for i in ifaces}) != len(ifaces):
         raise fail("interface", "an interface is listed twice")
 
-    bands = network.get("bands", list(DEFAULT_BAND_DSCP))
+    bands = network.get("bands", list(_DEFAULT["bands"]))
     if (
         not isinstance(bands, list)
         or not 1 <= len(bands) <= MAX_BANDS
@@ -217,20 +221,20 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
         or len(set(bands)) != len(bands)
     ):
         raise fail("network.bands", f"must be 1..{MAX_BANDS} distinct DSCP values in 1..63")
-    other = _number(network, "other_share", 0.05, 0.0, 0.5, fail, "network")
-    fraction = _number(network, "shape_fraction", DEFAULT_SHAPE_FRACTION, 0.5, 1.0, fail,
+    other = _number(network, "other_share", _DEFAULT["other_share"], 0.0, 0.5, fail, "network")
+    fraction = _number(network, "shape_fraction", _DEFAULT["shape_fraction"], 0.5, 1.0, fail,
                        "network")
 
-    mode_text = daemon.get("socket_mode", "0660")
+    mode_text = daemon.get("socket_mode", f"{_DEFAULT['socket_mode']:04o}")
     try:
         mode = int(str(mode_text), 8)
         assert 0 <= mode <= 0o777
     except (ValueError, AssertionError):
         raise fail("daemon.socket_mode", f'must be octal like "0660", got {mode_text!r}') from None
-    on_start = daemon.get("on_start", "takeover")
+    on_start = daemon.get("on_start", _DEFAULT["on_start"])
     if on_start not in ON_START:
         raise fail("daemon.on_start", f"must be one of {ON_START}, got {on_start!r}")
-    http = daemon.get("http", DEFAULT_HTTP)
+    http = daemon.get("http", _DEFAULT["http"])
     try:
         ok = isinstance(http, str) and (not http or bool(host_port(http)))
     except ConfigError:
@@ -238,14 +242,15 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
     if not ok:
         raise fail("daemon.http", f'must be "host:port" (a port in 1..65535) or "" (off), '
                                   f"got {http!r}")
-    max_clients = daemon.get("max_clients", 256)
+    max_clients = daemon.get("max_clients", _DEFAULT["max_clients"])
     if not isinstance(max_clients, int) or not 1 <= max_clients <= 65536:
         raise fail("daemon.max_clients", f"must be an integer in 1..65536, got {max_clients!r}")
-    coalesce_ms = _number(daemon, "coalesce_ms", 2.0, 0.0, 1000.0, fail, "daemon")
+    coalesce_ms = _number(daemon, "coalesce_ms", _DEFAULT["coalesce_s"] * 1000, 0.0, 1000.0,
+                          fail, "daemon")
     for key in ("socket", "state_dir", "policy", "socket_group"):
         if key in daemon and (not isinstance(daemon[key], str) or not daemon[key]):
             raise fail(f"daemon.{key}", "must be non-empty text")
-    socket_path = str(daemon.get("socket", DEFAULT_SOCKET))
+    socket_path = str(daemon.get("socket", _DEFAULT["socket_path"]))
     if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
         raise fail("daemon.socket", f"must be at most {MAX_SOCKET_PATH} bytes long (the "
                                     f"kernel's limit for a Unix socket), got "
@@ -257,7 +262,7 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
         raise fail("control.url", f'must be like "http://10.0.0.5:7800", got {url!r}')
     if url is not None and not token:
         raise fail("control.token_file", "is needed with control.url")
-    leaf = control.get("leaf", 0)
+    leaf = control.get("leaf", _DEFAULT["control_leaf"])
     if isinstance(leaf, bool) or not isinstance(leaf, int) or not 0 <= leaf < MAX_LEAF:
         raise fail("control.leaf", f"must be an integer in 0..{MAX_LEAF - 1}, got {leaf!r}")
     # What a control plane registers (`control_protocol.parse_register`): refused there,
@@ -278,8 +283,8 @@ def _build(raw: dict[str, Any], source: str) -> DaemonConfig:
         socket_group=daemon.get("socket_group"),
         socket_mode=mode,
         http=http,
-        state_dir=Path(daemon.get("state_dir", DEFAULT_STATE_DIR)),
-        policy=daemon.get("policy", "fair"),
+        state_dir=Path(daemon.get("state_dir", _DEFAULT["state_dir"])),
+        policy=daemon.get("policy", _DEFAULT["policy"]),
         on_start=on_start,
         max_clients=max_clients,
         coalesce_s=coalesce_ms / 1000,

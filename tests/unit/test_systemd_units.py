@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gradlane.daemon.config import load_config
+from gradlane.daemon.config import DaemonConfig, InterfaceConfig, load_config
 from tests import REPO
 
 SYSTEMD = REPO / "systemd"
@@ -56,6 +56,19 @@ def test_example_config_loads(tmp_path: Path) -> None:
     path.write_text(text)
     config = load_config(path)
     assert config.interfaces[0].rate_bps == 25 * 10**9 and config.policy == "fair"
+
+
+def test_the_example_s_values_are_the_defaults_of_a_file_that_names_only_interfaces(
+        tmp_path: Path) -> None:
+    """systemd/gradlaned.toml is the annotated version of the defaults: a file naming only
+    the interface, and the config built in code, are the same config."""
+    example = (SYSTEMD / "gradlaned.toml").read_text().replace('# rate = "25gbit"',
+                                                                'rate = "25gbit"')
+    (tmp_path / "example.toml").write_text(example)
+    (tmp_path / "least.toml").write_text('[[interface]]\nname = "eth0"\nrate = "25gbit"\n')
+    eth0 = (InterfaceConfig("eth0", 25 * 10**9),)
+    assert (load_config(tmp_path / "example.toml") == load_config(tmp_path / "least.toml")
+            == DaemonConfig(interfaces=eth0))
 
 
 def test_example_control_section_loads(tmp_path: Path) -> None:
