@@ -87,7 +87,7 @@ class DaemonConfig:
         return host_port(self.http) if self.http else None
 
 
-# What a key the file leaves out is: the dataclass's defaults, for `_build` as for tests.
+# A key the file leaves out takes the dataclass's default: each default in one place.
 _DEFAULT: dict[str, Any] = {f.name: f.default for f in fields(DaemonConfig)}
 
 
