@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from gradlane.daemon.config import load_config
+from gradlane.daemon.fields import MAX_LEAF, MAX_NAME
 from gradlane.daemon.service import Daemon
 from gradlane.errors import ConfigError, GradlaneError
 from tests.fakes import FakeBackend, fake_config
@@ -173,3 +174,29 @@ def test_what_a_control_plane_registers_is_taken_to_its_edges(tmp_path: Path) ->
     config = load_config(write(tmp_path, GOOD + nics[:nics.rindex("[[")] + control))
     assert len(config.interfaces) == 16 and config.control_host == "h" * 128
     assert len(load_config(write(tmp_path, GOOD + nics)).interfaces) == 17  # no control plane
+
+
+@pytest.mark.parametrize(("key", "attribute", "taken", "refused"), [
+    ("daemon.http", "http", {"127.0.0.1:1": "127.0.0.1:1", "[::1]:65535": "[::1]:65535"},
+     ["127.0.0.1:0", "127.0.0.1:65536"]),
+    ("daemon.max_clients", "max_clients", {1: 1, 65536: 65536}, [0, 65537]),
+    ("daemon.coalesce_ms", "coalesce_s", {0.001: 1e-6, 1000: 1.0}, [0, 1000.001]),
+    ("network.other_share", "other_share", {0.001: 0.001, 0.5: 0.5}, [0, 0.501]),
+    ("network.shape_fraction", "shape_fraction", {0.501: 0.501, 1: 1.0}, [0.5, 1.001]),
+    ("network.bands", "bands", {(46,): (46,), tuple(range(1, 16)): tuple(range(1, 16))},
+     [[], list(range(1, 17))]),
+    ("control.leaf", "control_leaf", {0: 0, MAX_LEAF - 1: MAX_LEAF - 1}, [-1, MAX_LEAF]),
+    ("control.host", "control_host", {"h": "h", "h" * MAX_NAME: "h" * MAX_NAME},
+     ["", "h" * (MAX_NAME + 1)]),
+])
+def test_each_bound_is_taken_and_the_value_past_it_refused(
+        tmp_path: Path, key: str, attribute: str, taken: dict[object, object],
+        refused: list[object]) -> None:
+    path = write(tmp_path, GOOD)
+    extra = {"control.url": "http://a:1", "control.token_file": "/t"} if "control" in key else {}
+    for value, want in taken.items():
+        given = list(value) if isinstance(value, tuple) else value  # TOML has arrays
+        assert getattr(load_config(path, {**extra, key: given}), attribute) == want
+    for value in refused:
+        with pytest.raises(ConfigError, match=rf"{key}: must"):
+            load_config(path, {**extra, key: value})
