@@ -275,7 +275,7 @@ def test_what_the_ranks_agreed_reaches_a_daemon_too_busy_for_reports(tmp_path: P
                 client.chunk_event(group, chunk, "ready")  # type: ignore[arg-type]
             step += 1
             client.begin(step, 32)
-        assert client._outbox.full()
+        assert client._outbox.full() and client._outbox.qsize() == 256  # the cap, in messages
         client.exchange_agreed("ring")
         daemon.reading.set()
         _wait_for(client._outbox.empty)
