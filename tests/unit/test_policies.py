@@ -159,7 +159,10 @@ def test_coflow_serves_the_smaller_coflow_first_with_madd_rates() -> None:
     fair = get_policy("fair").plan(state)
     assert fair.flow_rate_bps.tolist() == pytest.approx([G / 2, G / 2])
     for name in ("fifo", "fair", "priority"):  # no order across jobs: all at the first level
-        assert get_policy(name).plan(state).job_level == {"big": 0, "small": 0}
+        plain = get_policy(name).plan(state)
+        assert plain.job_level == {"big": 0, "small": 0}
+        assert {c.prio for classes in plain.host_classes.values() for c in classes.values()
+                } == {0}
 
 
 def test_bssi_puts_the_coflow_heaviest_on_the_bottleneck_last() -> None:
