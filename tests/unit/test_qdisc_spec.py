@@ -18,6 +18,8 @@ from pyroute2.netlink.rtnl import (
 )
 
 from gradlane.daemon.qdisc import (
+    ACK_KEYS,
+    ACK_PREF,
     DSCP_PREF_BASE,
     FLOW_HASHKEY,
     FLOW_PREF,
@@ -36,7 +38,7 @@ from gradlane.daemon.qdisc import (
     _wanted_classes,
     _wanted_filters,
 )
-from gradlane.daemon.tc import U32Filter, dscp_key, handle, u32_bytemap
+from gradlane.daemon.tc import U32Filter, bytemap_entries, dscp_key, handle, u32_bytemap
 from gradlane.errors import ConfigError
 
 M = 1_000_000
@@ -89,6 +91,8 @@ def test_wanted_tree_shape() -> None:
             assert ids.index(want.parent) < ids.index(want.classid)
     assert wanted[0x474C0001].rate_bps == wanted[0x474C0001].ceil_bps == 100 * M
     assert wanted[0x474C0002].rate_bps == 5 * M and wanted[0x474C0002].prio == 7
+    acks = wanted[0x474C0003]  # ACKs first, in a class of their own, up to the root's rate
+    assert (acks.parent, acks.prio, acks.ceil_bps) == (0x474C0001, 0, 100 * M)
     # job a (prio 0): leaves prio 0..3; job b (prio 2): 2, 3, 4, 5
     assert [wanted[0x474C0100 + b + 1].prio for b in range(4)] == [0, 1, 2, 3]
     assert [wanted[0x474C0200 + b + 1].prio for b in range(4)] == [2, 3, 4, 5]
@@ -122,10 +126,49 @@ def test_filters_existing_in_kernel_are_kept_and_missing_ones_added() -> None:
     # a flow that left goes alone; a priority per flow (an older gradlane's) and a
     # wrong DSCP fallback go whole; the table stays
     assert diff.drop_prefs == {0x101, DSCP_PREF_BASE + 1} and diff.drop_nodes == [gone]
-    assert sorted(w.pref - DSCP_PREF_BASE for w in diff.add) == [1, 2, 3]  # DSCP bands 1..3
+    # the ACKs' filter, DSCP bands 1..3
+    assert [(w.pref, w.classid) for w in diff.add] == [(ACK_PREF, 0x474C0003)] + [
+        (DSCP_PREF_BASE + band, 0x474C0101 + band) for band in (1, 2, 3)]
     assert not diff.build_table and diff.retarget == []
     diff = _diff_filters(want, [])
-    assert diff.build_table and len(diff.add) == 5 and diff.drop_prefs == set()
+    assert diff.build_table and len(diff.add) == 6 and diff.drop_prefs == set()
+    ours = U32Filter(ACK_PREF, 0x474C0003, u32_bytemap(ACK_KEYS))
+    assert ACK_PREF not in _diff_filters(want, [ours]).drop_prefs  # kept as it is
+
+
+def tcp_packet(flags: int, data: int = 0, options: int = 12, ip_options: int = 0) -> bytes:
+    """The IPv4 and TCP headers of a segment: `options` bytes of TCP options (12: the
+    timestamps), `data` bytes of payload after them."""
+    ihl = 5 + ip_options // 4
+    tcp_len = 20 + options
+    ip = struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, 0, 4 * ihl + tcp_len + data, 0, 0, 64, 6, 0,
+                     bytes([10, 0, 0, 1]), bytes([10, 0, 0, 2])) + bytes(ip_options)
+    tcp = struct.pack("!HHIIBBHHH", 40000, 5201, 1, 1, (tcp_len // 4) << 4, flags, 0, 0, 0)
+    return ip + tcp + bytes(options)
+
+
+def matches(match: bytes, packet: bytes) -> bool:
+    return all(packet[off] & mask == value for off, value, mask in bytemap_entries(match))
+
+
+@pytest.mark.parametrize(("packet", "first"), [
+    (tcp_packet(0x10), True),  # an ACK with timestamps: 52 bytes
+    (tcp_packet(0x10, options=0), True),  # without: 40
+    (tcp_packet(0x10, options=36), True),  # timestamps and three SACK blocks: 76
+    (tcp_packet(0x11), True),  # FIN
+    (tcp_packet(0x12), True),  # SYN-ACK
+    (tcp_packet(0x18, data=64), True),  # 64 bytes of data: 116 in all, as light
+    (tcp_packet(0x10, data=1448), False),  # a full segment
+    (tcp_packet(0x18, data=76), False),  # 128 bytes
+    (tcp_packet(0x02), False),  # SYN: no ACK flag
+    (tcp_packet(0x10, ip_options=4), False),  # IP options: the flags are elsewhere
+], ids=["ack", "ack-no-timestamps", "sack", "fin", "syn-ack", "small-data", "segment",
+        "128-bytes", "syn", "ip-options"])
+def test_the_acks_filter_takes_pure_acks_and_not_data(packet: bytes, first: bool) -> None:
+    assert matches(u32_bytemap(ACK_KEYS), packet) is first
+    udp = bytearray(packet)
+    udp[9] = 17
+    assert not matches(u32_bytemap(ACK_KEYS), bytes(udp))
 
 
 @pytest.mark.parametrize("left", [[TABLE], [LINK], [TABLE, flow_node(FLOW, 0x474C0102)]],
@@ -300,12 +343,15 @@ def test_each_flow_s_match_is_worked_out_once_while_it_stays() -> None:
     # the flows still wanted only (a host's flows come and go by the thousand).
     other = FlowMatch(2, src="10.0.0.1", sport=40001, dst="10.0.0.3", dport=5000)
     matches: dict[Any, Any] = {}
-    first = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(FLOW, other)),)),
-                            {"a": 1}, matches)
+    def flows(wanted: list[Any]) -> list[Any]:
+        return [w for w in wanted if w.pref == FLOW_PREF]
+
+    first = flows(_wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(FLOW, other)),)),
+                                  {"a": 1}, matches))
     assert len(matches) == 2
     moved = FlowMatch(3, FLOW.src, FLOW.sport, FLOW.dst, FLOW.dport)  # the same 5-tuple
-    again = _wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(moved,)),)),
-                            {"a": 1}, matches)
+    again = flows(_wanted_filters(spec(jobs=(JobSpec("a", M, 100 * M, flows=(moved,)),)),
+                                  {"a": 1}, matches))
     assert again[0].bytemap is first[0].bytemap and again[0].classid == 0x474C0104
     assert list(matches.values()) == [first[0].bytemap]  # `other` is gone
     assert first[1].bytemap == u32_bytemap(other.keys()) != first[0].bytemap
