@@ -22,11 +22,14 @@ ACKs its peer sends on the same connection, which belong to the same band there:
 a low band's ACKs queued behind the peer's higher bands, on their leaf's tiny
 guaranteed rate, starved the flow (measured, 96 Mbit/s, band 0 data coming
 back: 18 Mbit/s against 92 alone). So IPv4 TCP segments with the ACK flag and
-under 128 bytes in all (a header with options and at most a few bytes of data:
-ACKs, SACKs, a FIN) go first, in a class of their own: they weigh on the link
-as little as ACKs do, whatever band their connection is in.
+no data go first, in a class of their own, whatever band their connection is
+in: they weigh on the link next to nothing. Only those: a segment with data,
+however small, sent ahead of its connection's earlier ones queued in its band,
+would arrive out of order. u32 cannot compare the total length with the TCP
+header's, so there is one filter per TCP header length (5..15 words), each
+matching that length and a total length of exactly the two headers.
 
-Classification, first match wins: the ACKs, then the registered flows (IPv4 TCP 5-tuple ->
+Classification, first match wins: the pure ACKs, then the registered flows (IPv4 TCP 5-tuple ->
 the job's leaf for that band), then one filter per band on its DSCP (-> the
 leaves of `QdiscSpec.dscp_job`), then the root's default class. The flows
 live in one u32 filter (`FLOW_PREF`) as nodes of a 256-bucket hash table
@@ -79,6 +82,7 @@ from gradlane.daemon.tc import (
     HtbClass,
     HtbParams,
     U32Filter,
+    U32Key,
     dscp_key,
     fmt_handle,
     fmt_u32_handle,
@@ -116,7 +120,7 @@ ACK_CLASS = handle(MARKER, 3)
 MAX_BANDS = 15
 LOGGED_CHANGES = 12  # a reconcile's changes listed at INFO, the rest counted
 MAX_JOBS = 254
-ACK_PREF = 0x80  # pure ACKs, tried first
+ACK_PREF_BASE = 0x80  # + the TCP header's length in words (5..15): pure ACKs, tried first
 FLOW_PREF = 0x100  # the registered flows, tried next
 FLOW_TABLE = 0x474 << 20  # their hash table "474:" (a u32 table id: the top 12 bits)
 FLOW_BUCKETS = 256
@@ -778,7 +782,7 @@ class QdiscManager:
         root = next((f.handle & 0xFFF00000 for f in flow_nodes if f.link), 0)
         cursors: dict[int, int] = {}
         for item in diff.add:
-            if item.pref != FLOW_PREF:  # the ACKs' or a DSCP fallback: a priority of its own
+            if item.pref != FLOW_PREF:  # an ACKs' or a DSCP fallback: a priority of its own
                 self._u32("add", index, item.pref, 0, match=item.bytemap, classid=item.classid,
                           table=TC_U32_ROOT)  # fmt: skip
                 view.filters.append(U32Filter(item.pref, item.classid, item.bytemap))
@@ -986,22 +990,33 @@ def _wanted_classes(spec: QdiscSpec, slots: dict[str, int]) -> dict[int, HtbPara
 
 LINK_KEYS = ipv4_tcp_keys()  # IPv4 TCP with a 20-byte header: the port word at offset 20
 _LINK_MATCH = u32_bytemap(LINK_KEYS)
-# IPv4 TCP with a 20-byte IP header, under 128 bytes in all (total length, offset 2), with
-# the ACK flag (byte 13 of the TCP header, 33 of the packet).
-ACK_KEYS = [*LINK_KEYS, (0x00000000, 0x0000FF80, 0), (0x00100000, 0x00100000, 32)]
-_ACK = u32_bytemap(ACK_KEYS)
+
+
+def ack_keys(words: int) -> list[U32Key]:
+    """IPv4 TCP segments with a 20-byte IP header, a TCP header of `words` 32-bit words
+    (its data offset, the top nibble of byte 32), no data (total length, bytes 2-3: the
+    two headers) and the ACK flag (byte 13 of the TCP header, 33 of the packet)."""
+    return [*LINK_KEYS, (20 + 4 * words, 0x0000FFFF, 0),
+            (words << 28 | 0x00100000, 0xF0100000, 32)]
+
+
+ACK_WORDS = range(5, 16)  # a TCP header's length in words: 20 to 60 bytes
 _LINK = (FLOW_TABLE, FLOW_HASHKEY, False, 0, _LINK_MATCH)  # what `_flow_table_ok` wants
 
 
 @dataclass(frozen=True)
 class _Want:
-    """A wanted terminal filter: the ACKs' or a DSCP fallback (`pref` of its own) or a flow
+    """A wanted terminal filter: an ACKs' or a DSCP fallback (`pref` of its own) or a flow
     (`FLOW_PREF`, in `bucket` of the hash table; None: the root table)."""
 
     pref: int
     bytemap: ByteMap
     classid: int
     bucket: int | None = None
+
+
+_ACKS = [_Want(ACK_PREF_BASE + words, u32_bytemap(ack_keys(words)), ACK_CLASS)
+         for words in ACK_WORDS]
 
 
 @dataclass
@@ -1025,7 +1040,7 @@ def _wanted_filters(spec: QdiscSpec, slots: dict[str, int],
     it holds this spec's flows' only."""
     known = {} if matches is None else matches
     now: dict[_FiveTuple, ByteMap] = {}
-    out: list[_Want] = [_Want(ACK_PREF, _ACK, ACK_CLASS)]
+    out: list[_Want] = list(_ACKS)
     for job in spec.jobs:
         base = handle(MARKER, slots[job.name] << 8)
         for flow in job.flows:
@@ -1070,10 +1085,11 @@ def _flow_table_ok(nodes: list[U32Filter]) -> bool:
 def _diff_filters(want: list[_Want], have: list[U32Filter]) -> _FilterDiff:
     """What to send so that the kernel's filters (`have`) become `want`.
 
-    The ACKs' filter and the DSCP fallbacks are kept or replaced whole (one per priority). Flows are
-    kept, retargeted in place (a flow moved to another band), deleted or
-    added one node each, within an intact hash table (kept when no flow is
-    left); without one, the table is (re)built first. Any other priority (e.g.
+    The ACKs' filters and the DSCP fallbacks are kept or replaced whole (one
+    per priority). Flows are kept, retargeted in place (a flow moved to
+    another band), deleted or added one node each, within an intact hash
+    table (kept when no flow is left); without one, the table is (re)built
+    first. Any other priority (e.g.
     a tree of an older gradlane, with a priority per flow) is deleted.
     """
     diff = _FilterDiff()

@@ -22,6 +22,7 @@ from tests.integration.helpers import start_netns_daemon as start_daemon
 pytestmark = pytest.mark.netns
 BASE_CLASSES = {"474c:1", "474c:2", "474c:3",
                 "474c:100", "474c:101", "474c:102", "474c:103", "474c:104"}
+ACKS = list(range(0x85, 0x90))  # the ACKs' filters, one per TCP header length
 JOB_CLASSES = {"474c:200", "474c:201", "474c:202", "474c:203", "474c:204"}
 
 
@@ -37,7 +38,7 @@ def classes(cluster: Cluster, host: str = "h1") -> list[str]:
 
 def filter_prefs(cluster: Cluster, host: str = "h1") -> list[int]:
     """The priorities of the filters that classify, one per filter (registered flows
-    share one priority, the ACKs' filter and each DSCP fallback have their own)."""
+    share one priority, the ACKs' filters and each DSCP fallback have their own)."""
     shown = tc(cluster.ns(host), "filter", "show", "dev", "eth0")
     return sorted(int(p) for p in re.findall(r"pref (\d+) u32 .*flowid", shown))
 
@@ -103,7 +104,7 @@ def test_bands_land_in_their_leaves_and_sigterm_restores(cluster: Cluster, tmp_p
         # clone's run once looked in between and saw only the DSCP fallbacks).
         wait_for(lambda: filter_prefs(cluster).count(0x100) == 4, "the flows' filters")
         # one per band connection, in the flow hash table, + the DSCP fallbacks
-        assert filter_prefs(cluster) == [0x80] + [0x100] * 4 + [0x8000, 0x8001, 0x8002, 0x8003]
+        assert filter_prefs(cluster) == ACKS + [0x100] * 4 + [0x8000, 0x8001, 0x8002, 0x8003]
         before = leaf_bytes(cluster)
         worker.stdin.write("\n")
         worker.stdin.flush()
@@ -149,7 +150,7 @@ def test_sigkill_then_restart_recovers_without_leftovers(cluster: Cluster, tmp_p
         wait_for(lambda: set(classes(cluster)) == BASE_CLASSES, "leftover classes to go")
         shown = classes(cluster)
         assert len(shown) == len(set(shown))  # no duplicates
-        assert filter_prefs(cluster) == [0x80, 0x8000, 0x8001, 0x8002, 0x8003]
+        assert filter_prefs(cluster) == ACKS + [0x8000, 0x8001, 0x8002, 0x8003]
         client = register(sock, hello(flows))  # and it works again
         wait_for(lambda: set(classes(cluster)) >= JOB_CLASSES, "the job's classes")
         client.close()
@@ -173,7 +174,7 @@ def test_thousand_register_cycles_leave_nothing_behind(cluster: Cluster, tmp_pat
             client.close()
         wait_for(lambda: status(cluster)["jobs"] == [], "an empty registry", timeout=30)
         wait_for(lambda: set(classes(cluster)) == BASE_CLASSES, "base classes only", timeout=30)
-        assert filter_prefs(cluster) == [0x80, 0x8000, 0x8001, 0x8002, 0x8003]
+        assert filter_prefs(cluster) == ACKS + [0x8000, 0x8001, 0x8002, 0x8003]
         assert status(cluster)["reconcile"]["errors"] == 0
     finally:
         assert stop(daemon) == 0

@@ -154,8 +154,8 @@ def test_thousands_of_flows_hash_and_classify(cluster: Cluster, manager: QdiscMa
     assert after["474c:102"] - before["474c:102"] >= 4_000_000
     assert after["474c:2"] - before["474c:2"] < 1_000_000  # not in "other traffic"
     shown = tc(cluster.ns("h1"), "filter", "show", "dev", "eth0")
-    # the flows, the DSCP fallbacks and the ACKs' filter
-    assert "hash mask 000001fe at 20" in shown and shown.count("flowid 474c:") == 3001 + 4 + 1
+    # the flows, the DSCP fallbacks and the ACKs' filters
+    assert "hash mask 000001fe at 20" in shown and shown.count("flowid 474c:") == 3001 + 4 + 11
 
 
 def test_a_flow_table_left_behind_is_adopted(cluster: Cluster, manager: QdiscManager) -> None:

@@ -18,8 +18,8 @@ from pyroute2.netlink.rtnl import (
 )
 
 from gradlane.daemon.qdisc import (
-    ACK_KEYS,
-    ACK_PREF,
+    ACK_PREF_BASE,
+    ACK_WORDS,
     DSCP_PREF_BASE,
     FLOW_HASHKEY,
     FLOW_PREF,
@@ -126,14 +126,15 @@ def test_filters_existing_in_kernel_are_kept_and_missing_ones_added() -> None:
     # a flow that left goes alone; a priority per flow (an older gradlane's) and a
     # wrong DSCP fallback go whole; the table stays
     assert diff.drop_prefs == {0x101, DSCP_PREF_BASE + 1} and diff.drop_nodes == [gone]
-    # the ACKs' filter, DSCP bands 1..3
-    assert [(w.pref, w.classid) for w in diff.add] == [(ACK_PREF, 0x474C0003)] + [
+    # the ACKs' filters (a TCP header of 5..15 words), DSCP bands 1..3
+    assert [(w.pref, w.classid) for w in diff.add] == [
+        (ACK_PREF_BASE + words, 0x474C0003) for words in range(5, 16)] + [
         (DSCP_PREF_BASE + band, 0x474C0101 + band) for band in (1, 2, 3)]
     assert not diff.build_table and diff.retarget == []
     diff = _diff_filters(want, [])
-    assert diff.build_table and len(diff.add) == 6 and diff.drop_prefs == set()
-    ours = U32Filter(ACK_PREF, 0x474C0003, u32_bytemap(ACK_KEYS))
-    assert ACK_PREF not in _diff_filters(want, [ours]).drop_prefs  # kept as it is
+    assert diff.build_table and len(diff.add) == 11 + 4 + 1 and diff.drop_prefs == set()
+    ours = U32Filter(ACK_PREF_BASE + 8, 0x474C0003, acks(8))
+    assert ACK_PREF_BASE + 8 not in _diff_filters(want, [ours]).drop_prefs  # kept as it is
 
 
 def tcp_packet(flags: int, data: int = 0, options: int = 12, ip_options: int = 0) -> bytes:
@@ -147,28 +148,39 @@ def tcp_packet(flags: int, data: int = 0, options: int = 12, ip_options: int = 0
     return ip + tcp + bytes(options)
 
 
-def matches(match: bytes, packet: bytes) -> bool:
-    return all(packet[off] & mask == value for off, value, mask in bytemap_entries(match))
+def acks(words: int) -> bytes:
+    """The match of the ACKs' filter of a TCP header of `words` words, as the manager wants it."""
+    [match] = [w.bytemap for w in _wanted_filters(spec(), {"a": 1, "b": 2})
+               if w.pref == ACK_PREF_BASE + words]
+    return match
 
 
-@pytest.mark.parametrize(("packet", "first"), [
+def first(packet: bytes) -> bool:
+    """Whether one of the ACKs' filters takes `packet`."""
+    return any(all(packet[off] & mask == value for off, value, mask in bytemap_entries(acks(w)))
+               for w in ACK_WORDS)
+
+
+@pytest.mark.parametrize(("packet", "ahead"), [
     (tcp_packet(0x10), True),  # an ACK with timestamps: 52 bytes
     (tcp_packet(0x10, options=0), True),  # without: 40
-    (tcp_packet(0x10, options=36), True),  # timestamps and three SACK blocks: 76
-    (tcp_packet(0x11), True),  # FIN
+    (tcp_packet(0x10, options=24), True),  # timestamps and a SACK block
+    (tcp_packet(0x10, options=40), True),  # the most options a header holds
+    (tcp_packet(0x11), True),  # FIN, no data
     (tcp_packet(0x12), True),  # SYN-ACK
-    (tcp_packet(0x18, data=64), True),  # 64 bytes of data: 116 in all, as light
     (tcp_packet(0x10, data=1448), False),  # a full segment
-    (tcp_packet(0x18, data=76), False),  # 128 bytes
+    (tcp_packet(0x18, data=1), False),  # one byte of data: it would overtake its band's
+    (tcp_packet(0x18, data=4, options=0), False),  # as long as a header with options
     (tcp_packet(0x02), False),  # SYN: no ACK flag
-    (tcp_packet(0x10, ip_options=4), False),  # IP options: the flags are elsewhere
-], ids=["ack", "ack-no-timestamps", "sack", "fin", "syn-ack", "small-data", "segment",
-        "128-bytes", "syn", "ip-options"])
-def test_the_acks_filter_takes_pure_acks_and_not_data(packet: bytes, first: bool) -> None:
-    assert matches(u32_bytemap(ACK_KEYS), packet) is first
+    (tcp_packet(0x10, ip_options=4), False),  # IP options: the TCP header is elsewhere
+], ids=["ack", "ack-no-timestamps", "sack", "40-bytes-of-options", "fin", "syn-ack",
+        "segment", "one-byte", "four-bytes", "syn", "ip-options"])
+def test_the_acks_filters_take_pure_acks_and_nothing_with_data(packet: bytes, ahead: bool
+                                                                ) -> None:
+    assert first(packet) is ahead
     udp = bytearray(packet)
     udp[9] = 17
-    assert not matches(u32_bytemap(ACK_KEYS), bytes(udp))
+    assert not first(bytes(udp))
 
 
 @pytest.mark.parametrize("left", [[TABLE], [LINK], [TABLE, flow_node(FLOW, 0x474C0102)]],
