@@ -278,14 +278,15 @@ def test_priority_bands_scale_each_job_s_priorities_as_its_shim_does() -> None:
     else as many as its flows name."""
     topo = Topology(tuple(Host(f"h{i}") for i in range(2)))
     jobs = (JobState("deep", 2, chunk_bytes=(1,) * 4, layers=16),  # 4 chunks of 16 layers
-            JobState("two", 2, chunk_bytes=(1, 1)), JobState("told", 2))
+            JobState("four", 2, chunk_bytes=(1,) * 4), JobState("told", 2))
+    # "four" has flows of its first two chunks only: its bands still count all four
     rows = ([(0, 1, 1e6, 0.0, p, 0, p) for p in range(4)] + [(0, 1, 1e6, 0.0, p, 1, p)
             for p in range(2)] + [(0, 1, 1e6, 0.0, p, 2, -1) for p in range(6)])
     state = State(jobs=jobs, topology=topo,
                   workers=tuple(Worker(j.name, r, r) for j in jobs for r in range(2)),
                   coflows=tuple(Coflow(f"{j.name}/1", j.name) for j in jobs),
                   flows=FlowTable.build(rows), bands=4)
-    assert flow_bands(state).tolist() == [0, 0, 0, 0] + [0, 2] + [0, 0, 1, 2, 2, 3]
+    assert flow_bands(state).tolist() == [0, 0, 0, 0] + [0, 1] + [0, 0, 1, 2, 2, 3]
 
 
 def test_loadbalance_gives_a_faster_link_more_chunks() -> None:
