@@ -1092,3 +1092,22 @@ def test_host_classes_follow_demand_and_never_guarantee_nothing() -> None:
     classes = host_classes(state, np.array([0.9 * G]), {})
     assert sum(c.rate_bps for c in classes[0].values()) <= G
     assert min(c.rate_bps for c in classes[0].values()) > floor
+
+
+@pytest.mark.parametrize("policy", ["fifo", "straggler", "gradlane"])
+def test_a_job_whose_global_batch_is_unknown_gets_no_shares(policy: str) -> None:
+    # Even a job of one worker: a share of 1 sample would be a batch made up.
+    state = State(jobs=(JobState("j", 1),), topology=Topology((Host("h0"),)),
+                  workers=(Worker("j", 0, 0, throughput=10.0),))
+    assert "j" not in get_policy(policy).plan(state).batch_shares
+    told = replace(state, jobs=(JobState("j", 1, global_batch=8),))
+    assert get_policy(policy).plan(told).batch_shares["j"] == (8,)
+
+
+def test_a_job_with_a_worker_not_yet_timed_gets_even_shares() -> None:
+    # Rank 1 has no throughput yet (its first iterations): weighing it at any guess
+    # would starve or flood it.
+    state = State(jobs=(JobState("j", 2, global_batch=30),),
+                  topology=Topology((Host("h0"), Host("h1"))),
+                  workers=(Worker("j", 0, 0, throughput=100.0), Worker("j", 1, 1)))
+    assert get_policy("straggler").plan(state).batch_shares["j"] == (15, 15)
