@@ -29,19 +29,19 @@ would arrive out of order. u32 cannot compare the total length with the TCP
 header's, so there is one filter per TCP header length (5..15 words), each
 matching that length and a total length of exactly the two headers.
 
-Classification, first match wins: the pure ACKs, then the registered flows (IPv4 TCP 5-tuple ->
-the job's leaf for that band), then one filter per band on its DSCP (-> the
-leaves of `QdiscSpec.dscp_job`), then the root's default class. The flows
-live in one u32 filter (`FLOW_PREF`) as nodes of a 256-bucket hash table
-keyed on bits 1-8 of the destination port (the port that varies on both
-ends of a connection: the peer's listening port or its ephemeral one), so a
-packet is compared with the few flows of its bucket, not with every flow
-on the host: each filter priority of its own is one more classifier every
-packet walks through (measured on a veth, one TCP stream: 18 Gbit/s with
-none, 7.4 with 2,000), and the kernel has at most 2,047 of them per
-qdisc. A flow without a destination port sits in the filter's root
-table, after the link to the hash table. One flow is added, retargeted or
-removed as one node, by a handle the manager chooses.
+Classification, first match wins: the pure ACKs, then the registered flows
+(IPv4 TCP 5-tuple -> the job's leaf for that band), then one filter per band
+on its DSCP (-> the leaves of `QdiscSpec.dscp_job`), then the root's default
+class. The flows live in one u32 filter (`FLOW_PREF`) as nodes of a 256-bucket
+hash table keyed on bits 1-8 of the destination port (the port that varies on
+both ends of a connection: the peer's listening port or its ephemeral one), so
+a packet is compared with the few flows of its bucket, not with every flow on
+the host: each filter priority of its own is one more classifier every packet
+walks through (measured on a veth, one TCP stream: 18 Gbit/s with none, 7.4
+with 2,000), and the kernel has at most 2,047 of them per qdisc. A flow
+without a destination port sits in the filter's root table, after the link to
+the hash table. One flow is added, retargeted or removed as one node, by a
+handle the manager chooses.
 
 `QdiscManager.apply` diffs the spec against what the kernel reports and sends
 only the differences: the same spec twice sends nothing; one job's new rate
@@ -1089,8 +1089,8 @@ def _diff_filters(want: list[_Want], have: list[U32Filter]) -> _FilterDiff:
     per priority). Flows are kept, retargeted in place (a flow moved to
     another band), deleted or added one node each, within an intact hash
     table (kept when no flow is left); without one, the table is (re)built
-    first. Any other priority (e.g.
-    a tree of an older gradlane, with a priority per flow) is deleted.
+    first. Any other priority (e.g. a tree of an older gradlane, with a
+    priority per flow) is deleted.
     """
     diff = _FilterDiff()
     by_pref: dict[int, list[U32Filter]] = {}
