@@ -1,6 +1,8 @@
 """Table-driven tests of each policy's algorithm, on small hand-made states."""
 
+import dataclasses
 import itertools
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -1111,3 +1113,20 @@ def test_a_job_with_a_worker_not_yet_timed_gets_even_shares() -> None:
                   topology=Topology((Host("h0"), Host("h1"))),
                   workers=(Worker("j", 0, 0, throughput=100.0), Worker("j", 1, 1)))
     assert get_policy("straggler").plan(state).batch_shares["j"] == (15, 15)
+
+
+def test_a_plan_s_wire_form_holds_every_field() -> None:
+    # The determinism tests compare plans by `to_wire`: a field it left out would never be
+    # compared, and a form of nothing would make them pass whatever the plans.
+    _, plan = _valid_cluster_plan()
+    wire = plan.to_wire()
+    assert set(wire) == {f.name for f in dataclasses.fields(Plan)}
+    assert json.loads(json.dumps(wire)) == wire
+    assert replace(plan, flow_band=plan.flow_band + 1).to_wire() != wire
+
+
+def test_a_state_s_flow_links_are_read_only() -> None:
+    # Computed once per state and shared by every policy that plans from it.
+    links = _two_jobs_on_one_link().flow_links
+    with pytest.raises(ValueError, match="read-only"):
+        links[0, 0] = 1
