@@ -1123,6 +1123,10 @@ def test_a_plan_s_wire_form_holds_every_field() -> None:
     assert set(wire) == {f.name for f in dataclasses.fields(Plan)}
     assert json.loads(json.dumps(wire)) == wire
     assert replace(plan, flow_band=plan.flow_band + 1).to_wire() != wire
+    assert plan.host_classes
+    bumped = {h: {j: replace(p, rate_bps=p.rate_bps - 1) for j, p in c.items()}
+              for h, c in plan.host_classes.items()}
+    assert replace(plan, host_classes=bumped).to_wire() != wire
 
 
 def test_a_state_s_flow_links_are_read_only() -> None:
