@@ -14,15 +14,18 @@ its bytes or seconds, a receiver after its timeout.
 
 From Python, `run_flows` starts receivers and senders in a `Cluster` and
 returns `FlowResult`s; `window_goodputs` gives each flow's goodput over the
-interval in which all of them were running.
+interval in which all of them were running, `steady_goodputs` the rate each held
+there (the median over short slices, which a stalled process does not move).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import selectors
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -35,7 +38,7 @@ from gradlane.errors import TestbedError
 if TYPE_CHECKING:
     from gradlane.testbed.cluster import Cluster
 
-__all__ = ["Flow", "FlowResult", "run_flows", "window_goodputs"]
+__all__ = ["Flow", "FlowResult", "run_flows", "steady_goodputs", "window_goodputs"]
 
 DEFAULT_PORT = 5201
 MAX_SECONDS = 3600  # of any wait or flow: every run of the tool is bounded
@@ -108,15 +111,39 @@ class FlowResult:
         return (self.bytes_at(end) - self.bytes_at(start)) * 8 / (end - start)
 
 
-def window_goodputs(results: Sequence[FlowResult], skip: float = 0.5) -> list[float]:
-    """Each flow's goodput while all flows ran, `skip` seconds trimmed at both ends."""
+def _common_window(results: Sequence[FlowResult], skip: float) -> tuple[float, float]:
     start = max(r.first for r in results) + skip
     end = min(r.last for r in results) - skip
     if end - start < 0.5:
         raise TestbedError(
             f"flows overlapped for only {end - start + 2 * skip:.2f}s: too short to measure"
         )
+    return start, end
+
+
+def window_goodputs(results: Sequence[FlowResult], skip: float = 0.5) -> list[float]:
+    """Each flow's goodput while all flows ran, `skip` seconds trimmed at both ends."""
+    start, end = _common_window(results, skip)
     return [r.goodput_between(start, end) for r in results]
+
+
+def steady_goodputs(
+    results: Sequence[FlowResult], skip: float = 0.5, slice_s: float = 0.25
+) -> list[float]:
+    """Each flow's median goodput over `slice_s`-second slices of the window of
+    `window_goodputs`: the rate it held.
+
+    Both ends of a flow are processes on a shared machine; one stalled for a tenth of a
+    second lowers a flow's mean over a 2-second window by 5% while the link had nothing
+    to carry, and the next slice catches up. The median tells what the link and its
+    qdiscs gave while the ends kept up."""
+    start, end = _common_window(results, skip)
+    slices = max(1, round((end - start) / slice_s))
+    edges = [start + (end - start) * i / slices for i in range(slices + 1)]
+    return [
+        statistics.median(r.goodput_between(a, b) for a, b in itertools.pairwise(edges))
+        for r in results
+    ]
 
 
 def run_flows(

@@ -17,7 +17,7 @@ import pytest
 from gradlane.testbed import Cluster, Topology, remove_cluster
 from gradlane.testbed import netns as gl_netns
 from gradlane.testbed.forked import Forked
-from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
+from gradlane.testbed.traffic import Flow, run_flows, steady_goodputs
 from tests import REPO
 from tests.integration.helpers import max_goodput, tc
 from tests.terminal import on_a_terminal, read_until
@@ -71,9 +71,9 @@ def test_host_rate_is_enforced_both_ways_with_heterogeneous_hosts() -> None:
     # h1 at 100 Mbit/s, h2 at 200, h3 at 300: h1's link is the bottleneck both ways,
     # h2's from h2 to h3 (each host its own rate, not a neighbour's).
     with Cluster(Topology.build("trate", 3, "100mbit,200mbit,300mbit")) as c:
-        (up,) = window_goodputs(run_flows(c, [Flow("h1", "h2", seconds=3, label="up")]))
-        (down,) = window_goodputs(run_flows(c, [Flow("h3", "h1", seconds=3, label="down")]))
-        (mid,) = window_goodputs(run_flows(c, [Flow("h2", "h3", seconds=3, label="mid")]))
+        (up,) = steady_goodputs(run_flows(c, [Flow("h1", "h2", seconds=3, label="up")]))
+        (down,) = steady_goodputs(run_flows(c, [Flow("h3", "h1", seconds=3, label="down")]))
+        (mid,) = steady_goodputs(run_flows(c, [Flow("h2", "h3", seconds=3, label="mid")]))
     assert 85 * M <= up <= 105 * M, up
     assert 85 * M <= down <= 105 * M, down
     assert 170 * M <= mid <= 210 * M, mid
@@ -82,7 +82,7 @@ def test_host_rate_is_enforced_both_ways_with_heterogeneous_hosts() -> None:
 def test_switch_port_serves_dscp_high_first_under_incast() -> None:
     # h1 (EF) and h3 (unmarked AF21-less: DSCP 8, CS1) send to h2 at once.
     with Cluster(Topology.build("tincast", 3, "200mbit")) as c:
-        high, low = window_goodputs(
+        high, low = steady_goodputs(
             run_flows(
                 c,
                 [
@@ -142,15 +142,15 @@ def test_a_switch_port_has_a_queue_per_class_selector_served_from_cs7_down() -> 
 def test_two_tier_cross_leaf_goodput_is_bounded_by_the_uplink() -> None:
     topo = Topology.build("ttier", 4, "200mbit", leaves=2, uplink="100mbit")
     with Cluster(topo) as c:
-        (same_leaf,) = window_goodputs(run_flows(c, [Flow("h1", "h2", seconds=3, label="s")]))
-        (cross,) = window_goodputs(run_flows(c, [Flow("h1", "h3", seconds=3, label="x")]))
+        (same_leaf,) = steady_goodputs(run_flows(c, [Flow("h1", "h2", seconds=3, label="s")]))
+        (cross,) = steady_goodputs(run_flows(c, [Flow("h1", "h3", seconds=3, label="x")]))
     assert same_leaf >= 0.9 * max_goodput(200 * M), same_leaf
     assert 85 * M <= cross <= 105 * M, cross
 
 
 def test_second_nic_is_an_independent_path() -> None:
     with Cluster(Topology.build("tnic", 2, "100mbit", nics=2)) as c:
-        nic0, nic1 = window_goodputs(
+        nic0, nic1 = steady_goodputs(
             run_flows(
                 c,
                 [

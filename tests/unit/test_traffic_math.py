@@ -4,7 +4,7 @@ import pytest
 
 from gradlane.errors import TestbedError
 from gradlane.testbed.cluster import Cluster
-from gradlane.testbed.traffic import Flow, FlowResult, run_flows, window_goodputs
+from gradlane.testbed.traffic import Flow, FlowResult, run_flows, steady_goodputs, window_goodputs
 
 
 def result(label: str, start: float, seconds: float, bps: float) -> FlowResult:
@@ -38,6 +38,27 @@ def test_window_is_the_overlap_of_all_flows() -> None:
     late = result("late", 2.0, 3.0, 50e6)
     rates = window_goodputs([early, late], skip=0.5)
     assert rates == [pytest.approx(100e6), pytest.approx(50e6)]
+
+
+def test_steady_goodput_is_the_rate_held_through_a_stall_of_the_ends() -> None:
+    # 100 Mbit/s for 4 s but nothing received for 0.2 s at 2.0 s (a stalled process):
+    # the mean over the window [0.5, 3.5] drops by 1/15, the rate held does not.
+    samples, received = [], 0.0
+    for i in range(401):
+        t = i * 0.01
+        samples.append((t, round(received)))
+        received += 0 if 2.0 <= t < 2.2 else 100e6 / 8 * 0.01
+    stalled = FlowResult("s", 0, samples[-1][1], 0.0, 4.0, tuple(samples))
+    steady = result("steady", 0.0, 4.0, 50e6)
+    (mean, _) = window_goodputs([stalled, steady])
+    assert mean == pytest.approx(100e6 * 14 / 15, rel=0.01)
+    assert steady_goodputs([stalled, steady]) == [pytest.approx(100e6), pytest.approx(50e6)]
+    # and a flow that slows down for most of the window shows it
+    slow = FlowResult("slow", 0, 100, 0.0, 4.0, ((0.0, 0), (1.0, 50), (4.0, 100)))
+    (held,) = steady_goodputs([slow], slice_s=0.5)
+    assert held == pytest.approx(50 * 8 / 3.0)
+    with pytest.raises(TestbedError, match="too short"):
+        steady_goodputs([result("a", 0, 1.0, 1e6)])
 
 
 def test_window_too_short_is_an_error() -> None:
