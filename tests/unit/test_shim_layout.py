@@ -110,6 +110,9 @@ def _owners_one_heap_a_group(sizes: list[int], world: int, groups: list[int] | N
 # More chunks than ranks, then a group of at most the world: its ranks by owned bytes (4, 2,
 # 1: rank 2 first), of three ranks (of two, a mutant numbering them backwards lived).
 @example([(4, 0), (1, 0), (1, 0), (1, 0), (5, 1)], 3, True)
+# More chunks than ranks, one byte in all: packed keys still fit under their span (a span
+# one short, zero here, lived).
+@example([(1, 0), (0, 0), (0, 0)], 2, False)
 def test_equal_owners_are_a_heap_of_every_rank_s_owners(
         chunks: list[tuple[int, int]], world: int, grouped: bool) -> None:
     """The owners of groups of at most `world` chunks are taken from one heap of the
@@ -371,6 +374,7 @@ def test_groups_take_consecutive_layers_of_one_band_until_they_hold_enough() -> 
     sizes, bands = [10, 10, 100, 10, 10], [0, 0, 0, 1, 1]
     assert group_consecutive(sizes, bands, 20) == [range(0, 2), range(2, 3), range(3, 5)]
     assert group_consecutive(sizes, bands, 1) == [range(k, k + 1) for k in range(5)]
+    assert group_consecutive(sizes, bands, 0) == [range(k, k + 1) for k in range(5)]  # no empty
     assert group_consecutive([], [], 20) == []
 
 
