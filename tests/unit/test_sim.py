@@ -730,14 +730,19 @@ def test_the_cct_ceiling_weighs_each_job_as_fair_s_mean_does() -> None:
         pytest.approx(1.0)
 
 
-def test_open_loop_offers_each_job_its_coflows_so_the_busiest_link_is_at_the_load() -> None:
+@pytest.mark.parametrize("nic_bps", [G, 100 * G])  # at 100G, ResNet-50's 30 coflows a second
+def test_open_loop_offers_each_job_its_coflows_so_the_busiest_link_is_at_the_load(
+    nic_bps: float,
+) -> None:
     """Each job arrives at a rate proportional to 1 / its coflow's time alone (every job
     keeps itself the same fraction busy), scaled so that the busiest link is `load` busy
-    on average; the rarest job gets about `COFLOWS_OF_RAREST` coflows."""
+    on average; the rarest job gets about `COFLOWS_OF_RAREST` coflows, and every job its
+    arrivals up to the end, however often it arrives."""
     from gradlane.simulation import COFLOWS_OF_RAREST, open_loop
 
     # Leaves of 16: the jobs share uplinks, so the busiest link is not any job's alone.
-    base = cluster(hosts=64, hosts_per_leaf=16, jobs=4, group=8, nic_bps=G, iterations=1)
+    base = cluster(hosts=64, hosts_per_leaf=16, jobs=4, group=8, nic_bps=nic_bps,
+                   iterations=1)
     seconds, alone = coflow_load(base)
     assert float((seconds / alone[:, None]).sum(axis=0).max()) > 1.05
     sc = open_loop(base, 0.6, seed=3)
