@@ -11,15 +11,17 @@ link shaping to speak of: 40 Gbit/s links, so the CPU is the limit), installs
 gradlane's tree on h1 with N registered flows from h1 to h2, and sends one
 TCP stream from h1 to h2 that none of them claims (DSCP-marked: every flow
 filter is tried, then the DSCP fallback takes it), measuring its goodput. Per
-N, both layouts alternate in the same run, `--rounds` times each: `hashed` is
+N, the layouts alternate in the same run, `--rounds` times each: `hashed` is
 what `QdiscManager.apply` installs, `per-priority` the same tree with the
 flows added as the manager used to (one u32 filter per priority, from 0x100
 up; the kernel refuses the 2,048th priority, so that layout is measured only
-for N up to 2,000). N past 2,000 is `hashed` alone: a worker registers up to
-8,192 band connections (`gradlane.daemon.protocol.MAX_FLOWS`), and a host of 8
-workers of a job of 1,018 hosts up to 65,536. Each N's goodput is also given
-over that with none (N = 0, in the same run), and how long `apply` took to
-install the flows.
+for N up to 2,000), `no-acks` the installed tree without its 11 pure-ACK
+filters (one a TCP header length, tried before the flows on every packet:
+what the ACK class 474c:3 costs a data packet). N past 2,000 is `hashed` and
+`no-acks`: a worker registers up to 8,192 band connections
+(`gradlane.daemon.protocol.MAX_FLOWS`), and a host of 8 workers of a job of
+1,018 hosts up to 65,536. Each N's goodput is also given over that with none
+(N = 0, in the same run), and how long `apply` took to install the flows.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from common import require_cluster_privileges, unwind_on_signals, write_result  
 
 LINK = "40gbit"
 OLD_FLOW_PREFS = 0x100  # where the manager used to put the first flow's priority
-LAYOUTS = ("hashed", "per-priority")
+LAYOUTS = ("hashed", "per-priority", "no-acks")
 MAX_PER_PRIORITY = 2000  # the kernel's filter priorities a qdisc (2,047), with room
 MAX_N = 65536  # 8 workers of MAX_FLOWS each
 PORTS = 17000  # destination ports 30000, 30002, ... 63998
@@ -63,7 +65,7 @@ def main() -> None:
     from pyroute2 import IPRoute
 
     from gradlane.daemon import FlowMatch, JobSpec, QdiscManager, QdiscSpec
-    from gradlane.daemon.qdisc import ROOT
+    from gradlane.daemon.qdisc import ACK_PREF_BASE, ROOT
     from gradlane.daemon.tc import ETH_P_IP, filter_info, u32_key_strings
     from gradlane.testbed import Cluster, Topology
     from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
@@ -93,13 +95,18 @@ def main() -> None:
                                   dport=30000 + 2 * (i % PORTS))
                         for i in range(n)
                     )
-                    layouts = LAYOUTS if n <= MAX_PER_PRIORITY else LAYOUTS[:1]
+                    layouts = [k for k in LAYOUTS if n <= MAX_PER_PRIORITY or k != "per-priority"]
                     for r in range(args.rounds):
                         for layout in layouts if r % 2 == 0 else layouts[::-1]:
                             if layout == "hashed":
                                 started = time.perf_counter()
                                 qm.apply(spec(flows), verify=True)  # drops the priorities
                                 apply_s[str(n)].append(time.perf_counter() - started)
+                            elif layout == "no-acks":  # the next `apply` puts them back
+                                qm.apply(spec(flows), verify=True)
+                                for words in range(5, 16):
+                                    ipr.tc("del-filter", index=index, parent=ROOT,
+                                           info=filter_info(ACK_PREF_BASE + words))
                             else:
                                 qm.apply(spec(()), verify=True)
                                 for i, flow in enumerate(flows):
@@ -112,7 +119,7 @@ def main() -> None:
                             runs[str(n)][layout].append(goodput)
                             print(f"{n:5d} flows, {layout:12s}: {goodput / 1e9:6.2f} Gbit/s",
                                   flush=True)  # fmt: skip
-                            if layout != "hashed":
+                            if layout == "per-priority":
                                 for i in range(n):
                                     ipr.tc("del-filter", index=index, parent=ROOT,
                                            info=filter_info(OLD_FLOW_PREFS + i))  # fmt: skip
@@ -127,6 +134,7 @@ def main() -> None:
             "hashed_over_per_priority": (medians["hashed"] / medians["per-priority"]
                                          if "per-priority" in medians else None),
             "hashed_apply_s": apply_s[str(n)],
+            "hashed_over_no_acks": medians["hashed"] / medians["no-acks"],
         }
     if 0 in counts:
         none = results["0"]["median_goodput_bps"]["hashed"]
@@ -136,7 +144,8 @@ def main() -> None:
         args.json,
         {
             "benchmark": "one unclaimed TCP stream's goodput with N registered flows: "
-            "hashed (gradlane's layout) vs a u32 filter priority per flow, same run",
+            "hashed (gradlane's layout) vs a u32 filter priority per flow and vs the "
+            "same tree without its pure-ACK filters, same run",
             "config": {"link": LINK, "rounds": args.rounds, "seconds": args.seconds,
                        "flows": counts},  # fmt: skip
             "results": results,
@@ -145,7 +154,9 @@ def main() -> None:
     for n in counts:
         row = results[str(n)]
         line = (f"{n:5d} flows: hashed {row['median_goodput_bps']['hashed'] / 1e9:.2f} Gbit/s "
-                f"(installed in {statistics.median(row['hashed_apply_s']):.2f} s)")
+                f"(installed in {statistics.median(row['hashed_apply_s']):.2f} s), without the "
+                f"ACK filters {row['median_goodput_bps']['no-acks'] / 1e9:.2f} "
+                f"({row['hashed_over_no_acks']:.3f}x)")
         if row["hashed_over_per_priority"] is not None:
             line += (f", per-priority {row['median_goodput_bps']['per-priority'] / 1e9:.2f} "
                      f"({row['hashed_over_per_priority']:.2f}x)")

@@ -47,7 +47,9 @@ def _daemon(r: dict[str, Any]) -> bool:
 
 def _flow_filters(r: dict[str, Any]) -> bool:
     row = r["results"]["50"]
-    return all(v > 0 for v in row["median_goodput_bps"].values()) and row["hashed_apply_s"]
+    return (row["median_goodput_bps"].keys() == {"hashed", "per-priority", "no-acks"}
+            and all(v > 0 for v in row["median_goodput_bps"].values())
+            and row["hashed_apply_s"] and row["hashed_over_no_acks"] > 0)
 
 
 def _coflow_orders(r: dict[str, Any]) -> bool:
