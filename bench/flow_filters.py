@@ -1,4 +1,4 @@
-"""Benchmark what registered flows cost the data path: hashed, against a filter priority each.
+"""Benchmark what classifying costs the data path: registered flows and the pure-ACK filters.
 
     sudo .venv/bin/python bench/flow_filters.py --json bench/results/flow_filters.json
 
