@@ -57,7 +57,7 @@ from gradlane.policies.sim import (
 from gradlane.policies.sim.scenario import BATCH_PER_WORKER
 from gradlane.units import parse_rate
 
-__all__ = ["EXPERIMENTS", "plot", "run_experiment"]
+__all__ = ["EXPERIMENTS", "figure", "plot", "run_experiment"]
 
 EXPERIMENTS = ("cluster", "coflows", "heterogeneous", "validate")
 # The experiments each of `gradlane sim`'s options changes (`run_experiment` refuses it
@@ -540,6 +540,15 @@ def run_experiment(name: str, policies: tuple[str, ...] | None = None, seed: int
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Per policy: iteration times (and coflow completion times) per job, or sim vs measured."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(result: dict[str, Any]) -> Any:
+    """`plot`'s figure (a matplotlib Figure), not yet saved."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -590,5 +599,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
             axes[0].legend()
         fig.suptitle(f"gradlane sim: {result['experiment']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -3,6 +3,7 @@ figure, and a place it cannot write to is refused before the run."""
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -267,3 +268,52 @@ def test_a_simulation_too_large_for_the_memory_says_so_not_a_traceback(
         "allocate 39.5 GiB for an array with shape (72848, 72848)): fewer --hosts (a job's "
         "reduction trees take memory by the square of its ranks)\n"), shown.output
     assert not out.exists()
+
+
+def _bars(ax: Any) -> list[tuple[float, float]]:
+    """Each bar's centre and height, in drawing order."""
+    return [(round(p.get_x() + p.get_width() / 2, 6), round(p.get_height(), 6))
+            for p in ax.patches]
+
+
+def test_the_figures_show_what_the_results_hold_in_milliseconds() -> None:
+    import matplotlib.pyplot as plt
+
+    from gradlane.simulation import figure
+
+    validate = {"experiment": "validate", "rows": [
+        {"scenario": "a", "system": "fifo", "measured_s": 0.1, "simulated_s": 0.12},
+        {"scenario": "b", "system": "gradlane", "measured_s": 0.2, "simulated_s": 0.18}]}
+    fig = figure(validate)
+    (ax,) = fig.axes  # testbed beside simulator, scenario by scenario
+    assert _bars(ax) == [(-0.2, 100), (0.8, 200), (0.2, 120), (1.2, 180)]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a\nfifo", "b\ngradlane"]
+    plt.close(fig)
+
+    coflows = {"experiment": "coflows", "scenario": {"load": 0.5}, "results": {
+        "fair": {"cct_s": {"a": [0.1, 0.3], "b": []}},
+        "coflow": {"cct_s": {"a": [0.1, 0.1], "b": [0.4]}}}}
+    fig = figure(coflows)
+    means, cdf = fig.axes
+    # Per job, each policy's mean CCT (none measured: 0), the tick between the bars.
+    assert _bars(means) == [(0, 200), (1, 0), (0.4, 100), (1.4, 400)]
+    assert list(means.get_xticks()) == pytest.approx([0.2, 1.2])
+    fair, coflow = cdf.get_lines()
+    assert list(fair.get_xdata()) == pytest.approx([100, 300])
+    assert list(fair.get_ydata()) == pytest.approx([0.5, 1.0])
+    assert list(coflow.get_xdata()) == pytest.approx([100, 100, 400])
+    assert list(coflow.get_ydata()) == pytest.approx([1 / 3, 2 / 3, 1])
+    plt.close(fig)
+
+    het = {"experiment": "heterogeneous", "ideal_s": 0.25, "results": {
+        "fifo": {"iteration_s": {"j": [0.3, 0.5]}, "cct_s": {"j": [0.1, 0.2]}},
+        "straggler": {"iteration_s": {"j": [0.26, 0.28]}, "cct_s": {"j": [0.05, 0.07]}}}}
+    fig = figure(het)
+    iterations, ccts = fig.axes
+    (ideal,) = [line for line in iterations.get_lines() if line.get_label() == "ideal"]
+    assert list(ideal.get_ydata()) == pytest.approx([250, 250])
+    # The boxes' whiskers reach each policy's extremes (two samples: no outliers).
+    assert (iterations.dataLim.y0, iterations.dataLim.y1) == pytest.approx((250, 500))
+    assert (ccts.dataLim.y0, ccts.dataLim.y1) == pytest.approx((50, 200))
+    assert [t.get_text() for t in ccts.get_xticklabels()] == ["fifo", "straggler"]
+    plt.close(fig)
