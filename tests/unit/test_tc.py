@@ -9,6 +9,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTM_NEWTFILTER
 from pyroute2.netlink.rtnl.tcmsg import cls_u32, tcmsg
 
+import gradlane.daemon.tc as tc_module
 from gradlane.daemon.tc import (
     TC_U32_ROOT,
     HtbParams,
@@ -20,6 +21,7 @@ from gradlane.daemon.tc import (
     handle,
     htb_class_kwargs,
     ipv4_tcp_keys,
+    parse_htb_class,
     parse_u32_filter,
     tos_class_key,
     translated,
@@ -301,3 +303,52 @@ def test_lengths_past_a_message_s_end_are_not_read_beyond_it() -> None:
     assert read["options"] is None
     keys = read["keys"]
     assert keys is not None and keys.bytemap == u32_bytemap(ipv4_tcp_keys(dport=5201))
+
+
+class _Attrs(dict[str, Any]):
+    """The part of a pyroute2 message `parse_htb_class` reads: fields, attributes."""
+
+    def __init__(self, attrs: dict[str, Any], nested: dict[tuple[str, str], Any] | None = None,
+                 **fields: Any) -> None:
+        super().__init__(fields)
+        self.attrs, self.nested = attrs, nested or {}
+
+    def get_attr(self, name: str) -> Any:
+        return self.attrs.get(name)
+
+    def get_nested(self, *names: str) -> Any:
+        return self.nested.get(names)
+
+
+def _htb_class(parms: dict[str, int], rate64: int | None = None, ceil64: int | None = None,
+               stats: bool = True) -> Any:
+    options = _Attrs({"TCA_HTB_PARMS": parms, "TCA_HTB_RATE64": rate64,
+                      "TCA_HTB_CEIL64": ceil64})
+    nested = {("TCA_STATS2", "TCA_STATS_BASIC"): {"bytes": 1500, "packets": 1},
+              ("TCA_STATS2", "TCA_STATS_QUEUE"): {"drops": 2, "backlog": 3, "qlen": 4,
+                                                   "overlimits": 5}} if stats else {}
+    return _Attrs({"TCA_OPTIONS": options}, nested, handle=0x474C0101, parent=0x474C0100)
+
+
+def test_a_class_reads_back_in_bits_a_second_with_its_64_bit_rates_past_4_gbyte() -> None:
+    parms = {"rate": 12_500_000, "ceil": 25_000_000, "prio": 2, "quantum": 1514}
+    got = parse_htb_class(_htb_class(parms))
+    assert got.params == HtbParams(0x474C0101, 0x474C0100, 100_000_000, 200_000_000, 2, 1514)
+    assert (got.bytes, got.packets, got.drops, got.backlog, got.qlen, got.overlimits) == (
+        1500, 1, 2, 3, 4, 5)
+    # Past 2^32 bytes/s (34 Gbit/s) the kernel's 32-bit fields saturate; the 64-bit
+    # attributes hold the rates.
+    big = {**parms, "rate": 0xFFFFFFFF, "ceil": 0xFFFFFFFF}
+    got = parse_htb_class(_htb_class(big, rate64=5_000_000_000, ceil64=12_500_000_000,
+                                     stats=False))
+    assert (got.params.rate_bps, got.params.ceil_bps) == (40_000_000_000, 100_000_000_000)
+    assert (got.bytes, got.packets, got.drops, got.backlog, got.qlen, got.overlimits) == (
+        0, 0, 0, 0, 0, 0)  # no statistics: nothing counted
+
+
+def test_an_attribute_with_no_payload_at_the_end_is_read() -> None:
+    data = struct.pack("=HH", 8, 1) + b"abcd" + struct.pack("=HH", 4, 2)
+    assert tc_module._attributes(data, 0, len(data)) == {1: (4, 8), 2: (12, 12)}
+    # A length past the end stops the walk.
+    assert tc_module._attributes(data + struct.pack("=HH", 9, 3), 0, len(data) + 4) == {
+        1: (4, 8), 2: (12, 12)}
