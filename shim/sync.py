@@ -1595,6 +1595,8 @@ def _reduced_as(obj: object, cls: type, protocol: Any) -> Any:
     if rebuild is copyreg.__newobj__ and args == (type(obj),):  # type: ignore[attr-defined]
         # pickle refuses __newobj__ of another class than the object's own
         return (copyreg._reconstructor, (cls, object, None), *rest)  # type: ignore[attr-defined]
+    if rebuild is copyreg._reconstructor and args[0] is type(obj):  # type: ignore[attr-defined]
+        return (rebuild, (cls, *args[1:]), *rest)  # protocols 0 and 1
     return reduced
 
 

@@ -15,6 +15,7 @@ import io
 import itertools
 import math
 import os
+import pickle
 import statistics
 import threading
 import time
@@ -450,6 +451,22 @@ def test_a_copy_or_pickle_of_the_attached_model_is_the_model_without_gradlane() 
         copy.deepcopy(mine[3])(torch.ones(2, 4 * 6 * 6)).sum().backward()
     for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_pickle_of_the_attached_model_and_optimizer_is_theirs_in_every_protocol() -> None:
+    """Protocols 0 and 1 rebuild an object through its class as `copyreg` names it: the
+    optimizer's, not gradlane's subclass (which pickle refused, a different class of the
+    same name)."""
+    ref, ref_opt, mine, opt = twins()
+    with attach(mine, opt, overlap=True):
+        plain_step(ref, ref_opt, None, 0)
+        plain_step(mine, opt, None, 0)
+        for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+            model, optimizer = pickle.loads(pickle.dumps((mine, opt), protocol=protocol))
+            assert (type(model), type(optimizer)) == (nn.Sequential, torch.optim.SGD), protocol
+            held = optimizer.param_groups[0]["params"]
+            assert all(a is b for a, b in zip(held, model.parameters(), strict=True))
+            assert_same_checkpoint(checkpoint(ref, ref_opt), checkpoint(model, optimizer))
 
 
 class Checkpointed(nn.Module):
