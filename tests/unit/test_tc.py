@@ -352,3 +352,16 @@ def test_an_attribute_with_no_payload_at_the_end_is_read() -> None:
     # A length past the end stops the walk.
     assert tc_module._attributes(data + struct.pack("=HH", 9, 3), 0, len(data) + 4) == {
         1: (4, 8), 2: (12, 12)}
+
+
+def test_a_filter_of_another_kind_is_no_u32_node() -> None:
+    # The operator's own filters (bpf, say) share the dump: not read as gradlane's nodes.
+    tcmsg(), cls_u32.options()
+    msg = u32_message(3, 0x474C0000, 0x100, 0x47400001,
+                      match=u32_bytemap(ipv4_tcp_keys(dport=5201)), classid=0x474C0102,
+                      table=0x47400000)
+    msg["header"]["type"] = RTM_NEWTFILTER
+    msg.encode()
+    assert parse_u32_filter(tcmsg(bytes(msg.data))) is not None
+    other = bytes(msg.data).replace(b"u32\0", b"bpf\0", 1)
+    assert parse_u32_filter(tcmsg(other)) is None
