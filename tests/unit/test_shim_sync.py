@@ -711,6 +711,33 @@ def test_layout_trial_regroups_between_steps_and_steps_stay_exact(
     sync.close()
 
 
+def test_layout_trial_times_each_step_from_its_backward_to_the_next_and_keeps_coarse_if_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A clock that moves only between steps (and a microsecond a reading): a step of the
+    # coarse block takes 50 ms, every other 100 ms, so coarse is faster beyond doubt.
+    _, _, coarse, _, _, decide = sync_module.trial_schedule()
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1e-6
+        return now[0]
+
+    monkeypatch.setattr(sync_module.time, "perf_counter", clock)
+    m = model()
+    sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01))
+    for step in range(decide + 1):
+        plain_step(m, sync.optimizer, None, step)
+        now[0] += 0.05 if step in coarse else 0.1  # a period: from its backward to the next
+    trial = sync.layout_trial
+    assert trial is not None and trial["steady"] and trial["step"] == decide
+    assert trial["fine_s"] == pytest.approx(0.1, abs=1e-3)
+    assert trial["coarse_s"] == pytest.approx(0.05, abs=1e-3)
+    assert trial["p_coarse_faster"] == pytest.approx(1 / math.comb(12, 6))
+    assert trial["chosen"] == sync.layout == "coarse"
+    sync.close()
+
+
 def test_p_faster_is_the_exact_one_sided_mann_whitney_test() -> None:
     fast, slow = [1.0, 2, 3, 4, 5, 6], [7.0, 8, 9, 10, 11, 12]
     assert sync_module.p_faster(fast, slow) == pytest.approx(1 / math.comb(12, 6))
