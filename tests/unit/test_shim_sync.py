@@ -38,6 +38,7 @@ import gradlane.shim.ddp as ddp_module
 import gradlane.shim.engine as engine_module
 import gradlane.shim.sync as sync_module
 from gradlane.errors import ConfigError, PeerLost, TransportError
+from gradlane.policies.chunks import MIN_GROUP_BYTES, layout_sizes
 from gradlane.shim.transport import Mesh, local_address
 from tests import examples
 from tests.ranks import on_every_rank
@@ -678,6 +679,23 @@ def test_small_layers_of_a_band_share_a_group_and_steps_stay_exact() -> None:
     sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01))
     nn.functional.cross_entropy(m(x), y).backward()
     assert len({g.band for g in sync._groups}) == len(sync._groups) == 3
+    sync.close()
+
+
+@pytest.mark.parametrize(("dtype", "labels"), [
+    (torch.float32, ["0..3[float32]", "4..7[float32]"]),
+    (torch.float64, ["0..1[float64]", "2..3[float64]", "4..5[float64]", "6..7[float64]"])])
+def test_a_group_closes_once_it_holds_the_least_bytes_of_a_group(
+    dtype: torch.dtype, labels: list[str]
+) -> None:
+    # Eight layers of 64 x 64 + 64 parameters, one band: 16,640 bytes a layer in float32,
+    # 33,280 in float64; a group closes at MIN_GROUP_BYTES (64 KiB) or more.
+    assert layout_sizes(8 * 33_280, 1, 1 << 20, "fine")[0] == MIN_GROUP_BYTES == 64 << 10
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).to(dtype)
+    sync = attach(m, torch.optim.SGD(m.parameters(), lr=0.01), dscp=(46,))
+    m(torch.ones(2, 64, dtype=dtype)).sum().backward()
+    assert [g.label for g in sync._groups] == labels
     sync.close()
 
 
