@@ -506,8 +506,8 @@ def test_reentrant_activation_checkpointing_trains_as_plain_pytorch(segment: str
             nn.functional.cross_entropy(mine(x), y).backward()
 
 
-def unfreeze_the_first_layer(m: nn.Sequential, _: torch.optim.Optimizer) -> None:
-    m[0].requires_grad_(True)
+def unfreeze(m: nn.Sequential, _: torch.optim.Optimizer) -> None:
+    m.requires_grad_(True)
 
 
 def add_a_head(m: nn.Sequential, o: torch.optim.Optimizer) -> None:
@@ -516,20 +516,22 @@ def add_a_head(m: nn.Sequential, o: torch.optim.Optimizer) -> None:
     o.add_param_group({"params": m[-1].parameters(), "lr": 0.05})
 
 
-@pytest.mark.parametrize(("change", "says"), [
-    (unfreeze_the_first_layer, r"^0\.weight, 0\.bias require grad now but did not"),
-    (add_a_head, r"groups hold \[6, 2\] parameters, \[6\] when"),
+@pytest.mark.parametrize(("frozen", "change", "says"), [
+    ((0,), unfreeze, r"^0\.weight, 0\.bias require grad now but did not"),
+    ((0, 3), unfreeze, r"^0\.weight, 0\.bias, 3\.weight and 1 more require grad now"),
+    ((), add_a_head, r"groups hold \[6, 2\] parameters, \[6\] when"),
 ])
 def test_a_change_to_what_trains_asks_to_attach_again_and_then_trains_as_plain_pytorch(
-        change: Callable[[nn.Sequential, torch.optim.Optimizer], None], says: str) -> None:
+        frozen: tuple[int, ...], change: Callable[[nn.Sequential, torch.optim.Optimizer], None],
+        says: str) -> None:
     """A layer frozen at `attach` and unfrozen later (fine-tuning), or added with its own
     parameter group (a new head), has no hook: its gradient would be neither averaged nor
     applied. The next backward says so; attached again, the model trains exactly as it
     does without the shim."""
     ref, ref_opt, mine, opt = twins()
-    if change is unfreeze_the_first_layer:
-        for m in (ref, mine):
-            m[0].requires_grad_(False)
+    for m in (ref, mine):
+        for layer in frozen:
+            m[layer].requires_grad_(False)
     sync = attach(mine, opt, overlap=True)
     for m, o in ((ref, ref_opt), (mine, opt)):
         plain_step(m, o, None, 0)
