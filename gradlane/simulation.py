@@ -540,9 +540,9 @@ def run_experiment(name: str, policies: tuple[str, ...] | None = None, seed: int
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Per policy: iteration times (and coflow completion times) per job, or sim vs measured."""
+    fig = figure(result)  # picks the Agg backend before pyplot is imported here
     import matplotlib.pyplot as plt
 
-    fig = figure(result)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
