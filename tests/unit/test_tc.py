@@ -277,17 +277,22 @@ def test_a_dump_s_messages_are_read_where_each_starts_in_the_buffer() -> None:
     assert got.bytemap == u32_bytemap(ipv4_tcp_keys(dport=2))
 
 
-def test_lengths_past_a_message_s_end_are_not_read_beyond_it() -> None:
-    # Read from the bytes, a length is trusted only within the message: options that say
-    # they run past its end are no filter; a selector claiming more keys than it holds
-    # gives the keys it holds. Neither reads the next message's bytes.
+def _flow_node_bytes() -> bytes:
+    """One flow's u32 node (to 5201, into 474c:102) as the kernel would dump it."""
     tcmsg(), cls_u32.options()
     msg = u32_message(3, 0x474C0000, 0x100, 0x47400001,
                       match=u32_bytemap(ipv4_tcp_keys(dport=5201)), classid=0x474C0102,
                       table=0x47400000)
     msg["header"]["type"] = RTM_NEWTFILTER
     msg.encode()
-    good = bytes(msg.data)
+    return bytes(msg.data)
+
+
+def test_lengths_past_a_message_s_end_are_not_read_beyond_it() -> None:
+    # Read from the bytes, a length is trusted only within the message: options that say
+    # they run past its end are no filter; a selector claiming more keys than it holds
+    # gives the keys it holds. Neither reads the next message's bytes.
+    good = _flow_node_bytes()
     options = good.index(b"u32\0") + 4  # TCA_OPTIONS follows TCA_KIND
     length, kind = struct.unpack_from("=HH", good, options)
     assert kind & 0x3FFF == 2
@@ -356,12 +361,7 @@ def test_an_attribute_with_no_payload_at_the_end_is_read() -> None:
 
 def test_a_filter_of_another_kind_is_no_u32_node() -> None:
     # The operator's own filters (bpf, say) share the dump: not read as gradlane's nodes.
-    tcmsg(), cls_u32.options()
-    msg = u32_message(3, 0x474C0000, 0x100, 0x47400001,
-                      match=u32_bytemap(ipv4_tcp_keys(dport=5201)), classid=0x474C0102,
-                      table=0x47400000)
-    msg["header"]["type"] = RTM_NEWTFILTER
-    msg.encode()
-    assert parse_u32_filter(tcmsg(bytes(msg.data))) is not None
-    other = bytes(msg.data).replace(b"u32\0", b"bpf\0", 1)
+    node = _flow_node_bytes()
+    assert parse_u32_filter(tcmsg(node)) is not None
+    other = node.replace(b"u32\0", b"bpf\0", 1)
     assert parse_u32_filter(tcmsg(other)) is None
