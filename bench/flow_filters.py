@@ -65,7 +65,7 @@ def main() -> None:
     from pyroute2 import IPRoute
 
     from gradlane.daemon import FlowMatch, JobSpec, QdiscManager, QdiscSpec
-    from gradlane.daemon.qdisc import ACK_PREF_BASE, ROOT
+    from gradlane.daemon.qdisc import ACK_PREF_BASE, ACK_WORDS, ROOT
     from gradlane.daemon.tc import ETH_P_IP, filter_info, u32_key_strings
     from gradlane.testbed import Cluster, Topology
     from gradlane.testbed.traffic import Flow, run_flows, window_goodputs
@@ -104,7 +104,7 @@ def main() -> None:
                                 apply_s[str(n)].append(time.perf_counter() - started)
                             elif layout == "no-acks":  # the next `apply` puts them back
                                 qm.apply(spec(flows), verify=True)
-                                for words in range(5, 16):
+                                for words in ACK_WORDS:
                                     ipr.tc("del-filter", index=index, parent=ROOT,
                                            info=filter_info(ACK_PREF_BASE + words))
                             else:
